@@ -1,0 +1,243 @@
+"""PipelineConfig: the one source of truth for how a Tandem process runs.
+
+Field names follow Modular MAX's ``max.pipelines.lib.config.PipelineConfig``. A config is built from
+(lowest to highest precedence) defaults, a YAML/TOML file section, ``TANDEM_*`` environment variables
+and explicit overrides (CLI flags or keyword arguments). Any invalid value raises ``ConfigError``
+naming the field and what it accepts.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "TANDEM_"
+ENV_NESTED_DELIMITER = "__"
+
+
+class ConfigError(ValueError):
+    """A configuration value, file or section is invalid; the message names the field."""
+
+
+class PipelineRole(str, enum.Enum):
+    PrefillAndDecode = "PrefillAndDecode"
+    PrefillOnly = "PrefillOnly"
+    DecodeOnly = "DecodeOnly"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Which checkpoint to load and where to run it."""
+
+    model_path: str | None = Field(None, description="Hugging Face checkpoint directory; None = built-in model")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")
+    seed: int = Field(0, ge=0)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.resolved_device() == "cpu" else "bfloat16"
+
+
+class KVCacheConfig(_Section):
+    """The paged KV cache: block size and how many blocks to allocate."""
+
+    page_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    num_blocks: int | None = Field(None, ge=2, description="blocks in the pool; None = from memory fraction")
+    device_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="fraction of free device memory for KV when num_blocks is None"
+    )
+    cpu_kv_cache_gib: float = Field(1.0, gt=0.0, description="KV pool size on CPU when num_blocks is None")
+    enable_prefix_caching: bool = True
+
+
+class SamplingConfig(_Section):
+    """Defaults applied to requests that leave a parameter unset."""
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    max_tokens: int = Field(256, ge=1)
+
+
+class PipelineConfig(_Section):
+    config_file: str | None = None
+    section_name: str | None = None
+    pipeline_role: PipelineRole = PipelineRole.PrefillAndDecode
+    zmq_endpoint_base: str = Field("ipc:///tmp/tandem", description="every socket address derives from it")
+    max_length: int | None = Field(None, ge=2, description="max prompt + output tokens; None = model's limit")
+    max_batch_size: int = Field(64, ge=1, description="max requests in one decode batch")
+    max_batch_input_tokens: int = Field(2048, ge=1, description="max tokens per step (prefill chunks + decodes)")
+    enable_chunked_prefill: bool = True
+    kvcache_ce_watermark: float = Field(
+        0.95, gt=0.0, le=1.0, description="admit a prefill only while KV use stays under this fraction"
+    )
+    enable_overlap_scheduler: bool = False
+    max_queue_size_tg: int | None = Field(None, ge=1, description="max requests waiting for admission")
+    min_batch_size_tg: int | None = Field(None, ge=1)
+    ce_delay_ms: float = Field(0.0, ge=0.0)
+    enable_prioritize_first_decode: bool = False
+    max_num_steps: int = Field(-1, ge=-1)
+    kernel_backend: Literal["torch", "triton", "auto"] = "auto"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> "PipelineConfig":
+        if self.enable_overlap_scheduler:
+            raise ValueError(
+                "enable_overlap_scheduler: not supported yet (the step loop runs synchronously); set it to false"
+            )
+        if not self.enable_chunked_prefill and self.max_length is not None:
+            if self.max_batch_input_tokens < self.max_length:
+                raise ValueError(
+                    "max_batch_input_tokens: must be >= max_length when enable_chunked_prefill is false "
+                    f"(got {self.max_batch_input_tokens} < {self.max_length})"
+                )
+        return self
+
+    @classmethod
+    def load(
+        cls,
+        config_file: str | os.PathLike | None = None,
+        section_name: str | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> "PipelineConfig":
+        """Build a config from file section < environment < overrides, validating once at the end."""
+        data: dict[str, Any] = {}
+        if config_file is not None:
+            data = _deep_merge(data, read_config_section(config_file, section_name))
+            data["config_file"] = str(config_file)
+            data["section_name"] = section_name
+        data = _deep_merge(data, env_overrides(os.environ if environ is None else environ))
+        data = _deep_merge(data, dict(overrides or {}))
+        return build_config(data)
+
+
+def build_config(data: Mapping[str, Any]) -> PipelineConfig:
+    """Validate ``data`` into a PipelineConfig, turning pydantic errors into one readable ConfigError."""
+    try:
+        return PipelineConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, PipelineConfig)) from None
+
+
+def format_validation_error(exc: ValidationError, model: type[BaseModel]) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "<config>"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown field; known fields here: {', '.join(_known_fields(model, err['loc'][:-1]))}"
+        elif "input" in err and err["type"] != "missing":
+            msg = f"{msg} (got {err['input']!r})"
+        lines.append(f"{field}: {msg}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def _known_fields(model: type[BaseModel], loc: tuple) -> list[str]:
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            break
+        model = annotation
+    return sorted(model.model_fields)
+
+
+def read_config_section(path: str | os.PathLike, section_name: str | None) -> dict[str, Any]:
+    """Read a YAML or TOML file and return ``section_name`` (or the whole file when None)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config_file: no such file: {path}")
+    text = path.read_text()
+    try:
+        if path.suffix in (".toml",):
+            content = tomllib.loads(text)
+        else:
+            content = yaml.safe_load(text) or {}
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config_file: {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}") from None
+    if not isinstance(content, dict):
+        raise ConfigError(f"config_file: {path} must hold a mapping at the top level")
+    if section_name is None:
+        return content
+    if section_name not in content or not isinstance(content[section_name], dict):
+        raise ConfigError(
+            f"section_name: {section_name!r} not found in {path}; sections: {', '.join(sorted(content)) or 'none'}"
+        )
+    return content[section_name]
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``TANDEM_MAX_BATCH_SIZE=8`` -> {"max_batch_size": 8}; ``TANDEM_KV_CACHE__PAGE_SIZE=4`` -> nested.
+
+    Values are parsed as JSON when they parse (numbers, booleans, null), else kept as strings.
+    Variables that name no field are ignored here (other tools share the prefix, e.g. TANDEM_HOME).
+    """
+    out: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        path = [p.lower() for p in key[len(ENV_PREFIX):].split(ENV_NESTED_DELIMITER)]
+        if not _is_field_path(path):
+            continue
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = _parse_scalar(raw)
+    return out
+
+
+def _is_field_path(path: list[str]) -> bool:
+    model: type[BaseModel] = PipelineConfig
+    for i, part in enumerate(path):
+        field = model.model_fields.get(part)
+        if field is None:
+            return False
+        if i < len(path) - 1:
+            annotation = field.annotation
+            if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+                return False
+            model = annotation
+    return True
+
+
+def _parse_scalar(raw: str) -> Any:
+    lowered = raw.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged

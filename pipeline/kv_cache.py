@@ -1,0 +1,187 @@
+"""Paged KV block manager: the single owner of block bookkeeping. Pure Python, no tensors.
+
+Blocks hold ``page_size`` tokens each. A sequence owns an ordered list of block ids (its block
+table). Full blocks whose KV has been computed are registered under a content hash chained over the
+prefix (``hash(parent_hash, tokens)``), so a later sequence with the same prefix reuses them (ref
+counts). A block whose ref count drops to 0 goes back to the free queue but keeps its hash until it
+is handed out again: prefix-cached blocks that no live request holds count as free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """Stable (cross-process) hash of one full block given the hash of the prefix before it."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(parent_hash or b"root")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+@dataclass
+class _Block:
+    block_id: int
+    ref_count: int = 0
+    content_hash: bytes | None = None
+
+
+@dataclass
+class _SequenceBlocks:
+    block_ids: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    last_hash: bytes | None = None
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or page_size < 1:
+            raise ValueError(f"num_blocks and page_size must be >= 1 (got {num_blocks}, {page_size})")
+        self.num_total_blocks = num_blocks
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self._cached: dict[bytes, int] = {}  # content hash -> block id
+        self._sequences: dict[str, _SequenceBlocks] = {}
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no live sequence holds (prefix-cached ones included: they are evictable)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return self._sequences[seq_id].block_ids
+
+    def has_sequence(self, seq_id: str) -> bool:
+        return seq_id in self._sequences
+
+    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Block ids of the longest cached prefix of ``token_ids``, leaving at least one token uncached
+        (the last prompt token must run through the model to produce logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent: bytes | None = None
+        max_blocks = (len(token_ids) - 1) // self.page_size
+        for i in range(max_blocks):
+            parent = hash_block(parent, token_ids[i * self.page_size : (i + 1) * self.page_size])
+            block_id = self._cached.get(parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, token_ids: list[int], num_tokens: int, max_usage: float = 1.0) -> bool:
+        """Whether ``allocate`` would succeed with usage after it at most ``max_usage``."""
+        hits = self.find_cached_prefix(token_ids)
+        return self._num_blocks_after(hits, num_tokens) <= self._budget(max_usage)
+
+    # --------------------------------------------------------------- mutations
+    def allocate(self, seq_id: str, token_ids: list[int], num_tokens: int, max_usage: float = 1.0) -> int | None:
+        """Reserve blocks for ``num_tokens`` tokens of a new sequence whose known tokens are ``token_ids``.
+
+        Returns the number of leading tokens whose KV is already cached (a multiple of page_size), or
+        None (and changes nothing) when the pool cannot hold it under ``max_usage``.
+        """
+        if seq_id in self._sequences:
+            raise ValueError(f"sequence {seq_id!r} already holds blocks")
+        hits = self.find_cached_prefix(token_ids)
+        if self._num_blocks_after(hits, num_tokens) > self._budget(max_usage):
+            return None
+        seq = _SequenceBlocks()
+        for block_id in hits:
+            self._take(block_id)
+            seq.block_ids.append(block_id)
+        seq.num_hashed_blocks = len(hits)
+        seq.last_hash = self._blocks[hits[-1]].content_hash if hits else None
+        self._sequences[seq_id] = seq
+        self._grow(seq, self.num_blocks_for(num_tokens))
+        return len(hits) * self.page_size
+
+    def ensure_capacity(self, seq_id: str, num_tokens: int) -> bool:
+        """Grow ``seq_id``'s block table to hold ``num_tokens`` tokens; False (no change) if the pool is short."""
+        seq = self._sequences[seq_id]
+        needed = self.num_blocks_for(num_tokens) - len(seq.block_ids)
+        if needed > len(self._free):
+            return False
+        self._grow(seq, self.num_blocks_for(num_tokens))
+        return True
+
+    def register_computed(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Publish the full blocks among the first ``num_computed_tokens`` (KV written) to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        seq = self._sequences[seq_id]
+        num_full = min(num_computed_tokens // self.page_size, len(seq.block_ids))
+        for i in range(seq.num_hashed_blocks, num_full):
+            content_hash = hash_block(seq.last_hash, token_ids[i * self.page_size : (i + 1) * self.page_size])
+            block = self._blocks[seq.block_ids[i]]
+            if content_hash not in self._cached:
+                block.content_hash = content_hash
+                self._cached[content_hash] = block.block_id
+            seq.last_hash = content_hash
+            seq.num_hashed_blocks = i + 1
+
+    def free(self, seq_id: str) -> None:
+        """Release every block ``seq_id`` holds. Unknown ids are ignored (free is idempotent)."""
+        seq = self._sequences.pop(seq_id, None)
+        if seq is None:
+            return
+        # Tail blocks first so that the LRU evicts the end of a prefix before its start.
+        for block_id in reversed(seq.block_ids):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in self._free:
+            self._forget(self._blocks[block_id])
+
+    # ---------------------------------------------------------------- helpers
+    def _budget(self, max_usage: float) -> int:
+        """How many blocks may be in use at most."""
+        return int(max_usage * self.num_total_blocks + 1e-9)
+
+    def _num_blocks_after(self, hits: list[int], num_tokens: int) -> int:
+        num_new = max(self.num_blocks_for(num_tokens) - len(hits), 0)
+        num_revived = sum(1 for b in hits if self._blocks[b].ref_count == 0)
+        if num_new > len(self._free) - num_revived:
+            return self.num_total_blocks + 1  # impossible whatever the budget
+        return self.num_used_blocks + num_revived + num_new
+
+    def _take(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _grow(self, seq: _SequenceBlocks, num_blocks: int) -> None:
+        while len(seq.block_ids) < num_blocks:
+            block_id, _ = self._free.popitem(last=False)
+            block = self._blocks[block_id]
+            self._forget(block)
+            block.ref_count = 1
+            seq.block_ids.append(block_id)
+
+    def _forget(self, block: _Block) -> None:
+        if block.content_hash is not None and self._cached.get(block.content_hash) == block.block_id:
+            del self._cached[block.content_hash]
+        block.content_hash = None

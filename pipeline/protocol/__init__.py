@@ -1,0 +1,10 @@
+"""Tandem's wire vocabulary: msgspec structs only, torch-free, never pickled.
+
+One module per socket group: ``requests`` (sampling parameters and outputs, shared by all),
+``transfer`` (the KV transfer service's frames and handshake), ``cluster`` (router <-> workers,
+decode <-> prefill). Each group exposes a tagged union and one typed decoder.
+"""
+
+from pipeline.protocol.requests import CompletionOutput, FinishReason, SamplingParams, TokenLogprob
+
+__all__ = ["CompletionOutput", "FinishReason", "SamplingParams", "TokenLogprob"]

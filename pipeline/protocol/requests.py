@@ -1,0 +1,116 @@
+"""Request-level messages shared by every Tandem process: sampling parameters and outputs."""
+from __future__ import annotations
+
+import enum
+import math
+
+import msgspec
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_length reached
+    ABORT = "abort"  # cancelled by the client or the system
+    ERROR = "error"  # the request failed (worker died, transfer failed, ...)
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Per-request sampling parameters, named as in vLLM / the OpenAI API.
+
+    Validated on construction and on decode: a bad value raises ``ValueError`` naming the field.
+    ``top_k`` of 0 or -1 and ``top_p`` of 1 disable those filters; ``temperature`` 0 is greedy.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = msgspec.field(default_factory=list)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens)
+        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k >= -1, "top_k", "must be -1 (disabled), 0 (disabled) or >= 1", self.top_k)
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be <= max_tokens ({self.max_tokens})",
+            self.min_tokens,
+        )
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]", self.logprobs)
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2 <= value <= 2, name, "must be in [-2, 2]", value)
+        _check(
+            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "must be > 0",
+            self.repetition_penalty,
+        )
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0", self.stop_token_ids)
+        _check(all(s for s in self.stop), "stop", "must not contain empty strings", self.stop)
+        _check(
+            all(_finite(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
+            "logit_bias",
+            "values must be in [-100, 100]",
+            self.logit_bias,
+        )
+        _check(
+            self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+            "allowed_token_ids",
+            "must not be empty",
+            self.allowed_token_ids,
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _check(ok: bool, field: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {rule} (got {value!r})")
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
+    token_id: int
+    logprob: float
+
+
+class CompletionOutput(msgspec.Struct, kw_only=True):
+    """What one prompt produced."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # a FinishReason value, None while running
+    logprobs: list[dict[int, float]] | None = None  # per generated token: id -> logprob (sampled + top N)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,99 @@
+"""Shared test helpers: tiny checkpoints in Hugging Face format, the transformers reference, leak checks."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from pipeline.builtin_model import build_checkpoint
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Tiny configs: GQA, odd vocabulary sizes, tied and untied embeddings, every architecture's quirks.
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(
+        tokenizer_vocab_size=300, extra_vocab=7, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, initializer_range=0.08,
+        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+    ),
+    "mistral": dict(
+        tokenizer_vocab_size=300, extra_vocab=13, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True, initializer_range=0.08,
+        sliding_window=None, head_dim=16,
+    ),
+    "qwen2": dict(
+        tokenizer_vocab_size=300, extra_vocab=1, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, initializer_range=0.08,
+    ),
+    "qwen3": dict(
+        tokenizer_vocab_size=300, extra_vocab=3, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+        initializer_range=0.08,
+    ),
+}
+
+ARCHITECTURES = list(TINY_CONFIGS)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """``tiny_checkpoint(arch)`` -> path of a random-weight HF checkpoint, built once per session."""
+    cache: dict[str, str] = {}
+
+    def make(architecture: str = "llama") -> str:
+        if architecture not in cache:
+            path = tmp_path_factory.mktemp(f"tiny-{architecture}")
+            build_checkpoint(path, architecture, **TINY_CONFIGS[architecture])
+            cache[architecture] = str(path)
+        return cache[architecture]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """``hf_reference(path)`` -> (transformers model in fp32 eval mode, tokenizer), cached per path."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache: dict[str, tuple] = {}
+
+    def load(path: str):
+        if path not in cache:
+            model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+            cache[path] = (model, AutoTokenizer.from_pretrained(path))
+        return cache[path]
+
+    return load
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate() for one unpadded prompt, EOS ignored."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """Log-softmax of transformers' logits at every position: [len(token_ids), vocab]."""
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def assert_no_leaks(kv_manager, num_free_at_start: int) -> None:
+    """Every block is back in the free pool (prefix-cached blocks with no holder count as free)."""
+    assert kv_manager.num_free_blocks == num_free_at_start, (
+        f"KV block leak: {num_free_at_start - kv_manager.num_free_blocks} blocks still held"
+    )
