@@ -177,7 +177,7 @@ def read_config_section(path: str | os.PathLike, section_name: str | None) -> di
         else:
             content = yaml.safe_load(text) or {}
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config_file: {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}") from None
+        raise ConfigError(f"config_file: {path} is not valid {'TOML' if path.suffix == '.toml' else 'YAML'}: {exc}") from None
     if not isinstance(content, dict):
         raise ConfigError(f"config_file: {path} must hold a mapping at the top level")
     if section_name is None:
@@ -205,7 +205,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = _parse_scalar(raw)
+        node[path[-1]] = parse_scalar(raw)
     return out
 
 
@@ -223,7 +223,7 @@ def _is_field_path(path: list[str]) -> bool:
     return True
 
 
-def _parse_scalar(raw: str) -> Any:
+def parse_scalar(raw: str) -> Any:
     lowered = raw.strip().lower()
     if lowered in ("true", "false"):
         return lowered == "true"

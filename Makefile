@@ -1,0 +1,22 @@
+# Two entry points: `make run` (the main job) and `make test` (the suite). Both set up .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0  # first: on CPU-only machines this is the CPU build
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/tandem generate "Hello, my name is" "The capital of France is" --max-tokens 32
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+bench: $(STAMP)
+	$(PY) -m bench.offline_throughput --out bench/results/offline_throughput.json

@@ -1,0 +1,35 @@
+"""The ``tandem`` command: one subcommand per way of running Tandem."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from deploy import generate_cmd
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving.")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+    generate_cmd.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.handler(args) or 0)
+    except USER_ERRORS as exc:  # config, checkpoint, request and input errors: a message, not a traceback
+        print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""CLI flags generated from PipelineConfig's fields, so flags, files and env vars share one schema.
+
+Top-level fields become ``--field-name``; nested sections become ``--section-field-name``
+(``--kv-cache-page-size 4``). ``--model PATH`` is ``model.model_path``. Only flags given on the
+command line override the config file and ``TANDEM_*`` environment variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pydantic import BaseModel
+
+from pipeline.config import PipelineConfig, parse_scalar
+
+_SKIP = {"config_file", "section_name", "model"}
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("pipeline config (any PipelineConfig field; see docs/configuration.md)")
+    group.add_argument("--config", dest="config_file", default=None, help="YAML or TOML config file")
+    group.add_argument("--section", dest="section_name", default=None, help="section of the config file")
+    group.add_argument("--model", dest="cfg:model.model_path", default=argparse.SUPPRESS,
+                       help="Hugging Face checkpoint directory (default: the built-in random model)")
+    for name, field in PipelineConfig.model_fields.items():
+        if name in _SKIP:
+            continue
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            for sub_name, sub_field in annotation.model_fields.items():
+                if name == "model" and sub_name == "model_path":
+                    continue
+                _add(group, f"{name}-{sub_name}", f"cfg:{name}.{sub_name}", sub_field)
+        else:
+            _add(group, name, f"cfg:{name}", field)
+    group.add_argument("--model-path", dest="cfg:model.model_path", default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)
+
+
+def _add(group, flag_name: str, dest: str, field) -> None:
+    help_text = field.description or ""
+    default = field.default if field.default_factory is None else None
+    group.add_argument(
+        "--" + flag_name.replace("_", "-"), dest=dest, default=argparse.SUPPRESS, metavar="VALUE",
+        help=f"{help_text} (default: {default})".strip(),
+    )
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The nested override dict of the config flags that were given."""
+    overrides: dict[str, Any] = {}
+    for dest, raw in vars(args).items():
+        if not dest.startswith("cfg:"):
+            continue
+        path = dest[4:].split(".")
+        node = overrides
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = raw if path[-1] == "model_path" else parse_scalar(raw)
+    return overrides
+
+
+def config_from_args(args: argparse.Namespace, **extra: Any) -> PipelineConfig:
+    overrides = config_overrides(args)
+    overrides.update(extra)
+    return PipelineConfig.load(args.config_file, args.section_name, overrides=overrides)

@@ -1,0 +1,87 @@
+"""``tandem generate``: offline generation from command-line prompts or a JSONL file, to JSONL."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from deploy.config_flags import add_config_flags, config_overrides
+
+_SAMPLING_FLAGS = {
+    "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int,
+    "logprobs": int, "frequency_penalty": float, "presence_penalty": float, "repetition_penalty": float,
+    "min_tokens": int,
+}
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("generate", help="generate offline; prompts from arguments or --input JSONL")
+    parser.add_argument("prompts", nargs="*", help="prompt texts")
+    parser.add_argument("--input", type=Path, help='JSONL: {"prompt": str} or {"prompt_token_ids": [int]} '
+                        "per line, optionally with sampling fields overriding the flags")
+    parser.add_argument("--output", type=Path, help="JSONL output file (default: stdout)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    for name, kind in _SAMPLING_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", default=None)
+    add_config_flags(parser)
+    parser.set_defaults(handler=run)
+
+
+def read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
+    requests: list[dict[str, Any]] = [{"prompt": p} for p in args.prompts]
+    if args.input is not None:
+        if not args.input.is_file():
+            raise FileNotFoundError(f"--input: no such file: {args.input}")
+        for line_no, line in enumerate(args.input.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--input line {line_no}: not valid JSON ({exc.msg})") from None
+            if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & item.keys()):
+                raise ValueError(f'--input line {line_no}: expected an object with "prompt" or "prompt_token_ids"')
+            requests.append(item)
+    if not requests:
+        raise ValueError("no prompts: pass prompt texts as arguments or --input FILE.jsonl")
+    return requests
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from pipeline import LLM, SamplingParams
+
+    requests = read_requests(args)
+    base = {k: getattr(args, k) for k in (*_SAMPLING_FLAGS, "stop", "ignore_eos") if getattr(args, k) is not None}
+    params_list = []
+    for i, item in enumerate(requests):
+        fields = {**base, **{k: v for k, v in item.items() if k not in ("prompt", "prompt_token_ids")}}
+        try:
+            params_list.append(SamplingParams(**fields))
+        except TypeError as exc:
+            raise ValueError(f"request {i}: unknown sampling field ({exc})") from None
+    prompts = [item.get("prompt_token_ids") or item["prompt"] for item in requests]
+
+    overrides = config_overrides(args)
+    model_path = overrides.get("model", {}).pop("model_path", None)
+    llm = LLM(model=model_path, config_file=args.config_file, section_name=args.section_name, **overrides)
+    out = open(args.output, "w") if args.output else sys.stdout
+    try:
+        with tqdm(total=len(prompts), desc="generate", unit="req", disable=args.no_progress, file=sys.stderr) as bar:
+            results = llm.generate(prompts, params_list, on_finished=lambda _: bar.update(1))
+        for item, result in zip(requests, results):
+            record = {"prompt": item.get("prompt"), "text": result.text, "token_ids": result.token_ids,
+                      "finish_reason": result.finish_reason}
+            if result.logprobs is not None:
+                record["logprobs"] = [{str(k): v for k, v in step.items()} for step in result.logprobs]
+            out.write(json.dumps(record) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0

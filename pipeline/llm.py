@@ -1,0 +1,98 @@
+"""The offline API: ``LLM(model=PATH, **overrides).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Sequence as SequenceType
+
+from pipeline.config import PipelineConfig
+from pipeline.engine import LLMEngine
+from pipeline.protocol import CompletionOutput, SamplingParams
+from pipeline.tokenizer import encode_prompt
+
+PromptInput = str | list[int]
+
+
+class LLM:
+    """Runs the whole pipeline in-process.
+
+    ``overrides`` are PipelineConfig fields by name, nested sections as dicts, e.g.
+    ``LLM(model=p, max_batch_input_tokens=16, kv_cache={"page_size": 4, "num_blocks": 64})``.
+    ``model=None`` loads the built-in random-weight model; the ``model`` section's other fields go in
+    ``model_config={"dtype": ...}``; ``config_file``/``section_name`` read a file section first.
+    Invalid values raise ``ConfigError``.
+    """
+
+    def __init__(self, model: str | None = None, **overrides: Any) -> None:
+        model_section = dict(overrides.pop("model_config", None) or {})
+        if model is not None:
+            model_section["model_path"] = str(model)
+        if model_section:
+            overrides["model"] = model_section
+        config_file = overrides.pop("config_file", None)
+        section_name = overrides.pop("section_name", None)
+        self.config = PipelineConfig.load(config_file, section_name, overrides=overrides)
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | SequenceType[PromptInput],
+        sampling_params: SamplingParams | SequenceType[SamplingParams] | None = None,
+        on_finished: Callable[[CompletionOutput], None] | None = None,
+    ) -> list[CompletionOutput]:
+        """One output per prompt, in prompt order. A prompt is a string or a list of token ids.
+
+        ``on_finished`` is called as each request completes (progress bars, streaming to a file).
+        A bad prompt raises before generation starts; on any error every request of the call is
+        aborted, so nothing stays queued and no KV block stays held.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams(
+                max_tokens=self.config.sampling.max_tokens,
+                temperature=self.config.sampling.temperature,
+                top_p=self.config.sampling.top_p,
+                top_k=self.config.sampling.top_k,
+            )
+        params_list = (
+            [sampling_params] * len(prompt_list)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts")
+        token_lists = [p if isinstance(p, list) else encode_prompt(self.tokenizer, p) for p in prompt_list]
+        request_ids = [f"offline-{next(self._ids)}" for _ in token_lists]
+        sequences = {}
+        try:
+            for request_id, token_ids, params in zip(request_ids, token_lists, params_list):
+                self.engine.add_request(request_id, token_ids, params)
+                sequences[request_id] = self.engine.get_sequence(request_id)
+            pending = set(request_ids)
+            while pending:
+                for out in self.engine.step():
+                    if out.finish_reason is not None:
+                        pending.discard(out.request_id)
+                        if on_finished is not None:
+                            on_finished(LLMEngine.completion_output(sequences[out.request_id]))
+        finally:
+            for request_id in request_ids:  # on any error (or Ctrl-C) nothing stays queued or holds blocks
+                self.engine.abort_request(request_id)
+        return [LLMEngine.completion_output(sequences[r]) for r in request_ids]
+
+
+def _as_prompt_list(prompts: PromptInput | SequenceType[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # a single prompt given as token ids
+    for i, p in enumerate(prompts):
+        if not (isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p))):
+            raise ValueError(f"prompts[{i}]: must be a string or a list of token ids (got {type(p).__name__})")
+    return prompts

@@ -1,0 +1,89 @@
+"""Building blocks of the Llama-family models: uninitialised linear/norm weights and the RoPE cache.
+
+Weights are allocated with ``torch.empty`` on the target device: every one of them is overwritten by
+the checkpoint (a missing tensor is an error), so random initialisation would only waste load time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.norm_rope_ref import rope_cos_sin_cache
+from pipeline.weights import CheckpointError
+
+# rope types whose frequencies transformers recomputes from the running sequence length; a static
+# cos/sin cache cannot follow them.
+_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def _empty_parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)``. A fused projection lists its parts in ``shard_sizes`` (rows of W per part)."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype, device):
+        super().__init__()
+        self.shard_sizes = list(shard_sizes)
+        out_features = sum(self.shard_sizes)
+        self.weight = _empty_parameter(out_features, in_features, dtype=dtype, device=device)  # [out, in]
+        self.bias = _empty_parameter(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Holds the weight and eps; the arithmetic is the kernel's (fused with the residual add when given)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty_parameter(size, dtype=dtype, device=device)  # [size]
+
+    def forward(self, x: torch.Tensor, kernels, residual: torch.Tensor | None = None):
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.weight = _empty_parameter(num_embeddings, embedding_dim, dtype=dtype, device=device)  # [vocab, hidden]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        return F.embedding(input_ids, self.weight)
+
+
+def rope_parameters(hf_config) -> dict:
+    """The config's RoPE settings as one dict with ``rope_type`` and ``rope_theta`` (transformers 5 and 4 layouts)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return params
+
+
+def build_rope_cache(hf_config, head_dim: int, device) -> torch.Tensor:
+    """cos/sin cache ``[max_position_embeddings, head_dim]`` (fp32), frequencies exactly as transformers computes them."""
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    if rope_type in _DYNAMIC_ROPE_TYPES:
+        raise CheckpointError(f"rope_type {rope_type!r} is not supported (its frequencies depend on the sequence length)")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError("partial_rotary_factor != 1 is not supported: rotary embedding covers the whole head")
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # [head_dim / 2]
+        attention_scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # only for scaled rope types
+
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise CheckpointError(f"unknown rope_type {rope_type!r} in the model config")
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    if inv_freq.numel() * 2 != head_dim:
+        raise CheckpointError(f"rotary dim {inv_freq.numel() * 2} != head_dim {head_dim} is not supported")
+    cache = rope_cos_sin_cache(inv_freq, hf_config.max_position_embeddings, attention_scaling)
+    return cache.to(device)  # [max_positions, head_dim]

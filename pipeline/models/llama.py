@@ -1,0 +1,234 @@
+"""One compact causal LM for the Llama family: Llama, Mistral, Qwen2 and Qwen3 checkpoints.
+
+The architectures differ only in small switches (read from the transformers config): biases on the
+attention projections, RMSNorm of q and k per head (Qwen3), an explicit ``head_dim``, tied
+embeddings, scaled RoPE, a sliding attention window on some layers. Numerics follow transformers
+step by step, so fp32 on CPU is token-exact with it. Every hot-path op goes through the ``Kernels``
+object passed to ``forward``, so the torch and triton backends are interchangeable.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from kernels import Kernels
+from pipeline.forward_batch import ForwardBatch
+from pipeline.models.layers import Embedding, Linear, RMSNorm, build_rope_cache
+from pipeline.weights import CheckpointError
+
+# Projections fused into one matmul, and the checkpoint tensors they are concatenated from (in row order).
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+_PART_OF: dict[str, tuple[str, int]] = {
+    part: (fused, index) for fused, parts in FUSED_PROJECTIONS.items() for index, part in enumerate(parts)
+}
+
+
+def _head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def _sliding_windows(hf_config) -> list[int | None]:
+    """The attention window of each layer, exactly where transformers applies one (None = full causal)."""
+    window = getattr(hf_config, "sliding_window", None)
+    num_layers = hf_config.num_hidden_layers
+    if window is None:
+        return [None] * num_layers
+    if hf_config.model_type in ("qwen2", "qwen3"):
+        # Qwen windows only the layers its config marks "sliding_attention" (use_sliding_window and
+        # index >= max_window_layers when layer_types is not spelled out).
+        layer_types = getattr(hf_config, "layer_types", None)
+        if layer_types is None:
+            is_used = getattr(hf_config, "use_sliding_window", False)
+            first = getattr(hf_config, "max_window_layers", 0)
+            return [window if is_used and i >= first else None for i in range(num_layers)]
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    return [window] * num_layers  # Mistral windows every layer
+
+
+class Attention(nn.Module):
+    def __init__(self, hf_config, sliding_window: int | None, dtype: torch.dtype, device):
+        super().__init__()
+        self.num_q_heads = hf_config.num_attention_heads
+        self.num_kv_heads = hf_config.num_key_value_heads or self.num_q_heads
+        self.head_dim = _head_dim(hf_config)
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
+        has_bias = bool(getattr(hf_config, "attention_bias", False))
+        is_qwen2 = hf_config.model_type == "qwen2"  # Qwen2 always biases q/k/v and never o
+        hidden, q_size, kv_size = hf_config.hidden_size, self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(hidden, [q_size, kv_size, kv_size], has_bias or is_qwen2, dtype, device)
+        self.o_proj = Linear(q_size, [hidden], has_bias and not is_qwen2, dtype, device)
+        self.has_qk_norm = hf_config.model_type == "qwen3"
+        if self.has_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+        cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]
+        kernels: Kernels,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]
+        q, k, v = qkv.split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.reshape(num_tokens, self.num_q_heads, self.head_dim)  # [num_tokens, num_q_heads, head_dim]
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        if self.has_qk_norm:  # per-head RMSNorm before rope, as Qwen3 does
+            q = self.q_norm(q.reshape(-1, self.head_dim), kernels).view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim), kernels).view_as(k)
+        q, k = kernels.apply_rotary(q, k, batch.positions, cos_sin_cache)
+        kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        out = kernels.paged_attention(
+            q, k_cache, v_cache, batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
+            self.scale, self.sliding_window,
+        )  # [num_tokens, num_q_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.num_q_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hf_config, dtype: torch.dtype, device):
+        super().__init__()
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise CheckpointError(f"hidden_act {hf_config.hidden_act!r} is not supported (only silu)")
+        hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
+        has_bias = bool(getattr(hf_config, "mlp_bias", False))
+        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], has_bias, dtype, device)
+        self.down_proj = Linear(intermediate, [hidden], has_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf_config, sliding_window: int | None, dtype: torch.dtype, device):
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype, device)
+        self.self_attn = Attention(hf_config, sliding_window, dtype, device)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype, device)
+        self.mlp = MLP(hf_config, dtype, device)
+
+    def forward(self, hidden, residual, batch, k_cache, v_cache, cos_sin_cache, kernels):
+        # hidden is this layer's input delta; residual the running sum (None before the first layer)
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden, kernels)
+        else:
+            hidden, residual = self.input_layernorm(hidden, kernels, residual)
+        hidden = self.self_attn(hidden, batch, k_cache, v_cache, cos_sin_cache, kernels)
+        hidden, residual = self.post_attention_layernorm(hidden, kernels, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config, dtype: torch.dtype, device):
+        super().__init__()
+        self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf_config, window, dtype, device) for window in _sliding_windows(hf_config)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype, device)
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    """Llama/Mistral/Qwen2/Qwen3 causal LM over a flat batch and a paged KV cache.
+
+    Parameter names follow the checkpoint's (``model.layers.N.self_attn...``), except that q/k/v and
+    gate/up are stored fused as ``qkv_proj`` and ``gate_up_proj``.
+    """
+
+    def __init__(self, hf_config, dtype: torch.dtype, device):
+        super().__init__()
+        self.hf_config = hf_config
+        self.dtype = dtype
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_kv_heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
+        self.head_dim = _head_dim(hf_config)
+        self.vocab_size = hf_config.vocab_size
+        self.is_tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = LlamaModel(hf_config, dtype, device)
+        self.lm_head = None if self.is_tied else Linear(hf_config.hidden_size, [hf_config.vocab_size], False, dtype, device)
+        # fp32 whatever the model dtype: rotary casts it to the activations' dtype as transformers does
+        self.register_buffer("cos_sin_cache", build_rope_cache(hf_config, self.head_dim, device), persistent=False)
+
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        """Run every token of ``batch``, writing its K/V into ``kv_cache``; returns ``[num_tokens, hidden]`` after the final norm.
+
+        ``kv_cache``: ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``.
+        """
+        hidden = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        residual = None
+        for index, layer in enumerate(self.model.layers):
+            hidden, residual = layer(
+                hidden, residual, batch, kv_cache[index, 0], kv_cache[index, 1], self.cos_sin_cache, kernels
+            )
+        hidden, _ = self.model.norm(hidden, kernels, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> fp32 logits ``[n, vocab]`` (the matmul runs in the model dtype, like transformers)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters, casting to the model dtype and device.
+
+        Raises ``CheckpointError`` on a shape mismatch, an unexpected tensor, or a missing one.
+        """
+        params = dict(self.named_parameters())
+        expected = set(self._checkpoint_names(params))
+        loaded: set[str] = set()
+        for name, tensor in named_tensors:
+            if ".rotary_emb." in name or (self.is_tied and name == "lm_head.weight"):
+                continue  # derived from the config / the embedding: the checkpoint copy adds nothing
+            param_name, part = self._param_for(name)
+            if param_name not in params:
+                raise CheckpointError(f"unexpected tensor {name} in the checkpoint: this model config has no such weight")
+            param = params[param_name]
+            target = param.data
+            if part is not None:
+                sizes = self._module_of(param_name).shard_sizes
+                target = target.narrow(0, sum(sizes[:part]), sizes[part])
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(
+                    f"tensor {name} has shape {tuple(tensor.shape)} in the checkpoint; the model expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+            raise CheckpointError(f"the checkpoint is missing tensor(s): {shown}")
+
+    @staticmethod
+    def _param_for(checkpoint_name: str) -> tuple[str, int | None]:
+        """Checkpoint name -> (parameter name, row block of a fused projection or None)."""
+        parts = checkpoint_name.split(".")
+        if len(parts) >= 2 and parts[-2] in _PART_OF:
+            fused, index = _PART_OF[parts[-2]]
+            return ".".join(parts[:-2] + [fused, parts[-1]]), index
+        return checkpoint_name, None
+
+    def _module_of(self, param_name: str) -> Linear:
+        return self.get_submodule(param_name.rsplit(".", 1)[0])
+
+    @staticmethod
+    def _checkpoint_names(params: dict[str, nn.Parameter]) -> Iterable[str]:
+        for name in params:
+            *prefix, module, leaf = name.split(".")
+            for part in FUSED_PROJECTIONS.get(module, (module,)):
+                yield ".".join([*prefix, part, leaf])

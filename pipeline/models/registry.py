@@ -1,0 +1,23 @@
+"""Which Hugging Face architectures Tandem can run, and the model class for a checkpoint's config."""
+
+from __future__ import annotations
+
+from pipeline.models.llama import LlamaFamilyForCausalLM
+from pipeline.weights import CheckpointError
+
+SUPPORTED_ARCHITECTURES: dict[str, type] = {
+    "LlamaForCausalLM": LlamaFamilyForCausalLM,
+    "MistralForCausalLM": LlamaFamilyForCausalLM,
+    "Qwen2ForCausalLM": LlamaFamilyForCausalLM,
+    "Qwen3ForCausalLM": LlamaFamilyForCausalLM,
+}
+
+
+def resolve_model_class(hf_config) -> type:
+    """The model class for ``hf_config.architectures``; ``CheckpointError`` listing the supported ones otherwise."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    for name in architectures:
+        if name in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[name]
+    found = ", ".join(architectures) if architectures else "(none named in config.json)"
+    raise CheckpointError(f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

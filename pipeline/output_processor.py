@@ -1,0 +1,66 @@
+"""Stop checks and detokenization after each sampled token (EOS, stop ids, stop strings, lengths)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.protocol import FinishReason
+from pipeline.sequence import Sequence
+from pipeline.stop_strings import StopStringMatcher
+from pipeline.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class _TextState:
+    detokenizer: IncrementalDetokenizer
+    matcher: StopStringMatcher
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self._text: dict[str, _TextState] = {}
+
+    def add(self, seq: Sequence) -> None:
+        if seq.params.stop:  # only stop strings need text while running; others decode once at the end
+            self._text[seq.request_id] = _TextState(
+                IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens),
+                StopStringMatcher(seq.params.stop, seq.params.include_stop_str_in_output),
+            )
+
+    def check_stop(self, seq: Sequence, token_id: int) -> tuple[str, str | int | None] | None:
+        """After ``token_id`` was appended to ``seq``: (finish_reason, stop_reason) if it must end now."""
+        params = seq.params
+        num_output = seq.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return FinishReason.STOP.value, None
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP.value, token_id
+            state = self._text.get(seq.request_id)
+            if state is not None:
+                delta = state.detokenizer.add([token_id])
+                match = state.matcher.find(state.detokenizer.text, len(delta))
+                if match is not None:
+                    seq.text = match[0]
+                    return FinishReason.STOP.value, match[1]
+        elif seq.request_id in self._text:
+            self._text[seq.request_id].detokenizer.add([token_id])
+        if seq.num_tokens >= seq.max_total_tokens:
+            return FinishReason.LENGTH.value, None
+        return None
+
+    def finalize_text(self, seq: Sequence) -> None:
+        """Set ``seq.text`` for a finished sequence (already set when a stop string ended it)."""
+        state = self._text.pop(seq.request_id, None)
+        if seq.stop_reason is not None and isinstance(seq.stop_reason, str):
+            return
+        if state is not None:
+            state.detokenizer.finish()
+            seq.text = state.detokenizer.text
+        else:
+            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def drop(self, request_id: str) -> None:
+        self._text.pop(request_id, None)

@@ -1,0 +1,282 @@
+"""Control-plane messages between the router and workers, and between decode and prefill workers.
+
+Sockets and who speaks on them (every frame is one msgpack-encoded tagged struct, never pickle):
+
+1. worker DEALER (routing id = ``worker_id``) -> router ROUTER at ``router_endpoint(base)``:
+   ``WorkerToRouter`` = RegisterWorker | Heartbeat | TokenBatch; decode with ``decode_worker_to_router``.
+2. router ROUTER -> worker DEALER, same connection: ``RouterToWorker`` = GenerateRequest | CancelRequest |
+   RegisterAck; decode with ``decode_router_to_worker``.
+3. decode DEALER -> prefill ROUTER at the prefill worker's ``prefill_endpoint``:
+   ``DecodeToPrefill`` = PrefillRequest | CancelPrefill; decode with ``decode_decode_to_prefill``.
+4. prefill ROUTER -> decode DEALER, same connection: ``PrefillToDecode`` = PrefillRejected;
+   decode with ``decode_prefill_to_decode``.
+5. ``PrefillDone`` is not sent on any of these: it is the completion payload the transfer service
+   delivers after the last KV bytes (``encode_prefill_done`` / ``decode_prefill_done``).
+
+Worker lifecycle towards the router: connect, send ``RegisterWorker``, wait for ``RegisterAck``
+(accepted: heartbeat every ``heartbeat_interval_s``; rejected with ``reregister``: send RegisterWorker
+again; rejected otherwise: log ``error`` and exit). A worker silent for the router's dead-after window
+is declared dead: its requests fail (or are retried elsewhere before their first token) and it gets
+no new work until it heartbeats or registers again. Any message from a worker counts as a sign of life.
+
+A frame that fails to decode raises ``msgspec.DecodeError`` (``msgspec.ValidationError`` is a subclass):
+the receiver counts it, logs it and drops it. Structs on the per-token path are ``array_like`` (a
+msgpack array, the tag first), ``omit_defaults`` (trailing defaults are not sent) and ``gc=False``.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Union
+
+import msgspec
+
+from pipeline.config import PipelineRole
+from pipeline.protocol.requests import FinishReason, SamplingParams, TokenLogprob
+
+PROTOCOL_VERSION = 1
+BUILTIN_MODEL_NAME = "tandem-builtin"
+DEFAULT_DEADLINE_S = 600.0
+
+
+def served_model_name(model_path: str | None) -> str:
+    """The model name the router serves and workers register with: the checkpoint dir's basename."""
+    if not model_path:
+        return BUILTIN_MODEL_NAME
+    return Path(str(model_path).rstrip("/")).name or BUILTIN_MODEL_NAME
+
+
+class WorkerRole(enum.IntEnum):
+    """PipelineRole as a wire code."""
+
+    PREFILL_AND_DECODE = 0
+    PREFILL_ONLY = 1
+    DECODE_ONLY = 2
+
+    @classmethod
+    def from_pipeline_role(cls, role: PipelineRole) -> "WorkerRole":
+        return _ROLE_TO_CODE[PipelineRole(role)]
+
+    def to_pipeline_role(self) -> PipelineRole:
+        return _CODE_TO_ROLE[self]
+
+
+_ROLE_TO_CODE = {
+    PipelineRole.PrefillAndDecode: WorkerRole.PREFILL_AND_DECODE,
+    PipelineRole.PrefillOnly: WorkerRole.PREFILL_ONLY,
+    PipelineRole.DecodeOnly: WorkerRole.DECODE_ONLY,
+}
+_CODE_TO_ROLE = {code: role for role, code in _ROLE_TO_CODE.items()}
+
+
+class FinishCode(enum.IntEnum):
+    """Why a request finished, as a wire code (``FinishReason`` is its string form)."""
+
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_length reached
+    ABORT = 2  # cancelled (CancelRequest, shutdown)
+    ERROR = 3  # failed; see TokenDelta.error / retryable
+
+    def to_finish_reason(self) -> FinishReason:
+        return FinishReason[self.name]
+
+
+_HOT = dict(array_like=True, omit_defaults=True, gc=False, kw_only=True)
+
+
+# ---------------------------------------------------------------- worker -> router
+
+
+class RegisterWorker(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, kw_only=True):
+    """First message on a worker's DEALER; sent again after a rejection with ``reregister``."""
+
+    worker_id: str  # must equal the DEALER's routing id
+    role: WorkerRole
+    model_name: str  # served_model_name(config.model.model_path); must match the router's
+    max_length: int  # prompt + output tokens this worker accepts
+    page_size: int  # tokens per KV block
+    num_total_blocks: int
+    prefill_endpoint: str | None = None  # PrefillOnly: where decode workers connect (LAST_ENDPOINT)
+    pid: int = 0
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class WorkerLoad(msgspec.Struct, **_HOT):
+    """A worker's load; counters named ``transfer_*`` and ``num_bad_frames`` are cumulative since start.
+
+    ``num_used_blocks`` counts blocks held by live requests; prefix-cached blocks that no request holds
+    count as free.
+    """
+
+    num_queued_prefill_tokens: int = 0  # prompt tokens waiting for (or in) prefill
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_used_blocks: int = 0
+    num_total_blocks: int = 0
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+    num_bad_frames: int = 0
+
+
+class Heartbeat(msgspec.Struct, tag=True, **_HOT):
+    worker_id: str
+    load: WorkerLoad
+
+
+class TokenDelta(msgspec.Struct, **_HOT):
+    """New tokens of one request since the last TokenBatch; the last one carries ``finish_reason``.
+
+    ``token_ids`` includes a final stop token (EOS or one of ``stop_token_ids``); ``stop_token_id``
+    then names it so the router can leave its text out. ``logprobs[i]`` belongs to ``token_ids[i]``:
+    the sampled token first, then the top-N. ``num_prompt_tokens`` / ``num_cached_tokens`` may be sent
+    once (any delta); the router keeps the largest value seen.
+    """
+
+    request_id: str
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] | None = None
+    finish_reason: FinishCode | None = None
+    error: str | None = None
+    retryable: bool = False  # with ERROR: nothing was emitted and another worker may succeed
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    stop_token_id: int | None = None
+
+
+class TokenBatch(msgspec.Struct, tag=True, **_HOT):
+    """One message per decode step, covering every request that produced or finished something."""
+
+    outputs: list[TokenDelta]
+
+
+WorkerToRouter = Union[RegisterWorker, Heartbeat, TokenBatch]
+
+
+# ---------------------------------------------------------------- router -> worker
+
+
+class GenerateRequest(msgspec.Struct, tag=True, **_HOT):
+    """Router -> decode-capable worker. ``prefill_endpoint`` None: the decode worker prefills itself."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prefill_worker_id: str | None = None
+    prefill_endpoint: str | None = None
+    deadline_s: float = DEFAULT_DEADLINE_S  # seconds from receipt; then finish with ERROR (clock-skew free)
+
+
+class CancelRequest(msgspec.Struct, tag=True, **_HOT):
+    """Stop a request and free its blocks; the worker may answer with a final ABORT delta or nothing."""
+
+    request_id: str
+
+
+class RegisterAck(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, kw_only=True):
+    """Answer to RegisterWorker, or to a Heartbeat from a worker the router does not know."""
+
+    accepted: bool
+    error: str | None = None
+    reregister: bool = False  # the router lost track of this worker: send RegisterWorker again
+    heartbeat_interval_s: float = 0.5  # how often the router expects a Heartbeat
+
+
+RouterToWorker = Union[GenerateRequest, CancelRequest, RegisterAck]
+
+
+# ---------------------------------------------------------------- decode <-> prefill
+
+
+class PrefillRequest(msgspec.Struct, tag=True, **_HOT):
+    """Decode -> prefill: compute this prompt and push its KV into ``dst_block_ids`` at ``transfer_endpoint``.
+
+    The first ``num_cached_tokens`` tokens' blocks are already on the decode worker (prefix reuse);
+    the prefill worker does not send them. After ``ttl_s`` the decode worker gives up on this request.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    dst_block_ids: list[int]
+    num_cached_tokens: int
+    transfer_endpoint: str
+    decode_worker_id: str
+    ttl_s: float
+
+
+class CancelPrefill(msgspec.Struct, tag=True, **_HOT):
+    request_id: str
+
+
+class PrefillRejected(msgspec.Struct, tag=True, **_HOT):
+    """Prefill -> decode: the request will not be prefilled (``retryable``: try another prefill worker)."""
+
+    request_id: str
+    error: str
+    retryable: bool = False
+
+
+DecodeToPrefill = Union[PrefillRequest, CancelPrefill]
+PrefillToDecode = PrefillRejected  # a union of one; more answers may join it
+
+
+class PrefillDone(msgspec.Struct, **_HOT):
+    """The transfer's completion payload: sent after the last KV bytes on the same ordered channel."""
+
+    request_id: str
+    first_token_id: int
+    first_logprobs: list[TokenLogprob] | None = None  # sampled first, then top-N
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens the prefill worker actually ran (prompt minus cached prefix)
+    prefill_worker_id: str = ""
+
+
+# ---------------------------------------------------------------- codecs
+
+_encoder = msgspec.msgpack.Encoder()
+_worker_to_router = msgspec.msgpack.Decoder(WorkerToRouter)
+_router_to_worker = msgspec.msgpack.Decoder(RouterToWorker)
+_decode_to_prefill = msgspec.msgpack.Decoder(DecodeToPrefill)
+_prefill_to_decode = msgspec.msgpack.Decoder(PrefillToDecode)
+_prefill_done = msgspec.msgpack.Decoder(PrefillDone)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """Encode any message in this module (and PrefillDone) to one frame."""
+    return _encoder.encode(message)
+
+
+encode_prefill_done = encode
+
+
+def decode_worker_to_router(frame: bytes | memoryview) -> RegisterWorker | Heartbeat | TokenBatch:
+    return _worker_to_router.decode(frame)
+
+
+def decode_router_to_worker(frame: bytes | memoryview) -> GenerateRequest | CancelRequest | RegisterAck:
+    return _router_to_worker.decode(frame)
+
+
+def decode_decode_to_prefill(frame: bytes | memoryview) -> PrefillRequest | CancelPrefill:
+    return _decode_to_prefill.decode(frame)
+
+
+def decode_prefill_to_decode(frame: bytes | memoryview) -> PrefillRejected:
+    return _prefill_to_decode.decode(frame)
+
+
+def decode_prefill_done(payload: bytes | memoryview) -> PrefillDone:
+    return _prefill_done.decode(payload)
+
+
+__all__ = [
+    "PROTOCOL_VERSION", "BUILTIN_MODEL_NAME", "DEFAULT_DEADLINE_S", "served_model_name",
+    "WorkerRole", "FinishCode",
+    "RegisterWorker", "WorkerLoad", "Heartbeat", "TokenDelta", "TokenBatch", "WorkerToRouter",
+    "GenerateRequest", "CancelRequest", "RegisterAck", "RouterToWorker",
+    "PrefillRequest", "CancelPrefill", "PrefillRejected", "DecodeToPrefill", "PrefillToDecode", "PrefillDone",
+    "encode", "encode_prefill_done", "decode_worker_to_router", "decode_router_to_worker",
+    "decode_decode_to_prefill", "decode_prefill_to_decode", "decode_prefill_done",
+]

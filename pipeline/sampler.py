@@ -1,0 +1,208 @@
+"""Sampler: turns one step's logits (one row per sampled sequence) into next tokens and logprobs.
+
+Order of operations for each row, vectorized over the batch:
+
+1. Logprobs from the RAW model logits (``log_softmax`` before any processing, as vLLM v1 returns
+   by default): the sampled token plus the top-N, for rows with ``params.logprobs`` set. They are
+   gathered after sampling, but from the untouched input logits.
+2. Logits processing, on a copy of the logits, in this order:
+   a. ``logit_bias`` added (token ids outside the vocab are ignored; the engine rejects them earlier);
+   b. ``allowed_token_ids``: every other token gets -inf;
+   c. bad words: single-token words always get -inf; a multi-token word's last token gets -inf when
+      the output so far ends with the word's prefix;
+   d. ``min_tokens``: while ``len(output) < min_tokens``, EOS ids and ``stop_token_ids`` get -inf;
+   e. ``repetition_penalty`` (HF semantics, over prompt + output tokens): positive logits are
+      divided by it, negative ones multiplied;
+   f. ``frequency_penalty`` / ``presence_penalty`` (OpenAI semantics, over output tokens):
+      ``logit -= frequency * count + presence * (count > 0)``.
+   If a row's constraints mask every token, that row falls back to its raw logits rather than
+   producing a meaningless token.
+3. Greedy rows (``temperature == 0`` or ``top_k == 1``) take the argmax of the processed logits. Fast
+   path: when every row is greedy and nothing needs processing, the raw logits' argmax is used.
+4. Other rows: divide by temperature, keep the top_k largest, keep the smallest set whose cumulative
+   probability >= top_p (the top token always stays), drop tokens with prob < min_p * max prob, then
+   sample with the exponential race ``argmax(probs / Exp(1) noise)``.
+
+Reproducibility: a seeded request draws its noise (one ``[vocab]`` draw per step on a non-greedy step)
+from its own generator, so it samples the same tokens alone or batched with any other rows. Unseeded
+rows share the sampler's global generator. Stop strings are the detokenizer's job, not the sampler's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.sampling_metadata import SamplingMetadata, SequenceSamplingState, build_sampling_metadata
+
+__all__ = ["Sampler", "SamplerOutput", "SequenceSamplingState"]
+
+
+@dataclass
+class SamplerOutput:
+    """One step's result, one entry per logits row."""
+
+    token_ids: list[int]
+    # Per row: {token id: logprob} holding the sampled token + top-N (N + 1 entries when the sampled
+    # token is not among the top N), or None for rows that did not ask. None when no row asked.
+    logprobs: list[dict[int, float] | None] | None
+
+
+class Sampler:
+    """Batched sampler over the flat batch's sampled rows; holds only the global generator(s)."""
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self._global_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> SamplerOutput:
+        """Sample one token per row. ``logits``: [num_rows, vocab] (fp32; other dtypes are upcast).
+
+        ``states[i]`` describes row ``i``. The input tensor is never modified.
+        """
+        num_rows, vocab_size = logits.shape
+        if num_rows != len(states):
+            raise ValueError(f"got {num_rows} logits rows for {len(states)} sampling states")
+        if vocab_size != self.vocab_size:
+            raise ValueError(f"logits have vocab {vocab_size}, sampler expects {self.vocab_size}")
+        if num_rows == 0:
+            return SamplerOutput(token_ids=[], logprobs=None)
+        raw_logits = logits.float()  # [num_rows, vocab]
+        metadata = build_sampling_metadata(states, vocab_size, logits.device)
+
+        if metadata.is_all_greedy and not metadata.needs_processing:
+            token_ids = raw_logits.argmax(dim=-1)  # [num_rows]
+        else:
+            processed = apply_logits_processing(raw_logits, metadata)  # [num_rows, vocab]
+            token_ids = self._sample(processed, metadata)  # [num_rows]
+
+        logprobs = gather_logprobs(raw_logits, token_ids, metadata.num_logprobs)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """[num_rows, vocab] processed logits -> [num_rows] int64 token ids."""
+        token_ids = logits.argmax(dim=-1)  # [num_rows], final for greedy rows
+        if metadata.is_all_greedy:
+            return token_ids
+        rows = metadata.random_rows
+        scaled = logits[rows] / metadata.temperature[:, None]  # [num_random, vocab]
+        if metadata.top_k is not None or metadata.top_p is not None:
+            scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
+        probs = scaled.softmax(dim=-1)  # [num_random, vocab]
+        if metadata.min_p is not None:
+            max_probs = probs.amax(dim=-1, keepdim=True)  # [num_random, 1]
+            probs = probs.masked_fill(probs < metadata.min_p[:, None] * max_probs, 0.0)
+        noise = self._exponential_noise(metadata.random_generators, probs.shape[-1], probs.device)
+        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i
+        # (no renormalization needed), and the draw depends only on the row's own generator.
+        token_ids[rows] = (probs / noise).argmax(dim=-1)
+        return token_ids
+
+    def _exponential_noise(
+        self, generators: list[torch.Generator | None], vocab_size: int, device: torch.device
+    ) -> torch.Tensor:
+        """[num_random, vocab] Exp(1) noise; seeded rows each draw one [vocab] sample from their own generator."""
+        noise = torch.empty(len(generators), vocab_size, device=device)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if len(unseeded) == len(generators):
+            noise.exponential_(generator=self._global_generator(device))
+        elif unseeded:
+            draw = torch.empty(len(unseeded), vocab_size, device=device)
+            noise[unseeded] = draw.exponential_(generator=self._global_generator(device))
+        for i, generator in enumerate(generators):
+            if generator is not None:
+                # A fresh [vocab] tensor on the generator's own device keeps the draw identical no
+                # matter where the row sits in the batch.
+                draw = torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
+                noise[i] = draw.to(device)
+        # Exp(1) can return exactly 0; a tiny floor avoids 0/0 on masked tokens.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    def _global_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._global_generators:
+            self._global_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._global_generators[device]
+
+
+def apply_logits_processing(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Bias, masks, bans and penalties (module docstring, step 2) -> a new [num_rows, vocab] tensor."""
+    raw_logits = logits
+    logits = logits.clone()  # [num_rows, vocab]
+    neg_inf = torch.tensor(float("-inf"), device=logits.device)
+    if metadata.logit_bias is not None:
+        rows, token_ids, values = metadata.logit_bias
+        logits.index_put_((rows, token_ids), values, accumulate=True)
+    if metadata.allowed_rows is not None:
+        rows = metadata.allowed_rows
+        logits[rows] = logits[rows].masked_fill(metadata.disallowed_mask, float("-inf"))
+    if metadata.banned_tokens is not None:
+        logits.index_put_(metadata.banned_tokens, neg_inf)
+
+    has_counts = metadata.frequency_penalty is not None or metadata.presence_penalty is not None
+    if (has_counts or metadata.repetition_penalty is not None) and metadata.output_tokens is not None:
+        counts = torch.zeros_like(logits)  # [num_rows, vocab], occurrences of each token in the output
+        rows, token_ids = metadata.output_tokens
+        counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=counts.dtype), accumulate=True)
+    else:
+        counts = None
+    if metadata.repetition_penalty is not None:
+        is_seen = counts > 0 if counts is not None else torch.zeros_like(logits, dtype=torch.bool)
+        if metadata.prompt_tokens is not None:
+            is_seen.index_put_(metadata.prompt_tokens, torch.tensor(True, device=logits.device))
+        penalty = metadata.repetition_penalty  # [num_rows, 1]
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(is_seen, penalized, logits)
+    if counts is not None:
+        if metadata.frequency_penalty is not None:
+            logits -= metadata.frequency_penalty * counts
+        if metadata.presence_penalty is not None:
+            logits -= metadata.presence_penalty * (counts > 0)
+
+    # Conflicting constraints (e.g. every allowed token is also a bad word) would leave no candidate;
+    # the model's own distribution is a better answer than an arbitrary token 0.
+    is_all_masked = torch.isneginf(logits).all(dim=-1, keepdim=True)  # [num_rows, 1]
+    return torch.where(is_all_masked, raw_logits, logits)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask [rows, vocab] logits outside each row's top_k [rows] and top_p [rows] (top-p on the top-k renormalized)."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [rows, vocab] each
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)  # [vocab]
+        sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
+    if top_p is not None:
+        sorted_probs = sorted_logits.softmax(dim=-1)  # [rows, vocab]
+        # Probability mass strictly before each token; a token stays while that mass is < top_p, which
+        # keeps the smallest prefix reaching top_p and always the top token (its mass before is 0).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_logits.masked_fill_(mass_before >= top_p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+
+
+def gather_logprobs(
+    raw_logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
+) -> list[dict[int, float] | None] | None:
+    """Raw-logit logprobs of the sampled token + top-N for each row that asked; None if none asked."""
+    rows = [row for row, n in enumerate(num_logprobs) if n is not None]
+    if not rows:
+        return None
+    row_index = torch.tensor(rows, dtype=torch.int64, device=raw_logits.device)
+    logprobs = raw_logits[row_index].log_softmax(dim=-1)  # [num_logprob_rows, vocab]
+    sampled = logprobs.gather(-1, token_ids[row_index][:, None]).squeeze(-1).tolist()  # [num_logprob_rows]
+    max_num = max(num_logprobs[row] for row in rows)
+    if max_num > 0:
+        top_values, top_ids = logprobs.topk(max_num, dim=-1)  # [num_logprob_rows, max_num] each
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    sampled_ids = token_ids[row_index].tolist()
+    result: list[dict[int, float] | None] = [None] * len(num_logprobs)
+    for i, row in enumerate(rows):
+        entry = {sampled_ids[i]: sampled[i]}
+        num = num_logprobs[row]
+        for token_id, value in zip(top_ids[i][:num], top_values[i][:num]) if num else ():
+            entry.setdefault(token_id, value)
+        result[row] = entry
+    return result

@@ -1,0 +1,219 @@
+"""Per-request sampling state and the batch tensors the sampler builds from it each step.
+
+``SequenceSamplingState`` is the engine-owned, long-lived view of one request that the sampler reads;
+``SamplingMetadata`` is the per-step, per-batch translation of those states into padded tensors and
+sparse (row, token) index lists, so that the sampler can process every row with a few vectorized ops.
+Field names follow vLLM's / EasyDeL eSurge's sampling metadata vocabulary.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.protocol.requests import SamplingParams
+
+# Temperatures below this are treated as greedy: dividing logits by them overflows fp32 and the
+# resulting distribution is a one-hot on the argmax anyway (vLLM uses the same epsilon).
+SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SequenceSamplingState:
+    """Everything the sampler needs to know about one request; one per request, owned by the engine.
+
+    The engine appends each sampled token to ``output_token_ids`` after every step. ``generator`` is
+    created by the engine from ``params.seed`` (``None`` means "use the sampler's global generator"); it
+    should live on the logits' device, otherwise each draw is moved there.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: set[int] = field(default_factory=set)
+    # bad_words already tokenized by the engine (each word with and without a leading space)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.params.is_greedy or self.params.temperature < SAMPLING_EPS
+
+
+@dataclass
+class SamplingMetadata:
+    """One step's sampling inputs for a batch of ``num_rows`` rows, as tensors on the logits' device.
+
+    Optional fields are ``None`` when no row in the batch uses that feature, so the sampler skips it.
+    Tensors over "random rows" are indexed by position in ``random_rows`` (the non-greedy rows).
+    """
+
+    num_rows: int
+    is_all_greedy: bool
+    random_rows: torch.Tensor  # [num_random] int64, batch rows that sample (not greedy)
+    random_generators: list[torch.Generator | None]  # [num_random], None = the sampler's global one
+    temperature: torch.Tensor  # [num_random] fp32, all > 0
+    top_k: torch.Tensor | None  # [num_random] int64, vocab_size where disabled
+    top_p: torch.Tensor | None  # [num_random] fp32, 1.0 where disabled
+    min_p: torch.Tensor | None  # [num_random] fp32, 0.0 where disabled
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values), [num_biases] each
+    allowed_rows: torch.Tensor | None  # [num_allowed_rows] int64, rows that restrict their vocabulary
+    disallowed_mask: torch.Tensor | None  # [num_allowed_rows, vocab] bool, True = not allowed
+    banned_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) [num_bans], bad words + min_tokens
+    repetition_penalty: torch.Tensor | None  # [num_rows, 1] fp32, 1.0 where disabled
+    frequency_penalty: torch.Tensor | None  # [num_rows, 1] fp32, 0.0 where disabled
+    presence_penalty: torch.Tensor | None  # [num_rows, 1] fp32, 0.0 where disabled
+    output_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) [num_output_tokens], penalty rows only
+    prompt_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) [num_prompt_tokens], repetition rows only
+    num_logprobs: list[int | None]  # [num_rows], None = this row did not ask for logprobs
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether any logits processor (bias, masks, bans, penalties) applies to this batch."""
+        return any(
+            x is not None
+            for x in (
+                self.logit_bias,
+                self.allowed_rows,
+                self.banned_tokens,
+                self.repetition_penalty,
+                self.frequency_penalty,
+                self.presence_penalty,
+            )
+        )
+
+
+def build_sampling_metadata(
+    states: list[SequenceSamplingState], vocab_size: int, device: torch.device
+) -> SamplingMetadata:
+    """Translate per-request states into one step's batch tensors; token ids outside the vocab are ignored."""
+    num_rows = len(states)
+    params = [s.params for s in states]
+    random_rows = [row for row, s in enumerate(states) if not s.is_greedy]
+    random_params = [params[row] for row in random_rows]
+
+    # top_k <= 0 and top_k >= vocab both mean "keep everything"; vocab_size is the neutral value.
+    top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in random_params]
+    top_ps = [p.top_p for p in random_params]
+    min_ps = [p.min_p for p in random_params]
+
+    def floats(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    def longs(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return SamplingMetadata(
+        num_rows=num_rows,
+        is_all_greedy=not random_rows,
+        random_rows=longs(random_rows),
+        random_generators=[states[row].generator for row in random_rows],
+        temperature=floats([p.temperature for p in random_params]),
+        top_k=longs(top_ks) if any(k < vocab_size for k in top_ks) else None,
+        top_p=floats(top_ps) if any(p < 1.0 for p in top_ps) else None,
+        min_p=floats(min_ps) if any(p > 0.0 for p in min_ps) else None,
+        logit_bias=_logit_bias(params, vocab_size, device),
+        **_allowed_tokens(params, vocab_size, device),
+        banned_tokens=_banned_tokens(states, vocab_size, device),
+        **_penalties(states, vocab_size, device),
+        num_logprobs=[p.logprobs for p in params],
+    )
+
+
+def _logit_bias(
+    params: list[SamplingParams], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows, token_ids, values = [], [], []
+    for row, p in enumerate(params):
+        for token_id, value in p.logit_bias.items():
+            token_id = int(token_id)  # JSON object keys may arrive as strings
+            if 0 <= token_id < vocab_size:
+                rows.append(row)
+                token_ids.append(token_id)
+                values.append(float(value))
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(token_ids, dtype=torch.int64, device=device),
+        torch.tensor(values, dtype=torch.float32, device=device),
+    )
+
+
+def _allowed_tokens(params: list[SamplingParams], vocab_size: int, device: torch.device) -> dict:
+    rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return dict(allowed_rows=None, disallowed_mask=None)
+    disallowed = torch.ones(len(rows), vocab_size, dtype=torch.bool)  # [num_allowed_rows, vocab]
+    for local_row, row in enumerate(rows):
+        allowed = [t for t in params[row].allowed_token_ids if 0 <= t < vocab_size]
+        disallowed[local_row, allowed] = False
+    return dict(
+        allowed_rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        disallowed_mask=disallowed.to(device),
+    )
+
+
+def _banned_tokens(
+    states: list[SequenceSamplingState], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) whose logits become -inf this step: bad words and min_tokens stop ids."""
+    banned: set[tuple[int, int]] = set()
+    for row, s in enumerate(states):
+        output = s.output_token_ids
+        for word in s.bad_words_token_ids:
+            if not word:
+                continue
+            prefix = word[:-1]
+            # A multi-token word is only reachable through its prefix, so its last token is banned
+            # exactly when the output ends with that prefix; a single-token word is always banned.
+            if not prefix or (len(output) >= len(prefix) and output[-len(prefix):] == prefix):
+                banned.add((row, word[-1]))
+        if len(output) < s.params.min_tokens:
+            # EOS is banned even with ignore_eos (as in vLLM): min_tokens promises no early stop token.
+            for token_id in itertools.chain(s.params.stop_token_ids, s.eos_token_ids):
+                banned.add((row, token_id))
+    banned = {(row, t) for row, t in banned if 0 <= t < vocab_size}
+    if not banned:
+        return None
+    rows, token_ids = zip(*sorted(banned))
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(token_ids, dtype=torch.int64, device=device),
+    )
+
+
+def _penalties(states: list[SequenceSamplingState], vocab_size: int, device: torch.device) -> dict:
+    params = [s.params for s in states]
+    repetition = [p.repetition_penalty for p in params]
+    frequency = [p.frequency_penalty for p in params]
+    presence = [p.presence_penalty for p in params]
+    repetition_rows = [row for row, r in enumerate(repetition) if r != 1.0]
+    penalty_rows = [row for row in range(len(states)) if repetition[row] != 1.0 or frequency[row] or presence[row]]
+
+    def column(values: list[float], is_used: bool) -> torch.Tensor | None:
+        return torch.tensor(values, dtype=torch.float32, device=device)[:, None] if is_used else None
+
+    return dict(
+        repetition_penalty=column(repetition, bool(repetition_rows)),
+        frequency_penalty=column(frequency, any(frequency)),
+        presence_penalty=column(presence, any(presence)),
+        output_tokens=_flat_tokens(states, penalty_rows, "output_token_ids", vocab_size, device),
+        prompt_tokens=_flat_tokens(states, repetition_rows, "prompt_token_ids", vocab_size, device),
+    )
+
+
+def _flat_tokens(
+    states: list[SequenceSamplingState], rows: list[int], attr: str, vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) of every token in ``attr`` of the given rows, flattened for a scatter-add."""
+    token_lists = [getattr(states[row], attr) for row in rows]
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.int64)  # [len(rows)]
+    if int(lengths.sum()) == 0:
+        return None
+    token_ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)  # [num_tokens]
+    row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths)  # [num_tokens]
+    is_in_vocab = (token_ids >= 0) & (token_ids < vocab_size)
+    return row_ids[is_in_vocab].to(device), token_ids[is_in_vocab].to(device)

@@ -1,0 +1,177 @@
+"""Scheduler: every batching and admission decision of a worker. Holds no tensors.
+
+Request lifecycle (colocated PrefillAndDecode role):
+
+1. ``add`` puts a new sequence at the back of the waiting queue (bounded by ``max_queue_size_tg``).
+2. Each ``schedule`` call fills one step under a token budget of ``max_batch_input_tokens``:
+   a. running sequences first, in admission order: one token each when decoding, or the next
+      prompt chunk when their prefill is still in progress (chunked prefill);
+   b. a running sequence that needs a new KV block when the pool is empty preempts the most
+      recently admitted running sequence (its blocks are freed; it goes back to the front of the
+      waiting queue and is recomputed later from prompt + tokens generated so far);
+   c. then waiting sequences, first come first served, while the batch has room
+      (``max_batch_size``): admission reserves blocks for every known token at once, reusing
+      prefix-cached blocks, and only while KV usage stays under ``kvcache_ce_watermark``.
+3. The model runs the step; ``update`` advances each scheduled sequence, publishes newly full
+   blocks to the prefix cache and appends the sampled token to sequences whose chunk reached the
+   end of their known tokens.
+4. A finished or aborted sequence leaves the running list and frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pipeline.kv_cache import KVCacheManager
+from pipeline.sequence import Sequence, SequenceStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_queue_size_tg``; retry later."""
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first token position computed in this step
+    num_tokens: int
+
+    @property
+    def is_sampling(self) -> bool:
+        """The chunk ends at the last known token, so its logits give the next token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_batch_size: int,
+        max_batch_input_tokens: int,
+        enable_chunked_prefill: bool = True,
+        kvcache_ce_watermark: float = 1.0,
+        max_queue_size: int | None = None,
+    ) -> None:
+        self.kv = kv_manager
+        self.max_batch_size = max_batch_size
+        self.max_batch_input_tokens = max_batch_input_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.kvcache_ce_watermark = kvcache_ce_watermark
+        self.max_queue_size = max_queue_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # -------------------------------------------------------------- requests
+    def add(self, seq: Sequence) -> None:
+        if self.max_queue_size is not None and len(self.waiting) >= self.max_queue_size:
+            raise QueueFullError(f"the waiting queue is full ({self.max_queue_size} requests); retry later")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """End ``seq`` wherever it is and release its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.kv.free(seq.request_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def num_queued_prefill_tokens(self) -> int:
+        return sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+
+    # -------------------------------------------------------------- planning
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_batch_input_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, seq.num_computed_tokens + num_new, out):
+                break  # ``seq`` itself was preempted: nothing after it can run either
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        return out
+
+    def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Grow ``seq``'s blocks to ``num_tokens``, preempting from the back of the running list."""
+        while not self.kv.ensure_capacity(seq.request_id, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            num_cached = self.kv.allocate(
+                seq.request_id, seq.token_ids, seq.num_tokens, max_usage=self.kvcache_ce_watermark
+            )
+            if num_cached is None and not self.running:
+                # Nothing runs, so nothing will free blocks: let it use the whole pool rather than stall.
+                num_cached = self.kv.allocate(seq.request_id, seq.token_ids, seq.num_tokens)
+            if num_cached is None:
+                break
+            num_new = seq.num_tokens - num_cached
+            if not self.enable_chunked_prefill and num_new > budget:
+                self.kv.free(seq.request_id)
+                break
+            self.waiting.popleft()
+            seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+            seq.num_computed_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            num_new = min(num_new, budget)
+            out.chunks.append(ScheduledChunk(seq, num_cached, num_new))
+            budget -= num_new
+        return budget
+
+    # ---------------------------------------------------------------- results
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
+        """Advance the step's sequences; returns the sequences that got a new token, in chunk order.
+
+        ``sampled_token_ids`` has one entry per sampling chunk, in chunk order.
+        """
+        sampled = iter(sampled_token_ids)
+        advanced: list[Sequence] = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            is_sampling = chunk.is_sampling  # read before the token is appended
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.kv.register_computed(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            if is_sampling:
+                seq.append_token(next(sampled))
+                advanced.append(seq)
+        return advanced

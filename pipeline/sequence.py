@@ -1,0 +1,63 @@
+"""Sequence: one request's state inside a worker (tokens, progress, sampling state, finish)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.protocol import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued for admission (new or preempted)
+    RUNNING = "running"  # holds KV blocks, scheduled every step
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_total_tokens: int  # prompt + output may not exceed this (max_tokens and max_length folded in)
+    sampling_state: Any = None  # pipeline.sampler.SequenceSamplingState, owned here, read by the sampler
+    token_ids: list[int] = field(default_factory=list)  # prompt followed by output
+    num_computed_tokens: int = 0  # leading tokens whose KV is written in this worker's cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
+    num_preemptions: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.sampling_state is not None:
+            self.sampling_state.output_token_ids.append(token_id)

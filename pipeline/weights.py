@@ -1,0 +1,92 @@
+"""Reads a Hugging Face checkpoint directory: its config, its safetensors weights (sharded or not), the model.
+
+Every way a directory can fail to be a usable checkpoint ends in one ``CheckpointError`` that names
+the path or tensor at fault, before any half-loaded model is handed out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory, its config or its weights cannot be used as given."""
+
+
+def load_hf_config(path: str | os.PathLike):
+    """The transformers config of the checkpoint at ``path`` (local directory only, no remote code)."""
+    directory = Path(path)
+    if not directory.exists():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint path {directory} is not a directory")
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"{directory} is not a Hugging Face checkpoint: it has no config.json")
+    from transformers import AutoConfig  # heavy import, only where a config is read
+
+    try:
+        return AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except Exception as exc:  # transformers raises many types for a broken config; all mean the same here
+        raise CheckpointError(f"cannot read the model config {directory / 'config.json'}: {exc}") from exc
+
+
+def weight_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files holding the checkpoint's weights, checked to exist."""
+    directory = Path(path)
+    single, index = directory / SINGLE_FILE, directory / SHARD_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"cannot read the shard index {index}: {exc!r}") from exc
+        files = [directory / name for name in names]
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"weight shard {file} listed in {index} is missing")
+        return files
+    if single.is_file():
+        return [single]
+    hint = ""
+    if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
+        hint = " (PyTorch .bin/.pt weights are not supported; convert the checkpoint to safetensors)"
+    raise CheckpointError(f"no weights in {directory}: expected {SINGLE_FILE} or {SHARD_INDEX} with its shards{hint}")
+
+
+def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, cpu tensor)`` for every tensor of the checkpoint, one file at a time (memory-mapped)."""
+    from safetensors import safe_open
+
+    for file in weight_files(path):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as exc:  # SafetensorError for a corrupt header, OSError for an unreadable file
+            raise CheckpointError(f"cannot read weight file {file}: {exc}") from exc
+        with handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype, device: str | torch.device):
+    """Build the model for the checkpoint at ``path`` directly on ``device`` in ``dtype``; returns ``(model, hf_config)``.
+
+    Weights stored in another dtype (e.g. bf16 on disk, fp32 asked) are cast while they are copied in.
+    """
+    from pipeline.models.registry import resolve_model_class  # models import this module for CheckpointError
+
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (got {dtype!r})")
+    hf_config = load_hf_config(path)
+    model_class = resolve_model_class(hf_config)
+    weight_files(path)  # fail on missing weights before allocating anything
+    model = model_class(hf_config, dtype=dtype, device=device)
+    model.load_weights(iter_safetensors(path))
+    return model.eval(), hf_config

@@ -1,0 +1,72 @@
+import pytest
+
+from pipeline.config import ConfigError, PipelineConfig, PipelineRole, build_config, env_overrides
+
+
+def test_defaults_follow_max_names():
+    config = PipelineConfig()
+    assert config.pipeline_role is PipelineRole.PrefillAndDecode
+    assert config.zmq_endpoint_base.startswith("ipc://")
+    assert config.kv_cache.enable_prefix_caching
+
+
+def test_yaml_section_env_and_overrides_in_precedence_order(tmp_path):
+    path = tmp_path / "tandem.yaml"
+    path.write_text(
+        "prefill:\n  pipeline_role: PrefillOnly\n  max_batch_size: 4\n  kv_cache:\n    page_size: 8\n"
+        "decode:\n  pipeline_role: DecodeOnly\n"
+    )
+    env = {"TANDEM_MAX_BATCH_SIZE": "6", "TANDEM_KV_CACHE__NUM_BLOCKS": "128", "TANDEM_HOME": "/x"}
+    config = PipelineConfig.load(path, "prefill", overrides={"max_batch_input_tokens": 99}, environ=env)
+    assert config.pipeline_role is PipelineRole.PrefillOnly
+    assert config.max_batch_size == 6  # env beats file
+    assert config.kv_cache.page_size == 8 and config.kv_cache.num_blocks == 128
+    assert config.max_batch_input_tokens == 99
+    assert config.section_name == "prefill"
+    overridden = PipelineConfig.load(path, "prefill", overrides={"max_batch_size": 2}, environ=env)
+    assert overridden.max_batch_size == 2  # explicit overrides beat env
+
+
+def test_toml_file(tmp_path):
+    path = tmp_path / "tandem.toml"
+    path.write_text('[decode]\npipeline_role = "DecodeOnly"\n[decode.kv_cache]\npage_size = 32\n')
+    config = PipelineConfig.load(path, "decode", environ={})
+    assert config.pipeline_role is PipelineRole.DecodeOnly and config.kv_cache.page_size == 32
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        ({"max_batch_size": 0}, "max_batch_size: Input should be greater than or equal to 1 (got 0)"),
+        ({"kvcache_ce_watermark": 1.5}, "kvcache_ce_watermark: Input should be less than or equal to 1"),
+        ({"pipeline_role": "Both"}, "pipeline_role: Input should be 'PrefillAndDecode', 'PrefillOnly' or 'DecodeOnly'"),
+        ({"kv_cache": {"page_size": -1}}, "kv_cache.page_size: Input should be greater than or equal to 1"),
+        ({"max_batch_sise": 3}, "max_batch_sise: unknown field; known fields here:"),
+        ({"kv_cache": {"pages": 3}}, "kv_cache.pages: unknown field; known fields here: cpu_kv_cache_gib"),
+        ({"kernel_backend": "cuda"}, "kernel_backend: Input should be 'torch', 'triton' or 'auto'"),
+    ],
+)
+def test_invalid_values_name_the_field_and_range(data, expected):
+    with pytest.raises(ConfigError) as info:
+        build_config(data)
+    assert expected in str(info.value)
+
+
+def test_missing_file_and_section_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="config_file: no such file"):
+        PipelineConfig.load(tmp_path / "nope.yaml", environ={})
+    path = tmp_path / "c.yaml"
+    path.write_text("a: {}\n")
+    with pytest.raises(ConfigError, match="section_name: 'b' not found .* sections: a"):
+        PipelineConfig.load(path, "b", environ={})
+    path.write_text("a: [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        PipelineConfig.load(path, "a", environ={})
+
+
+def test_env_parsing_types_and_ignores_unknown_variables():
+    env = {"TANDEM_ENABLE_CHUNKED_PREFILL": "false", "TANDEM_ZMQ_ENDPOINT_BASE": "tcp://127.0.0.1:5555",
+           "TANDEM_HOME": "/tmp", "TANDEM_KV_CACHE__NOPE": "1", "OTHER": "1"}
+    assert env_overrides(env) == {"enable_chunked_prefill": False, "zmq_endpoint_base": "tcp://127.0.0.1:5555"}
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        PipelineConfig.load(environ={"TANDEM_MAX_BATCH_SIZE": "lots"})

@@ -1,0 +1,97 @@
+"""Scheduler decisions without a model: fake tokens, real block manager."""
+
+import pytest
+
+from pipeline.kv_cache import KVCacheManager
+from pipeline.protocol import SamplingParams
+from pipeline.scheduler import QueueFullError, Scheduler
+from pipeline.sequence import Sequence, SequenceStatus
+
+
+def make_seq(request_id, prompt_len, max_tokens):
+    prompt = [hash((request_id, i)) % 1000 for i in range(prompt_len)]
+    return Sequence(request_id, prompt, SamplingParams(max_tokens=max_tokens), prompt_len + max_tokens)
+
+
+def run_to_completion(scheduler, seqs, max_steps=10_000):
+    """Drive steps, finishing sequences at their length; returns the per-step plans."""
+    plans = []
+    for _ in range(max_steps):
+        if not scheduler.num_unfinished:
+            return plans
+        plan = scheduler.schedule()
+        plans.append(plan)
+        num_sampling = sum(c.is_sampling for c in plan.chunks)
+        for seq in scheduler.update(plan, [7] * num_sampling):
+            if seq.num_tokens >= seq.max_total_tokens:
+                scheduler.finish(seq, "length")
+    raise AssertionError("scheduler did not finish")
+
+
+def test_chunked_prefill_respects_token_budget_and_batches_decodes():
+    kv = KVCacheManager(64, 4)
+    scheduler = Scheduler(kv, max_batch_size=8, max_batch_input_tokens=10)
+    seqs = [make_seq(f"r{i}", 13 + i, 5) for i in range(4)]
+    for s in seqs:
+        scheduler.add(s)
+    plans = run_to_completion(scheduler, seqs)
+    for plan in plans:
+        assert sum(c.num_tokens for c in plan.chunks) <= 10
+    assert all(s.num_output_tokens == 5 and s.is_finished for s in seqs)
+    assert any(len(p.chunks) > 1 for p in plans)  # decodes and prefill chunks share steps
+    assert kv.num_free_blocks == 64
+
+
+def test_max_batch_size_caps_running_requests():
+    kv = KVCacheManager(64, 4)
+    scheduler = Scheduler(kv, max_batch_size=2, max_batch_input_tokens=100)
+    for i in range(5):
+        scheduler.add(make_seq(f"r{i}", 3, 4))
+    max_running = 0
+    while scheduler.num_unfinished:
+        plan = scheduler.schedule()
+        max_running = max(max_running, len(scheduler.running))
+        for seq in scheduler.update(plan, [1] * sum(c.is_sampling for c in plan.chunks)):
+            if seq.num_tokens >= seq.max_total_tokens:
+                scheduler.finish(seq, "length")
+    assert max_running == 2
+    assert kv.num_free_blocks == 64
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    kv = KVCacheManager(6, 2)  # 12 token slots for 3 sequences that each grow to 8 tokens
+    scheduler = Scheduler(kv, max_batch_size=8, max_batch_input_tokens=64)
+    seqs = [make_seq(f"r{i}", 3, 5) for i in range(3)]
+    for s in seqs:
+        scheduler.add(s)
+    plans = run_to_completion(scheduler, seqs)
+    assert any(p.preempted for p in plans)
+    assert sum(s.num_preemptions for s in seqs) >= 1
+    assert all(s.num_output_tokens == 5 for s in seqs)
+    assert kv.num_free_blocks == 6
+
+
+def test_without_chunked_prefill_whole_prompts_only():
+    kv = KVCacheManager(64, 4)
+    scheduler = Scheduler(kv, max_batch_size=8, max_batch_input_tokens=12, enable_chunked_prefill=False)
+    a, b = make_seq("a", 10, 2), make_seq("b", 10, 2)
+    scheduler.add(a)
+    scheduler.add(b)
+    plan = scheduler.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in plan.chunks] == [("a", 10)]
+    assert b.status is SequenceStatus.WAITING and not kv.has_sequence("b")
+
+
+def test_queue_bound_and_abort_frees_blocks():
+    kv = KVCacheManager(16, 4)
+    scheduler = Scheduler(kv, max_batch_size=4, max_batch_input_tokens=4, max_queue_size=2)
+    a, b = make_seq("a", 9, 3), make_seq("b", 9, 3)
+    scheduler.add(a)
+    scheduler.add(b)
+    with pytest.raises(QueueFullError):
+        scheduler.add(make_seq("c", 2, 2))
+    scheduler.update(scheduler.schedule(), [])  # a is half-way through its prefill
+    assert a.status is SequenceStatus.RUNNING and 0 < a.num_computed_tokens < a.num_prompt_tokens
+    scheduler.finish(a, "abort")
+    scheduler.finish(b, "abort")
+    assert scheduler.num_unfinished == 0 and kv.num_free_blocks == 16
