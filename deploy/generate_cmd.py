@@ -69,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
     prompts = [item.get("prompt_token_ids") or item["prompt"] for item in requests]
 
     overrides = config_overrides(args)
-    model_path = overrides.get("model", {}).pop("model_path", None)
-    llm = LLM(model=model_path, config_file=args.config_file, section_name=args.section_name, **overrides)
+    model_section = overrides.pop("model", {})
+    model_path = model_section.pop("model_path", None)
+    llm = LLM(model=model_path, model_config=model_section, config_file=args.config_file,
+              section_name=args.section_name, **overrides)
     out = open(args.output, "w") if args.output else sys.stdout
     try:
         with tqdm(total=len(prompts), desc="generate", unit="req", disable=args.no_progress, file=sys.stderr) as bar:

@@ -30,7 +30,8 @@ def _store_kv_kernel(
     offset = slot % PAGE_SIZE
     heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     dims = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
-    mask = (heads < num_kv_heads) & (dims < HEAD_DIM) & (slot >= 0)
+    is_kept = tl.full([BLOCK_H, BLOCK_D], 0, tl.int64) + slot >= 0  # a tile, not a scalar: the CPU
+    mask = (heads < num_kv_heads) & (dims < HEAD_DIM) & is_kept  # interpreter cannot broadcast scalar masks
 
     k = tl.load(key_ptr + token * stride_key_t + heads * stride_key_h + dims * stride_key_d, mask=mask)
     k_dst = k_cache_ptr + block * stride_kc_b + offset * stride_kc_p + heads * stride_kc_h + dims * stride_kc_d

@@ -31,6 +31,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "StepOutput", "RequestError"]
 
 
+def step_seed(seed: int, position: int) -> int:
+    """Seed of the draw for output token ``position`` of a request seeded with ``seed``."""
+    return (seed * 1_000_003 + position * 7_919 + 17) % (2**63 - 1)
+
+
 @dataclass
 class StepOutput:
     """What one request produced in one step."""
@@ -78,6 +83,8 @@ class LLMEngine:
                                   self.device)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self._sequences: dict[str, Sequence] = {}
+        self._held: dict[str, Sequence] = {}  # finished prefill-only requests whose blocks are not shipped yet
+        self.last_plan = None
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, kernels=%s",
             model_path, self.device, self.dtype, num_blocks, page_size, self.kernels.name,
@@ -88,17 +95,24 @@ class LLMEngine:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # -------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+        prefill_only: bool = False, remote_prefill: bool = False,
+    ) -> None:
+        """Queue a request. ``prefill_only`` (PrefillOnly role): stop after the first token and keep
+        the blocks until ``release_blocks``. ``remote_prefill`` (DecodeOnly role): another worker
+        prefills; see ``reserve_remote`` and ``activate_remote``."""
         if request_id in self._sequences:
             raise RequestError(f"request_id: {request_id!r} is already running")
         validate_request(prompt_token_ids, params, self.vocab_size, self.max_length)
         max_total = self.max_length
         if params.max_tokens is not None:
             max_total = min(max_total, len(prompt_token_ids) + params.max_tokens)
-        seq = Sequence(request_id, list(prompt_token_ids), params, max_total_tokens=max_total)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if prefill_only:
+            max_total = len(prompt_token_ids) + 1
+        seq = Sequence(request_id, list(prompt_token_ids), params, max_total_tokens=max_total,
+                       is_prefill_only=prefill_only)
+        generator = torch.Generator(device=self.device) if params.seed is not None else None
         seq.sampling_state = SequenceSamplingState(
             params=params,
             prompt_token_ids=seq.prompt_token_ids,
@@ -107,17 +121,38 @@ class LLMEngine:
             bad_words_token_ids=resolve_bad_words(self.tokenizer, params.bad_words),
             generator=generator,
         )
-        self.scheduler.add(seq)  # may raise QueueFullError before anything is recorded
+        # May raise QueueFullError before anything is recorded.
+        (self.scheduler.add_remote if remote_prefill else self.scheduler.add)(seq)
         self._sequences[request_id] = seq
         self.output_processor.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
+        """End a request wherever it is (queued, reserved, running or held) and free its blocks."""
+        if request_id in self._held:
+            self.release_blocks(request_id)
+            return True
         seq = self._sequences.pop(request_id, None)
         if seq is None:
             return False
         self.scheduler.finish(seq, FinishReason.ABORT.value)
         self.output_processor.drop(request_id)
         return True
+
+    def release_blocks(self, request_id: str) -> None:
+        """Free the blocks a finished prefill-only request kept for shipping."""
+        if self._held.pop(request_id, None) is not None:
+            self.kv_manager.free(request_id)
+
+    def reserve_remote(self) -> list[Sequence]:
+        return self.scheduler.reserve_remote()
+
+    def activate_remote(self, request_id: str, first_token_id: int,
+                        first_logprobs: dict[int, float] | None) -> StepOutput:
+        """The prompt's KV arrived: record the first token (sampled by the prefill worker), run stop
+        checks on it, and let the sequence decode from the next step."""
+        seq = self._sequences[request_id]
+        self.scheduler.activate_remote(seq, first_token_id)
+        return self._emit(seq, first_token_id, first_logprobs)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -127,28 +162,41 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:
+        """Run one scheduled batch; what each request produced. ``last_plan`` keeps the chunks run."""
         plan = self.scheduler.schedule()
+        self.last_plan = plan
         if plan.is_empty:
             return []
+        for chunk in plan.chunks:
+            state = chunk.seq.sampling_state
+            if chunk.is_sampling and state.generator is not None:
+                # A seed and the output position fix each draw: the same tokens alone or batched,
+                # after preemption, or when another worker sampled the first token.
+                state.generator.manual_seed(step_seed(chunk.seq.params.seed, chunk.seq.num_output_tokens))
         sampled = self.runner.execute(plan.chunks, self.kv_manager.block_table)
         token_ids = sampled.token_ids if sampled is not None else []
         advanced = self.scheduler.update(plan, token_ids)
         outputs: list[StepOutput] = []
         for i, seq in enumerate(advanced):
-            token_id = token_ids[i]
-            out = StepOutput(seq.request_id, [token_id])
-            if seq.logprobs is not None and sampled.logprobs is not None:
-                seq.logprobs.append(sampled.logprobs[i])
-                out.new_logprobs = [sampled.logprobs[i]]
-            stop = self.output_processor.check_stop(seq, token_id)
-            if stop is not None:
-                out.finish_reason, out.stop_reason = stop
-                self._finish(seq, *stop)
-            outputs.append(out)
+            logprobs = sampled.logprobs[i] if sampled.logprobs is not None else None
+            outputs.append(self._emit(seq, token_ids[i], logprobs))
         return outputs
 
+    def _emit(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> StepOutput:
+        out = StepOutput(seq.request_id, [token_id])
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(logprobs)
+            out.new_logprobs = [logprobs]
+        stop = self.output_processor.check_stop(seq, token_id)
+        if stop is not None:
+            out.finish_reason, out.stop_reason = stop
+            self._finish(seq, *stop)
+        return out
+
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
-        self.scheduler.finish(seq, reason, stop_reason)
+        self.scheduler.finish(seq, reason, stop_reason, keep_blocks=seq.is_prefill_only)
+        if seq.is_prefill_only:
+            self._held[seq.request_id] = seq
         self.output_processor.finalize_text(seq)
         del self._sequences[seq.request_id]
 

@@ -89,7 +89,7 @@ class Sampler:
         rows = metadata.random_rows
         scaled = logits[rows] / metadata.temperature[:, None]  # [num_random, vocab]
         if metadata.top_k is not None or metadata.top_p is not None:
-            scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
+            scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p, metadata.max_top_k)
         probs = scaled.softmax(dim=-1)  # [num_random, vocab]
         if metadata.min_p is not None:
             max_probs = probs.amax(dim=-1, keepdim=True)  # [num_random, 1]
@@ -167,20 +167,29 @@ def apply_logits_processing(logits: torch.Tensor, metadata: SamplingMetadata) ->
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int
 ) -> torch.Tensor:
-    """Mask [rows, vocab] logits outside each row's top_k [rows] and top_p [rows] (top-p on the top-k renormalized)."""
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [rows, vocab] each
+    """Mask [rows, vocab] logits outside each row's top_k [rows] and top_p [rows] (top-p on the top-k renormalized).
+
+    ``max_top_k`` (the largest top_k of any row, vocab if a row has none) bounds the candidates: when every
+    row uses top-k, a partial ``topk`` replaces the full-vocabulary sort, which dominates the cost otherwise.
+    """
+    vocab_size = logits.shape[-1]
+    if max_top_k < vocab_size:
+        sorted_logits, sorted_ids = logits.topk(max_top_k, dim=-1)  # [rows, max_top_k] each, descending
+    else:
+        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [rows, vocab] each
     if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)  # [vocab]
+        ranks = torch.arange(sorted_logits.shape[-1], device=logits.device)  # [num_candidates]
         sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
     if top_p is not None:
-        sorted_probs = sorted_logits.softmax(dim=-1)  # [rows, vocab]
+        # Softmax over the candidates equals the top-k renormalized distribution: the rest are -inf anyway.
+        sorted_probs = sorted_logits.softmax(dim=-1)  # [rows, num_candidates]
         # Probability mass strictly before each token; a token stays while that mass is < top_p, which
         # keeps the smallest prefix reaching top_p and always the top token (its mass before is 0).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         sorted_logits.masked_fill_(mass_before >= top_p[:, None], float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+    return torch.full_like(logits, float("-inf")).scatter_(-1, sorted_ids, sorted_logits)
 
 
 def gather_logprobs(

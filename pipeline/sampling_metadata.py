@@ -56,9 +56,10 @@ class SamplingMetadata:
     random_generators: list[torch.Generator | None]  # [num_random], None = the sampler's global one
     temperature: torch.Tensor  # [num_random] fp32, all > 0
     top_k: torch.Tensor | None  # [num_random] int64, vocab_size where disabled
+    max_top_k: int  # largest top_k over random rows (vocab_size if any row has it disabled)
     top_p: torch.Tensor | None  # [num_random] fp32, 1.0 where disabled
     min_p: torch.Tensor | None  # [num_random] fp32, 0.0 where disabled
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values), [num_biases] each
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values) [num_biases]
     allowed_rows: torch.Tensor | None  # [num_allowed_rows] int64, rows that restrict their vocabulary
     disallowed_mask: torch.Tensor | None  # [num_allowed_rows, vocab] bool, True = not allowed
     banned_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) [num_bans], bad words + min_tokens
@@ -66,7 +67,7 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None  # [num_rows, 1] fp32, 0.0 where disabled
     presence_penalty: torch.Tensor | None  # [num_rows, 1] fp32, 0.0 where disabled
     output_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) [num_output_tokens], penalty rows only
-    prompt_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) [num_prompt_tokens], repetition rows only
+    prompt_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, ids) [num_prompt_tokens], repetition rows only
     num_logprobs: list[int | None]  # [num_rows], None = this row did not ask for logprobs
 
     @property
@@ -112,6 +113,7 @@ def build_sampling_metadata(
         random_generators=[states[row].generator for row in random_rows],
         temperature=floats([p.temperature for p in random_params]),
         top_k=longs(top_ks) if any(k < vocab_size for k in top_ks) else None,
+        max_top_k=max(top_ks, default=vocab_size),
         top_p=floats(top_ps) if any(p < 1.0 for p in top_ps) else None,
         min_p=floats(min_ps) if any(p > 0.0 for p in min_ps) else None,
         logit_bias=_logit_bias(params, vocab_size, device),

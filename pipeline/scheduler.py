@@ -15,7 +15,13 @@ Request lifecycle (colocated PrefillAndDecode role):
 3. The model runs the step; ``update`` advances each scheduled sequence, publishes newly full
    blocks to the prefix cache and appends the sampled token to sequences whose chunk reached the
    end of their known tokens.
-4. A finished or aborted sequence leaves the running list and frees its blocks at once.
+4. A finished or aborted sequence leaves the running list and frees its blocks at once, unless
+   the caller keeps them (a PrefillOnly worker holds them until their KV has been shipped).
+
+Remote prefill (DecodeOnly role): ``add_remote`` queues a sequence whose prompt another worker
+will prefill; ``reserve_remote`` admits it under the same watermark and batch-size rules by
+reserving blocks for the prompt plus the first token (RESERVED); once its KV has arrived,
+``activate_remote`` marks the prompt computed, appends the first token and makes it RUNNING.
 """
 
 from __future__ import annotations
@@ -71,28 +77,71 @@ class Scheduler:
         self.max_queue_size = max_queue_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.waiting_remote: deque[Sequence] = deque()
+        self.reserved: dict[str, Sequence] = {}
 
     # -------------------------------------------------------------- requests
     def add(self, seq: Sequence) -> None:
-        if self.max_queue_size is not None and len(self.waiting) >= self.max_queue_size:
-            raise QueueFullError(f"the waiting queue is full ({self.max_queue_size} requests); retry later")
+        self._check_queue()
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
-        """End ``seq`` wherever it is and release its blocks."""
+    def add_remote(self, seq: Sequence) -> None:
+        self._check_queue()
+        seq.status = SequenceStatus.WAITING
+        self.waiting_remote.append(seq)
+
+    def _check_queue(self) -> None:
+        num_queued = len(self.waiting) + len(self.waiting_remote)
+        if self.max_queue_size is not None and num_queued >= self.max_queue_size:
+            raise QueueFullError(f"the waiting queue is full ({self.max_queue_size} requests); retry later")
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None,
+               keep_blocks: bool = False) -> None:
+        """End ``seq`` wherever it is and release its blocks (unless ``keep_blocks``)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SequenceStatus.RESERVED:
+            del self.reserved[seq.request_id]
         elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        self.kv.free(seq.request_id)
+            (self.waiting_remote if seq in self.waiting_remote else self.waiting).remove(seq)
+        if not keep_blocks:
+            self.kv.free(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_remote) + len(self.reserved)
+
+    # ---------------------------------------------------------- remote prefill
+    def reserve_remote(self) -> list[Sequence]:
+        """Admit queued remote-prefill sequences that fit; returns the newly reserved ones."""
+        admitted: list[Sequence] = []
+        while self.waiting_remote and len(self.running) + len(self.reserved) < self.max_batch_size:
+            seq = self.waiting_remote[0]
+            # Room for the prompt and the first token, whose KV this worker computes in its first step.
+            num_cached = self.kv.allocate(
+                seq.request_id, seq.token_ids, seq.num_tokens + 1, max_usage=self.kvcache_ce_watermark
+            )
+            if num_cached is None:
+                break
+            self.waiting_remote.popleft()
+            seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RESERVED
+            self.reserved[seq.request_id] = seq
+            admitted.append(seq)
+        return admitted
+
+    def activate_remote(self, seq: Sequence, first_token_id: int) -> None:
+        """The prompt's KV has landed in the reserved blocks: decode from here on."""
+        del self.reserved[seq.request_id]
+        seq.num_computed_tokens = seq.num_tokens
+        self.kv.register_computed(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+        seq.append_token(first_token_id)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     @property
     def num_queued_prefill_tokens(self) -> int:

@@ -11,6 +11,7 @@ from pipeline.protocol import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued for admission (new or preempted)
+    RESERVED = "reserved"  # holds KV blocks, waiting for a prefill worker to fill them (DecodeOnly)
     RUNNING = "running"  # holds KV blocks, scheduled every step
     FINISHED = "finished"
 
@@ -26,6 +27,7 @@ class Sequence:
     num_computed_tokens: int = 0  # leading tokens whose KV is written in this worker's cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
     num_preemptions: int = 0
+    is_prefill_only: bool = False  # PrefillOnly role: stop after the first token, keep blocks until shipped
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None

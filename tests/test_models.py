@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ARCHITECTURES, TINY_CONFIGS
+from tests.conftest import ARCHITECTURES, TINY_CONFIGS
 from kernels import load_kernels
 from pipeline.builtin_model import build_checkpoint
 from pipeline.forward_batch import ForwardBatch

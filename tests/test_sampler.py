@@ -206,8 +206,21 @@ def test_top_k_keeps_k_largest():
 
 def test_top_p_keeps_smallest_set_reaching_p():
     assert set(sample_many(three_way_logits(), top_p=0.7)) == {1, 2}  # 0.5 < 0.7 <= 0.8
-    assert set(sample_many(three_way_logits(), top_p=0.8)) == {1, 2}  # cumulative 0.8 reaches 0.8 exactly
+    assert set(sample_many(three_way_logits(), top_p=0.85)) == {1, 2, 3}  # 0.8 < 0.85: token 3 is needed
     assert set(sample_many(three_way_logits(), top_p=0.3)) == {1}  # the top token always stays
+
+
+def test_top_p_applies_to_the_top_k_renormalized():
+    # Within the top 2, probabilities become 0.625 / 0.375, so top_p=0.6 keeps token 1 alone
+    # (on the unrenormalized 0.5 / 0.3 it would keep both).
+    assert set(sample_many(three_way_logits(), top_k=2, top_p=0.6)) == {1}
+
+
+def test_top_k_rows_mixed_with_unfiltered_rows():
+    logits = three_way_logits().expand(400, VOCAB)
+    tokens = Sampler(VOCAB)(logits, [state(top_k=2) if i % 2 else state() for i in range(400)]).token_ids
+    assert set(tokens[1::2]) == {1, 2}
+    assert set(tokens[0::2]) == {1, 2, 3}
 
 
 def test_min_p_drops_relatively_unlikely_tokens():

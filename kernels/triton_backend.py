@@ -1,0 +1,23 @@
+"""The triton kernel set, one twin per torch reference, for ``load_kernels("triton")``.
+
+Importing this module compiles nothing; each kernel is JIT-compiled on first launch. On a machine
+without a GPU the kernels run only under ``TRITON_INTERPRET=1``, set before this module is imported.
+"""
+
+from __future__ import annotations
+
+from kernels import Kernels
+from kernels.triton_kv_pack import pack_kv_blocks_triton, unpack_kv_blocks_triton
+from kernels.triton_kv_store import store_kv_triton
+from kernels.triton_norm_rope import apply_rotary_triton, rms_norm_triton
+from kernels.triton_paged_attention import paged_attention_triton
+
+TRITON_KERNELS = Kernels(
+    name="triton",
+    store_kv=store_kv_triton,
+    paged_attention=paged_attention_triton,
+    rms_norm=rms_norm_triton,
+    apply_rotary=apply_rotary_triton,
+    pack_kv_blocks=pack_kv_blocks_triton,
+    unpack_kv_blocks=unpack_kv_blocks_triton,
+)

@@ -1,0 +1,130 @@
+"""The one background thread of a sender or receiver: it owns every ZMQ socket and all mutable state.
+
+Public methods run on the caller's thread and only enqueue commands; the I/O thread runs them between
+messages, so no lock guards transfer state and no socket is touched by two threads. ``close()`` is
+deterministic: it stops the loop, the thread closes its sockets (linger 0) and exits, and ``close()``
+joins it before returning.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+
+class IOThread:
+    """Subclasses implement ``_setup``, ``_on_readable(socket)``, ``_tick(now) -> seconds until next
+    deadline or None`` and ``_teardown``; they register sockets with ``self.poller``."""
+
+    def __init__(self, name: str) -> None:
+        self.ctx = zmq.Context()
+        self.poller = zmq.Poller()
+        self._commands: collections.deque[tuple[Callable, tuple]] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self._stopping = False
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    # ---- caller side ---------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._thread.start()
+        self._ready.wait()
+        self._raise_if_failed()
+
+    def _submit(self, fn: Callable, *args) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        self._raise_if_failed()
+        self._commands.append((fn, args))
+        self._wake()
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"{type(self).__name__} I/O thread failed: {self._failure!r}") from self._failure
+
+    def _stop(self, timeout: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping = True
+        self._wake()
+        if self._thread.is_alive() or self._thread.ident is None:
+            if self._thread.ident is not None:
+                self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("%s: I/O thread did not stop within %.1fs", type(self).__name__, timeout)
+                return  # leave the context to the thread; it is a daemon
+        self.ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is already full (so the thread will wake) or closed
+
+    # ---- I/O thread ----------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._setup()
+        except BaseException as exc:  # reported to the constructor by _start
+            self._failure = exc
+            self._ready.set()
+            self._teardown()
+            return
+        self._ready.set()
+        try:
+            while not self._stopping:
+                self._run_commands()
+                delay = self._tick(time.monotonic())
+                timeout_ms = 100 if delay is None else max(0, min(100, int(delay * 1000) + 1))
+                for sock, _ in self.poller.poll(timeout_ms):
+                    if sock == self._wake_r:
+                        self._drain_wake()
+                    else:
+                        self._on_readable(sock)
+        except BaseException as exc:
+            log.exception("%s: I/O thread crashed", type(self).__name__)
+            self._failure = exc
+        finally:
+            self._teardown()
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            fn, args = self._commands.popleft()
+            fn(*args)
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _setup(self) -> None:
+        raise NotImplementedError
+
+    def _on_readable(self, sock: zmq.Socket) -> None:
+        raise NotImplementedError
+
+    def _tick(self, now: float) -> float | None:
+        raise NotImplementedError
+
+    def _teardown(self) -> None:
+        raise NotImplementedError

@@ -1,0 +1,56 @@
+"""Build a worker's compatibility record from its KV cache tensor, and check a tensor against one."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.protocol.transfer import TRANSPORTS, KVLayout
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+def kv_layout(kv_cache: torch.Tensor, model_hash: str, transport: str = "auto") -> KVLayout:
+    """The record of ``kv_cache`` ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``.
+
+    ``transport`` is "auto" (shared memory on one host, else ZMQ) or one name of ``TRANSPORTS`` to
+    force it; a receiver whose cache is not shared memory drops "shm" by itself.
+    """
+    if transport != "auto" and transport not in TRANSPORTS:
+        raise ValueError(f"transport: must be 'auto' or one of {', '.join(TRANSPORTS)} (got {transport!r})")
+    _check_shape(kv_cache)
+    num_layers, _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
+    return KVLayout(
+        model_hash=model_hash,
+        dtype=DTYPE_NAMES[kv_cache.dtype],
+        page_size=page_size,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        transports=TRANSPORTS if transport == "auto" else (transport,),
+    )
+
+
+def check_kv_cache(kv_cache: torch.Tensor, layout: KVLayout) -> None:
+    """Raise ``ValueError`` naming every field where ``kv_cache`` disagrees with ``layout``."""
+    _check_shape(kv_cache)
+    actual = kv_layout(kv_cache, layout.model_hash)
+    problems = layout.mismatch(actual, ours="record", theirs="kv_cache")
+    if problems:
+        raise ValueError("kv_cache does not match its KVLayout: " + "; ".join(problems))
+
+
+def _check_shape(kv_cache: torch.Tensor) -> None:
+    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            "kv_cache: must be [num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim] "
+            f"(got shape {tuple(kv_cache.shape)})"
+        )
+    if kv_cache.dtype not in DTYPE_NAMES:
+        raise ValueError(f"kv_cache: dtype must be one of {', '.join(DTYPE_NAMES.values())} (got {kv_cache.dtype})")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache: must be contiguous")

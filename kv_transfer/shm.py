@@ -1,0 +1,139 @@
+"""KV caches in POSIX shared memory (/dev/shm), so a sender on the same host writes straight into them.
+
+A decode worker that enables the shm transport allocates its cache with ``allocate_shared_kv_cache``;
+the receiver hands the file's path to senders at handshake, and each sender maps it once.
+
+Lifetime: the file is removed by ``free_shared_kv_cache``, by ``KVReceiver.close()`` for the cache it
+serves, or at interpreter exit. Memory stays mapped (and valid) in every process that still holds a
+mapping, and is returned to the OS when the last mapping goes. A crashed process cannot clean up: its
+files are named ``/dev/shm/tandem-kv.<pid>.<name>`` and ``remove_stale_shared_kv_caches()`` (run it at
+worker start, or by hand: ``rm /dev/shm/tandem-kv.*``) deletes those whose pid no longer runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import re
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_PREFIX = "tandem-kv."
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
+_lock = threading.Lock()
+_owned: dict[int, str] = {}  # storage data_ptr -> file path, for caches this process allocated
+
+
+def allocate_shared_kv_cache(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """A zero-filled CPU tensor of ``shape`` backed by a new file ``/dev/shm/tandem-kv.<pid>.<name>``.
+
+    ``shape`` is the KV cache shape ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``.
+    Raises ``FileExistsError`` if this process already allocated a cache under ``name``.
+    """
+    if not _NAME_RE.match(name):
+        raise ValueError(f"name: only letters, digits, '_', '.', '-' (1-100 chars) are allowed (got {name!r})")
+    path = os.path.join(SHM_DIR, f"{_PREFIX}{os.getpid()}.{name}")
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # never clobber another cache
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    try:
+        tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(*shape)
+    except BaseException:
+        os.unlink(path)
+        raise
+    with _lock:
+        _owned[tensor.untyped_storage().data_ptr()] = path
+    return tensor
+
+
+def shared_kv_path(kv_cache: torch.Tensor) -> str | None:
+    """The /dev/shm file behind ``kv_cache`` if this process allocated it here, else None."""
+    if kv_cache.device.type != "cpu":
+        return None
+    with _lock:
+        return _owned.get(kv_cache.untyped_storage().data_ptr())
+
+
+def free_shared_kv_cache(kv_cache: torch.Tensor) -> None:
+    """Remove the file behind ``kv_cache`` (idempotent). The tensor stays usable until it is dropped."""
+    with _lock:
+        path = _owned.pop(kv_cache.untyped_storage().data_ptr(), None)
+    if path is not None:
+        _unlink(path)
+
+
+def open_shared_kv_cache(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Map another process's shared KV cache (a sender does this once per receiver)."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    size = os.stat(path).st_size  # FileNotFoundError if gone; torch.from_file would create it instead
+    if size != nbytes:
+        raise ValueError(f"shared KV cache {path}: file has {size} bytes, the layout needs {nbytes}")
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(*shape)
+
+
+def host_id() -> str:
+    """Equal in two processes exactly when they see the same /dev/shm (same host, same mount)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = "?"
+    try:
+        st = os.stat(SHM_DIR)
+        mount = f"{st.st_dev}:{st.st_ino}"
+    except OSError:
+        return f"no-shm-{os.getpid()}-{id(host_id)}"  # never equal to anyone: no shm transport
+    return f"{os.uname().nodename}/{boot_id}/{mount}"
+
+
+def remove_stale_shared_kv_caches() -> list[str]:
+    """Delete ``/dev/shm/tandem-kv.<pid>.*`` files of processes that no longer run; returns the paths."""
+    removed = []
+    for entry in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []:
+        if not entry.startswith(_PREFIX):
+            continue
+        pid_text = entry[len(_PREFIX) :].split(".", 1)[0]
+        if pid_text.isdigit() and not _is_running(int(pid_text)):
+            path = os.path.join(SHM_DIR, entry)
+            _unlink(path)
+            removed.append(path)
+    return removed
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove shared KV cache %s: %s", path, exc)
+
+
+@atexit.register
+def _remove_owned_files() -> None:
+    with _lock:
+        paths = list(_owned.values())
+        _owned.clear()
+    for path in paths:
+        _unlink(path)

@@ -1,0 +1,151 @@
+"""The router's HTTP app (OpenAI-compatible) and its entry point ``run_router``.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (the /v1 routes take an
+optional ``Authorization: Bearer <api_key>``), GET /health (the process is up), GET /ready (200 only
+when live workers can serve a request: a PrefillAndDecode worker, or DecodeOnly plus PrefillOnly
+workers; 503 with the reason otherwise), GET /metrics (Prometheus).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pipeline.config import PipelineConfig
+from pipeline.protocol.cluster import served_model_name
+from router.dispatcher import Dispatcher
+from router.errors import APIError, install_error_handlers
+from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.openai_schema import ChatCompletionRequest, CompletionRequest
+from router.preprocess import prepare_chat, prepare_completion
+from router.registry import DEFAULT_DEAD_AFTER_S, DEFAULT_HEARTBEAT_INTERVAL_S, WorkerRegistry
+from router.served_model import ServedModel, keep_torch_out, load_served_model
+from router.serving import RouterState, serve
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+
+
+def create_app(
+    config: PipelineConfig,
+    api_key: str | None = None,
+    model_path: str | None = None,
+    *,
+    served_model: ServedModel | None = None,
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+    dead_after_s: float = DEFAULT_DEAD_AFTER_S,
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    max_attempts: int = 2,
+) -> FastAPI:
+    """Build the router app. The ZMQ socket binds when the app starts (lifespan), not here.
+
+    ``model_path``: where to read the tokenizer (default ``config.model.model_path``, then the built-in
+    model). The served name always follows ``config.model.model_path`` (``served_model_name``), which
+    is what workers register with. ``served_model`` replaces loading (tests share one tokenizer).
+    """
+    model = served_model or load_served_model(
+        model_path or config.model.model_path,
+        max_length=config.max_length,
+        name=served_model_name(config.model.model_path),
+    )
+    registry = WorkerRegistry(heartbeat_interval_s=heartbeat_interval_s, dead_after_s=dead_after_s)
+    metrics = RouterMetrics(registry)
+    dispatcher = Dispatcher(config.zmq_endpoint_base, registry, metrics, model.name, max_attempts=max_attempts)
+    state = RouterState(model, dispatcher, metrics, config.sampling, request_timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await dispatcher.start()
+        try:
+            yield
+        finally:
+            await dispatcher.stop()
+
+    app = FastAPI(title="Tandem router", lifespan=lifespan)
+    app.state.router = state
+    install_error_handlers(app)
+    created = int(time.time())
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                           code="invalid_api_key")
+
+    v1 = [Depends(check_api_key)]
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prepared = _prepared_or_count(state, lambda: prepare_completion(body, model, config.sampling))
+        return await serve(state, request, prepared, "completion")
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        prepared = _prepared_or_count(state, lambda: prepare_chat(body, model, config.sampling))
+        return await serve(state, request, prepared, "chat")
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models() -> dict[str, Any]:
+        card = {"id": model.name, "object": "model", "created": created, "owned_by": "tandem"}
+        if model.max_length:
+            card["max_model_len"] = model.max_length
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        is_ready, reason = registry.readiness()
+        workers = [
+            {"worker_id": w.worker_id, "role": w.role.value, "alive": w.is_alive} for w in registry.all_workers()
+        ]
+        body = {"ready": is_ready, "reason": reason, "workers": workers}
+        return JSONResponse(body, status_code=200 if is_ready else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _prepared_or_count(state: RouterState, prepare):
+    try:
+        return prepare()
+    except APIError:
+        state.metrics.requests_total.labels("rejected").inc()
+        raise
+
+
+def run_router(
+    config: PipelineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    model_path: str | None = None,
+    **app_options: Any,
+) -> None:
+    """Serve the router until interrupted (blocking). ``app_options`` go to ``create_app``.
+
+    Call it in a process of its own: it first marks torch unavailable (``keep_torch_out``) so that
+    loading the tokenizer does not pull torch into the router.
+    """
+    import uvicorn
+
+    if not keep_torch_out():
+        logger.warning("torch or transformers was imported before run_router: the router process holds torch")
+    app = create_app(config, api_key=api_key, model_path=model_path, **app_options)
+    logger.info("router serving %s on http://%s:%d", app.state.router.model.name, host, port)
+    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=5)

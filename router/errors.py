@@ -1,0 +1,118 @@
+"""OpenAI-style errors: one exception type, one JSON body, and the FastAPI handlers that produce it.
+
+Body: ``{"error": {"message": str, "type": str, "param": str | None, "code": str | int | None}}``.
+FastAPI's own 422 validation errors and Starlette's 404/405 are rewritten into the same body
+(422 becomes 400, as OpenAI answers).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    500: "internal_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    """An error the client sees with ``status_code`` and an OpenAI error body."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type or _TYPE_BY_STATUS.get(status_code, "api_error")
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else None
+        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    """A ``"field: rule (got x)"`` ValueError (SamplingParams, our own checks) -> 400 naming the field."""
+    message = str(exc)
+    param = message.split(":", 1)[0] if ":" in message else None
+    if param is not None and (" " in param or not param):
+        param = None
+    return APIError(400, message, param=param)
+
+
+def _format_validation_errors(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    parts = []
+    first_param = None
+    for err in errors[:5]:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        # pydantic adds the union member it tried ("str", "list[int]") to the path: keep only field names
+        loc = [p for p in loc if not (p[:1].islower() and ("[" in p or p in _TYPE_WORDS))]
+        param = ".".join(loc) or None
+        if err.get("type") == "json_invalid":
+            return f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+        first_param = first_param or param
+        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+        text = f"{param}: {msg}" if param else msg
+        if "input" in err and err.get("type") != "missing" and not isinstance(err["input"], (dict, list)):
+            text += f" (got {err['input']!r})"
+        parts.append(text)
+    if len(errors) > 5:
+        parts.append(f"... {len(errors) - 5} more")
+    return "; ".join(parts), first_param
+
+
+_TYPE_WORDS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _format_validation_errors(exc)
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return APIError(exc.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in the router")
+        return APIError(500, f"internal error: {type(exc).__name__}").response()

@@ -1,0 +1,129 @@
+"""Pydantic bodies of POST /v1/completions and /v1/chat/completions (types only; values are checked
+when they become SamplingParams). Unknown fields are ignored, as the OpenAI API does."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by both endpoints: OpenAI's, then vLLM's extras."""
+
+    model: str
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"only n=1 is supported (got {value})")
+        return value
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptType = Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptType
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise ValueError(f"only one prompt per request is supported (got {len(value)})")
+            return value[0]
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo=true is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError(f"only best_of=1 is supported (got {value})")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+
+class TextContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+
+    def resolved_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

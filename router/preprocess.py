@@ -1,0 +1,136 @@
+"""HTTP body -> (prompt token ids, SamplingParams): tokenization and every check that answers 400/404.
+
+Nothing here touches a worker: a request that fails a check never leaves the router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config import SamplingConfig
+from pipeline.protocol.requests import SamplingParams
+from pipeline.tokenizer import TokenizerError, apply_chat_template, encode_prompt
+from router.errors import APIError, bad_request, from_value_error
+from router.openai_schema import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from router.served_model import ServedModel
+
+
+@dataclass
+class PreparedRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    want_logprobs: bool
+
+
+def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: SamplingConfig) -> PreparedRequest:
+    _check_model(body.model, model)
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompt_ids = encode_prompt(model.tokenizer, prompt)
+    else:
+        prompt_ids = list(prompt)
+    _check_prompt_ids(prompt_ids, model, "prompt")
+    params = _sampling_params(body, model, defaults, len(prompt_ids), body.max_tokens, body.logprobs, "prompt")
+    return PreparedRequest(prompt_ids, params, body.stream, body.include_usage, body.logprobs is not None)
+
+
+def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: SamplingConfig) -> PreparedRequest:
+    _check_model(body.model, model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs: requires logprobs=true", param="top_logprobs")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        prompt_ids = apply_chat_template(model.tokenizer, messages, add_generation_prompt=body.add_generation_prompt)
+    except TokenizerError as exc:
+        raise bad_request(str(exc), param="messages") from None
+    except Exception as exc:  # a template may raise anything (jinja2 errors, raise_exception() calls)
+        raise bad_request(f"messages: the chat template rejected them: {exc}", param="messages") from None
+    _check_prompt_ids(prompt_ids, model, "messages")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.resolved_max_tokens()
+    params = _sampling_params(body, model, defaults, len(prompt_ids), max_tokens, logprobs, "messages")
+    return PreparedRequest(prompt_ids, params, body.stream, body.include_usage, body.logprobs)
+
+
+def _check_model(requested: str, model: ServedModel) -> None:
+    if requested != model.name:
+        raise APIError(
+            404, f"The model `{requested}` does not exist. This server serves `{model.name}`.",
+            param="model", code="model_not_found",
+        )
+
+
+def _check_prompt_ids(prompt_ids: list[int], model: ServedModel, param: str) -> None:
+    if not prompt_ids:
+        raise bad_request(f"{param}: must not be empty", param=param)
+    bad = next((t for t in prompt_ids if not 0 <= t < model.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {model.vocab_size})", param=param)
+
+
+def _sampling_params(
+    body: _SamplingFields,
+    model: ServedModel,
+    defaults: SamplingConfig,
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_param: str,
+) -> SamplingParams:
+    logit_bias: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias: keys must be token ids (got {key!r})", param="logit_bias") from None
+        if not 0 <= token_id < model.vocab_size:
+            raise bad_request(f"logit_bias: token id {token_id} is outside the vocabulary", param="logit_bias")
+        logit_bias[token_id] = value
+    stop_token_ids = list(body.stop_token_ids or [])
+    if any(t >= model.vocab_size for t in stop_token_ids):
+        raise bad_request("stop_token_ids: ids must be inside the vocabulary", param="stop_token_ids")
+    room = model.max_length - num_prompt_tokens if model.max_length else None
+    if room is not None and room <= 0:
+        raise bad_request(
+            f"This model's maximum context length is {model.max_length} tokens, but the {prompt_param} has "
+            f"{num_prompt_tokens} tokens; reduce the {prompt_param} to at most {model.max_length - 1} tokens.",
+            param=prompt_param, code="context_length_exceeded",
+        )
+    explicit = max_tokens is not None
+    if not explicit:
+        max_tokens = defaults.max_tokens if room is None else min(defaults.max_tokens, room)
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=defaults.temperature if body.temperature is None else body.temperature,
+            top_p=defaults.top_p if body.top_p is None else body.top_p,
+            top_k=defaults.top_k if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            seed=body.seed,
+            stop=body.stop_list(),
+            stop_token_ids=stop_token_ids,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            logprobs=logprobs,
+            frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=logit_bias,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+    except ValueError as exc:
+        error = from_value_error(exc)
+        if error.param == "logprobs" and prompt_param == "messages":
+            error.param = "top_logprobs"
+        raise error from None
+    if explicit and room is not None and max_tokens > room:
+        raise bad_request(
+            f"This model's maximum context length is {model.max_length} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {prompt_param}, {max_tokens} "
+            f"for the completion). Please reduce the length of the {prompt_param} or max_tokens.",
+            param="max_tokens", code="context_length_exceeded",
+        )
+    return params

@@ -1,0 +1,167 @@
+"""The router's view of its workers: who registered, their last load report, and who is alive.
+
+A worker is alive while its last message (any message counts) is younger than ``dead_after_s``.
+``check_liveness()`` (called periodically by the dispatcher) marks the silent ones dead once and calls
+``on_worker_dead`` for each. A dead worker that speaks again comes back to life with its old record;
+a worker that registers again with a new pid is a new incarnation: the old one is declared dead first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pipeline.config import PipelineRole
+from pipeline.protocol.cluster import Heartbeat, RegisterWorker, WorkerLoad, WorkerRole
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_INTERVAL_S = 0.5
+DEFAULT_DEAD_AFTER_S = 3.0
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: PipelineRole
+    model_name: str
+    max_length: int
+    page_size: int
+    num_total_blocks: int
+    prefill_endpoint: str | None
+    pid: int
+    load: WorkerLoad
+    last_seen: float
+    is_alive: bool = True
+    num_inflight: int = 0  # requests the router has routed here and not seen finish (decode side)
+    num_pending_prefill_tokens: int = 0  # prompt tokens routed here (prefill side) still without a first token
+    registered_at: float = field(default_factory=time.time)
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in (PipelineRole.PrefillAndDecode, PipelineRole.DecodeOnly)
+
+    @property
+    def can_prefill_for_others(self) -> bool:
+        return self.role == PipelineRole.PrefillOnly and bool(self.prefill_endpoint)
+
+
+class WorkerRegistry:
+    def __init__(
+        self,
+        heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+        dead_after_s: float = DEFAULT_DEAD_AFTER_S,
+        on_worker_dead: Callable[[WorkerInfo], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat_interval_s: must be > 0 (got {heartbeat_interval_s})")
+        if dead_after_s <= heartbeat_interval_s:
+            raise ValueError(
+                f"dead_after_s: must be > heartbeat_interval_s ({heartbeat_interval_s}) (got {dead_after_s})"
+            )
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.dead_after_s = dead_after_s
+        self.on_worker_dead = on_worker_dead
+        self._clock = clock
+        self._workers: dict[str, WorkerInfo] = {}
+
+    # -------------------------------------------------------------- updates from messages
+
+    def register(self, msg: RegisterWorker) -> WorkerInfo:
+        """Add or replace a worker. A live worker re-registering with another pid is a restart."""
+        old = self._workers.get(msg.worker_id)
+        if old is not None and old.is_alive and old.pid != msg.pid:
+            logger.warning("worker %s restarted (pid %d -> %d)", msg.worker_id, old.pid, msg.pid)
+            self._declare_dead(old)
+        role = WorkerRole(msg.role).to_pipeline_role()
+        info = WorkerInfo(
+            worker_id=msg.worker_id,
+            role=role,
+            model_name=msg.model_name,
+            max_length=msg.max_length,
+            page_size=msg.page_size,
+            num_total_blocks=msg.num_total_blocks,
+            prefill_endpoint=msg.prefill_endpoint,
+            pid=msg.pid,
+            load=WorkerLoad(num_free_blocks=msg.num_total_blocks, num_total_blocks=msg.num_total_blocks),
+            last_seen=self._clock(),
+        )
+        if old is not None and old.pid == msg.pid:  # the same process again: keep the router's counts
+            info.num_inflight = old.num_inflight
+            info.num_pending_prefill_tokens = old.num_pending_prefill_tokens
+        self._workers[msg.worker_id] = info
+        logger.info("worker %s registered: %s, pid %d", msg.worker_id, role.value, msg.pid)
+        return info
+
+    def heartbeat(self, msg: Heartbeat) -> WorkerInfo | None:
+        """Record a load report; None when the worker is unknown (it must register)."""
+        info = self.touch(msg.worker_id)
+        if info is not None:
+            info.load = msg.load
+        return info
+
+    def touch(self, worker_id: str) -> WorkerInfo | None:
+        """Any message from a worker proves it is alive; returns None for unknown workers."""
+        info = self._workers.get(worker_id)
+        if info is None:
+            return None
+        info.last_seen = self._clock()
+        if not info.is_alive:
+            logger.warning("worker %s is back after being declared dead", worker_id)
+            info.is_alive = True
+        return info
+
+    def remove(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    # -------------------------------------------------------------- liveness
+
+    def check_liveness(self) -> list[WorkerInfo]:
+        """Declare dead every live worker silent for ``dead_after_s``; returns those."""
+        now = self._clock()
+        newly_dead = [w for w in self._workers.values() if w.is_alive and now - w.last_seen > self.dead_after_s]
+        for info in newly_dead:
+            logger.warning("worker %s missed heartbeats for %.1f s: declared dead", info.worker_id, now - info.last_seen)
+            self._declare_dead(info)
+        return newly_dead
+
+    def _declare_dead(self, info: WorkerInfo) -> None:
+        info.is_alive = False
+        if self.on_worker_dead is not None:
+            self.on_worker_dead(info)
+        info.num_inflight = 0
+        info.num_pending_prefill_tokens = 0
+
+    # -------------------------------------------------------------- queries
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        return self._workers.get(worker_id)
+
+    def is_alive(self, worker_id: str) -> bool:
+        info = self._workers.get(worker_id)
+        return info is not None and info.is_alive
+
+    def live_workers(self) -> list[WorkerInfo]:
+        return [w for w in self._workers.values() if w.is_alive]
+
+    def all_workers(self) -> list[WorkerInfo]:
+        return list(self._workers.values())
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why): a decode-capable worker is alive, and a prefill worker too if only DecodeOnly ones are."""
+        live = self.live_workers()
+        colocated = [w for w in live if w.role == PipelineRole.PrefillAndDecode]
+        decode_only = [w for w in live if w.role == PipelineRole.DecodeOnly]
+        prefill = [w for w in live if w.can_prefill_for_others]
+        if colocated:
+            return True, f"{len(colocated)} PrefillAndDecode worker(s) alive"
+        if decode_only and prefill:
+            return True, f"{len(decode_only)} DecodeOnly and {len(prefill)} PrefillOnly worker(s) alive"
+        if decode_only:
+            return False, "DecodeOnly workers are alive but no PrefillOnly (or PrefillAndDecode) worker is"
+        if prefill:
+            return False, "PrefillOnly workers are alive but no decode-capable (DecodeOnly or PrefillAndDecode) worker is"
+        return False, "no live workers"

@@ -1,0 +1,122 @@
+"""The engine against transformers' own generate() on the same weights: token for token, fp32, CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import ARCHITECTURES, assert_no_leaks, hf_greedy, hf_logprobs
+from pipeline import LLM, SamplingParams
+
+NUM_NEW_TOKENS = 32
+PROMPT_LENGTHS = [3, 17, 5, 29, 11, 8, 23, 1]
+
+
+def make_prompts(vocab_size: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def greedy(max_tokens: int = NUM_NEW_TOKENS, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoint, hf_reference):
+    """Greedy continuations by transformers for each architecture, computed once."""
+    cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            model, _ = hf_reference(tiny_checkpoint(arch))
+            prompts = make_prompts(model.config.vocab_size)
+            cache[arch] = (prompts, [hf_greedy(model, p, NUM_NEW_TOKENS) for p in prompts])
+        return cache[arch]
+
+    return get
+
+
+def generate_and_check(llm: LLM, prompts, expected) -> None:
+    free_at_start = llm.engine.kv_manager.num_free_blocks
+    outputs = llm.generate(prompts, greedy())
+    for i, (out, want) in enumerate(zip(outputs, expected)):
+        assert out.token_ids == want, f"prompt {i} (len {len(prompts[i])}) diverged"
+        assert out.finish_reason == "length"
+    assert_no_leaks(llm.engine.kv_manager, free_at_start)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_batch_matches_transformers(arch, tiny_checkpoint, references):
+    prompts, expected = references(arch)
+    llm = LLM(model=tiny_checkpoint(arch), kv_cache={"page_size": 16, "num_blocks": 128})
+    generate_and_check(llm, prompts, expected)
+
+
+def record_preemptions(llm: LLM) -> list[str]:
+    """Wrap the scheduler's preemption so a test can assert it really happened."""
+    preempted: list[str] = []
+    original = llm.engine.scheduler._preempt
+
+    def counting(seq, out):
+        preempted.append(seq.request_id)
+        original(seq, out)
+
+    llm.engine.scheduler._preempt = counting
+    return preempted
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_tiny_pages_small_chunks_and_preemption(arch, tiny_checkpoint, references):
+    """Page size 2 (sequences span up to 31 blocks), 7-token prefill chunks, and a pool far too
+    small for the whole batch: preemption by recompute must not change a single token."""
+    prompts, expected = references(arch)
+    llm = LLM(
+        model=tiny_checkpoint(arch),
+        max_batch_input_tokens=7,
+        kv_cache={"page_size": 2, "num_blocks": 48, "enable_prefix_caching": False},
+    )
+    preempted = record_preemptions(llm)
+    generate_and_check(llm, prompts, expected)
+    assert preempted, "the pool was meant to be too small for the whole batch"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prefix_cache_hits_stay_exact(arch, tiny_checkpoint, hf_reference):
+    model, _ = hf_reference(tiny_checkpoint(arch))
+    shared = make_prompts(model.config.vocab_size, [21], seed=3)[0]
+    tails = make_prompts(model.config.vocab_size, [1, 6, 9, 4], seed=4)
+    prompts = [shared + t for t in tails] + [shared]
+    expected = [hf_greedy(model, p, 12) for p in prompts]
+    llm = LLM(model=tiny_checkpoint(arch), kv_cache={"page_size": 4, "num_blocks": 128})
+    free_at_start = llm.engine.kv_manager.num_free_blocks
+    first = llm.generate(prompts[:1], greedy(12))
+    assert first[0].token_ids == expected[0]
+    outs = llm.generate(prompts, greedy(12))  # every prompt now hits the cached 20-token prefix
+    assert [o.token_ids for o in outs] == expected
+    hits = [llm.engine.kv_manager.find_cached_prefix(p) for p in prompts]
+    assert all(len(h) >= 5 for h in hits)
+    assert_no_leaks(llm.engine.kv_manager, free_at_start)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_logprobs_match_transformers_log_softmax(arch, tiny_checkpoint, hf_reference):
+    model, _ = hf_reference(tiny_checkpoint(arch))
+    prompts = make_prompts(model.config.vocab_size, [6, 13], seed=7)
+    llm = LLM(model=tiny_checkpoint(arch), kv_cache={"page_size": 4, "num_blocks": 64})
+    outs = llm.generate(prompts, greedy(8, logprobs=3))
+    for prompt, out in zip(prompts, outs):
+        reference = hf_logprobs(model, prompt + out.token_ids)  # [len, vocab]
+        for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            row = reference[len(prompt) - 1 + step]
+            assert token in entry and len(entry) in (3, 4)
+            top3 = torch.topk(row, 3).indices.tolist()
+            assert set(top3) <= set(entry)
+            for token_id, logprob in entry.items():
+                assert abs(logprob - row[token_id].item()) < 1e-4
+
+
+def test_chunked_prefill_disabled_matches_too(tiny_checkpoint, references):
+    prompts, expected = references("qwen2")
+    llm = LLM(model=tiny_checkpoint("qwen2"), enable_chunked_prefill=False, max_batch_input_tokens=64,
+              kv_cache={"page_size": 8, "num_blocks": 128})
+    generate_and_check(llm, prompts, expected)
