@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from deploy import generate_cmd
+from deploy import generate_cmd, launch_cmd, serve_cmds
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
 
@@ -16,6 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.register(sub)
+    serve_cmds.register(sub)
+    launch_cmd.register(sub)
     return parser
 
 

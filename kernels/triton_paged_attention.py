@@ -126,7 +126,7 @@ def _paged_attention_kernel(
 
         visible = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
-            visible = visible & (kv_pos[None, :] >= q_pos[:, None] - sliding_window)
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, 1))

@@ -73,7 +73,9 @@ class TransportStats:
 class TransferStats:
     """Counters a worker exports; read them through ``stats()``, which returns a consistent copy."""
 
-    transports: dict[str, TransportStats] = field(default_factory=dict)
+    transports: dict[str, TransportStats] = field(default_factory=dict)  # "zmq", "shm"
+    num_transfers: int = 0  # finished ok, all transports
+    num_failed: int = 0  # failed or aborted, all transports (also those that never picked one)
     num_bad_frames: int = 0  # frames that failed to decode or validate: counted, logged, dropped
     num_late_dropped: int = 0  # messages for aborted / failed / unknown requests, discarded unwritten
     num_refused_handshakes: int = 0

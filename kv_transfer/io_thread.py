@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -62,12 +63,11 @@ class IOThread:
         self._closed = True
         self._stopping = True
         self._wake()
-        if self._thread.is_alive() or self._thread.ident is None:
-            if self._thread.ident is not None:
-                self._thread.join(timeout)
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
             if self._thread.is_alive():
                 log.error("%s: I/O thread did not stop within %.1fs", type(self).__name__, timeout)
-                return  # leave the context to the thread; it is a daemon
+                return  # leave the context and pipe to the thread; it is a daemon
         self.ctx.term()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -93,7 +93,7 @@ class IOThread:
             while not self._stopping:
                 self._run_commands()
                 delay = self._tick(time.monotonic())
-                timeout_ms = 100 if delay is None else max(0, min(100, int(delay * 1000) + 1))
+                timeout_ms = 100 if delay is None else 0 if delay <= 0 else min(100, math.ceil(delay * 1000))
                 for sock, _ in self.poller.poll(timeout_ms):
                     if sock == self._wake_r:
                         self._drain_wake()

@@ -78,6 +78,14 @@ class SamplingConfig(_Section):
     max_tokens: int = Field(256, ge=1)
 
 
+class TransferConfig(_Section):
+    """How KV moves from prefill to decode workers, and how long a decode worker waits for it."""
+
+    transport: Literal["auto", "zmq", "shm"] = Field("auto", description="auto: shared memory on one host, else ZMQ")
+    ttl_s: float = Field(30.0, gt=0.0, description="a reservation expires if its KV has not arrived by then")
+    heartbeat_interval_s: float = Field(0.5, gt=0.0, description="worker -> router heartbeat period")
+
+
 class PipelineConfig(_Section):
     config_file: str | None = None
     section_name: str | None = None
@@ -100,6 +108,7 @@ class PipelineConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "PipelineConfig":

@@ -19,6 +19,7 @@ from pipeline.kv_cache import KVCacheManager
 from pipeline.model_runner import TORCH_DTYPES, ModelRunner, determine_num_blocks, kv_cache_shape
 from pipeline.output_processor import OutputProcessor
 from pipeline.protocol import CompletionOutput, FinishReason, SamplingParams
+from pipeline.protocol.cluster import WorkerLoad
 from pipeline.request_validation import RequestError, resolve_bad_words, validate_request
 from pipeline.sampler import Sampler, SequenceSamplingState
 from pipeline.scheduler import Scheduler
@@ -45,10 +46,14 @@ class StepOutput:
     new_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 class LLMEngine:
-    def __init__(self, config: PipelineConfig) -> None:
+    def __init__(self, config: PipelineConfig, kv_cache_allocator=None) -> None:
+        """``kv_cache_allocator(shape, dtype, device)`` places the KV cache (e.g. in shared memory
+        for the same-host transfer transport); default: a plain zeroed tensor."""
         self.config = config
         self.is_builtin_model = config.model.model_path is None
         model_path = str(builtin_model_path()) if self.is_builtin_model else config.model.model_path
@@ -69,7 +74,11 @@ class LLMEngine:
         max_useful = config.max_batch_size * -(-self.max_length // page_size) + 1
         num_blocks = determine_num_blocks(config.kv_cache, self.hf_config, self.dtype, self.device, max_useful)
         self.kv_manager = KVCacheManager(num_blocks, page_size, config.kv_cache.enable_prefix_caching)
-        self.kv_cache = self.allocate_kv_cache(num_blocks, page_size)
+        shape = kv_cache_shape(self.hf_config, num_blocks, page_size)
+        if kv_cache_allocator is None:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        else:
+            self.kv_cache = kv_cache_allocator(shape, self.dtype, self.device)
         self.scheduler = Scheduler(
             self.kv_manager,
             max_batch_size=config.max_batch_size,
@@ -89,10 +98,6 @@ class LLMEngine:
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, kernels=%s",
             model_path, self.device, self.dtype, num_blocks, page_size, self.kernels.name,
         )
-
-    def allocate_kv_cache(self, num_blocks: int, page_size: int) -> torch.Tensor:
-        shape = kv_cache_shape(self.hf_config, num_blocks, page_size)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # -------------------------------------------------------------- requests
     def add_request(
@@ -126,15 +131,19 @@ class LLMEngine:
         self._sequences[request_id] = seq
         self.output_processor.add(seq)
 
-    def abort_request(self, request_id: str) -> bool:
-        """End a request wherever it is (queued, reserved, running or held) and free its blocks."""
+    def abort_request(self, request_id: str, keep_blocks: bool = False) -> bool:
+        """End a request wherever it is (queued, reserved, running or held) and free its blocks
+        (``keep_blocks``: hold them until ``release_blocks``, e.g. while a transfer still reads them)."""
         if request_id in self._held:
-            self.release_blocks(request_id)
+            if not keep_blocks:
+                self.release_blocks(request_id)
             return True
         seq = self._sequences.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.finish(seq, FinishReason.ABORT.value)
+        self.scheduler.finish(seq, FinishReason.ABORT.value, keep_blocks=keep_blocks)
+        if keep_blocks:
+            self._held[request_id] = seq
         self.output_processor.drop(request_id)
         return True
 
@@ -153,6 +162,19 @@ class LLMEngine:
         seq = self._sequences[request_id]
         self.scheduler.activate_remote(seq, first_token_id)
         return self._emit(seq, first_token_id, first_logprobs)
+
+    def load(self, **transfer_counters) -> WorkerLoad:
+        """This worker's load report for the router (prefix-cached unheld blocks count as free)."""
+        scheduler = self.scheduler
+        return WorkerLoad(
+            num_queued_prefill_tokens=scheduler.num_queued_prefill_tokens,
+            num_running=len(scheduler.running) + len(scheduler.reserved),
+            num_waiting=len(scheduler.waiting) + len(scheduler.waiting_remote),
+            num_free_blocks=self.kv_manager.num_free_blocks,
+            num_used_blocks=self.kv_manager.num_used_blocks,
+            num_total_blocks=self.kv_manager.num_total_blocks,
+            **transfer_counters,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -183,7 +205,8 @@ class LLMEngine:
         return outputs
 
     def _emit(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> StepOutput:
-        out = StepOutput(seq.request_id, [token_id])
+        out = StepOutput(seq.request_id, [token_id], num_prompt_tokens=seq.num_prompt_tokens,
+                         num_cached_tokens=seq.num_cached_tokens)
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
             out.new_logprobs = [logprobs]

@@ -90,3 +90,15 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: str | torch.
     model = model_class(hf_config, dtype=dtype, device=device)
     model.load_weights(iter_safetensors(path))
     return model.eval(), hf_config
+
+
+def checkpoint_fingerprint(path: str | os.PathLike) -> str:
+    """A short stable id of a checkpoint (its config plus each weight file's name and size), used by
+    prefill and decode workers to refuse to exchange KV computed by different models."""
+    import hashlib
+
+    path = Path(path)
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for file in weight_files(path):
+        digest.update(f"{file.name}:{file.stat().st_size}".encode())
+    return digest.hexdigest()[:16]

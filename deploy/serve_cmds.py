@@ -1,0 +1,66 @@
+"""``tandem router``, ``tandem prefill``, ``tandem decode`` and ``tandem worker --role``: one process each."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+
+from deploy.config_flags import add_config_flags, config_from_args
+from pipeline.config import PipelineRole
+
+logger = logging.getLogger(__name__)
+
+_ROLE_COMMANDS = {"prefill": PipelineRole.PrefillOnly, "decode": PipelineRole.DecodeOnly}
+
+
+def register(sub) -> None:
+    router = sub.add_parser("router", help="run the OpenAI-compatible HTTP router")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: $TANDEM_API_KEY)")
+    add_config_flags(router)
+    router.set_defaults(handler=run_router_cmd)
+    for name, role in _ROLE_COMMANDS.items():
+        parser = sub.add_parser(name, help=f"run a {role.value} worker")
+        _add_worker_flags(parser)
+        parser.set_defaults(handler=run_worker_cmd, role=role.value)
+    worker = sub.add_parser("worker", help="run a worker of any role")
+    worker.add_argument("--role", required=True, choices=[r.value for r in PipelineRole])
+    _add_worker_flags(worker)
+    worker.set_defaults(handler=run_worker_cmd)
+
+
+def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worker-id", default=None, help="unique id (default: ROLE-HOST-PID)")
+    add_config_flags(parser)
+
+
+def run_router_cmd(args: argparse.Namespace) -> int:
+    from router.app import run_router
+
+    config = config_from_args(args)
+    run_router(config, host=args.host, port=args.port, api_key=args.api_key,
+               model_path=config.model.model_path)
+    return 0
+
+
+def run_worker_cmd(args: argparse.Namespace) -> int:
+    config = config_from_args(args, pipeline_role=args.role)
+    worker_id = args.worker_id or f"{config.pipeline_role.value}-{socket.gethostname()}-{os.getpid()}"
+    if config.pipeline_role is PipelineRole.PrefillOnly:
+        from prefill_worker.worker import PrefillWorker as worker_cls
+    else:
+        from decode_worker.worker import DecodeWorker as worker_cls
+    worker = worker_cls(config, worker_id)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    logger.warning("worker %s (%s) serving; router at %s", worker_id, config.pipeline_role.value,
+                   config.zmq_endpoint_base)
+    worker.run(stop)
+    return 0

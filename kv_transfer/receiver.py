@@ -1,0 +1,416 @@
+"""KVReceiver: the decode worker's half of the transfer service; KV lands in reserved blocks only.
+
+Safety rule: bytes of a request are written only into blocks reserved for it by ``expect``, only while
+that reservation is open, and only by the sender that first spoke for it. After ``abort`` (or any
+failure) nothing more is written: ZMQ pieces are dropped unread; a shared-memory writer is told to stop
+(``Revoke``) and the failure is reported only once it confirmed (``RevokeAck`` / ``Finish``) or stayed
+silent for ``timeout_s``. So D may reuse a request's blocks as soon as ``poll()`` has reported it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import msgspec
+import torch
+import zmq
+
+from kernels import load_kernels
+from kv_transfer.blocks import normalize_block_ids
+from kv_transfer.checksum import KVChecksum
+from kv_transfer.interface import ReceivedTransfer, StatsBox, TransferStats
+from kv_transfer.io_thread import IOThread
+from kv_transfer.layout import check_kv_cache
+from kv_transfer.shm import free_shared_kv_cache, host_id, shared_kv_path
+from pipeline.protocol.transfer import (
+    FRAME_ENCODER, SENDER_FRAME_DECODER, Begin, Blocks, Finish, Hello, HelloReply, Grant, FinishAck, KVLayout,
+    Revoke, RevokeAck, SenderAbort, Written,
+)
+
+log = logging.getLogger(__name__)
+
+_MAX_TOMBSTONES = 100_000  # ids of ended requests remembered, to tell "late" from "unknown"
+_RECV_BATCH = 64  # messages per wake-up before commands (expect / abort) run again
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
+
+
+@dataclass(eq=False)
+class _Reservation:
+    request_id: str
+    dst_block_ids: list[int]
+    allowed: set[int]
+    expected_bytes: int | None
+    checksum: KVChecksum
+    created: float
+    sender: bytes | None = None  # ZMQ identity of the one sender allowed to fill it
+    transport: str = ""
+    granted: bool = False  # shm: the sender may be writing into our blocks right now
+    revoking: str | None = None  # the error, while waiting for the shm writer to confirm it stopped
+    revoke_deadline: float = 0.0
+
+
+@dataclass
+class _Peer:
+    ok: bool
+    transport: str = ""
+    error: str = ""
+
+
+class KVReceiver(IOThread):
+    """Receives KV blocks into ``kv_cache`` ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``.
+
+    ``bind`` is a ZMQ address (``tcp://host:port``, port 0 or ``*`` for any; ``ipc:///path``); senders
+    connect to ``endpoint``. The shm transport is offered when ``kv_cache`` comes from
+    ``allocate_shared_kv_cache`` and the layout allows it; ``close()`` then removes that file.
+    """
+
+    def __init__(
+        self, kv_cache: torch.Tensor, layout: KVLayout, bind: str, *, kernel_backend: str = "torch",
+        advertise_host: str | None = None, timeout_s: float = 10.0, name: str = "kv-receiver",
+    ) -> None:
+        check_kv_cache(kv_cache, layout)
+        self._shm_path = shared_kv_path(kv_cache)
+        transports = tuple(t for t in layout.transports if t != "shm" or self._shm_path)
+        if not transports:
+            raise ValueError("transports: 'shm' needs a kv_cache from allocate_shared_kv_cache")
+        self.layout = msgspec.structs.replace(layout, transports=transports)
+        self.kv_cache = kv_cache
+        self.timeout_s = timeout_s
+        self._kernels = load_kernels(kernel_backend, str(kv_cache.device))
+        self._num_blocks = kv_cache.shape[2]
+        self._host_id = host_id()
+        self._bind, self._advertise_host = bind, advertise_host
+        self._endpoint = ""
+        self._results: collections.deque[ReceivedTransfer] = collections.deque()
+        self._open: set[str] = set()  # caller side: expected and not yet reported
+        self._reservations: dict[str, _Reservation] = {}  # I/O thread from here on
+        self._peers: dict[bytes, _Peer] = {}
+        self._tombstones: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._stats = StatsBox()
+        super().__init__(name)
+        self._start()
+
+    # ---- caller side ---------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """The address senders connect to (put it in PrefillRequest)."""
+        return self._endpoint
+
+    def expect(self, request_id: str, dst_block_ids, num_bytes: int | None = None) -> None:
+        """Reserve ``dst_block_ids`` for ``request_id``; ``num_bytes``, if given, is checked at finish.
+
+        Request ids must be unique per attempt (a retry gets a new id).
+        """
+        ids = normalize_block_ids(dst_block_ids, self._num_blocks, "dst_block_ids")
+        if request_id in self._open:
+            raise ValueError(f"request_id: {request_id!r} already has an open reservation")
+        self._open.add(request_id)
+        self._submit(self._cmd_expect, request_id, ids, num_bytes, time.monotonic())
+
+    def poll(self) -> list[ReceivedTransfer]:
+        """Requests the receiver is done with since the last call, each reported exactly once."""
+        self._raise_if_failed()
+        out = []
+        while self._results:
+            out.append(self._results.popleft())
+        for result in out:
+            self._open.discard(result.request_id)
+        return out
+
+    def abort(self, request_id: str) -> None:
+        """Drop the reservation; ``poll()`` reports it (ok=False) once no byte can land any more."""
+        if request_id in self._open:
+            self._submit(self._cmd_abort, request_id)
+
+    def stats(self) -> TransferStats:
+        return self._stats.snapshot()
+
+    def close(self) -> None:
+        self._stop()
+        if self._shm_path:
+            free_shared_kv_cache(self.kv_cache)
+
+    def __enter__(self) -> "KVReceiver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- I/O thread: lifecycle -----------------------------------------------------------------
+
+    def _setup(self) -> None:
+        self._sock = self.ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 64)  # pieces are <= 4 MiB: bounds what queues in memory
+        self._sock.bind(self._bind)
+        self._endpoint = self._advertised(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.poller.register(self._sock, zmq.POLLIN)
+
+    def _advertised(self, bound: str) -> str:
+        parts = urlsplit(bound)
+        if parts.scheme != "tcp" or parts.hostname not in _WILDCARD_HOSTS:
+            return bound
+        host = self._advertise_host or socket.gethostbyname(socket.gethostname())
+        return f"tcp://{host}:{parts.port}"
+
+    def _teardown(self) -> None:
+        sock = getattr(self, "_sock", None)
+        if sock is None:
+            return
+        for res in self._reservations.values():  # tell live senders now rather than at their timeout
+            if res.sender is not None:
+                self._send(res.sender, Revoke(request_id=res.request_id, reason="receiver closed"))
+        sock.close(linger=200 if self._reservations else 0)
+
+    def _tick(self, now: float) -> float | None:
+        waiting = [r for r in self._reservations.values() if r.revoking is not None]
+        for res in waiting:
+            if now >= res.revoke_deadline:
+                with self._stats.lock:
+                    self._stats.stats.num_timeouts += 1
+                log.warning("request %s: shm writer did not confirm it stopped within %.1fs; releasing",
+                            res.request_id, self.timeout_s)
+                self._release(res, f"{res.revoking} (writer silent for {self.timeout_s}s)")
+        return min((r.revoke_deadline - now for r in self._reservations.values() if r.revoking), default=None)
+
+    # ---- I/O thread: commands ------------------------------------------------------------------
+
+    def _cmd_expect(self, request_id: str, ids: list[int], num_bytes: int | None, created: float) -> None:
+        self._tombstones.pop(request_id, None)
+        self._reservations[request_id] = _Reservation(
+            request_id, ids, set(ids), num_bytes, KVChecksum(self.layout.page_bytes), created
+        )
+
+    def _cmd_abort(self, request_id: str) -> None:
+        res = self._reservations.get(request_id)
+        if res is not None and res.revoking is None:
+            self._terminate(res, "aborted by receiver")
+
+    # ---- I/O thread: messages ------------------------------------------------------------------
+
+    def _on_readable(self, sock: zmq.Socket) -> None:
+        for _ in range(_RECV_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._run_commands()  # an expect() issued before these bytes were sent must be in place
+            try:
+                self._handle(frames)
+            except Exception as exc:  # one bad message must not stop the service
+                log.exception("KV receiver: error while handling a message")
+                self._bad_frame(frames[0].bytes, f"handler error ({exc!r})")
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        if len(frames) < 2:
+            return self._bad_frame(identity, "empty message")
+        try:
+            msg = SENDER_FRAME_DECODER.decode(frames[1].buffer)
+        except msgspec.DecodeError as exc:
+            return self._bad_frame(identity, f"undecodable header ({exc})")
+        data = frames[2:]
+        if len(data) != (1 if isinstance(msg, Blocks) else 0):
+            return self._bad_frame(identity, f"{type(msg).__name__} with {len(data)} data frames")
+        if isinstance(msg, Hello):
+            return self._on_hello(identity, msg)
+        peer = self._peers.get(identity)
+        if peer is None or not peer.ok:
+            reason = peer.error if peer else "no handshake with this sender (receiver restarted?)"
+            self._count_late()
+            if not isinstance(msg, RevokeAck):
+                self._send(identity, Revoke(request_id=msg.request_id, reason=reason))
+            return
+        if isinstance(msg, RevokeAck):
+            res = self._reservations.get(msg.request_id)
+            if res is not None and res.revoking is not None and res.sender == identity:
+                self._release(res, res.revoking)
+            return
+        res = self._claim(identity, peer, msg)
+        if res is None:
+            return
+        if isinstance(msg, Finish):
+            self._on_finish(identity, res, msg)
+        elif isinstance(msg, SenderAbort):
+            self._release(res, f"aborted by sender: {msg.reason}" if msg.reason else "aborted by sender")
+        elif res.revoking is not None:
+            self._count_late()  # the writer has not seen our Revoke yet
+        elif isinstance(msg, Begin):
+            if peer.transport != "shm":
+                return self._terminate(res, "protocol error: Begin on a zmq connection")
+            res.granted = True
+            self._send(identity, Grant(request_id=res.request_id, dst_block_ids=res.dst_block_ids))
+        else:
+            self._on_piece(res, peer, msg, data[0] if data else None)
+
+    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+        ours = self.layout
+        problems = ours.mismatch(hello.layout, ours="receiver", theirs="sender")
+        error = "incompatible KV layout: " + "; ".join(problems) if problems else ""
+        transport = ""
+        if not problems:
+            same_host = hello.host_id == self._host_id
+            usable = [t for t in hello.layout.transports if t in ours.transports and (t != "shm" or same_host)]
+            if usable:
+                transport = usable[0]
+            else:
+                error = (f"no common transport: receiver accepts {list(ours.transports)}, sender "
+                         f"{list(hello.layout.transports)}, same host: {same_host}")
+        if error:
+            log.warning("refused KV transfer handshake from sender %s: %s", identity.hex(), error)
+            with self._stats.lock:
+                self._stats.stats.num_refused_handshakes += 1
+            self._peers[identity] = _Peer(ok=False, error=f"handshake refused: {error}")
+            self._send(identity, HelloReply(ok=False, error=error, layout=ours, host_id=self._host_id))
+            return
+        self._peers[identity] = _Peer(ok=True, transport=transport)
+        is_shm = transport == "shm"
+        self._send(identity, HelloReply(
+            ok=True, layout=ours, host_id=self._host_id, transport=transport,
+            shm_path=self._shm_path if is_shm else "", num_blocks=self._num_blocks if is_shm else 0,
+        ))
+
+    def _claim(self, identity: bytes, peer: _Peer, msg) -> _Reservation | None:
+        """The open reservation ``msg`` is for, bound to its first sender; None (and the sender told) if none."""
+        res = self._reservations.get(msg.request_id)
+        if res is not None and res.sender is None:
+            res.sender, res.transport = identity, peer.transport
+        if res is not None and res.sender == identity:
+            return res
+        if res is not None:
+            reason = "request is being sent by another sender"
+        else:
+            reason = self._tombstones.get(msg.request_id)
+            if reason is None:  # never expected here: report once, then treat as ended
+                reason = f"unknown request {msg.request_id!r} (no reservation on this receiver)"
+                log.warning("KV transfer: %s", reason)
+                self._emit(ReceivedTransfer(msg.request_id, ok=False, error=reason, transport=peer.transport))
+                self._tombstone(msg.request_id, reason)
+        self._count_late()
+        if isinstance(msg, Finish):
+            self._send(identity, FinishAck(request_id=msg.request_id, ok=False, error=reason))
+        elif not isinstance(msg, SenderAbort):
+            self._send(identity, Revoke(request_id=msg.request_id, reason=reason))
+        return None
+
+    def _on_piece(self, res: _Reservation, peer: _Peer, msg: Blocks | Written, frame: zmq.Frame | None) -> None:
+        expected_kind = Blocks if peer.transport == "zmq" else Written
+        if not isinstance(msg, expected_kind):
+            return self._terminate(res, f"protocol error: {type(msg).__name__} on a {peer.transport} connection")
+        if isinstance(msg, Written) and not res.granted:
+            return self._terminate(res, "protocol error: Written before Grant")
+        error = self._check_piece(res, msg)
+        if error is None and frame is not None and frame.buffer.nbytes != msg.num_bytes:
+            error = f"size mismatch: piece header announces {msg.num_bytes} bytes, frame has {frame.buffer.nbytes}"
+        if error is not None:
+            log.warning("request %s: %s", res.request_id, error)
+            return self._terminate(res, error)
+        start = time.perf_counter()
+        layers = slice(msg.layer_start, msg.layer_stop)
+        if frame is not None:  # zmq: unpack into our blocks (the one copy on this side)
+            cache = self.kv_cache
+            # [num_selected_layers, 2, n, page_size, num_kv_heads, head_dim], a view of ZMQ's buffer
+            packed = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(cache.dtype).view(
+                msg.layer_stop - msg.layer_start, 2, len(msg.dst_block_ids), *cache.shape[3:])
+            ids = torch.tensor(msg.dst_block_ids, dtype=torch.int64)
+            self._kernels.unpack_kv_blocks(packed.to(cache.device), cache, ids, layers)
+        res.checksum.update_blocks(self.kv_cache, msg.dst_block_ids, layers)  # over what landed
+        with self._stats.lock:
+            t = self._stats.stats.transport(res.transport)
+            t.num_bytes += msg.num_bytes
+            t.busy_seconds += time.perf_counter() - start
+
+    def _check_piece(self, res: _Reservation, msg: Blocks | Written) -> str | None:
+        num_layers = self.layout.num_layers
+        if not 0 <= msg.layer_start < msg.layer_stop <= num_layers:
+            return f"bad piece: layers [{msg.layer_start}, {msg.layer_stop}) outside [0, {num_layers})"
+        ids = msg.dst_block_ids
+        outside = [b for b in ids if b not in res.allowed]
+        if not ids or outside or len(set(ids)) != len(ids):
+            return f"bad piece: blocks must be distinct and reserved (outside: {outside[:8]}, count {len(ids)})"
+        expected = self.layout.kv_bytes(len(ids), msg.layer_stop - msg.layer_start)
+        if msg.num_bytes != expected:
+            return f"size mismatch: piece header announces {msg.num_bytes} bytes, its blocks hold {expected}"
+        return None
+
+    def _on_finish(self, identity: bytes, res: _Reservation, msg: Finish) -> None:
+        if res.revoking is not None:  # Finish comes after the writer's last write: it has stopped
+            self._send(identity, FinishAck(request_id=res.request_id, ok=False, error=res.revoking))
+            return self._release(res, res.revoking)
+        landed = res.checksum.num_bytes
+        error = None
+        if res.expected_bytes is not None and landed != res.expected_bytes:
+            error = f"size mismatch: expected {res.expected_bytes} bytes, {landed} landed"
+        elif msg.num_bytes != landed:
+            error = f"size mismatch: sender sent {msg.num_bytes} bytes, {landed} landed"
+        elif msg.checksum != res.checksum.value:
+            error = f"checksum mismatch: sender {msg.checksum:#018x}, landed {res.checksum.value:#018x}"
+            with self._stats.lock:
+                self._stats.stats.num_checksum_mismatches += 1
+        if error:
+            log.warning("request %s: %s", res.request_id, error)
+        self._send(identity, FinishAck(request_id=res.request_id, ok=error is None, error=error or ""))
+        self._end(res, error, msg.payload)
+
+    # ---- I/O thread: ending requests -----------------------------------------------------------
+
+    def _terminate(self, res: _Reservation, error: str) -> None:
+        """Fail ``res``: tell its sender to stop; wait for an in-place writer to confirm before reporting."""
+        if res.sender is not None:
+            self._send(res.sender, Revoke(request_id=res.request_id, reason=error))
+        if res.transport == "shm" and res.granted:
+            res.revoking, res.revoke_deadline = error, time.monotonic() + self.timeout_s
+        else:
+            self._release(res, error)
+
+    def _release(self, res: _Reservation, error: str) -> None:
+        self._end(res, error, b"")
+
+    def _end(self, res: _Reservation, error: str | None, payload: bytes) -> None:
+        del self._reservations[res.request_id]
+        self._tombstone(res.request_id, error or "request already finished")
+        seconds = time.monotonic() - res.created
+        with self._stats.lock:
+            stats = self._stats.stats
+            t = stats.transport(res.transport) if res.transport else None
+            if error is None:
+                stats.num_transfers += 1
+                t.num_transfers += 1
+                t.transfer_seconds += seconds
+            else:
+                stats.num_failed += 1
+                if t is not None:
+                    t.num_failed += 1
+        self._emit(ReceivedTransfer(res.request_id, ok=error is None, error=error, payload=payload,
+                                    num_bytes=res.checksum.num_bytes, transport=res.transport, seconds=seconds))
+
+    def _emit(self, result: ReceivedTransfer) -> None:
+        self._results.append(result)
+
+    def _tombstone(self, request_id: str, reason: str) -> None:
+        self._tombstones[request_id] = reason
+        while len(self._tombstones) > _MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def _send(self, identity: bytes, msg) -> None:
+        try:
+            self._sock.send_multipart([identity, FRAME_ENCODER.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # a ROUTER drops replies to unknown peers; anything else we log
+            log.warning("KV receiver: could not send %s to %s: %s", type(msg).__name__, identity.hex(), exc)
+
+    def _count_late(self) -> None:
+        with self._stats.lock:
+            self._stats.stats.num_late_dropped += 1
+
+    def _bad_frame(self, identity: bytes, reason: str) -> None:
+        with self._stats.lock:
+            self._stats.stats.num_bad_frames += 1
+            count = self._stats.stats.num_bad_frames
+        if count <= 10 or count % 1000 == 0:
+            log.warning("KV receiver: dropped a bad frame from %s: %s (%d so far)", identity.hex(), reason, count)

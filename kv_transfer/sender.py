@@ -1,0 +1,417 @@
+"""KVSender: the prefill worker's half of the transfer service; ships blocks to decode workers.
+
+One DEALER socket per receiver endpoint, handshake first. Per request, pieces go out in call order and
+``Finish`` (checksum + payload) after the last one on the same socket. zmq: each piece is packed with
+the kernels' ``pack_kv_blocks`` and sent zero-copy as a raw frame. shm: the receiver's cache file is
+mapped once per endpoint and each piece is copied straight into the granted destination blocks, then
+announced with a small ``Written`` header. Nothing waits forever: no handshake reply, a full send queue
+or no acknowledgement for ``timeout_s`` fails the request.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import msgspec
+import torch
+import zmq
+
+from kernels import load_kernels
+from kv_transfer.blocks import Piece, normalize_block_ids, normalize_layers, paired_runs, split_pieces
+from kv_transfer.checksum import KVChecksum
+from kv_transfer.interface import SendStatus, StatsBox, TransferStats
+from kv_transfer.io_thread import IOThread
+from kv_transfer.layout import check_kv_cache
+from kv_transfer.shm import host_id, open_shared_kv_cache
+from pipeline.protocol.transfer import (
+    FRAME_ENCODER, RECEIVER_FRAME_DECODER, Begin, Blocks, Finish, FinishAck, Grant, Hello, HelloReply, KVLayout,
+    Revoke, RevokeAck, SenderAbort, Written,
+)
+
+log = logging.getLogger(__name__)
+
+_SEND_HWM = 16  # queued messages per receiver (pieces are <= 4 MiB): back-pressure instead of memory
+_RETRY_S = 0.002  # back-off when a receiver's queue is full
+_MAX_TOMBSTONES = 100_000
+
+
+@dataclass(eq=False)
+class _Peer:
+    endpoint: str
+    sock: zmq.Socket
+    since: float
+    is_ready: bool = False
+    transport: str = ""
+    shm_cache: torch.Tensor | None = None  # shm: the receiver's KV cache, mapped here
+    blocked_until: float = 0.0
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    gen: int  # which incarnation of request_id (ids may be reused after their status was polled)
+    peer: _Peer
+    checksum: KVChecksum
+    started: float
+    last_progress: float
+    ops: collections.deque = field(default_factory=collections.deque)  # Piece | bytes (finish payload)
+    outbox: list | None = None  # prepared frames of ops[0], sent once the socket takes them
+    is_started: bool = False  # shm: Begin sent; zmq: first frame sent
+    grant: set[int] | None = None  # shm: blocks the receiver allows us to write
+    is_finishing: bool = False  # Finish sent, waiting for FinishAck
+
+
+@dataclass
+class _Active:  # caller side
+    endpoint: str
+    gen: int
+    is_finished: bool = False
+
+
+class KVSender(IOThread):
+    """Sends blocks of ``kv_cache`` ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``."""
+
+    def __init__(
+        self, kv_cache: torch.Tensor, layout: KVLayout, *, kernel_backend: str = "torch", timeout_s: float = 10.0,
+        name: str = "kv-sender",
+    ) -> None:
+        check_kv_cache(kv_cache, layout)
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self._kernels = load_kernels(kernel_backend, str(kv_cache.device))
+        self._hello = FRAME_ENCODER.encode(Hello(layout=layout, host_id=host_id()))
+        self._results: collections.deque[tuple[int, SendStatus]] = collections.deque()
+        self._active: dict[str, _Active] = {}  # caller side
+        self._next_gen = 0
+        self._peers: dict[str, _Peer] = {}  # I/O thread from here on
+        self._peer_of_sock: dict[zmq.Socket, _Peer] = {}
+        self._requests: dict[str, _Request] = {}
+        self._tombstones: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._stats = StatsBox()
+        # Test hook: fn(request_id, tensor) runs after a piece was checksummed, on the bytes about to
+        # travel (zmq) or that just landed in the receiver's blocks (shm), to corrupt them in flight.
+        self.corrupt_hook: Callable[[str, torch.Tensor], None] | None = None
+        super().__init__(name)
+        self._start()
+
+    # ---- caller side ---------------------------------------------------------------------------
+
+    def send_blocks(self, request_id: str, dst_endpoint: str, src_block_ids, dst_block_ids,
+                    layers: slice | int | None = None) -> None:
+        """Queue ``src_block_ids[i] -> dst_block_ids[i]`` for ``layers`` (None = all); returns at once.
+
+        Call it as chunks (or layers) of the prompt finish; pieces land in call order. The blocks must
+        hold their final KV (on GPU: the writing kernels completed) and stay untouched until ``poll()``
+        reports the request. Empty lists just open the request (nothing to ship, only ``finish``).
+        """
+        src = normalize_block_ids(src_block_ids, self.kv_cache.shape[2], "src_block_ids")
+        dst = normalize_block_ids(dst_block_ids, 1 << 62, "dst_block_ids")  # the receiver checks the range
+        if len(src) != len(dst):
+            raise ValueError(f"src_block_ids and dst_block_ids differ in length ({len(src)} != {len(dst)})")
+        layer_start, layer_stop = normalize_layers(layers, self.layout.num_layers)
+        active = self._active.get(request_id)
+        if active is None:
+            self._next_gen += 1
+            active = self._active[request_id] = _Active(dst_endpoint, self._next_gen)
+        elif active.endpoint != dst_endpoint:
+            raise ValueError(f"request {request_id!r} is already being sent to {active.endpoint}")
+        elif active.is_finished:
+            raise ValueError(f"request {request_id!r}: send_blocks after finish")
+        self._submit(self._cmd_send, request_id, active.gen, dst_endpoint,
+                     split_pieces(layer_start, layer_stop, src, dst, self.layout.page_bytes))
+
+    def finish(self, request_id: str, payload: bytes = b"") -> None:
+        """Send the checksum and ``payload`` after every queued piece of ``request_id``."""
+        active = self._active.get(request_id)
+        if active is None or active.is_finished:
+            raise ValueError(f"request {request_id!r}: finish needs an open request (call send_blocks first, "
+                             "with empty lists if there is nothing to ship), once")
+        active.is_finished = True
+        self._submit(self._cmd_finish, request_id, active.gen, bytes(payload))
+
+    def abort(self, request_id: str) -> None:
+        """Stop sending ``request_id``; the receiver is told, and ``poll()`` reports it failed."""
+        active = self._active.get(request_id)
+        if active is not None:
+            self._submit(self._cmd_abort, request_id, active.gen)
+
+    def poll(self) -> list[SendStatus]:
+        """Requests finished since the last call (ok: the receiver verified them), each exactly once."""
+        self._raise_if_failed()
+        out = []
+        while self._results:
+            gen, status = self._results.popleft()
+            active = self._active.get(status.request_id)
+            if active is not None and active.gen == gen:
+                del self._active[status.request_id]
+            out.append(status)
+        return out
+
+    def stats(self) -> TransferStats:
+        return self._stats.snapshot()
+
+    def close(self) -> None:
+        """Abort what is in flight (the receivers are told, best effort) and stop."""
+        self._stop()
+
+    def __enter__(self) -> "KVSender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- I/O thread: commands ------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        pass
+
+    def _cmd_send(self, request_id: str, gen: int, endpoint: str, pieces: list[Piece]) -> None:
+        req = self._requests.get(request_id)
+        if req is None:
+            if self._tombstones.get(request_id) == gen:
+                return  # already failed; its status is on its way to the caller
+            now = time.monotonic()
+            try:
+                peer = self._peer(endpoint, now)
+            except zmq.ZMQError as exc:
+                return self._report(request_id, gen, False, f"cannot connect to {endpoint!r}: {exc}")
+            req = self._requests[request_id] = _Request(request_id, gen, peer, KVChecksum(self.layout.page_bytes),
+                                                        now, now)
+        if not req.ops:
+            req.last_progress = time.monotonic()  # the receiver's clock starts when there is work
+        req.ops.extend(pieces)
+
+    def _cmd_finish(self, request_id: str, gen: int, payload: bytes) -> None:
+        req = self._requests.get(request_id)
+        if req is not None and req.gen == gen:
+            if not req.ops:
+                req.last_progress = time.monotonic()
+            req.ops.append(payload)
+
+    def _cmd_abort(self, request_id: str, gen: int) -> None:
+        req = self._requests.get(request_id)
+        if req is not None and req.gen == gen:
+            if req.is_started:
+                self._send(req.peer, [FRAME_ENCODER.encode(SenderAbort(request_id=request_id))])
+            self._complete(req, False, "aborted by sender")
+
+    def _peer(self, endpoint: str, now: float) -> _Peer:
+        peer = self._peers.get(endpoint)
+        if peer is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+            try:
+                sock.connect(endpoint)
+                sock.send(self._hello, zmq.NOBLOCK)  # first message on a fresh pipe: always queued
+            except zmq.ZMQError:
+                sock.close()
+                raise
+            peer = self._peers[endpoint] = self._peer_of_sock[sock] = _Peer(endpoint, sock, now)
+            self.poller.register(sock, zmq.POLLIN)
+        return peer
+
+    # ---- I/O thread: progress ------------------------------------------------------------------
+
+    def _tick(self, now: float) -> float | None:
+        """One op per request per round (fair), then timeouts; returns seconds until work is due."""
+        for peer in [p for p in self._peers.values() if not p.is_ready and now - p.since > self.timeout_s]:
+            self._count("num_timeouts")
+            self._fail_peer(peer, f"no handshake reply from {peer.endpoint} within {self.timeout_s}s "
+                                  "(receiver dead or unreachable?)")
+        due = [p.since + self.timeout_s - now for p in self._peers.values() if not p.is_ready]
+        for req in list(self._requests.values()):
+            if self._requests.get(req.request_id) is not req:
+                continue  # ended earlier in this round
+            if self._step(req, now):
+                due.append(0.0)
+            elif req.ops or req.is_finishing:  # waiting on the receiver (not on the caller): bounded
+                if now - req.last_progress > self.timeout_s:
+                    self._count("num_timeouts")
+                    self._complete(req, False, f"receiver at {req.peer.endpoint} made no progress for "
+                                               f"{self.timeout_s}s (dead, stuck or unreachable?)")
+                    continue
+                due.append(req.last_progress + self.timeout_s - now)
+                if req.peer.blocked_until > now:
+                    due.append(req.peer.blocked_until - now)
+        return min(due, default=None)
+
+    def _step(self, req: _Request, now: float) -> bool:
+        """Move ``req`` one op forward; False when it must wait (handshake, grant, ack, full queue)."""
+        peer = req.peer
+        if not peer.is_ready or not req.ops or now < peer.blocked_until:
+            return False
+        if peer.transport == "shm" and req.grant is None:
+            if not req.is_started:
+                req.is_started = self._send(peer, [FRAME_ENCODER.encode(Begin(request_id=req.request_id))])
+                if not req.is_started:
+                    peer.blocked_until = now + _RETRY_S
+            return False
+        if req.outbox is None:
+            op = req.ops[0]
+            if isinstance(op, Piece):
+                req.outbox = self._prepare_piece(req, op)
+                if req.outbox is None:
+                    return False
+            else:
+                checksum = req.checksum
+                req.outbox = [FRAME_ENCODER.encode(Finish(request_id=req.request_id, num_bytes=checksum.num_bytes,
+                                                          checksum=checksum.value, payload=op))]
+        if not self._send(peer, req.outbox):
+            peer.blocked_until = now + _RETRY_S
+            return False
+        req.is_started = True
+        op = req.ops.popleft()
+        req.outbox = None
+        req.last_progress = time.monotonic()
+        if not isinstance(op, Piece):
+            req.is_finishing = True
+        return True
+
+    def _prepare_piece(self, req: _Request, piece: Piece) -> list | None:
+        start = time.perf_counter()
+        num_bytes = piece.num_bytes(self.layout.page_bytes)
+        layers = piece.layers
+        if req.peer.transport == "zmq":
+            src_ids = torch.tensor(piece.src_block_ids, dtype=torch.int64)
+            # [num_selected_layers, 2, n, page_size, num_kv_heads, head_dim], contiguous
+            packed = self._kernels.pack_kv_blocks(self.kv_cache, src_ids, layers)
+            req.checksum.update_packed(packed)
+            packed = packed.cpu()
+            if self.corrupt_hook is not None:
+                self.corrupt_hook(req.request_id, packed)
+            header = Blocks(request_id=req.request_id, layer_start=piece.layer_start, layer_stop=piece.layer_stop,
+                            dst_block_ids=piece.dst_block_ids, num_bytes=num_bytes)
+            # The raw frame is a view of ``packed`` (numpy shares its memory); ZMQ keeps it alive until sent.
+            frames = [FRAME_ENCODER.encode(header), packed.view(-1).view(torch.uint8).numpy()]
+        else:
+            outside = [b for b in piece.dst_block_ids if b not in req.grant]
+            if outside:
+                self._complete(req, False, f"blocks {outside[:8]} are outside the receiver's reservation")
+                return None
+            dst_cache = req.peer.shm_cache
+            for src, dst, n in paired_runs(piece.src_block_ids, piece.dst_block_ids):  # the one copy
+                dst_cache[layers, :, dst : dst + n].copy_(self.kv_cache[layers, :, src : src + n])
+            req.checksum.update_blocks(self.kv_cache, piece.src_block_ids, layers)
+            if self.corrupt_hook is not None:
+                self.corrupt_hook(req.request_id, dst_cache[layers, :, piece.dst_block_ids[0]])
+            header = Written(request_id=req.request_id, layer_start=piece.layer_start, layer_stop=piece.layer_stop,
+                             dst_block_ids=piece.dst_block_ids, num_bytes=num_bytes)
+            frames = [FRAME_ENCODER.encode(header)]
+        with self._stats.lock:
+            t = self._stats.stats.transport(req.peer.transport)
+            t.num_bytes += num_bytes
+            t.busy_seconds += time.perf_counter() - start
+        return frames
+
+    def _send(self, peer: _Peer, frames: list) -> bool:
+        try:
+            peer.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
+    # ---- I/O thread: replies -------------------------------------------------------------------
+
+    def _on_readable(self, sock: zmq.Socket) -> None:
+        peer = self._peer_of_sock.get(sock)
+        while peer is not None and self._peers.get(peer.endpoint) is peer:
+            try:
+                raw = sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = RECEIVER_FRAME_DECODER.decode(raw.buffer)
+            except msgspec.DecodeError as exc:
+                self._count("num_bad_frames")
+                log.warning("KV sender: dropped a bad frame from %s: %s", peer.endpoint, exc)
+                continue
+            if isinstance(msg, HelloReply):
+                self._on_hello_reply(peer, msg)
+                continue
+            req = self._requests.get(msg.request_id)
+            if req is not None and req.peer is not peer:
+                req = None
+            if isinstance(msg, Grant) and req is not None:
+                req.grant, req.last_progress = set(msg.dst_block_ids), time.monotonic()
+            elif isinstance(msg, FinishAck) and req is not None and req.is_finishing:
+                self._complete(req, msg.ok, None if msg.ok else f"receiver: {msg.error}")
+            elif isinstance(msg, Revoke):
+                if req is not None:
+                    self._complete(req, False, f"revoked by receiver: {msg.reason}")
+                self._send(peer, [FRAME_ENCODER.encode(RevokeAck(request_id=msg.request_id))])  # we stopped
+
+    def _on_hello_reply(self, peer: _Peer, reply: HelloReply) -> None:
+        if peer.is_ready:
+            return
+        if not reply.ok:
+            self._count("num_refused_handshakes")
+            return self._fail_peer(peer, f"handshake refused by {peer.endpoint}: {reply.error}")
+        problems = self.layout.mismatch(reply.layout, ours="sender", theirs="receiver") if reply.layout else ["no layout"]
+        if problems or reply.transport not in self.layout.transports:
+            self._count("num_refused_handshakes")
+            error = "; ".join(problems) or f"transport {reply.transport!r} not allowed here"
+            log.warning("KV sender: refusing receiver %s: %s", peer.endpoint, error)
+            return self._fail_peer(peer, f"incompatible receiver {peer.endpoint}: {error}")
+        if reply.transport == "shm":
+            shape = (self.layout.num_layers, 2, reply.num_blocks, *self.kv_cache.shape[3:])
+            try:
+                peer.shm_cache = open_shared_kv_cache(reply.shm_path, shape, self.kv_cache.dtype)
+            except (OSError, ValueError, RuntimeError) as exc:
+                return self._fail_peer(peer, f"shm transport to {peer.endpoint}: cannot map {reply.shm_path}: {exc}")
+        peer.is_ready, peer.transport = True, reply.transport
+
+    # ---- I/O thread: ending --------------------------------------------------------------------
+
+    def _fail_peer(self, peer: _Peer, error: str) -> None:
+        """Fail every request on ``peer`` and drop the connection (a later request handshakes again)."""
+        log.warning("KV sender: %s", error)
+        for req in [r for r in self._requests.values() if r.peer is peer]:
+            self._complete(req, False, error)
+        self._close_peer(peer, linger=0)
+
+    def _close_peer(self, peer: _Peer, linger: int) -> None:
+        self._peers.pop(peer.endpoint, None)
+        self._peer_of_sock.pop(peer.sock, None)
+        self.poller.unregister(peer.sock)
+        peer.sock.close(linger=linger)
+        peer.shm_cache = None  # unmaps once no piece refers to it
+
+    def _complete(self, req: _Request, ok: bool, error: str | None) -> None:
+        del self._requests[req.request_id]
+        self._tombstones[req.request_id] = req.gen
+        while len(self._tombstones) > _MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
+        seconds = time.monotonic() - req.started
+        with self._stats.lock:
+            stats = self._stats.stats
+            stats.num_transfers += ok
+            stats.num_failed += not ok
+            if req.peer.transport:
+                t = stats.transport(req.peer.transport)
+                t.num_transfers += ok
+                t.num_failed += not ok
+                t.transfer_seconds += seconds if ok else 0.0
+        self._report(req.request_id, req.gen, ok, error, req.checksum.num_bytes, req.peer.transport, seconds)
+
+    def _report(self, request_id: str, gen: int, ok: bool, error: str | None, num_bytes: int = 0,
+                transport: str = "", seconds: float = 0.0) -> None:
+        self._tombstones[request_id] = gen
+        self._results.append((gen, SendStatus(request_id, ok, error, num_bytes, transport, seconds)))
+
+    def _count(self, name: str) -> None:
+        with self._stats.lock:
+            setattr(self._stats.stats, name, getattr(self._stats.stats, name) + 1)
+
+    def _teardown(self) -> None:
+        for req in list(self._requests.values()):  # best effort: D should not wait for its TTL
+            if req.peer.is_ready and req.is_started:
+                self._send(req.peer, [FRAME_ENCODER.encode(SenderAbort(request_id=req.request_id,
+                                                                       reason="sender closed"))])
+        for peer in list(self._peers.values()):
+            self._close_peer(peer, linger=200 if any(r.peer is peer for r in self._requests.values()) else 0)

@@ -1,0 +1,121 @@
+"""What every worker process shares: the engine, the router link, the poll loop, output messages.
+
+Roles subclass ``WorkerBase`` and implement ``run_once`` (one pass: read sockets, step the engine,
+send outputs) and ``is_busy`` (whether the next pass has work without waiting for a socket).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import zmq
+
+from pipeline.config import PipelineConfig
+from pipeline.engine import LLMEngine, StepOutput
+from pipeline.protocol import TokenLogprob
+from pipeline.protocol.cluster import FinishCode, RegisterWorker, TokenDelta, WorkerRole, served_model_name
+from pipeline.router_link import RouterLink
+from pipeline.weights import checkpoint_fingerprint
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 5  # how long an idle worker waits on its sockets before checking timers again
+_FINISH_CODES = {"stop": FinishCode.STOP, "length": FinishCode.LENGTH, "abort": FinishCode.ABORT,
+                 "error": FinishCode.ERROR}
+
+
+class WorkerBase:
+    def __init__(self, config: PipelineConfig, worker_id: str, kv_cache_allocator=None) -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.engine = LLMEngine(config, kv_cache_allocator=kv_cache_allocator)
+        self.model_fingerprint = checkpoint_fingerprint(self.engine.model_path)
+        self.ctx = zmq.Context()
+        self.link: RouterLink | None = None
+
+    def connect_router(self, prefill_endpoint: str | None = None) -> None:
+        registration = RegisterWorker(
+            worker_id=self.worker_id,
+            role=WorkerRole.from_pipeline_role(self.config.pipeline_role),
+            model_name=served_model_name(self.config.model.model_path),
+            max_length=self.engine.max_length,
+            page_size=self.engine.kv_manager.page_size,
+            num_total_blocks=self.engine.kv_manager.num_total_blocks,
+            prefill_endpoint=prefill_endpoint,
+            pid=os.getpid(),
+        )
+        self.link = RouterLink(self.ctx, self.config.zmq_endpoint_base, registration)
+        self.link.heartbeat_interval_s = self.config.transfer.heartbeat_interval_s
+
+    def kv_layout(self):
+        from kv_transfer.layout import kv_layout
+
+        return kv_layout(self.engine.kv_cache, self.model_fingerprint, self.config.transfer.transport)
+
+    # ------------------------------------------------------------------ loop
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Serve until ``stop`` is set (or forever); always closes sockets on the way out."""
+        if self.link is None:
+            self.connect_router()
+        stop = stop or threading.Event()
+        poller = zmq.Poller()
+        registered: set[zmq.Socket] = set()
+        try:
+            while not stop.is_set():
+                for sock in self.sockets():
+                    if sock not in registered:
+                        poller.register(sock, zmq.POLLIN)
+                        registered.add(sock)
+                self.run_once()
+                if not self.is_busy():
+                    poller.poll(IDLE_POLL_MS)
+        finally:
+            self.close()
+
+    def run_once(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def is_busy(self) -> bool:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.link.socket]
+
+    def transfer_counters(self) -> dict:
+        return {}
+
+    def tick(self) -> None:
+        self.link.tick(self.engine.load(**self.transfer_counters()))
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+        self.ctx.destroy(linger=0)
+
+
+def logprobs_to_wire(entry: dict[int, float], sampled: int) -> list[TokenLogprob]:
+    """Sampled token first, then the rest by descending logprob."""
+    rest = sorted(((t, lp) for t, lp in entry.items() if t != sampled), key=lambda item: -item[1])
+    return [TokenLogprob(sampled, entry[sampled]), *(TokenLogprob(t, lp) for t, lp in rest)]
+
+
+def delta_from_step(step: StepOutput) -> TokenDelta:
+    delta = TokenDelta(
+        request_id=step.request_id,
+        token_ids=step.new_token_ids,
+        num_prompt_tokens=step.num_prompt_tokens,
+        num_cached_tokens=step.num_cached_tokens,
+    )
+    if step.new_logprobs is not None:
+        delta.logprobs = [logprobs_to_wire(e, t) for e, t in zip(step.new_logprobs, step.new_token_ids)]
+    if step.finish_reason is not None:
+        delta.finish_reason = _FINISH_CODES[step.finish_reason]
+        if step.finish_reason == "stop" and not isinstance(step.stop_reason, str):
+            delta.stop_token_id = step.new_token_ids[-1]  # EOS or a stop token id: no text
+    return delta
+
+
+def error_delta(request_id: str, error: str, retryable: bool) -> TokenDelta:
+    return TokenDelta(request_id=request_id, finish_reason=FinishCode.ERROR, error=error, retryable=retryable)

@@ -1,0 +1,211 @@
+"""The prefill worker (PrefillOnly role): prompts in, KV and first tokens out.
+
+Request lifecycle on this worker:
+
+1. ``PrefillRequest`` arrives from a decode worker D on this worker's ROUTER socket, carrying D's
+   destination block ids and transfer endpoint. It joins the engine as a prefill-only request
+   (it stops after the first token and keeps its blocks). A full queue answers ``PrefillRejected``
+   (retryable).
+2. Batched chunked prefill under ``max_batch_input_tokens``; this worker's own prefix cache skips
+   compute for prompts it has seen.
+3. After every step, blocks that became complete are pushed to D at once, so the transfer overlaps
+   the next chunk's compute. Blocks D already holds (its own prefix hit) are not sent.
+4. When the prompt is done, the last (partial) block follows, then ``PrefillDone`` (first token,
+   logprobs) as the completion payload on the same ordered channel.
+5. Blocks are freed (kept in the prefix cache) only once D acknowledged the verified transfer, or
+   at once when the transfer fails, D cancels (``CancelPrefill``) or the request's TTL passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from kv_transfer.sender import KVSender
+from pipeline.config import PipelineConfig
+from pipeline.endpoints import worker_bind_endpoint
+from pipeline.engine import RequestError
+from pipeline.protocol.cluster import (
+    CancelPrefill,
+    PrefillDone,
+    PrefillRejected,
+    PrefillRequest,
+    decode_decode_to_prefill,
+    encode,
+)
+from pipeline.scheduler import QueueFullError
+from pipeline.worker_base import WorkerBase, logprobs_to_wire
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillJob:
+    request: PrefillRequest
+    decode_identity: bytes
+    deadline: float
+    num_sent_blocks: int  # leading destination blocks already sent (or already on D)
+    is_finished: bool = False  # PrefillDone handed to the sender
+    is_dropped: bool = False
+    has_sent: bool = False  # the sender knows this request (so it will report it once)
+
+
+class PrefillWorker(WorkerBase):
+    def __init__(self, config: PipelineConfig, worker_id: str) -> None:
+        super().__init__(config, worker_id)
+        self.requests = self.ctx.socket(zmq.ROUTER)
+        self.requests.setsockopt(zmq.LINGER, 0)
+        self.requests.bind(worker_bind_endpoint(config.zmq_endpoint_base, worker_id, "prefill"))
+        self.endpoint = self.requests.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.sender = KVSender(self.engine.kv_cache, self.kv_layout())
+        self.jobs: dict[str, PrefillJob] = {}
+        self.num_bad_frames = 0
+        self.connect_router(prefill_endpoint=self.endpoint)
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.link.socket, self.requests]
+
+    def is_busy(self) -> bool:
+        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
+
+    def transfer_counters(self) -> dict:
+        stats = self.sender.stats()
+        return dict(
+            transfer_bytes=sum(t.num_bytes for t in stats.transports.values()),
+            transfer_seconds=sum(t.transfer_seconds for t in stats.transports.values()),
+            num_bad_frames=stats.num_bad_frames + self.link.num_bad_frames + self.num_bad_frames,
+        )
+
+    # ------------------------------------------------------------------ loop
+    def run_once(self) -> None:
+        for message in self.link.receive():  # the router sends prefill workers nothing but acks today
+            logger.debug("ignored %s from the router", type(message).__name__)
+        self._receive_requests()
+        if self.is_busy():
+            for out in self.engine.step():
+                if out.finish_reason is not None:
+                    self._finish(out)
+            self._ship_progress()
+        self._reap_sends()
+        self._expire()
+        self.tick()
+
+    def _receive_requests(self) -> None:
+        while True:
+            try:
+                identity, frame = self.requests.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:  # not two frames
+                self.num_bad_frames += 1
+                continue
+            try:
+                message = decode_decode_to_prefill(frame)
+            except msgspec.DecodeError as exc:
+                self.num_bad_frames += 1
+                logger.warning("dropped a malformed frame on the prefill socket (%d so far): %s",
+                               self.num_bad_frames, exc)
+                continue
+            if isinstance(message, CancelPrefill):
+                self._drop(message.request_id, "cancelled by the decode worker")
+            else:
+                self._accept(identity, message)
+
+    def _accept(self, identity: bytes, request: PrefillRequest) -> None:
+        rid = request.request_id
+        try:
+            if rid in self.jobs:
+                raise RequestError(f"request {rid} is already being prefilled here")
+            self.engine.add_request(rid, request.prompt_token_ids, request.sampling_params, prefill_only=True)
+        except QueueFullError as exc:
+            return self._reject(identity, rid, str(exc), retryable=True)
+        except (RequestError, ValueError) as exc:
+            return self._reject(identity, rid, str(exc), retryable=False)
+        page_size = self.engine.kv_manager.page_size
+        self.jobs[rid] = PrefillJob(request, identity, time.monotonic() + request.ttl_s,
+                                    num_sent_blocks=request.num_cached_tokens // page_size)
+
+    def _reject(self, identity: bytes, rid: str, error: str, retryable: bool) -> None:
+        self.requests.send_multipart([identity, encode(PrefillRejected(request_id=rid, error=error,
+                                                                       retryable=retryable))])
+
+    # --------------------------------------------------------------- shipping
+    def _ship_progress(self) -> None:
+        """Push every block that became complete this step (all of them once the prompt is done)."""
+        plan = self.engine.last_plan
+        page_size = self.engine.kv_manager.page_size
+        for chunk in plan.chunks if plan is not None else []:
+            job = self.jobs.get(chunk.seq.request_id)
+            if job is None or job.is_finished or job.is_dropped:
+                continue
+            self._send_blocks(job, chunk.seq.num_computed_tokens // page_size)
+
+    def _send_blocks(self, job: PrefillJob, upto: int) -> None:
+        rid = job.request.request_id
+        upto = min(upto, len(job.request.dst_block_ids))
+        if upto <= job.num_sent_blocks:
+            return
+        table = self.engine.kv_manager.block_table(rid)
+        self.sender.send_blocks(rid, job.request.transfer_endpoint, table[job.num_sent_blocks:upto],
+                                job.request.dst_block_ids[job.num_sent_blocks:upto])
+        job.num_sent_blocks = upto
+        job.has_sent = True
+
+    def _finish(self, out) -> None:
+        job = self.jobs.get(out.request_id)
+        if job is None or job.is_dropped:
+            return
+        page_size = self.engine.kv_manager.page_size
+        num_prompt_tokens = len(job.request.prompt_token_ids)
+        self._send_blocks(job, -(-num_prompt_tokens // page_size))  # the last, partial block too
+        first_token = out.new_token_ids[0]
+        logprobs = None
+        if out.new_logprobs is not None:
+            logprobs = logprobs_to_wire(out.new_logprobs[0], first_token)
+        done = PrefillDone(
+            request_id=out.request_id,
+            first_token_id=first_token,
+            first_logprobs=logprobs,
+            num_prompt_tokens=num_prompt_tokens,
+            num_computed_tokens=num_prompt_tokens - out.num_cached_tokens,
+            prefill_worker_id=self.worker_id,
+        )
+        self.sender.finish(out.request_id, encode(done))
+        job.is_finished = job.has_sent = True
+
+    def _reap_sends(self) -> None:
+        for status in self.sender.poll():
+            job = self.jobs.pop(status.request_id, None)
+            if not status.ok:
+                logger.warning("request %s: KV transfer failed: %s", status.request_id, status.error)
+            if job is not None:
+                self.engine.abort_request(status.request_id)  # frees (or releases held) blocks
+
+    def _drop(self, rid: str, reason: str) -> None:
+        job = self.jobs.get(rid)
+        if job is None or job.is_dropped:
+            return
+        logger.info("request %s dropped: %s", rid, reason)
+        job.is_dropped = True
+        if not job.has_sent:
+            del self.jobs[rid]
+            self.engine.abort_request(rid)
+            return
+        # The sender may still read these blocks: stop computing now, free once it reports back.
+        self.engine.abort_request(rid, keep_blocks=True)
+        self.sender.abort(rid)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid, job in list(self.jobs.items()):
+            if now > job.deadline and not job.is_dropped:
+                self._drop(rid, "TTL passed before the decode worker acknowledged the KV")
+
+    def close(self) -> None:
+        self.sender.close()
+        self.requests.close(linger=0)
+        super().close()

@@ -1,0 +1,199 @@
+"""The router over real HTTP (httpx and the official openai client) against a scripted fake worker."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from pipeline.config import PipelineRole
+from pipeline.protocol.cluster import FinishCode, WorkerLoad
+from tests.router.fake_worker import tokens_script
+
+TEXT = "Hello there, how are you? Paris is the capital of France."
+
+
+@pytest.fixture
+def text_ids(served_model):
+    return served_model.tokenizer.encode(TEXT)
+
+
+@pytest.fixture
+def client(router):
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def test_ready_health_and_models(router):
+    response = httpx.get(f"{router.url}/ready")
+    assert response.status_code == 503 and response.json()["ready"] is False
+    assert "no live workers" in response.json()["reason"]
+    assert httpx.get(f"{router.url}/health").json() == {"status": "ok"}
+    router.add_worker()
+    assert router.wait_ready(True)
+    body = httpx.get(f"{router.url}/ready").json()
+    assert body["ready"] and body["workers"] == [{"worker_id": "w0", "role": "PrefillAndDecode", "alive": True}]
+    models = httpx.get(f"{router.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 64
+
+
+def test_no_worker_is_503_with_an_openai_body(router):
+    response = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "no live workers" in error["message"]
+
+
+def test_completion_non_streaming(router, text_ids, served_model):
+    worker = router.add_worker(script=tokens_script(text_ids))
+    response = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 40})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion" and body["model"] == "tiny"
+    assert body["choices"][0]["text"] == TEXT and body["choices"][0]["finish_reason"] == "length"
+    num_prompt = len(served_model.tokenizer.encode("Hi"))
+    assert body["usage"]["prompt_tokens"] == num_prompt and body["usage"]["completion_tokens"] == len(text_ids)
+    assert body["usage"]["total_tokens"] == num_prompt + len(text_ids)
+    request = worker.requests[0]
+    assert request.request_id == body["id"] and request.prompt_token_ids == served_model.tokenizer.encode("Hi")
+    assert request.prefill_endpoint is None and request.sampling_params.max_tokens == 40
+
+
+def test_openai_client_completions(router, client, text_ids):
+    router.add_worker(script=tokens_script(text_ids))
+    completion = client.completions.create(model="tiny", prompt="Hi", max_tokens=40, temperature=0)
+    assert completion.choices[0].text == TEXT and completion.usage.completion_tokens == len(text_ids)
+    stream = client.completions.create(model="tiny", prompt="Hi", max_tokens=40, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == TEXT
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(text_ids)
+
+
+def test_openai_client_chat(router, client, text_ids, served_model):
+    worker = router.add_worker(script=tokens_script(text_ids, finish=FinishCode.STOP))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=40)
+    assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content == TEXT
+    assert reply.choices[0].finish_reason == "stop" and reply.object == "chat.completion"
+    expected = served_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "input_ids") else expected
+    assert worker.requests[0].prompt_token_ids == list(expected)
+    assert reply.usage.prompt_tokens == len(expected) and reply.usage.prompt_tokens_details.cached_tokens == 3
+    stream = client.chat.completions.create(model="tiny", messages=messages, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == TEXT
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].usage is None
+
+
+def test_logprobs_formatting(router, client, served_model):
+    ids = served_model.tokenizer.encode("Hello there")
+    router.add_worker(script=tokens_script(ids, logprobs=True))
+    completion = client.completions.create(model="tiny", prompt="Hi", max_tokens=10, logprobs=2)
+    lp = completion.choices[0].logprobs
+    assert "".join(lp.tokens) == "Hello there" and lp.token_logprobs == [-0.5 - i for i in range(len(ids))]
+    assert lp.text_offset[0] == 0 and len(lp.top_logprobs) == len(ids)
+    assert lp.top_logprobs[0][lp.tokens[0]] == -0.5 and len(lp.top_logprobs[0]) == 3  # sampled + top-2
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                           logprobs=True, top_logprobs=2, max_tokens=10)
+    content = reply.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == "Hello there"
+    assert content[0].logprob == -0.5 and content[0].bytes == list(content[0].token.encode())
+    assert [t.logprob for t in content[0].top_logprobs] == [-1.0, -2.0]
+    assert content[0].top_logprobs[0].token == served_model.token_text(ids[0] + 1)
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                            logprobs=True, top_logprobs=1, max_tokens=10, stream=True)
+    streamed = [e.token for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert "".join(streamed) == "Hello there"
+
+
+def test_stop_string_truncates_and_cancels_the_worker(router, client, text_ids):
+    worker = router.add_worker(script=tokens_script(text_ids, step_s=0.02))
+    completion = client.completions.create(model="tiny", prompt="Hi", max_tokens=40, stop=["how are"])
+    assert completion.choices[0].text == "Hello there, " and completion.choices[0].finish_reason == "stop"
+    assert worker.wait_for(lambda: completion.id in worker.cancels)
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                 stop="Paris", stream=True, max_tokens=40))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello there, how are you? "
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert worker.wait_for(lambda: chunks[0].id in worker.cancels)
+
+
+@pytest.mark.parametrize(
+    "body, status, param, words",
+    [
+        (b"{not json", 400, None, "Invalid JSON"),
+        ({"prompt": "Hi"}, 400, "model", "Field required"),
+        ({"model": "tiny", "prompt": "Hi", "max_tokens": "ten"}, 400, "max_tokens", "valid integer"),
+        ({"model": "tiny", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", "must be >= 1"),
+        ({"model": "tiny", "prompt": "Hi", "temperature": -1}, 400, "temperature", "must be >= 0"),
+        ({"model": "tiny", "prompt": "Hi", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
+        ({"model": "tiny", "prompt": [5] * 60, "max_tokens": 10}, 400, "max_tokens", "maximum context length is 64"),
+        ({"model": "tiny", "prompt": "Hi", "n": 2}, 400, "n", "only n=1"),
+        ({"model": "nope", "prompt": "Hi"}, 404, "model", "does not exist"),
+    ],
+)
+def test_bad_requests_never_reach_a_worker(router, body, status, param, words):
+    worker = router.add_worker()
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(f"{router.url}/v1/completions", **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and words in error["message"], error
+    assert error["type"] == ("invalid_request_error" if status == 400 else "not_found_error")
+    assert worker.requests == []
+
+
+def test_openai_client_sees_bad_request_errors(router, client):
+    router.add_worker()
+    with pytest.raises(openai.BadRequestError, match="only n=1"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="Hi")
+
+
+def test_api_key(router_factory):
+    router = router_factory(api_key="sekret")
+    router.add_worker()
+    url = f"{router.url}/v1/completions"
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+        response = httpx.post(url, json=body, headers=headers)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{router.url}/v1/models").status_code == 401
+    assert httpx.get(f"{router.url}/health").status_code == 200 and httpx.get(f"{router.url}/metrics").status_code == 200
+    good = openai.OpenAI(base_url=f"{router.url}/v1", api_key="sekret", max_retries=0, timeout=10)
+    assert good.completions.create(**body).choices[0].finish_reason == "length"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{router.url}/v1", api_key="bad", max_retries=0).completions.create(**body)
+
+
+def test_disaggregated_route_and_readiness(router):
+    decode = router.add_worker("d0", role=PipelineRole.DecodeOnly)
+    assert router.wait_ready(False)
+    response = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+    assert response.status_code == 503 and "PrefillOnly" in response.json()["error"]["message"]
+    router.add_worker("p0", role=PipelineRole.PrefillOnly, prefill_endpoint="ipc:///tmp/p0-prefill")
+    assert router.wait_ready(True)
+    response = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+    assert response.status_code == 200
+    request = decode.requests[0]
+    assert request.prefill_worker_id == "p0" and request.prefill_endpoint == "ipc:///tmp/p0-prefill"
+    assert 0 < request.deadline_s <= 10.0
+
+
+def test_metrics_expose_worker_kv_gauges_and_request_counts(router):
+    load = WorkerLoad(num_free_blocks=52, num_used_blocks=12, num_total_blocks=64, num_running=2, num_waiting=1,
+                      transfer_bytes=4096, transfer_seconds=0.5)
+    router.add_worker(load=load)
+    assert httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3}).status_code == 200
+    text = httpx.get(f"{router.url}/metrics").text
+    labels = '{role="PrefillAndDecode",worker="w0"}'
+    for line in (f"tandem_kv_blocks_used{labels} 12.0", f"tandem_kv_blocks_free{labels} 52.0",
+                 f"tandem_kv_blocks_total{labels} 64.0", f"tandem_worker_queue_depth{labels} 1.0",
+                 f"tandem_kv_transfer_bytes_total{labels} 4096.0", f"tandem_worker_up{labels} 1.0",
+                 'tandem_requests_total{outcome="ok"} 1.0', "tandem_time_to_first_token_seconds_count 1.0",
+                 "tandem_router_queue_depth 0.0", "tandem_requests_in_flight 0.0"):
+        assert line in text, line

@@ -1,0 +1,89 @@
+"""router.policy.choose_route: a pure function of load reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import PipelineRole
+from router.policy import NoRoute, WorkerView, choose_route
+
+P, D, PD = PipelineRole.PrefillOnly, PipelineRole.DecodeOnly, PipelineRole.PrefillAndDecode
+
+
+def w(worker_id, role, **kw) -> WorkerView:
+    kw.setdefault("max_length", 1000)
+    kw.setdefault("num_free_blocks", 50)
+    kw.setdefault("num_total_blocks", 100)
+    if role == P:
+        kw.setdefault("prefill_endpoint", f"ipc:///tmp/{worker_id}")
+    return WorkerView(worker_id=worker_id, role=role, **kw)
+
+
+def test_disaggregated_pair_picks_least_loaded_decode_and_least_queued_prefill():
+    workers = [
+        w("p0", P, num_queued_prefill_tokens=500),
+        w("p1", P, num_queued_prefill_tokens=20),
+        w("d0", D, num_running=8),
+        w("d1", D, num_running=2),
+    ]
+    route = choose_route(workers, num_tokens=100)
+    assert route.decode.worker_id == "d1" and route.prefill.worker_id == "p1"
+
+
+def test_router_side_counts_spread_a_burst_between_heartbeats():
+    workers = [w("d0", D, num_inflight=3), w("d1", D), w("p0", P, num_pending_prefill_tokens=900), w("p1", P)]
+    route = choose_route(workers, 10)
+    assert (route.decode.worker_id, route.prefill.worker_id) == ("d1", "p1")
+
+
+def test_free_blocks_break_ties_and_full_workers_go_last():
+    workers = [w("d0", D, num_free_blocks=0), w("d1", D, num_free_blocks=10, num_running=5), w("d2", D, num_free_blocks=30, num_running=5), w("p", P)]
+    assert choose_route(workers, 10).decode.worker_id == "d2"
+    workers = [w("d0", D, num_free_blocks=0), w("d1", D, num_free_blocks=5, num_running=9), w("p", P)]
+    assert choose_route(workers, 10).decode.worker_id == "d1"
+
+
+def test_colocated_worker_serves_alone():
+    route = choose_route([w("c0", PD)], 10)
+    assert route.decode.worker_id == "c0" and route.prefill is None
+
+
+def test_colocated_and_disaggregated_compete_on_load():
+    workers = [w("c0", PD, num_running=10), w("d0", D, num_running=1), w("p0", P)]
+    route = choose_route(workers, 10)
+    assert route.decode.worker_id == "d0" and route.prefill.worker_id == "p0"
+
+
+def test_without_prefill_workers_fall_back_to_colocated():
+    route = choose_route([w("d0", D), w("c0", PD, num_running=30)], 10)
+    assert route.decode.worker_id == "c0" and route.prefill is None
+
+
+def test_decode_only_without_prefill_is_no_route():
+    with pytest.raises(NoRoute, match="no PrefillOnly worker"):
+        choose_route([w("d0", D), w("d1", D)], 10)
+    with pytest.raises(NoRoute, match="decode-capable"):
+        choose_route([w("p0", P)], 10)
+    with pytest.raises(NoRoute, match="no live workers"):
+        choose_route([], 10)
+
+
+def test_prefill_worker_without_endpoint_cannot_serve():
+    with pytest.raises(NoRoute):
+        choose_route([w("d0", D), w("p0", P, prefill_endpoint=None)], 10)
+
+
+def test_max_length_and_exclusions_filter_candidates():
+    workers = [w("c0", PD, max_length=64), w("c1", PD, max_length=4096, num_running=50)]
+    assert choose_route(workers, 100).decode.worker_id == "c1"
+    with pytest.raises(NoRoute, match="largest max_length is 4096"):
+        choose_route(workers, 5000)
+    assert choose_route(workers, 10, exclude={"c0"}).decode.worker_id == "c1"
+    with pytest.raises(NoRoute, match="no other live worker"):
+        choose_route(workers, 10, exclude={"c0", "c1"})
+
+
+def test_deterministic_on_ties():
+    workers = [w("d1", D), w("d0", D), w("p1", P), w("p0", P)]
+    route = choose_route(workers, 10)
+    assert (route.decode.worker_id, route.prefill.worker_id) == ("d0", "p0")

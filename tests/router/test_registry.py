@@ -1,0 +1,102 @@
+"""router.registry: registration, load reports, liveness by heartbeat deadline, readiness."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import PipelineRole
+from pipeline.protocol.cluster import Heartbeat, RegisterWorker, WorkerLoad, WorkerRole
+from router.registry import WorkerRegistry
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def reg(worker_id="w0", role=WorkerRole.PREFILL_AND_DECODE, pid=1, endpoint=None) -> RegisterWorker:
+    return RegisterWorker(worker_id=worker_id, role=role, model_name="m", max_length=128, page_size=16,
+                          num_total_blocks=32, prefill_endpoint=endpoint, pid=pid)
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def dead(clock):
+    return []
+
+
+@pytest.fixture
+def registry(clock, dead):
+    return WorkerRegistry(heartbeat_interval_s=0.5, dead_after_s=3.0, on_worker_dead=dead.append, clock=clock)
+
+
+def test_register_and_heartbeat_update_load(registry):
+    info = registry.register(reg())
+    assert info.role is PipelineRole.PrefillAndDecode and info.load.num_free_blocks == 32
+    load = WorkerLoad(num_running=3, num_free_blocks=20, num_used_blocks=12, num_total_blocks=32)
+    assert registry.heartbeat(Heartbeat(worker_id="w0", load=load)).load == load
+    assert registry.heartbeat(Heartbeat(worker_id="nobody", load=load)) is None
+
+
+def test_silent_worker_is_declared_dead_once(registry, clock, dead):
+    registry.register(reg())
+    clock.now += 2.9
+    assert registry.check_liveness() == [] and registry.is_alive("w0")
+    clock.now += 0.2
+    assert [w.worker_id for w in registry.check_liveness()] == ["w0"]
+    assert not registry.is_alive("w0") and [w.worker_id for w in dead] == ["w0"]
+    clock.now += 10
+    assert registry.check_liveness() == [] and len(dead) == 1
+    assert registry.live_workers() == [] and len(registry.all_workers()) == 1
+
+
+def test_heartbeats_keep_a_worker_alive_and_revive_a_dead_one(registry, clock):
+    registry.register(reg())
+    for _ in range(10):
+        clock.now += 1.0
+        registry.heartbeat(Heartbeat(worker_id="w0", load=WorkerLoad()))
+        assert registry.check_liveness() == []
+    clock.now += 5
+    registry.check_liveness()
+    assert not registry.is_alive("w0")
+    registry.touch("w0")
+    assert registry.is_alive("w0")
+
+
+def test_reregistration_with_a_new_pid_is_a_restart(registry, dead):
+    registry.register(reg(pid=1)).num_inflight = 4
+    registry.register(reg(pid=1))  # same process again: not a death, counts kept
+    assert dead == [] and registry.get("w0").num_inflight == 4
+    registry.register(reg(pid=2))
+    assert [w.pid for w in dead] == [1]
+    assert registry.is_alive("w0") and registry.get("w0").pid == 2 and registry.get("w0").num_inflight == 0
+
+
+def test_readiness_needs_a_servable_role_mix(registry, clock):
+    assert registry.readiness() == (False, "no live workers")
+    registry.register(reg("d0", WorkerRole.DECODE_ONLY))
+    ready, why = registry.readiness()
+    assert not ready and "no PrefillOnly" in why
+    registry.register(reg("p0", WorkerRole.PREFILL_ONLY, endpoint="ipc:///tmp/x"))
+    assert registry.readiness()[0]
+    clock.now += 5
+    registry.check_liveness()
+    registry.register(reg("p1", WorkerRole.PREFILL_ONLY, endpoint="ipc:///tmp/y"))
+    ready, why = registry.readiness()
+    assert not ready and "decode-capable" in why
+    registry.register(reg("c0"))
+    assert registry.readiness()[0]
+
+
+def test_bad_timing_is_rejected():
+    with pytest.raises(ValueError, match="dead_after_s"):
+        WorkerRegistry(heartbeat_interval_s=1.0, dead_after_s=0.5)
+    with pytest.raises(ValueError, match="heartbeat_interval_s"):
+        WorkerRegistry(heartbeat_interval_s=0)

@@ -1,0 +1,99 @@
+"""router.streaming.OutputBuilder: UTF-8-safe text, stop strings, hidden stop tokens, logprob shapes."""
+
+from __future__ import annotations
+
+from pipeline.protocol.cluster import FinishCode, TokenDelta
+from pipeline.protocol.requests import SamplingParams, TokenLogprob
+from router.streaming import OutputBuilder, ResponseShape, chat_logprobs, completion_logprobs
+
+
+def deltas(ids, finish=FinishCode.LENGTH, stop_token_id=None):
+    out = [TokenDelta(request_id="r", token_ids=[t]) for t in ids]
+    out[-1].finish_reason = finish
+    out[-1].stop_token_id = stop_token_id
+    return out
+
+
+def run(builder, ds):
+    pieces = [builder.add(d) for d in ds]
+    return "".join(p.text for p in pieces), pieces
+
+
+def test_text_matches_a_full_decode(served_model):
+    text = "Hello there, how are you? Paris is the capital of France."
+    ids = served_model.tokenizer.encode(text)
+    builder = OutputBuilder(served_model, SamplingParams(max_tokens=100), 5)
+    out, pieces = run(builder, deltas(ids))
+    assert out == served_model.tokenizer.decode(ids) == text
+    assert pieces[-1].finish_reason == "length" and builder.usage()["completion_tokens"] == len(ids)
+
+
+def test_stop_string_truncates_and_never_leaks_held_back_text(served_model):
+    text = "Hello there, how are you? Paris is the capital of France."
+    ids = served_model.tokenizer.encode(text)
+    builder = OutputBuilder(served_model, SamplingParams(max_tokens=100, stop=["how are"]), 5)
+    emitted = ""
+    for d in deltas(ids):
+        piece = builder.add(d)
+        emitted += piece.text
+        assert "how" not in emitted  # the text before the stop is never overtaken by held-back text
+        if piece.finish_reason:
+            break
+    assert emitted == "Hello there, "
+    assert piece.finish_reason == "stop" and piece.stop_reason == "how are" and piece.matched_stop_string
+    assert builder.add(TokenDelta(request_id="r", token_ids=[5])).text == ""  # finished: ignores late tokens
+
+
+def test_stop_string_included_when_asked(served_model):
+    ids = served_model.tokenizer.encode("Hello there, how are you?")
+    builder = OutputBuilder(served_model, SamplingParams(stop=["there"], include_stop_str_in_output=True), 5)
+    out, _ = run(builder, deltas(ids))
+    assert out == "Hello there"
+
+
+def test_final_stop_token_is_counted_but_not_rendered(served_model):
+    tok = served_model.tokenizer
+    ids = tok.encode("Hello") + [tok.convert_tokens_to_ids("<|user|>")]
+    builder = OutputBuilder(served_model, SamplingParams(skip_special_tokens=False), 5)
+    out, pieces = run(builder, deltas(ids, FinishCode.STOP, stop_token_id=ids[-1]))
+    assert out == "Hello" and pieces[-1].finish_reason == "stop" and pieces[-1].stop_reason == ids[-1]
+    assert builder.usage() == {"prompt_tokens": 5, "completion_tokens": len(ids), "total_tokens": 5 + len(ids)}
+
+
+def test_errors_and_aborts_surface_as_errors(served_model):
+    builder = OutputBuilder(served_model, SamplingParams(), 5)
+    piece = builder.add(TokenDelta(request_id="r", finish_reason=FinishCode.ERROR, error="KV transfer failed"))
+    assert piece.error == "KV transfer failed" and builder.is_finished
+
+
+def test_logprob_shapes(served_model):
+    tok = served_model.tokenizer
+    ids = tok.encode("Hello there")
+    builder = OutputBuilder(served_model, SamplingParams(logprobs=1), 5)
+    entries = []
+    for i, t in enumerate(ids):
+        d = TokenDelta(request_id="r", token_ids=[t], logprobs=[[TokenLogprob(t, -0.25), TokenLogprob(7, -float("inf"))]])
+        entries += builder.add(d).logprobs
+    comp = completion_logprobs(entries)
+    assert "".join(comp["tokens"]) == "Hello there"
+    assert comp["token_logprobs"] == [-0.25] * len(ids)
+    assert comp["text_offset"][0] == 0 and comp["text_offset"] == sorted(comp["text_offset"])
+    assert comp["top_logprobs"][0] == {comp["tokens"][0]: -0.25, served_model.token_text(7): -9999.0}
+    chat = chat_logprobs(entries)["content"]
+    assert chat[0]["token"] == comp["tokens"][0] and chat[0]["bytes"] == list(chat[0]["token"].encode())
+    assert chat[0]["top_logprobs"] == [{"token": served_model.token_text(7), "logprob": -9999.0,
+                                       "bytes": list(served_model.token_text(7).encode())}]
+
+
+def test_response_shapes():
+    shape = ResponseShape("chat", "chatcmpl-1", "tiny", want_logprobs=False)
+    from router.streaming import Piece
+
+    first = shape.chunk(Piece(), first=True)
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    last = shape.chunk(Piece(text="x", finish_reason="stop"))
+    assert last["choices"][0]["delta"] == {"content": "x"} and last["choices"][0]["finish_reason"] == "stop"
+    assert shape.usage_chunk({"prompt_tokens": 1})["choices"] == []
+    full = ResponseShape("completion", "cmpl-1", "tiny", True).full("hi", [], "length", None, {})
+    assert full["object"] == "text_completion" and full["choices"][0]["text"] == "hi"
+    assert full["choices"][0]["logprobs"] == {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
