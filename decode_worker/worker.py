@@ -196,7 +196,7 @@ class DecodeWorker(WorkerBase):
                 state.failure = f"malformed PrefillDone payload: {exc}"
             else:
                 first_logprobs = None
-                if prefill.first_logprobs is not None:
+                if prefill.first_logprobs is not None:  # sampled first, then top-N: a dict holds both
                     first_logprobs = {lp.token_id: lp.logprob for lp in prefill.first_logprobs}
                 step = self.engine.activate_remote(rid, prefill.first_token_id, first_logprobs)
                 return [self._delta(step)]

@@ -37,9 +37,10 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs would default to tf32 on tensor cores (~1e-3 error); the reference is exact fp32.
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dot_precision(dtype: torch.dtype) -> str | None:
+    """fp32 dots would default to tf32 on tensor cores (~1e-3 error) where the reference is exact
+    fp32; half-precision dots keep the backend's default (None)."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 def num_warps_for(block_elems: int) -> int:

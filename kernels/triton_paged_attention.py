@@ -231,7 +231,7 @@ def run_paged_attention(
     else:
         block_m_ = max(block_m or 64, next_pow2(group))
         block_q = block_m_ // group
-    block_d = next_pow2(head_dim)
+    block_d = max(16, next_pow2(head_dim))  # tl.dot needs every dim >= 16 on GPUs
     block_n_ = block_n or (64 if block_d <= 128 else 32)
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     if num_kv_splits is None:

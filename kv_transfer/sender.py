@@ -93,8 +93,8 @@ class KVSender(IOThread):
         self._requests: dict[str, _Request] = {}
         self._tombstones: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._stats = StatsBox()
-        # Test hook: fn(request_id, tensor) runs after a piece was checksummed, on the bytes about to
-        # travel (zmq) or that just landed in the receiver's blocks (shm), to corrupt them in flight.
+        # Test hook: fn(request_id, tensor) runs after a piece was checksummed, on the packed bytes about
+        # to travel (zmq) or on the first page that just landed in the receiver's cache (shm).
         self.corrupt_hook: Callable[[str, torch.Tensor], None] | None = None
         super().__init__(name)
         self._start()
@@ -228,7 +228,14 @@ class KVSender(IOThread):
         for req in list(self._requests.values()):
             if self._requests.get(req.request_id) is not req:
                 continue  # ended earlier in this round
-            if self._step(req, now):
+            try:
+                stepped = self._step(req, now)
+            except Exception as exc:  # e.g. a kernel error: fail this request, keep serving the others
+                log.exception("KV sender: request %s failed", req.request_id)
+                if self._requests.get(req.request_id) is req:
+                    self._complete(req, False, f"sender error: {exc!r}")
+                continue
+            if stepped:
                 due.append(0.0)
             elif req.ops or req.is_finishing:  # waiting on the receiver (not on the caller): bounded
                 if now - req.last_progress > self.timeout_s:
@@ -299,7 +306,7 @@ class KVSender(IOThread):
                 dst_cache[layers, :, dst : dst + n].copy_(self.kv_cache[layers, :, src : src + n])
             req.checksum.update_blocks(self.kv_cache, piece.src_block_ids, layers)
             if self.corrupt_hook is not None:
-                self.corrupt_hook(req.request_id, dst_cache[layers, :, piece.dst_block_ids[0]])
+                self.corrupt_hook(req.request_id, dst_cache[piece.layer_start, 0, piece.dst_block_ids[0]])
             header = Written(request_id=req.request_id, layer_start=piece.layer_start, layer_stop=piece.layer_stop,
                              dst_block_ids=piece.dst_block_ids, num_bytes=num_bytes)
             frames = [FRAME_ENCODER.encode(header)]

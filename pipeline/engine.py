@@ -48,6 +48,7 @@ class StepOutput:
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_top_logprobs: int = 0  # the request's ``logprobs`` (top-N asked for)
 
 
 class LLMEngine:
@@ -206,7 +207,7 @@ class LLMEngine:
 
     def _emit(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> StepOutput:
         out = StepOutput(seq.request_id, [token_id], num_prompt_tokens=seq.num_prompt_tokens,
-                         num_cached_tokens=seq.num_cached_tokens)
+                         num_cached_tokens=seq.num_cached_tokens, num_top_logprobs=seq.params.logprobs or 0)
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
             out.new_logprobs = [logprobs]

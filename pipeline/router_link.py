@@ -47,6 +47,7 @@ class RouterLink:
         self.socket.connect(router_endpoint(zmq_endpoint_base))
         self.is_registered = False
         self.heartbeat_interval_s = 0.5
+        self.max_heartbeat_interval_s = 0.5
         self.num_bad_frames = 0
         self._last_register = 0.0
         self._last_heartbeat = 0.0
@@ -76,7 +77,8 @@ class RouterLink:
             if not self.is_registered:
                 logger.info("registered with the router as %s", self.worker_id)
             self.is_registered = True
-            self.heartbeat_interval_s = ack.heartbeat_interval_s
+            # The router says how often it needs a sign of life; a worker configured to report more often may.
+            self.heartbeat_interval_s = min(ack.heartbeat_interval_s, self.max_heartbeat_interval_s)
         elif ack.reregister:
             self.is_registered = False
             self._last_register = 0.0

@@ -47,7 +47,7 @@ class WorkerBase:
             pid=os.getpid(),
         )
         self.link = RouterLink(self.ctx, self.config.zmq_endpoint_base, registration)
-        self.link.heartbeat_interval_s = self.config.transfer.heartbeat_interval_s
+        self.link.heartbeat_interval_s = self.link.max_heartbeat_interval_s = self.config.transfer.heartbeat_interval_s
 
     def kv_layout(self):
         from kv_transfer.layout import kv_layout
@@ -95,10 +95,13 @@ class WorkerBase:
         self.ctx.destroy(linger=0)
 
 
-def logprobs_to_wire(entry: dict[int, float], sampled: int) -> list[TokenLogprob]:
-    """Sampled token first, then the rest by descending logprob."""
-    rest = sorted(((t, lp) for t, lp in entry.items() if t != sampled), key=lambda item: -item[1])
-    return [TokenLogprob(sampled, entry[sampled]), *(TokenLogprob(t, lp) for t, lp in rest)]
+def logprobs_to_wire(entry: dict[int, float], sampled: int, num_top: int) -> list[TokenLogprob]:
+    """The sampled token first, then the top ``num_top`` by descending logprob (which repeat the
+    sampled token when it is among them). ``entry`` holds the sampled token and the top N."""
+    top = sorted(entry.items(), key=lambda item: -item[1])
+    if len(top) > num_top:
+        top = [item for item in top if item[0] != sampled][:num_top]
+    return [TokenLogprob(sampled, entry[sampled]), *(TokenLogprob(t, lp) for t, lp in top)]
 
 
 def delta_from_step(step: StepOutput) -> TokenDelta:
@@ -109,7 +112,8 @@ def delta_from_step(step: StepOutput) -> TokenDelta:
         num_cached_tokens=step.num_cached_tokens,
     )
     if step.new_logprobs is not None:
-        delta.logprobs = [logprobs_to_wire(e, t) for e, t in zip(step.new_logprobs, step.new_token_ids)]
+        delta.logprobs = [logprobs_to_wire(e, t, step.num_top_logprobs)
+                          for e, t in zip(step.new_logprobs, step.new_token_ids)]
     if step.finish_reason is not None:
         delta.finish_reason = _FINISH_CODES[step.finish_reason]
         if step.finish_reason == "stop" and not isinstance(step.stop_reason, str):

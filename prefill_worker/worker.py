@@ -165,7 +165,7 @@ class PrefillWorker(WorkerBase):
         first_token = out.new_token_ids[0]
         logprobs = None
         if out.new_logprobs is not None:
-            logprobs = logprobs_to_wire(out.new_logprobs[0], first_token)
+            logprobs = logprobs_to_wire(out.new_logprobs[0], first_token, out.num_top_logprobs)
         done = PrefillDone(
             request_id=out.request_id,
             first_token_id=first_token,

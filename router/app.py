@@ -18,7 +18,6 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pipeline.config import PipelineConfig
-from pipeline.protocol.cluster import served_model_name
 from router.dispatcher import Dispatcher
 from router.errors import APIError, install_error_handlers
 from router.metrics import CONTENT_TYPE, RouterMetrics
@@ -46,15 +45,12 @@ def create_app(
 ) -> FastAPI:
     """Build the router app. The ZMQ socket binds when the app starts (lifespan), not here.
 
-    ``model_path``: where to read the tokenizer (default ``config.model.model_path``, then the built-in
-    model). The served name always follows ``config.model.model_path`` (``served_model_name``), which
-    is what workers register with. ``served_model`` replaces loading (tests share one tokenizer).
+    ``model_path`` (default ``config.model.model_path``; both None: the built-in model, which must
+    already be built) is the checkpoint whose tokenizer and ``config.json`` the router reads; the served
+    name is ``served_model_name(model_path)``, which workers must register with (they derive it the
+    same way from their config). ``served_model`` replaces loading (tests share one tokenizer).
     """
-    model = served_model or load_served_model(
-        model_path or config.model.model_path,
-        max_length=config.max_length,
-        name=served_model_name(config.model.model_path),
-    )
+    model = served_model or load_served_model(model_path or config.model.model_path, max_length=config.max_length)
     registry = WorkerRegistry(heartbeat_interval_s=heartbeat_interval_s, dead_after_s=dead_after_s)
     metrics = RouterMetrics(registry)
     dispatcher = Dispatcher(config.zmq_endpoint_base, registry, metrics, model.name, max_attempts=max_attempts)
@@ -70,7 +66,7 @@ def create_app(
 
     app = FastAPI(title="Tandem router", lifespan=lifespan)
     app.state.router = state
-    install_error_handlers(app)
+    install_error_handlers(app, on_rejected=lambda: metrics.requests_total.labels("rejected").inc())
     created = int(time.time())
 
     async def check_api_key(request: Request) -> None:

@@ -1,14 +1,13 @@
-"""The router's one ZMQ socket: worker registration, heartbeats, token batches in; requests and cancels out.
+"""Requests in flight between the HTTP layer and the workers: routing, token delivery, cancels, retries.
 
-A ROUTER socket bound at ``router_endpoint(zmq_endpoint_base)``; every worker connects a DEALER whose
-routing id is its ``worker_id``. Everything runs on the event loop of the HTTP server, so no locks.
+Worker messages arrive through ``WorkerSocket`` (registration, heartbeats, token batches) and requests
+and cancels leave through it. Everything runs on the HTTP server's event loop, so no locks.
 
 Each request has a ``RequestHandle`` with an asyncio queue that receives its ``TokenDelta``s, or one
 ``RequestFailed`` when the request cannot finish. When a worker dies (missed heartbeats, a send that
 cannot reach it, or an error it marks retryable), a request that has received no token yet is sent
 again to another route under a fresh wire id (so late messages of the old attempt cannot mix in);
-otherwise it fails. Frames that do not decode, or that claim another worker's id, are counted,
-logged and dropped.
+otherwise it fails. A heartbeat that claims another worker's id counts as a bad frame.
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from pipeline.endpoints import router_endpoint
 from pipeline.protocol.cluster import (
@@ -35,13 +32,13 @@ from pipeline.protocol.cluster import (
     TokenBatch,
     TokenDelta,
     WorkerRole,
-    decode_worker_to_router,
-    encode,
+    WorkerToRouter,
 )
 from pipeline.protocol.requests import SamplingParams
 from router.metrics import RouterMetrics
 from router.policy import NoRoute, Route, WorkerView, choose_route
 from router.registry import WorkerInfo, WorkerRegistry
+from router.worker_socket import WorkerSocket
 
 logger = logging.getLogger(__name__)
 
@@ -88,45 +85,34 @@ class Dispatcher:
         model_name: str,
         max_attempts: int = 2,
     ) -> None:
-        self.endpoint = router_endpoint(zmq_endpoint_base)
+        self.socket = WorkerSocket(router_endpoint(zmq_endpoint_base), self._on_message, metrics.bad_frames_total.inc)
         self.registry = registry
         self.metrics = metrics
         self.model_name = model_name
         self.max_attempts = max_attempts
-        self.num_bad_frames = 0
         self._requests: dict[str, RequestHandle] = {}  # wire id -> handle
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # wire ids we cancelled: ignore their deltas
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._housekeeping: asyncio.Task | None = None
         registry.on_worker_dead = self._on_worker_dead
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        self._ctx = zmq.asyncio.Context()
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails now, not silently
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reclaims its id
-        sock.bind(self.endpoint)
-        self._sock = sock
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._recv_loop()), loop.create_task(self._housekeeping_loop())]
-        logger.info("router listening for workers at %s", self.endpoint)
+        await self.socket.start()
+        self._housekeeping = asyncio.get_running_loop().create_task(self._housekeeping_loop())
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            await asyncio.gather(self._housekeeping, return_exceptions=True)
+            self._housekeeping = None
         for handle in list(self._requests.values()):
             self._fail(handle, "the router is shutting down", 503)
-        if self._sock is not None:
-            self._sock.close(linger=0)
-        if self._ctx is not None:
-            self._ctx.term()
-        self._sock = self._ctx = None
+        await self.socket.stop()
+
+    @property
+    def num_bad_frames(self) -> int:
+        return self.socket.num_bad_frames
 
     # ------------------------------------------------------------------ requests
 
@@ -239,71 +225,24 @@ class Dispatcher:
                 self._retry_or_fail(handle, worker.worker_id, f"prefill worker {worker.worker_id} died")
 
     def _views(self) -> list[WorkerView]:
-        return [
-            WorkerView(
-                worker_id=w.worker_id, role=w.role, max_length=w.max_length, prefill_endpoint=w.prefill_endpoint,
-                num_free_blocks=w.load.num_free_blocks, num_total_blocks=w.load.num_total_blocks,
-                num_running=w.load.num_running, num_waiting=w.load.num_waiting,
-                num_queued_prefill_tokens=w.load.num_queued_prefill_tokens, num_inflight=w.num_inflight,
-                num_pending_prefill_tokens=w.num_pending_prefill_tokens,
-            )
-            for w in self.registry.live_workers()
-            if w.model_name == self.model_name
-        ]
+        return [w.view() for w in self.registry.live_workers() if w.model_name == self.model_name]
 
-    # ------------------------------------------------------------------ socket
+    # ------------------------------------------------------------------ worker messages
 
     def _send(self, worker_id: str, msg: msgspec.Struct) -> bool:
-        """Send without blocking; False (logged) when the worker is unreachable or its queue is full."""
-        if self._sock is None:
-            return False
-        future = self._sock.send_multipart([worker_id.encode(), encode(msg)], flags=zmq.NOBLOCK)
-        exc = future.exception() if future.done() else None
-        if exc is not None:
-            logger.warning("cannot send %s to worker %s: %s", type(msg).__name__, worker_id, exc)
-            return False
-        return True
+        return self.socket.send(worker_id, msg)
 
     def _remember_cancel(self, wire_id: str) -> None:
         self._cancelled[wire_id] = None
         while len(self._cancelled) > _MAX_REMEMBERED_CANCELS:
             self._cancelled.popitem(last=False)
 
-    async def _recv_loop(self) -> None:
-        assert self._sock is not None
-        while True:
-            frames = await self._sock.recv_multipart()
-            try:
-                self._handle_frames(frames)
-            except Exception:  # one bad message must never stop the router
-                logger.exception("error handling a worker message")
-
-    def _bad_frame(self, identity: bytes, why: str) -> None:
-        self.num_bad_frames += 1
-        self.metrics.bad_frames_total.inc()
-        if self.num_bad_frames <= 10 or self.num_bad_frames % 1000 == 0:
-            logger.warning("dropped a bad frame from %r (%d so far): %s", identity[:64], self.num_bad_frames, why)
-
-    def _handle_frames(self, frames: list[bytes]) -> None:
-        identity = frames[0]
-        if len(frames) != 2:
-            self._bad_frame(identity, f"expected 1 message frame, got {len(frames) - 1}")
-            return
-        try:
-            msg = decode_worker_to_router(frames[1])
-        except msgspec.DecodeError as exc:
-            self._bad_frame(identity, str(exc))
-            return
-        try:
-            worker_id = identity.decode()
-        except UnicodeDecodeError:
-            self._bad_frame(identity, "routing id is not UTF-8")
-            return
+    def _on_message(self, worker_id: str, msg: WorkerToRouter) -> None:
         if isinstance(msg, TokenBatch):
             self._on_token_batch(worker_id, msg)
         elif isinstance(msg, Heartbeat):
             if msg.worker_id != worker_id:
-                self._bad_frame(identity, f"heartbeat for {msg.worker_id!r} from routing id {worker_id!r}")
+                self.socket.count_bad_frame(worker_id, f"heartbeat for {msg.worker_id!r} from routing id {worker_id!r}")
             elif self.registry.heartbeat(msg) is None:
                 self._send(worker_id, RegisterAck(accepted=False, reregister=True, error="unknown worker: register again"))
         elif isinstance(msg, RegisterWorker):

@@ -8,7 +8,7 @@ FastAPI's own 422 validation errors and Starlette's 404/405 are rewritten into t
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -97,7 +97,9 @@ def _format_validation_errors(exc: RequestValidationError) -> tuple[str, str | N
 _TYPE_WORDS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, on_rejected: Callable[[], None] | None = None) -> None:
+    """Route every error through the OpenAI body; ``on_rejected`` is called for each malformed request body."""
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
@@ -105,6 +107,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _format_validation_errors(exc)
+        if on_rejected is not None:
+            on_rejected()
         return APIError(400, message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)

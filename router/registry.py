@@ -15,6 +15,7 @@ from typing import Callable
 
 from pipeline.config import PipelineRole
 from pipeline.protocol.cluster import Heartbeat, RegisterWorker, WorkerLoad, WorkerRole
+from router.policy import WorkerView
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,17 @@ class WorkerInfo:
     num_inflight: int = 0  # requests the router has routed here and not seen finish (decode side)
     num_pending_prefill_tokens: int = 0  # prompt tokens routed here (prefill side) still without a first token
     registered_at: float = field(default_factory=time.time)
+
+    def view(self) -> WorkerView:
+        """The snapshot the routing policy decides on."""
+        load = self.load
+        return WorkerView(
+            worker_id=self.worker_id, role=self.role, max_length=self.max_length,
+            prefill_endpoint=self.prefill_endpoint, num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks or self.num_total_blocks, num_running=load.num_running,
+            num_waiting=load.num_waiting, num_queued_prefill_tokens=load.num_queued_prefill_tokens,
+            num_inflight=self.num_inflight, num_pending_prefill_tokens=self.num_pending_prefill_tokens,
+        )
 
     @property
     def can_decode(self) -> bool:

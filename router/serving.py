@@ -152,14 +152,14 @@ async def _collect_unless_disconnected(
     try:
         await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watch.cancel()
-        if not collect.done():
-            collect.cancel()
+        for task in (collect, watch):
+            if not task.done():
+                task.cancel()  # finishes on the loop's next turn; nothing awaits it
         if not handle.is_done:
             state.dispatcher.cancel(handle)
             state.metrics.requests_total.labels("cancelled").inc()
-    if collect.cancelled():
-        return Response(status_code=499)  # nobody is listening any more
+    if not collect.done() or collect.cancelled():
+        return Response(status_code=499)  # the client left; nobody reads this
     error = collect.exception()
     if error is not None:
         raise error

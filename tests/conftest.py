@@ -71,14 +71,14 @@ def hf_reference():
     return load
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy generate() for one unpadded prompt, EOS ignored."""
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = True) -> list[int]:
+    """transformers' own greedy generate() for one unpadded prompt (EOS ignored unless asked)."""
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]),
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens if ignore_eos else 0,
             do_sample=False,
             pad_token_id=0,
         )

@@ -108,10 +108,20 @@ def test_half_precision_close_to_reference(device, dtype):
     check(batch, atol=2e-2, rtol=2e-2)
 
 
-def test_split_heuristic_only_splits_long_decode_on_gpu():
+def test_split_heuristic_never_splits_on_cpu():
     cpu = torch.device("cpu")
     assert choose_num_kv_splits(64, 64, 8, 2048, cpu) == 1  # the CPU interpreter never splits by itself
     assert choose_num_kv_splits(100, 4, 8, 1 << 15, cpu) == 1
+
+
+@pytest.mark.parametrize("q_lens, context_lens", [
+    pytest.param([2, 0, 1], [10, 5, 7], id="as-many-tokens-as-seqs"),  # takes the one-token-tile launch
+    pytest.param([0, 3, 1], [4, 9, 7], id="multi-token-tiles"),
+])
+def test_sequences_without_queries_and_int64_metadata(device, q_lens, context_lens):
+    query, k_cache, v_cache, cu_seqlens_q, ctx, block_tables = make_batch(
+        q_lens, context_lens, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4, device=device)
+    check((query, k_cache, v_cache, cu_seqlens_q.long(), ctx.long(), block_tables.long()))
 
 
 @pytest.mark.gpu

@@ -36,7 +36,7 @@ class RouterServer:
         self.base = f"ipc://{self.tmpdir}/t"
         config = PipelineConfig(zmq_endpoint_base=self.base, max_length=MAX_LENGTH)
         options.setdefault("heartbeat_interval_s", 0.05)
-        options.setdefault("dead_after_s", 0.5)
+        options.setdefault("dead_after_s", 1.0)
         options.setdefault("request_timeout_s", 10.0)
         self.app = create_app(config, served_model=served_model, **options)
         self.workers: list[FakeWorker] = []

@@ -1,0 +1,243 @@
+"""KV transfer throughput per transport, against raw baselines measured in the same run.
+
+P (this process) ships one request of ``--blocks`` whole blocks (64 MiB with the defaults: 16 layers x
+K/V x 64 blocks x 16 tokens x 8 heads x 128 dims in fp16) to D, a separate process, and the clock runs
+from the first ``send_blocks`` on P to the moment ``poll()`` on D returns the verified transfer.
+Baselines: raw ZMQ PUSH/PULL of the same bytes over tcp loopback (zero-copy frames, both as one message
+and as the transport's 4 MiB pieces; the faster one is the reference) for the zmq transport, and a plain
+``torch`` ``copy_`` of the same bytes for shm. Reports the median of ``--repeats`` runs as JSON.
+
+    python -m bench.transfer_bench --out docs/transfer_bench.json [--plot docs/transfer_bench.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+
+import msgspec
+import torch
+import zmq
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+TARGETS = {"zmq": 0.7, "shm": 0.5}
+
+
+def _send(conn, **msg) -> None:  # control messages between the bench processes: JSON, not pickle
+    conn.send_bytes(msgspec.json.encode(msg))
+
+
+def _recv(conn) -> dict:
+    return msgspec.json.decode(conn.recv_bytes())
+
+
+def decode_side(conn, mode: str, shape: list[int], dtype: str, num_threads: int) -> None:
+    """D: a KVReceiver (zmq / shm) or a bare PULL socket (raw), driven over ``conn``."""
+    torch.set_num_threads(num_threads)
+    if mode == "raw":
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        pull.bind("tcp://127.0.0.1:0")
+        _send(conn, endpoint=pull.getsockopt_string(zmq.LAST_ENDPOINT))
+        while (cmd := _recv(conn))["op"] == "go":
+            for _ in range(cmd["num_messages"]):
+                pull.recv(copy=False)
+            _send(conn, t_end=time.perf_counter())
+        pull.close(linger=0)
+        ctx.term()
+        return
+    from kv_transfer import KVReceiver, allocate_shared_kv_cache, kv_layout
+
+    if mode == "shm":
+        kv_cache = allocate_shared_kv_cache(shape, TORCH_DTYPES[dtype], f"bench-{os.getpid()}")
+    else:
+        kv_cache = torch.zeros(shape, dtype=TORCH_DTYPES[dtype])
+    receiver = KVReceiver(kv_cache, kv_layout(kv_cache, "bench", transport=mode), "tcp://127.0.0.1:0")
+    try:
+        _send(conn, endpoint=receiver.endpoint)
+        while (cmd := _recv(conn))["op"] == "expect":
+            receiver.expect(cmd["request_id"], cmd["dst_block_ids"], cmd["num_bytes"])
+            _send(conn, ready=True)
+            done = []
+            while not done:
+                done = receiver.poll()
+                if not done:
+                    time.sleep(0.0002)
+            _send(conn, t_end=time.perf_counter(), ok=done[0].ok, error=done[0].error)
+        stats = receiver.stats().transports.get(mode)
+        _send(conn, busy_seconds=stats.busy_seconds if stats else 0.0)
+    finally:
+        receiver.close()
+
+
+def _start_decode_side(mode: str, shape, dtype: str):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=decode_side, args=(child, mode, list(shape), dtype, torch.get_num_threads()),
+                       daemon=True)
+    proc.start()
+    return proc, parent, _recv(parent)["endpoint"]
+
+
+def bench_transport(mode: str, src: torch.Tensor, num_blocks: int, repeats: int) -> dict:
+    from kv_transfer import KVSender, kv_layout
+
+    proc, conn, endpoint = _start_decode_side(mode, src.shape, str(src.dtype).removeprefix("torch."))
+    sender = KVSender(src, kv_layout(src, "bench", transport=mode))
+    gen = torch.Generator().manual_seed(0)
+    seconds = []
+    try:
+        for i in range(repeats + 1):  # the first run connects, maps and faults pages in: not counted
+            src_ids = torch.randperm(src.shape[2], generator=gen)[:num_blocks].tolist()
+            dst_ids = torch.randperm(src.shape[2], generator=gen)[:num_blocks].tolist()
+            num_bytes = sender.layout.kv_bytes(num_blocks)
+            _send(conn, op="expect", request_id=f"r{i}", dst_block_ids=dst_ids, num_bytes=num_bytes)
+            _recv(conn)
+            t0 = time.perf_counter()
+            sender.send_blocks(f"r{i}", endpoint, src_ids, dst_ids)
+            sender.finish(f"r{i}", b"done")
+            result = _recv(conn)
+            if not result["ok"]:
+                raise RuntimeError(f"{mode} transfer failed: {result['error']}")
+            while not sender.poll():
+                time.sleep(0.0002)
+            if i:
+                seconds.append(result["t_end"] - t0)
+        _send(conn, op="stop")
+        receiver_busy = _recv(conn)["busy_seconds"]
+        sender_busy = sender.stats().transports[mode].busy_seconds
+    finally:
+        sender.close()
+        proc.join(10)
+    total_bytes = num_blocks and sender.layout.kv_bytes(num_blocks)
+    median = statistics.median(seconds)
+    return {
+        "median_s": median,
+        "gb_per_s": total_bytes / median / 1e9,
+        "runs_s": seconds,
+        "sender_busy_s_per_run": sender_busy / (repeats + 1),
+        "receiver_busy_s_per_run": receiver_busy / (repeats + 1),
+    }
+
+
+def bench_raw_zmq(buffer: torch.Tensor, message_bytes: int, repeats: int) -> dict:
+    proc, conn, endpoint = _start_decode_side("raw", [], "")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(endpoint)
+    frames = [f.numpy() for f in buffer.view(-1).view(torch.uint8).split(message_bytes)]
+    seconds = []
+    try:
+        for i in range(repeats + 1):
+            _send(conn, op="go", num_messages=len(frames))
+            t0 = time.perf_counter()
+            for frame in frames:
+                push.send(frame, copy=False)
+            t_end = _recv(conn)["t_end"]
+            if i:
+                seconds.append(t_end - t0)
+        _send(conn, op="stop")
+    finally:
+        push.close(linger=0)
+        ctx.term()
+        proc.join(10)
+    median = statistics.median(seconds)
+    return {"median_s": median, "gb_per_s": buffer.numel() * buffer.element_size() / median / 1e9,
+            "message_bytes": message_bytes, "runs_s": seconds}
+
+
+def bench_memcpy(buffer: torch.Tensor, repeats: int) -> dict:
+    dst = torch.empty_like(buffer)
+    dst.copy_(buffer)  # fault the pages in
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(buffer)
+        seconds.append(time.perf_counter() - t0)
+    median = statistics.median(seconds)
+    return {"median_s": median, "gb_per_s": buffer.numel() * buffer.element_size() / median / 1e9, "runs_s": seconds}
+
+
+def plot(report: dict, path: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: plot skipped (pip install matplotlib)"
+    names = ["zmq", "raw zmq (tcp)", "shm", "torch copy_"]
+    values = [report["zmq"]["gb_per_s"], report["raw_zmq_gb_per_s"], report["shm"]["gb_per_s"],
+              report["memcpy"]["gb_per_s"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(names, values, color=["tab:blue", "tab:gray", "tab:orange", "tab:gray"])
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"KV transfer, {report['config']['total_mib']} MiB per request (median)")
+    fig.tight_layout()
+    fig.savefig(path)
+    return f"plot written to {path}"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--blocks", type=int, default=64, help="blocks in the request")
+    parser.add_argument("--pool-blocks", type=int, default=96, help="blocks in each cache")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=list(TORCH_DTYPES), default="float16")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--torch-threads", type=int, default=1, help="in P and D (and for the copy_ baseline)")
+    parser.add_argument("--out", help="write the JSON report here")
+    parser.add_argument("--plot", help="write a bar chart here (needs matplotlib)")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.torch_threads)
+    shape = (args.layers, 2, args.pool_blocks, args.page_size, args.kv_heads, args.head_dim)
+    src = torch.randn(shape).to(TORCH_DTYPES[args.dtype])
+    request = src[:, :, : args.blocks].contiguous()  # same bytes as one request, as one buffer
+    total = request.numel() * request.element_size()
+    from kv_transfer.blocks import MAX_PIECE_BYTES
+
+    report: dict = {
+        "config": {**vars(args), "total_mib": total / 2**20, "piece_bytes": MAX_PIECE_BYTES,
+                   "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                   "pyzmq": zmq.__version__},
+        "raw_zmq_single": bench_raw_zmq(request, total, args.repeats),
+        "raw_zmq_pieces": bench_raw_zmq(request, MAX_PIECE_BYTES, args.repeats),
+        "memcpy": bench_memcpy(request, args.repeats),
+        "zmq": bench_transport("zmq", src, args.blocks, args.repeats),
+        "shm": bench_transport("shm", src, args.blocks, args.repeats),
+    }
+    report["raw_zmq_gb_per_s"] = max(report["raw_zmq_single"]["gb_per_s"], report["raw_zmq_pieces"]["gb_per_s"])
+    report["ratios"] = {
+        "zmq_vs_raw_zmq": report["zmq"]["gb_per_s"] / report["raw_zmq_gb_per_s"],
+        "shm_vs_memcpy": report["shm"]["gb_per_s"] / report["memcpy"]["gb_per_s"],
+    }
+    report["targets_met"] = {
+        "zmq": report["ratios"]["zmq_vs_raw_zmq"] >= TARGETS["zmq"],
+        "shm": report["ratios"]["shm_vs_memcpy"] >= TARGETS["shm"],
+    }
+    for name, key in (("zmq (tcp loopback)", "zmq"), ("raw zmq, one message", "raw_zmq_single"),
+                      ("raw zmq, 4 MiB messages", "raw_zmq_pieces"), ("shm", "shm"), ("torch copy_", "memcpy")):
+        print(f"{name:26s} {report[key]['gb_per_s']:6.2f} GB/s  (median {report[key]['median_s'] * 1e3:7.1f} ms)")
+    print(f"zmq / raw zmq = {report['ratios']['zmq_vs_raw_zmq']:.2f} (target >= {TARGETS['zmq']}), "
+          f"shm / copy_ = {report['ratios']['shm_vs_memcpy']:.2f} (target >= {TARGETS['shm']})")
+    if args.plot:
+        report["plot"] = plot(report, args.plot)
+        print(report["plot"])
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()

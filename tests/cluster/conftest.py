@@ -1,0 +1,70 @@
+"""Cluster fixtures: real processes (router + workers) on loopback, torn down after each module."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+
+import httpx
+import pytest
+
+from deploy.local_launcher import LocalCluster
+
+CLUSTER_CONFIG = {"kv_cache": {"page_size": 4, "num_blocks": 512}, "max_batch_input_tokens": 64}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_cluster(model_path: str, log_dir, **kwargs) -> LocalCluster:
+    config = dict(CLUSTER_CONFIG)
+    config.update(kwargs.pop("config", {}))
+    cluster = LocalCluster(model_path=model_path, port=free_port(), config=config, log_dir=log_dir, **kwargs)
+    return cluster.start(timeout_s=240)
+
+
+def kv_gauges(url: str) -> dict[tuple[str, str], float]:
+    """{(metric, worker): value} for tandem_kv_blocks_used / tandem_kv_blocks_free."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    gauges = {}
+    for line in text.splitlines():
+        match = re.match(r'(tandem_kv_blocks_(?:used|free))\{(.*)\} ([0-9.e+-]+)$', line)
+        if match:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+            gauges[(match.group(1), labels["worker"])] = float(match.group(3))
+    return gauges
+
+
+def wait_for_idle_blocks(url: str, workers: list[str], num_blocks: int, timeout_s: float = 10.0) -> dict:
+    """Wait until every worker reports 0 used and ``num_blocks`` free blocks (heartbeats lag ~0.5 s)."""
+    deadline = time.monotonic() + timeout_s
+    gauges = {}
+    while time.monotonic() < deadline:
+        gauges = kv_gauges(url)
+        if all(gauges.get(("tandem_kv_blocks_used", w)) == 0 and gauges.get(("tandem_kv_blocks_free", w)) == num_blocks
+               for w in workers):
+            return gauges
+        time.sleep(0.2)
+    raise AssertionError(f"KV blocks not back to the start value: {gauges}")
+
+
+@pytest.fixture(scope="session")
+def reference_text(tiny_checkpoint, hf_reference):
+    """``reference_text(prompt_ids, n)`` -> (token ids, text) of transformers' greedy generate()."""
+    from tests.conftest import hf_greedy
+
+    model, tokenizer = hf_reference(tiny_checkpoint("llama"))
+    cache = {}
+
+    def get(prompt_ids: list[int], max_new_tokens: int):
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in cache:
+            ids = hf_greedy(model, prompt_ids, max_new_tokens, ignore_eos=False)
+            cache[key] = (ids, tokenizer.decode(ids, skip_special_tokens=True))
+        return cache[key]
+
+    return get

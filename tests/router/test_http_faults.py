@@ -1,0 +1,180 @@
+"""Faults seen from the router: disconnects, dead workers, retries, bad frames, timeouts, bad registrations."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import httpx
+import msgspec
+import openai
+import pytest
+import zmq
+
+from pipeline.endpoints import router_endpoint
+from pipeline.protocol.cluster import (
+    FinishCode,
+    Heartbeat,
+    RegisterAck,
+    TokenDelta,
+    WorkerLoad,
+    decode_router_to_worker,
+    encode,
+)
+from tests.router.fake_worker import tokens_script
+
+BODY = {"model": "tiny", "prompt": "Hi", "max_tokens": 30}
+
+
+def slow_script(served_model, step_s=0.05):
+    return tokens_script(served_model.tokenizer.encode("Hello there, how are you? Paris is the capital."), step_s=step_s)
+
+
+def silent(_request):
+    return []
+
+
+def metric(router, name: str) -> float:
+    for line in httpx.get(f"{router.url}/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_client_disconnect_mid_stream_cancels_on_the_worker(router, served_model):
+    worker = router.add_worker(script=slow_script(served_model))
+    with httpx.stream("POST", f"{router.url}/v1/completions", json={**BODY, "stream": True}) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+    request_id = msgspec.json.decode(first[len("data: "):])["id"]
+    assert worker.wait_for(lambda: request_id in worker.cancels), "no CancelRequest after the client left"
+    assert metric(router, "tandem_requests_in_flight") == 0
+
+
+def test_client_disconnect_while_waiting_for_a_full_response_cancels(router):
+    worker = router.add_worker(script=silent)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{router.url}/v1/completions", json=BODY, timeout=0.3)
+    assert worker.wait_for(lambda: worker.requests and worker.requests[0].request_id in worker.cancels)
+
+
+def test_worker_death_ends_the_stream_with_an_error_and_unreadies(router, served_model):
+    worker = router.add_worker(script=slow_script(served_model, step_s=0.1))
+    assert router.wait_ready(True)
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=10)
+    stream = client.completions.create(**{**BODY, "stream": True})
+    start = time.monotonic()
+    with pytest.raises(openai.APIError, match="decode worker w0 died"):
+        for i, _chunk in enumerate(stream):
+            if i == 0:
+                worker.stop()  # no more heartbeats, no more tokens
+    assert time.monotonic() - start < 3.0
+    assert router.wait_ready(False)
+    assert metric(router, 'tandem_worker_up{role="PrefillAndDecode",worker="w0"}') == 0.0
+    response = httpx.post(f"{router.url}/v1/completions", json=BODY)
+    assert response.status_code == 503
+
+
+def test_request_without_tokens_is_retried_on_another_worker(router, served_model):
+    stuck = router.add_worker("a-stuck", script=silent)  # ties go to the lower id: it is picked first
+    healthy = router.add_worker("b-healthy", script=slow_script(served_model, step_s=0.005))
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("r", httpx.post(f"{router.url}/v1/completions", json=BODY, timeout=10)))
+    thread.start()
+    assert stuck.wait_for(lambda: bool(stuck.requests))
+    stuck.stop()
+    thread.join(timeout=10)
+    response = result["r"]
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"].startswith("Hello there")
+    assert healthy.requests[0].request_id == f"{response.json()['id']}~2"
+    assert metric(router, "tandem_request_retries_total") == 1.0
+
+
+def test_retryable_worker_error_is_retried_elsewhere(router, served_model):
+    def reject(request):
+        return [(0.0, TokenDelta(request_id=request.request_id, finish_reason=FinishCode.ERROR, error="no KV blocks", retryable=True))]
+
+    router.add_worker("a-full", script=reject)
+    router.add_worker("b-ok", script=slow_script(served_model, step_s=0.005))
+    response = httpx.post(f"{router.url}/v1/completions", json=BODY)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"].startswith("Hello")
+
+
+def test_worker_error_fails_the_request(router):
+    def fail(request):
+        return [(0.0, TokenDelta(request_id=request.request_id, finish_reason=FinishCode.ERROR, error="KV checksum mismatch"))]
+
+    router.add_worker(script=fail)
+    response = httpx.post(f"{router.url}/v1/completions", json=BODY)
+    assert response.status_code == 500 and "KV checksum mismatch" in response.json()["error"]["message"]
+
+
+def test_request_deadline(router_factory):
+    router = router_factory(request_timeout_s=0.4)
+    worker = router.add_worker(script=silent)
+    response = httpx.post(f"{router.url}/v1/completions", json=BODY)
+    assert response.status_code == 504 and response.json()["error"]["type"] == "timeout_error"
+    assert worker.wait_for(lambda: worker.requests[0].request_id in worker.cancels)
+    assert worker.requests[0].deadline_s <= 0.4
+
+
+def test_malformed_frames_are_counted_and_dropped(router, served_model):
+    worker = router.add_worker(script=slow_script(served_model, step_s=0.001))
+    worker.send_raw(b"\xc1 not msgpack")
+    worker.send_raw(encode(Heartbeat(worker_id="someone-else", load=WorkerLoad())))
+    worker.send_raw(b"two", b"frames")
+    deadline = time.monotonic() + 5
+    while metric(router, "tandem_router_bad_frames_total") < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(router, "tandem_router_bad_frames_total") == 3
+    assert httpx.post(f"{router.url}/v1/completions", json=BODY).status_code == 200
+    assert router.state.dispatcher.num_bad_frames == 3
+
+
+def test_registration_is_checked_and_unknown_heartbeats_are_told_to_register(router):
+    wrong = router.add_worker("w-wrong", model_name="another-model")
+    assert wrong.acks[0].accepted is False and "another-model" in wrong.acks[0].error
+    assert router.wait_ready(False, timeout=0.2)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"ghost")
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(router_endpoint(router.base))
+        sock.send(encode(Heartbeat(worker_id="ghost", load=WorkerLoad())))
+        assert sock.poll(5000)
+        ack = decode_router_to_worker(sock.recv())
+        assert isinstance(ack, RegisterAck) and not ack.accepted and ack.reregister
+    finally:
+        sock.close(0)
+        ctx.term()
+    good = router.add_worker("w-good")
+    assert good.acks[0].accepted and good.acks[0].heartbeat_interval_s == 0.05
+
+
+def test_router_module_never_imports_torch(tiny_checkpoint):
+    """Importing the router, and serving from a real tokenizer, keeps torch out of the process."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+import router.app
+assert "torch" not in sys.modules and "transformers" not in sys.modules, "import pulled torch/transformers"
+from router.served_model import keep_torch_out, load_served_model
+assert keep_torch_out()
+from router.preprocess import prepare_chat
+from router.openai_schema import ChatCompletionRequest
+from pipeline.config import SamplingConfig
+model = load_served_model({tiny_checkpoint('llama')!r}, name="tiny")
+body = ChatCompletionRequest.model_validate({{"model": "tiny", "messages": [{{"role": "user", "content": "Hi"}}]}})
+ids = prepare_chat(body, model, SamplingConfig()).prompt_token_ids
+assert model.tokenizer.decode(ids) and model.token_text(ids[0]) is not None
+assert sys.modules.get("torch") is None, "torch was imported"
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
