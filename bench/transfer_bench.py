@@ -84,83 +84,102 @@ def _start_decode_side(mode: str, shape, dtype: str):
     return proc, parent, _recv(parent)["endpoint"]
 
 
-def bench_transport(mode: str, src: torch.Tensor, num_blocks: int, repeats: int) -> dict:
-    from kv_transfer import KVSender, kv_layout
+class TransportRun:
+    """P's side of one transport: each ``run()`` ships one request to a fresh D-side reservation."""
 
-    proc, conn, endpoint = _start_decode_side(mode, src.shape, str(src.dtype).removeprefix("torch."))
-    sender = KVSender(src, kv_layout(src, "bench", transport=mode))
-    gen = torch.Generator().manual_seed(0)
-    seconds = []
-    try:
-        for i in range(repeats + 1):  # the first run connects, maps and faults pages in: not counted
-            src_ids = torch.randperm(src.shape[2], generator=gen)[:num_blocks].tolist()
-            dst_ids = torch.randperm(src.shape[2], generator=gen)[:num_blocks].tolist()
-            num_bytes = sender.layout.kv_bytes(num_blocks)
-            _send(conn, op="expect", request_id=f"r{i}", dst_block_ids=dst_ids, num_bytes=num_bytes)
-            _recv(conn)
-            t0 = time.perf_counter()
-            sender.send_blocks(f"r{i}", endpoint, src_ids, dst_ids)
-            sender.finish(f"r{i}", b"done")
-            result = _recv(conn)
-            if not result["ok"]:
-                raise RuntimeError(f"{mode} transfer failed: {result['error']}")
-            while not sender.poll():
-                time.sleep(0.0002)
-            if i:
-                seconds.append(result["t_end"] - t0)
-        _send(conn, op="stop")
-        receiver_busy = _recv(conn)["busy_seconds"]
-        sender_busy = sender.stats().transports[mode].busy_seconds
-    finally:
-        sender.close()
-        proc.join(10)
-    total_bytes = num_blocks and sender.layout.kv_bytes(num_blocks)
-    median = statistics.median(seconds)
-    return {
-        "median_s": median,
-        "gb_per_s": total_bytes / median / 1e9,
-        "runs_s": seconds,
-        "sender_busy_s_per_run": sender_busy / (repeats + 1),
-        "receiver_busy_s_per_run": receiver_busy / (repeats + 1),
-    }
+    def __init__(self, mode: str, src: torch.Tensor, num_blocks: int) -> None:
+        from kv_transfer import KVSender, kv_layout
 
+        self.mode, self.src, self.num_blocks = mode, src, num_blocks
+        self.proc, self.conn, self.endpoint = _start_decode_side(mode, src.shape, str(src.dtype).removeprefix("torch."))
+        self.sender = KVSender(src, kv_layout(src, "bench", transport=mode))
+        self.num_bytes = self.sender.layout.kv_bytes(num_blocks)
+        self.gen = torch.Generator().manual_seed(0)
+        self.count = 0
 
-def bench_raw_zmq(buffer: torch.Tensor, message_bytes: int, repeats: int) -> dict:
-    proc, conn, endpoint = _start_decode_side("raw", [], "")
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.connect(endpoint)
-    frames = [f.numpy() for f in buffer.view(-1).view(torch.uint8).split(message_bytes)]
-    seconds = []
-    try:
-        for i in range(repeats + 1):
-            _send(conn, op="go", num_messages=len(frames))
-            t0 = time.perf_counter()
-            for frame in frames:
-                push.send(frame, copy=False)
-            t_end = _recv(conn)["t_end"]
-            if i:
-                seconds.append(t_end - t0)
-        _send(conn, op="stop")
-    finally:
-        push.close(linger=0)
-        ctx.term()
-        proc.join(10)
-    median = statistics.median(seconds)
-    return {"median_s": median, "gb_per_s": buffer.numel() * buffer.element_size() / median / 1e9,
-            "message_bytes": message_bytes, "runs_s": seconds}
-
-
-def bench_memcpy(buffer: torch.Tensor, repeats: int) -> dict:
-    dst = torch.empty_like(buffer)
-    dst.copy_(buffer)  # fault the pages in
-    seconds = []
-    for _ in range(repeats):
+    def run(self) -> float:
+        self.count += 1
+        rid = f"r{self.count}"
+        src_ids = torch.randperm(self.src.shape[2], generator=self.gen)[: self.num_blocks].tolist()
+        dst_ids = torch.randperm(self.src.shape[2], generator=self.gen)[: self.num_blocks].tolist()
+        _send(self.conn, op="expect", request_id=rid, dst_block_ids=dst_ids, num_bytes=self.num_bytes)
+        _recv(self.conn)
         t0 = time.perf_counter()
-        dst.copy_(buffer)
-        seconds.append(time.perf_counter() - t0)
-    median = statistics.median(seconds)
-    return {"median_s": median, "gb_per_s": buffer.numel() * buffer.element_size() / median / 1e9, "runs_s": seconds}
+        self.sender.send_blocks(rid, self.endpoint, src_ids, dst_ids)
+        self.sender.finish(rid, b"done")
+        result = _recv(self.conn)
+        if not result["ok"]:
+            raise RuntimeError(f"{self.mode} transfer failed: {result['error']}")
+        while not self.sender.poll():
+            time.sleep(0.0002)
+        return result["t_end"] - t0
+
+    def close(self) -> dict:
+        _send(self.conn, op="stop")
+        receiver_busy = _recv(self.conn)["busy_seconds"]
+        sender_busy = self.sender.stats().transports[self.mode].busy_seconds
+        self.sender.close()
+        self.proc.join(10)
+        return {"sender_busy_s_per_run": sender_busy / self.count, "receiver_busy_s_per_run": receiver_busy / self.count}
+
+
+class RawZmqRun:
+    """Baseline: the same bytes as zero-copy PUSH frames of ``message_bytes`` to a bare PULL in D."""
+
+    def __init__(self, buffer: torch.Tensor, message_bytes: int) -> None:
+        self.proc, self.conn, endpoint = _start_decode_side("raw", [], "")
+        self.ctx = zmq.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(endpoint)
+        self.frames = [f.numpy() for f in buffer.view(-1).view(torch.uint8).split(message_bytes)]
+
+    def run(self) -> float:
+        _send(self.conn, op="go", num_messages=len(self.frames))
+        t0 = time.perf_counter()
+        for frame in self.frames:
+            self.push.send(frame, copy=False)
+        return _recv(self.conn)["t_end"] - t0
+
+    def close(self) -> dict:
+        _send(self.conn, op="stop")
+        self.push.close(linger=0)
+        self.ctx.term()
+        self.proc.join(10)
+        return {}
+
+
+class MemcpyRun:
+    """Baseline: ``copy_`` of the same bytes between two warm buffers."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.src, self.dst = buffer, torch.empty_like(buffer)
+        self.dst.copy_(buffer)  # fault the pages in
+
+    def run(self) -> float:
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        return time.perf_counter() - t0
+
+    def close(self) -> dict:
+        return {}
+
+
+def measure(runs: dict, repeats: int, num_bytes: int) -> dict:
+    """Round-robin over ``runs`` so every variant sees the same machine load; one warm-up round."""
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    try:
+        for round_index in range(repeats + 1):
+            for name, run in runs.items():
+                elapsed = run.run()
+                if round_index:
+                    seconds[name].append(elapsed)
+    finally:
+        extras = {name: run.close() for name, run in runs.items()}
+    return {
+        name: {"median_s": statistics.median(s), "gb_per_s": num_bytes / statistics.median(s) / 1e9,
+               "runs_s": s, **extras[name]}
+        for name, s in seconds.items()
+    }
 
 
 def plot(report: dict, path: str) -> str:
@@ -205,16 +224,20 @@ def main(argv: list[str] | None = None) -> dict:
     total = request.numel() * request.element_size()
     from kv_transfer.blocks import MAX_PIECE_BYTES
 
+    runs = {
+        "raw_zmq_single": RawZmqRun(request, total),
+        "raw_zmq_pieces": RawZmqRun(request, MAX_PIECE_BYTES),
+        "memcpy": MemcpyRun(request),
+        "zmq": TransportRun("zmq", src, args.blocks),
+        "shm": TransportRun("shm", src, args.blocks),
+    }
     report: dict = {
         "config": {**vars(args), "total_mib": total / 2**20, "piece_bytes": MAX_PIECE_BYTES,
-                   "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                   "pyzmq": zmq.__version__},
-        "raw_zmq_single": bench_raw_zmq(request, total, args.repeats),
-        "raw_zmq_pieces": bench_raw_zmq(request, MAX_PIECE_BYTES, args.repeats),
-        "memcpy": bench_memcpy(request, args.repeats),
-        "zmq": bench_transport("zmq", src, args.blocks, args.repeats),
-        "shm": bench_transport("shm", src, args.blocks, args.repeats),
+                   "host": platform.node(), "cpus": os.cpu_count(), "load_avg_before": os.getloadavg(),
+                   "torch": torch.__version__, "pyzmq": zmq.__version__},
+        **measure(runs, args.repeats, total),
     }
+    report["config"]["load_avg_after"] = os.getloadavg()
     report["raw_zmq_gb_per_s"] = max(report["raw_zmq_single"]["gb_per_s"], report["raw_zmq_pieces"]["gb_per_s"])
     report["ratios"] = {
         "zmq_vs_raw_zmq": report["zmq"]["gb_per_s"] / report["raw_zmq_gb_per_s"],

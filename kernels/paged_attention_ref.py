@@ -22,13 +22,22 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    num_seqs = context_lens.numel()
-    query_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
-    if num_seqs > 1 and max(query_lens) == 1 and len(query_lens) == query.shape[0]:
+    starts = cu_seqlens_q.tolist()
+    kv_lens = context_lens.tolist()
+    is_decode = [end - start == 1 for start, end in zip(starts, starts[1:])]
+    if all(is_decode):  # the common decode step: sequence i's query is token i
         return _decode_batched(query, k_cache, v_cache, context_lens, block_tables, scale, sliding_window)
     out = torch.empty_like(query)
-    starts = cu_seqlens_q.tolist()
-    for i, kv_len in enumerate(context_lens.tolist()):
+    decode_seqs = [i for i, one in enumerate(is_decode) if one]
+    if decode_seqs:  # decode tokens that share a step with prefill chunks are still batched
+        seqs = torch.tensor(decode_seqs, device=query.device)
+        tokens = torch.tensor([starts[i] for i in decode_seqs], device=query.device)
+        out[tokens] = _decode_batched(
+            query[tokens], k_cache, v_cache, context_lens[seqs], block_tables[seqs], scale, sliding_window
+        )
+    for i, kv_len in enumerate(kv_lens):
+        if is_decode[i]:
+            continue
         q = query[starts[i] : starts[i + 1]]  # [q_len, num_q_heads, head_dim]
         k, v = _gather_kv(k_cache, v_cache, block_tables[i], kv_len)  # [kv_len, num_kv_heads, head_dim]
         q_pos = torch.arange(kv_len - q.shape[0], kv_len, device=query.device)
@@ -37,33 +46,50 @@ def paged_attention_ref(
     return out
 
 
+# Decode pads each sequence's K/V to the longest context of its bucket; buckets of sequences sorted by
+# context length keep the padding (gathered, copied and multiplied for nothing) small in mixed batches.
+DECODE_BUCKET_SIZE = 16
+
+
 def _decode_batched(query, k_cache, v_cache, context_lens, block_tables, scale, sliding_window):
-    # One query per sequence: pad every context to the longest and mask, so decode is one matmul pair.
-    page_size = k_cache.shape[1]
-    max_len = int(context_lens.max())
-    num_blocks = -(-max_len // page_size)
-    blocks = block_tables[:, :num_blocks].long()  # [num_seqs, num_blocks]
-    num_seqs, num_kv_heads, head_dim = query.shape[0], k_cache.shape[2], k_cache.shape[3]
-    k = k_cache[blocks].reshape(num_seqs, num_blocks * page_size, num_kv_heads, head_dim)
-    v = v_cache[blocks].reshape(num_seqs, num_blocks * page_size, num_kv_heads, head_dim)
-    k_pos = torch.arange(num_blocks * page_size, device=query.device)  # [padded_len]
+    # One query token per sequence: [num_seqs, num_q_heads, head_dim] -> same shape.
+    if context_lens.numel() <= DECODE_BUCKET_SIZE:
+        return _decode_padded(query, k_cache, v_cache, context_lens, block_tables, scale, sliding_window)
+    out = torch.empty_like(query)
+    for rows in torch.argsort(context_lens, stable=True).split(DECODE_BUCKET_SIZE):
+        out[rows] = _decode_padded(
+            query[rows], k_cache, v_cache, context_lens[rows], block_tables[rows], scale, sliding_window
+        )
+    return out
+
+
+def _decode_padded(query, k_cache, v_cache, context_lens, block_tables, scale, sliding_window):
+    # Pad every context to the longest and mask, so decode is one attention call.
+    page_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_seqs = query.shape[0]
+    num_blocks = -(-int(context_lens.max()) // page_size)
+    blocks = block_tables[:, :num_blocks].reshape(-1).long()  # [num_seqs * num_blocks]
+    padded_len = num_blocks * page_size
+    # [num_seqs, num_kv_heads, padded_len, head_dim] (strided views of the gathered blocks)
+    k = k_cache.index_select(0, blocks).view(num_seqs, padded_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, blocks).view(num_seqs, padded_len, num_kv_heads, head_dim).transpose(1, 2)
+    k_pos = torch.arange(padded_len, device=query.device)  # [padded_len]
     q_pos = (context_lens.long() - 1)[:, None]  # [num_seqs, 1]
-    mask = k_pos[None, :] <= q_pos
+    mask = k_pos[None, :] <= q_pos  # [num_seqs, padded_len]
     if sliding_window is not None:
         mask &= k_pos[None, :] > q_pos - sliding_window
-    group = query.shape[1] // num_kv_heads
     q = query[:, :, None, :]  # [num_seqs, num_q_heads, 1, head_dim]
-    k = k.transpose(1, 2).repeat_interleave(group, dim=1)  # [num_seqs, num_q_heads, padded_len, head_dim]
-    v = v.transpose(1, 2).repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale)
+    out = F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )  # [num_seqs, num_q_heads, 1, head_dim]
     return out[:, :, 0, :]
 
 
 def _gather_kv(k_cache, v_cache, block_table, kv_len):
     page_size, num_kv_heads, head_dim = k_cache.shape[1:]
     blocks = block_table[: -(-kv_len // page_size)].long()
-    k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:kv_len]
-    v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:kv_len]
+    k = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:kv_len]
+    v = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:kv_len]
     return k, v
 
 
@@ -75,8 +101,8 @@ def _visible(q_pos, k_pos, sliding_window):
 
 
 def _attend(q, k, v, mask, scale):
-    group = q.shape[1] // k.shape[1]
+    # enable_gqa: each group of query heads reads its kv head directly, no repeated copy of K/V
     q = q.transpose(0, 1)  # [num_q_heads, q_len, head_dim]
-    k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)  # [num_q_heads, kv_len, head_dim]
-    v = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
+    k = k.transpose(0, 1).to(q.dtype)  # [num_kv_heads, kv_len, head_dim]
+    v = v.transpose(0, 1).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)

@@ -232,7 +232,8 @@ def run_paged_attention(
         block_m_ = max(block_m or 64, next_pow2(group))
         block_q = block_m_ // group
     block_d = max(16, next_pow2(head_dim))  # tl.dot needs every dim >= 16 on GPUs
-    block_n_ = block_n or (64 if block_d <= 128 else 32)
+    # fp32 dots run on FMA units and stage wider tiles in shared memory: keep their KV tiles narrower
+    block_n_ = block_n or (64 if block_d <= 128 and query.dtype != torch.float32 else 32)
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(num_tokens, num_seqs, num_kv_heads,

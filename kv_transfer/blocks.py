@@ -81,16 +81,20 @@ def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, 
 def split_pieces(
     layer_start: int, layer_stop: int, src: list[int], dst: list[int], page_bytes: int, max_bytes: int = MAX_PIECE_BYTES
 ) -> list[Piece]:
-    """Split one send into pieces of at most ``max_bytes`` (at least one block of one layer each)."""
+    """Split one send into pieces of at most ``max_bytes`` (at least one page pair each).
+
+    Pieces keep every requested layer and take a range of blocks, so each block of a piece is one
+    large strided region (cheap to copy and checksum); only when one block over all requested layers
+    is too big do pieces go layer by layer.
+    """
     if not dst:
         return []
-    bytes_per_layer = 2 * len(dst) * page_bytes
-    if bytes_per_layer <= max_bytes:  # whole layers per piece
-        step = max(1, max_bytes // bytes_per_layer)
-        return [
-            Piece(start, min(start + step, layer_stop), src, dst) for start in range(layer_start, layer_stop, step)
-        ]
-    step = max(1, max_bytes // (2 * page_bytes))  # one layer, a range of blocks per piece
+    num_layers = layer_stop - layer_start
+    block_bytes = num_layers * 2 * page_bytes
+    if block_bytes <= max_bytes:
+        step = max_bytes // block_bytes
+        return [Piece(layer_start, layer_stop, src[i : i + step], dst[i : i + step]) for i in range(0, len(dst), step)]
+    step = max(1, max_bytes // (2 * page_bytes))
     return [
         Piece(layer, layer + 1, src[i : i + step], dst[i : i + step])
         for layer in range(layer_start, layer_stop)

@@ -27,6 +27,7 @@ _MASK = (1 << 64) - 1
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio constant as a signed int64
 _SUBROW_BYTES = 2048
 _WORD_DTYPES = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
+_WORD_SIZES = dict(_WORD_DTYPES)
 
 
 class KVChecksum:
@@ -53,25 +54,27 @@ class KVChecksum:
         self.num_bytes += packed.numel() * packed.element_size()
 
     def update_blocks(self, kv_cache: torch.Tensor, block_ids: list[int], layers: slice) -> None:
-        """Add the piece ``pack_kv_blocks(kv_cache, block_ids, layers)`` would give, without packing it.
+        """Add the piece ``pack_kv_blocks(kv_cache, block_ids, layers)`` would give, without packing it."""
+        sums = [self.block_sums(kv_cache, layers, first, length) for _, first, length in runs(block_ids)]
+        self.add_block_sums(torch.cat(sums, dim=2))
 
-        ``kv_cache`` is ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``, contiguous.
-        """
+    def block_sums(self, kv_cache: torch.Tensor, layers: slice, first: int, length: int) -> torch.Tensor:
+        """Sub-row sums of blocks ``first .. first + length - 1``: ``[num_selected_layers, 2, length,
+        subrows_per_page]``. Callers that also copy those blocks do it right after, while they are hot."""
         num_layers, _, num_blocks = kv_cache.shape[:3]
-        # [num_layers, 2, num_blocks, subrows_per_page, subrow_words]
+        # [num_layers, 2, num_blocks, subrows_per_page, subrow_words] over kv_cache's memory
         words = (
             kv_cache.view(torch.uint8)
             .view(num_layers, 2, num_blocks, -1)
             .view(self._word_dtype)
-            .view(num_layers, 2, num_blocks, self._subrows_per_page, self._subrow_words)[layers]
+            .view(num_layers, 2, num_blocks, self._subrows_per_page, self._subrow_words)
         )
-        # [num_selected_layers, 2, n, subrows_per_page] in packed order
-        sums = torch.empty(words.shape[0], 2, len(block_ids), self._subrows_per_page, dtype=torch.int64,
-                           device=kv_cache.device)
-        for index, first, length in runs(block_ids):
-            sums[:, :, index : index + length] = self._sum(words[:, :, first : first + length])
-        self._add(sums.view(-1))
-        self.num_bytes += sums.numel() * self._subrow_words * words.element_size()
+        return self._sum(words[layers, :, first : first + length])
+
+    def add_block_sums(self, sums: torch.Tensor) -> None:
+        """Add a piece given as ``block_sums`` concatenated along the block axis, in packed order."""
+        self._add(sums.reshape(-1))
+        self.num_bytes += sums.numel() * self._subrow_words * _WORD_SIZES[self._word_dtype]
 
     def _sum(self, words: torch.Tensor) -> torch.Tensor:
         # int64 sums wrap mod 2**64 on CPU and GPU alike, so the order of the reduction does not matter.

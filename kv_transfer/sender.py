@@ -301,10 +301,11 @@ class KVSender(IOThread):
             if outside:
                 self._complete(req, False, f"blocks {outside[:8]} are outside the receiver's reservation")
                 return None
-            dst_cache = req.peer.shm_cache
-            for src, dst, n in paired_runs(piece.src_block_ids, piece.dst_block_ids):  # the one copy
-                dst_cache[layers, :, dst : dst + n].copy_(self.kv_cache[layers, :, src : src + n])
-            req.checksum.update_blocks(self.kv_cache, piece.src_block_ids, layers)
+            dst_cache, sums = req.peer.shm_cache, []
+            for src, dst, n in paired_runs(piece.src_block_ids, piece.dst_block_ids):
+                sums.append(req.checksum.block_sums(self.kv_cache, layers, src, n))  # reads the source...
+                dst_cache[layers, :, dst : dst + n].copy_(self.kv_cache[layers, :, src : src + n])  # ...the one copy
+            req.checksum.add_block_sums(torch.cat(sums, dim=2))
             if self.corrupt_hook is not None:
                 self.corrupt_hook(req.request_id, dst_cache[piece.layer_start, 0, piece.dst_block_ids[0]])
             header = Written(request_id=req.request_id, layer_start=piece.layer_start, layer_stop=piece.layer_stop,

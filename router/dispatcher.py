@@ -73,6 +73,8 @@ class RequestHandle:
 
     async def next(self) -> TokenDelta | RequestFailed:
         """The next delta or failure; raises TimeoutError once the deadline passed."""
+        if not self.queue.empty():  # the common case under load: no timer, no task
+            return self.queue.get_nowait()
         return await asyncio.wait_for(self.queue.get(), timeout=max(0.0, self.deadline - time.monotonic()))
 
 

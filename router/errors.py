@@ -70,28 +70,41 @@ def from_value_error(exc: ValueError) -> APIError:
     return APIError(400, message, param=param)
 
 
+_UNION_HINTS = {
+    "prompt": "must be a string, a list of token ids, or a list holding one string or one list of token ids",
+    "stop": "must be a string or a list of strings",
+}
+
+
 def _format_validation_errors(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    parts = []
-    first_param = None
-    for err in errors[:5]:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        # pydantic adds the union member it tried ("str", "list[int]") to the path: keep only field names
-        loc = [p for p in loc if not (p[:1].islower() and ("[" in p or p in _TYPE_WORDS))]
-        param = ".".join(loc) or None
+    by_param: dict[str | None, list[dict]] = {}
+    for err in exc.errors():
         if err.get("type") == "json_invalid":
             return f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
-        first_param = first_param or param
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        # pydantic adds the union member it tried ("str", "list[int]") to the path: keep field names only
+        loc = [p for p in loc if not (p[:1].islower() and ("[" in p or p in _TYPE_WORDS))]
+        by_param.setdefault(".".join(loc) or None, []).append(err)
+    if not by_param:
+        return "invalid request", None
+    parts = []
+    for param, errs in list(by_param.items())[:5]:
+        err = errs[0]
+        if param is None:
+            parts.append("the request body must be a JSON object" if err.get("type") in ("missing", "model_attributes_type")
+                         else err.get("msg", "invalid request"))
+            continue
         msg = err.get("msg", "invalid value").removeprefix("Value error, ")
-        text = f"{param}: {msg}" if param else msg
-        if "input" in err and err.get("type") != "missing" and not isinstance(err["input"], (dict, list)):
-            text += f" (got {err['input']!r})"
+        if len(errs) > 1:  # one error per union member: say what is accepted instead
+            msg = _UNION_HINTS.get(param.split(".")[-1], "has an invalid type")
+        text = f"{param}: {msg}"
+        value = err.get("input")
+        if err.get("type") != "missing" and "(got " not in text and not isinstance(value, (dict, list)):
+            text += f" (got {value!r})"
         parts.append(text)
-    if len(errors) > 5:
-        parts.append(f"... {len(errors) - 5} more")
-    return "; ".join(parts), first_param
+    if len(by_param) > 5:
+        parts.append(f"... {len(by_param) - 5} more")
+    return "; ".join(parts), next(iter(by_param))
 
 
 _TYPE_WORDS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}

@@ -30,6 +30,7 @@ def keep_torch_out() -> bool:
     if "torch" in sys.modules or "transformers" in sys.modules:
         return False
     sys.modules["torch"] = None  # type: ignore[assignment]
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" notice
     return True
 
 

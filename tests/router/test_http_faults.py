@@ -12,6 +12,7 @@ import openai
 import pytest
 import zmq
 
+from pipeline.config import PipelineRole
 from pipeline.endpoints import router_endpoint
 from pipeline.protocol.cluster import (
     FinishCode,
@@ -92,6 +93,27 @@ def test_request_without_tokens_is_retried_on_another_worker(router, served_mode
     assert metric(router, "tandem_request_retries_total") == 1.0
 
 
+def test_prefill_worker_death_before_the_first_token_reroutes_the_prefill(router, served_model):
+    answer = slow_script(served_model, step_s=0.005)
+
+    def decode_script(request):  # tokens only once the request names the surviving prefill worker
+        return answer(request) if request.prefill_worker_id == "p-b" else []
+
+    decode = router.add_worker("d0", role=PipelineRole.DecodeOnly, script=decode_script)
+    doomed = router.add_worker("p-a", role=PipelineRole.PrefillOnly, prefill_endpoint="ipc:///tmp/p-a")
+    router.add_worker("p-b", role=PipelineRole.PrefillOnly, prefill_endpoint="ipc:///tmp/p-b")
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("r", httpx.post(f"{router.url}/v1/completions", json=BODY, timeout=10)))
+    thread.start()
+    assert decode.wait_for(lambda: bool(decode.requests)) and decode.requests[0].prefill_worker_id == "p-a"
+    doomed.stop()
+    thread.join(timeout=10)
+    assert result["r"].status_code == 200, result["r"].text
+    first, second = decode.requests
+    assert first.request_id in decode.cancels  # the decode worker drops the attempt whose prefill died
+    assert second.request_id == first.request_id + "~2" and second.prefill_endpoint == "ipc:///tmp/p-b"
+
+
 def test_retryable_worker_error_is_retried_elsewhere(router, served_model):
     def reject(request):
         return [(0.0, TokenDelta(request_id=request.request_id, finish_reason=FinishCode.ERROR, error="no KV blocks", retryable=True))]
@@ -154,27 +176,34 @@ def test_registration_is_checked_and_unknown_heartbeats_are_told_to_register(rou
     assert good.acks[0].accepted and good.acks[0].heartbeat_interval_s == 0.05
 
 
-def test_router_module_never_imports_torch(tiny_checkpoint):
-    """Importing the router, and serving from a real tokenizer, keeps torch out of the process."""
+def test_run_router_process_never_imports_torch(tiny_checkpoint):
+    """``run_router`` in a fresh process serves (tokenizing a chat prompt) without torch ever loading."""
     import subprocess
     import sys
 
     code = f"""
-import sys
+import socket, sys, tempfile, threading, time
 import router.app
-assert "torch" not in sys.modules and "transformers" not in sys.modules, "import pulled torch/transformers"
-from router.served_model import keep_torch_out, load_served_model
-assert keep_torch_out()
-from router.preprocess import prepare_chat
-from router.openai_schema import ChatCompletionRequest
-from pipeline.config import SamplingConfig
-model = load_served_model({tiny_checkpoint('llama')!r}, name="tiny")
-body = ChatCompletionRequest.model_validate({{"model": "tiny", "messages": [{{"role": "user", "content": "Hi"}}]}})
-ids = prepare_chat(body, model, SamplingConfig()).prompt_token_ids
-assert model.tokenizer.decode(ids) and model.token_text(ids[0]) is not None
+assert "torch" not in sys.modules and "transformers" not in sys.modules, "importing the router pulled them in"
+import httpx
+from pipeline.config import PipelineConfig
+sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()
+config = PipelineConfig(zmq_endpoint_base="ipc://" + tempfile.mkdtemp(dir="/tmp") + "/t",
+                        model={{"model_path": {tiny_checkpoint('llama')!r}}})
+threading.Thread(target=router.app.run_router, args=(config, "127.0.0.1", port), daemon=True).start()
+url = f"http://127.0.0.1:{{port}}"
+for _ in range(300):
+    try:
+        if httpx.get(url + "/health").status_code == 200:
+            break
+    except httpx.TransportError:
+        time.sleep(0.05)
+name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+reply = httpx.post(url + "/v1/chat/completions", json={{"model": name, "messages": [{{"role": "user", "content": "Hi"}}]}})
+assert reply.status_code == 503 and "no live workers" in reply.text, reply.text
 assert sys.modules.get("torch") is None, "torch was imported"
-print("ok")
+print("ok", name)
 """
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    assert out.returncode == 0 and "ok tiny-llama" in out.stdout, out.stdout[-500:] + out.stderr[-2000:]
