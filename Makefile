@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/tandem generate "Hello, my name is" "The capital of France is" --max-tokens 32
+	$(VENV)/bin/tandem up --prefill 1 --decode 1 --port 8000
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q

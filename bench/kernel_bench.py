@@ -159,14 +159,18 @@ def run_case(case: Case, peak_gbps: float) -> Result:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="kernel_bench.json", help="where to write the JSON results")
     parser.add_argument("--peak-gbps", type=float, default=4800.0,
                         help="HBM peak in GB/s for pct_peak: 4800 for H200 (default), 3350 for H100 SXM")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--only", default=None, help="run only kernels whose name contains this")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA device is visible; this benchmark times GPU kernels and needs one "

@@ -25,7 +25,7 @@ def paged_attention_ref(
     starts = cu_seqlens_q.tolist()
     kv_lens = context_lens.tolist()
     is_decode = [end - start == 1 for start, end in zip(starts, starts[1:])]
-    if all(is_decode):  # the common decode step: sequence i's query is token i
+    if is_decode and all(is_decode):  # the common decode step: sequence i's query is token i
         return _decode_batched(query, k_cache, v_cache, context_lens, block_tables, scale, sliding_window)
     out = torch.empty_like(query)
     decode_seqs = [i for i, one in enumerate(is_decode) if one]

@@ -21,6 +21,7 @@ Softmax runs in fp32 with exp2; fp32 inputs use IEEE dots so results match the t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -196,10 +197,15 @@ def choose_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, max_
     """Split-KV only for decode-only batches whose (sequence, KV head) programs cannot fill the GPU."""
     if num_tokens != num_seqs or device.type != "cuda":
         return 1
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     by_occupancy = math.ceil(PROGRAMS_PER_SM * num_sms / max(num_seqs * num_kv_heads, 1))
     by_length = max_context // MIN_TOKENS_PER_SPLIT
     return int(max(1, min(by_occupancy, by_length, MAX_KV_SPLITS)))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def run_paged_attention(

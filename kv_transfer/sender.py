@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from kernels import load_kernels
-from kv_transfer.blocks import Piece, normalize_block_ids, normalize_layers, paired_runs, split_pieces
+from kv_transfer.blocks import MAX_PIECE_BYTES, Piece, normalize_block_ids, normalize_layers, paired_runs, split_pieces
 from kv_transfer.checksum import KVChecksum
 from kv_transfer.interface import SendStatus, StatsBox, TransferStats
 from kv_transfer.io_thread import IOThread
@@ -73,16 +73,22 @@ class _Active:  # caller side
 
 
 class KVSender(IOThread):
-    """Sends blocks of ``kv_cache`` ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``."""
+    """Sends blocks of ``kv_cache`` ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``.
+
+    ``timeout_s`` bounds every wait on a receiver (handshake, queue space, acknowledgement);
+    ``max_piece_bytes`` is the unit of packing / copying (small enough to stay in cache between the
+    copy and the checksum, large enough to amortise per-message costs).
+    """
 
     def __init__(
         self, kv_cache: torch.Tensor, layout: KVLayout, *, kernel_backend: str = "torch", timeout_s: float = 10.0,
-        name: str = "kv-sender",
+        max_piece_bytes: int = MAX_PIECE_BYTES, name: str = "kv-sender",
     ) -> None:
         check_kv_cache(kv_cache, layout)
         self.kv_cache = kv_cache
         self.layout = layout
         self.timeout_s = timeout_s
+        self.max_piece_bytes = max_piece_bytes
         self._kernels = load_kernels(kernel_backend, str(kv_cache.device))
         self._hello = FRAME_ENCODER.encode(Hello(layout=layout, host_id=host_id()))
         self._results: collections.deque[tuple[int, SendStatus]] = collections.deque()
@@ -123,7 +129,7 @@ class KVSender(IOThread):
         elif active.is_finished:
             raise ValueError(f"request {request_id!r}: send_blocks after finish")
         self._submit(self._cmd_send, request_id, active.gen, dst_endpoint,
-                     split_pieces(layer_start, layer_stop, src, dst, self.layout.page_bytes))
+                     split_pieces(layer_start, layer_stop, src, dst, self.layout.page_bytes, self.max_piece_bytes))
 
     def finish(self, request_id: str, payload: bytes = b"") -> None:
         """Send the checksum and ``payload`` after every queued piece of ``request_id``."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "TANDEM_"
 ENV_NESTED_DELIMITER = "__"
@@ -110,6 +110,13 @@ class PipelineConfig(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
 
+    @field_validator("zmq_endpoint_base")
+    @classmethod
+    def _check_endpoint_base(cls, value: str) -> str:
+        from pipeline.endpoints import validate_endpoint_base
+
+        return validate_endpoint_base(value)
+
     @model_validator(mode="after")
     def _check_consistency(self) -> "PipelineConfig":
         if self.enable_overlap_scheduler:
@@ -155,10 +162,10 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel]) -> str
     lines = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "<config>"
-        msg = err["msg"].removeprefix("Value error, ")
+        msg = err["msg"].removeprefix("Value error, ").removeprefix(f"{field}: ")
         if err["type"] == "extra_forbidden":
             msg = f"unknown field; known fields here: {', '.join(_known_fields(model, err['loc'][:-1]))}"
-        elif "input" in err and err["type"] != "missing":
+        elif "input" in err and err["type"] != "missing" and "(got " not in msg:
             msg = f"{msg} (got {err['input']!r})"
         lines.append(f"{field}: {msg}")
     return "invalid config: " + "; ".join(lines)

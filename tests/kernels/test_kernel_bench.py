@@ -15,5 +15,6 @@ def test_exits_with_a_message_without_cuda(monkeypatch, capsys, tmp_path):
     assert not out.exists()
 
 
-def test_peak_bandwidth_defaults_to_h200():
-    assert "4800" in kernel_bench.__doc__ and "3350" in kernel_bench.__doc__
+def test_defaults_to_the_h200_peak_and_bf16():
+    args = kernel_bench.build_parser().parse_args([])
+    assert args.peak_gbps == 4800 and args.dtype == "bf16"

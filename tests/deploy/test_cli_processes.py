@@ -1,0 +1,131 @@
+"""The ``tandem`` CLI as a user runs it: ``tandem up`` and one process per role over a TCP base."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.cluster.conftest import free_port
+
+TANDEM = [sys.executable, "-m", "deploy.cli"]
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_ready(url: str, procs: list[subprocess.Popen], num_workers: int, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in procs:
+            assert proc.poll() is None, f"process exited early: {proc.args}"
+        try:
+            body = httpx.get(f"{url}/ready", timeout=2).json()
+            if body["ready"] and sum(w["alive"] for w in body["workers"]) == num_workers:
+                return
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.3)
+    raise AssertionError("not ready in time")
+
+
+def test_tandem_up_serves_and_stops_every_process_on_sigterm(tiny_checkpoint, tmp_path):
+    port = free_port()
+    launcher = subprocess.Popen(
+        [*TANDEM, "up", "--prefill", "1", "--decode", "1", "--model", tiny_checkpoint("llama"), "--port", str(port),
+         "--log-dir", str(tmp_path), "--kv-cache-num-blocks", "128"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    children: list[int] = []
+    try:
+        lines = []
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            assert line, f"tandem up exited early:\n{''.join(lines)}"
+            lines.append(line)
+            if "ready at" in line:
+                break
+        assert f"http://127.0.0.1:{port}/v1" in lines[-1]
+        children = children_of(launcher.pid)
+        assert len(children) == 3  # router, prefill, decode
+        out = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                         json={"model": Path(tiny_checkpoint("llama")).name, "prompt": "Hi", "max_tokens": 4},
+                         timeout=60)
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] >= 1
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 0
+        assert not [pid for pid in children if is_alive(pid)]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for pid in children:
+            if is_alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def test_one_process_per_role_over_tcp(tiny_checkpoint, tmp_path):
+    base = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
+    common = ["--model", tiny_checkpoint("llama"), "--zmq-endpoint-base", base, "--kv-cache-num-blocks", "128"]
+    commands = [
+        ["router", "--port", str(port), *common],
+        ["prefill", "--worker-id", "p0", *common],
+        ["decode", "--worker-id", "d0", "--transfer-transport", "zmq", *common],
+    ]
+    procs = [subprocess.Popen([*TANDEM, *c], stdout=open(tmp_path / f"{c[0]}.log", "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True) for c in commands]
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", procs, num_workers=2)
+        out = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                         json={"model": Path(tiny_checkpoint("llama")).name, "prompt": "Hi", "max_tokens": 5,
+                               "ignore_eos": True}, timeout=60)
+        assert out.status_code == 200, out.text
+        assert out.json()["usage"]["completion_tokens"] == 5
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["decode", "--max-batch-size", "-1"], "max_batch_size: Input should be greater than or equal to 1"),
+        (["prefill", "--zmq-endpoint-base", "http://nope"], "zmq_endpoint_base"),
+        (["worker", "--role", "PrefillOnly", "--config", "/nonexistent.yaml"], "config_file: no such file"),
+        (["up", "--kv-cache-page-size", "0"], "kv_cache.page_size"),
+    ],
+)
+def test_bad_config_is_a_clear_error(args, message):
+    result = subprocess.run([*TANDEM, *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
