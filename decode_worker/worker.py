@@ -72,6 +72,7 @@ class DecodeWorker(WorkerBase):
                 self.engine.kv_cache,
                 self.kv_layout(),
                 worker_bind_endpoint(config.zmq_endpoint_base, worker_id, "kv"),
+                kernel_backend=config.kernel_backend,
             )
             self.prefill_links = PrefillLinks(self.ctx, worker_id)
         self.connect_router()

@@ -40,9 +40,10 @@ class ModelConfig(_Section):
     """Which checkpoint to load and where to run it."""
 
     model_path: str | None = Field(None, description="Hugging Face checkpoint directory; None = built-in model")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "auto", description="weights and KV cache dtype; auto = float32 on CPU, bfloat16 on GPU")
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, description="seed of the global generator (unseeded requests)")
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -66,16 +67,16 @@ class KVCacheConfig(_Section):
         0.9, gt=0.0, le=1.0, description="fraction of free device memory for KV when num_blocks is None"
     )
     cpu_kv_cache_gib: float = Field(1.0, gt=0.0, description="KV pool size on CPU when num_blocks is None")
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prompt prefixes")
 
 
 class SamplingConfig(_Section):
     """Defaults applied to requests that leave a parameter unset."""
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, ge=0.0, description="default temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="default nucleus threshold")
+    top_k: int = Field(-1, ge=-1, description="default top-k (-1 = off)")
+    max_tokens: int = Field(256, ge=1, description="default output length of the offline API")
 
 
 class TransferConfig(_Section):
@@ -87,24 +88,22 @@ class TransferConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    config_file: str | None = None
-    section_name: str | None = None
-    pipeline_role: PipelineRole = PipelineRole.PrefillAndDecode
+    config_file: str | None = Field(None, description="YAML/TOML file this config was read from")
+    section_name: str | None = Field(None, description="section of config_file")
+    pipeline_role: PipelineRole = Field(
+        PipelineRole.PrefillAndDecode, description="PrefillAndDecode (colocated), PrefillOnly or DecodeOnly")
     zmq_endpoint_base: str = Field("ipc:///tmp/tandem", description="every socket address derives from it")
     max_length: int | None = Field(None, ge=2, description="max prompt + output tokens; None = model's limit")
     max_batch_size: int = Field(64, ge=1, description="max requests in one decode batch")
     max_batch_input_tokens: int = Field(2048, ge=1, description="max tokens per step (prefill chunks + decodes)")
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
     kvcache_ce_watermark: float = Field(
         0.95, gt=0.0, le=1.0, description="admit a prefill only while KV use stays under this fraction"
     )
-    enable_overlap_scheduler: bool = False
+    enable_overlap_scheduler: bool = Field(False, description="not supported yet: must be false")
     max_queue_size_tg: int | None = Field(None, ge=1, description="max requests waiting for admission")
-    min_batch_size_tg: int | None = Field(None, ge=1)
-    ce_delay_ms: float = Field(0.0, ge=0.0)
-    enable_prioritize_first_decode: bool = False
-    max_num_steps: int = Field(-1, ge=-1)
-    kernel_backend: Literal["torch", "triton", "auto"] = "auto"
+    kernel_backend: Literal["torch", "triton", "auto"] = Field(
+        "auto", description="auto = triton on CUDA, torch on CPU (env: TANDEM_KERNEL_BACKEND)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)

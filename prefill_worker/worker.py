@@ -61,7 +61,7 @@ class PrefillWorker(WorkerBase):
         self.requests.setsockopt(zmq.LINGER, 0)
         self.requests.bind(worker_bind_endpoint(config.zmq_endpoint_base, worker_id, "prefill"))
         self.endpoint = self.requests.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.sender = KVSender(self.engine.kv_cache, self.kv_layout())
+        self.sender = KVSender(self.engine.kv_cache, self.kv_layout(), kernel_backend=config.kernel_backend)
         self.jobs: dict[str, PrefillJob] = {}
         self.num_bad_frames = 0
         self.connect_router(prefill_endpoint=self.endpoint)

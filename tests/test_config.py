@@ -70,3 +70,12 @@ def test_env_parsing_types_and_ignores_unknown_variables():
     assert env_overrides(env) == {"enable_chunked_prefill": False, "zmq_endpoint_base": "tcp://127.0.0.1:5555"}
     with pytest.raises(ConfigError, match="max_batch_size"):
         PipelineConfig.load(environ={"TANDEM_MAX_BATCH_SIZE": "lots"})
+
+
+def test_configuration_page_is_current():
+    from pathlib import Path
+
+    from deploy.config_docs import render
+
+    page = Path(__file__).parent.parent / "docs" / "configuration.md"
+    assert page.read_text() == render(), "regenerate: python -m deploy.config_docs > docs/configuration.md"
