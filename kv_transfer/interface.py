@@ -96,3 +96,27 @@ class StatsBox:
     def snapshot(self) -> TransferStats:
         with self.lock:
             return copy.deepcopy(self.stats)
+
+    def count(self, name: str) -> int:
+        """Add one to the counter ``name`` (e.g. "num_bad_frames"); returns the new value."""
+        with self.lock:
+            value = getattr(self.stats, name) + 1
+            setattr(self.stats, name, value)
+            return value
+
+    def add_bytes(self, transport: str, num_bytes: int, busy_seconds: float) -> None:
+        with self.lock:
+            t = self.stats.transport(transport)
+            t.num_bytes += num_bytes
+            t.busy_seconds += busy_seconds
+
+    def end_transfer(self, transport: str, ok: bool, seconds: float) -> None:
+        """One request ended; ``transport`` is "" when it never got far enough to pick one."""
+        with self.lock:
+            self.stats.num_transfers += ok
+            self.stats.num_failed += not ok
+            if transport:
+                t = self.stats.transport(transport)
+                t.num_transfers += ok
+                t.num_failed += not ok
+                t.transfer_seconds += seconds if ok else 0.0

@@ -23,6 +23,8 @@ import zmq
 from kernels import load_kernels
 from kv_transfer.blocks import normalize_block_ids
 from kv_transfer.checksum import KVChecksum
+from kv_transfer.data_path import land_piece
+from kv_transfer.handshake import negotiate
 from kv_transfer.interface import ReceivedTransfer, StatsBox, TransferStats
 from kv_transfer.io_thread import IOThread
 from kv_transfer.layout import check_kv_cache
@@ -172,8 +174,7 @@ class KVReceiver(IOThread):
         waiting = [r for r in self._reservations.values() if r.revoking is not None]
         for res in waiting:
             if now >= res.revoke_deadline:
-                with self._stats.lock:
-                    self._stats.stats.num_timeouts += 1
+                self._stats.count("num_timeouts")
                 log.warning("request %s: shm writer did not confirm it stopped within %.1fs; releasing",
                             res.request_id, self.timeout_s)
                 self._release(res, f"{res.revoking} (writer silent for {self.timeout_s}s)")
@@ -250,29 +251,17 @@ class KVReceiver(IOThread):
             self._on_piece(res, peer, msg, data[0] if data else None)
 
     def _on_hello(self, identity: bytes, hello: Hello) -> None:
-        ours = self.layout
-        problems = ours.mismatch(hello.layout, ours="receiver", theirs="sender")
-        error = "incompatible KV layout: " + "; ".join(problems) if problems else ""
-        transport = ""
-        if not problems:
-            same_host = hello.host_id == self._host_id
-            usable = [t for t in hello.layout.transports if t in ours.transports and (t != "shm" or same_host)]
-            if usable:
-                transport = usable[0]
-            else:
-                error = (f"no common transport: receiver accepts {list(ours.transports)}, sender "
-                         f"{list(hello.layout.transports)}, same host: {same_host}")
+        transport, error = negotiate(self.layout, hello, self._host_id)
         if error:
             log.warning("refused KV transfer handshake from sender %s: %s", identity.hex(), error)
-            with self._stats.lock:
-                self._stats.stats.num_refused_handshakes += 1
+            self._stats.count("num_refused_handshakes")
             self._peers[identity] = _Peer(ok=False, error=f"handshake refused: {error}")
-            self._send(identity, HelloReply(ok=False, error=error, layout=ours, host_id=self._host_id))
+            self._send(identity, HelloReply(ok=False, error=error, layout=self.layout, host_id=self._host_id))
             return
         self._peers[identity] = _Peer(ok=True, transport=transport)
         is_shm = transport == "shm"
         self._send(identity, HelloReply(
-            ok=True, layout=ours, host_id=self._host_id, transport=transport,
+            ok=True, layout=self.layout, host_id=self._host_id, transport=transport,
             shm_path=self._shm_path if is_shm else "", num_blocks=self._num_blocks if is_shm else 0,
         ))
 
@@ -287,6 +276,8 @@ class KVReceiver(IOThread):
             reason = "request is being sent by another sender"
         else:
             reason = self._tombstones.get(msg.request_id)
+            if reason is None and isinstance(msg, SenderAbort):
+                return None  # P gave up on a request this receiver never had: nothing to report
             if reason is None:  # never expected here: report once, then treat as ended
                 reason = f"unknown request {msg.request_id!r} (no reservation on this receiver)"
                 log.warning("KV transfer: %s", reason)
@@ -312,19 +303,9 @@ class KVReceiver(IOThread):
             log.warning("request %s: %s", res.request_id, error)
             return self._terminate(res, error)
         start = time.perf_counter()
-        layers = slice(msg.layer_start, msg.layer_stop)
-        if frame is not None:  # zmq: unpack into our blocks (the one copy on this side)
-            cache = self.kv_cache
-            # [num_selected_layers, 2, n, page_size, num_kv_heads, head_dim], a view of ZMQ's buffer
-            packed = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(cache.dtype).view(
-                msg.layer_stop - msg.layer_start, 2, len(msg.dst_block_ids), *cache.shape[3:])
-            ids = torch.tensor(msg.dst_block_ids, dtype=torch.int64)
-            self._kernels.unpack_kv_blocks(packed.to(cache.device), cache, ids, layers)
-        res.checksum.update_blocks(self.kv_cache, msg.dst_block_ids, layers)  # over what landed
-        with self._stats.lock:
-            t = self._stats.stats.transport(res.transport)
-            t.num_bytes += msg.num_bytes
-            t.busy_seconds += time.perf_counter() - start
+        land_piece(self._kernels, self.kv_cache, msg.dst_block_ids, slice(msg.layer_start, msg.layer_stop),
+                   frame.buffer if frame is not None else None, res.checksum)
+        self._stats.add_bytes(res.transport, msg.num_bytes, time.perf_counter() - start)
 
     def _check_piece(self, res: _Reservation, msg: Blocks | Written) -> str | None:
         num_layers = self.layout.num_layers
@@ -351,8 +332,7 @@ class KVReceiver(IOThread):
             error = f"size mismatch: sender sent {msg.num_bytes} bytes, {landed} landed"
         elif msg.checksum != res.checksum.value:
             error = f"checksum mismatch: sender {msg.checksum:#018x}, landed {res.checksum.value:#018x}"
-            with self._stats.lock:
-                self._stats.stats.num_checksum_mismatches += 1
+            self._stats.count("num_checksum_mismatches")
         if error:
             log.warning("request %s: %s", res.request_id, error)
         self._send(identity, FinishAck(request_id=res.request_id, ok=error is None, error=error or ""))
@@ -376,17 +356,7 @@ class KVReceiver(IOThread):
         del self._reservations[res.request_id]
         self._tombstone(res.request_id, error or "request already finished")
         seconds = time.monotonic() - res.created
-        with self._stats.lock:
-            stats = self._stats.stats
-            t = stats.transport(res.transport) if res.transport else None
-            if error is None:
-                stats.num_transfers += 1
-                t.num_transfers += 1
-                t.transfer_seconds += seconds
-            else:
-                stats.num_failed += 1
-                if t is not None:
-                    t.num_failed += 1
+        self._stats.end_transfer(res.transport, error is None, seconds)
         self._emit(ReceivedTransfer(res.request_id, ok=error is None, error=error, payload=payload,
                                     num_bytes=res.checksum.num_bytes, transport=res.transport, seconds=seconds))
 
@@ -405,12 +375,9 @@ class KVReceiver(IOThread):
             log.warning("KV receiver: could not send %s to %s: %s", type(msg).__name__, identity.hex(), exc)
 
     def _count_late(self) -> None:
-        with self._stats.lock:
-            self._stats.stats.num_late_dropped += 1
+        self._stats.count("num_late_dropped")
 
     def _bad_frame(self, identity: bytes, reason: str) -> None:
-        with self._stats.lock:
-            self._stats.stats.num_bad_frames += 1
-            count = self._stats.stats.num_bad_frames
+        count = self._stats.count("num_bad_frames")
         if count <= 10 or count % 1000 == 0:
             log.warning("KV receiver: dropped a bad frame from %s: %s (%d so far)", identity.hex(), reason, count)

@@ -21,8 +21,10 @@ import torch
 import zmq
 
 from kernels import load_kernels
-from kv_transfer.blocks import MAX_PIECE_BYTES, Piece, normalize_block_ids, normalize_layers, paired_runs, split_pieces
+from kv_transfer.blocks import MAX_PIECE_BYTES, Piece, normalize_block_ids, normalize_layers, split_pieces
 from kv_transfer.checksum import KVChecksum
+from kv_transfer.data_path import as_frame, pack_piece, write_piece_in_place
+from kv_transfer.handshake import check_reply
 from kv_transfer.interface import SendStatus, StatsBox, TransferStats
 from kv_transfer.io_thread import IOThread
 from kv_transfer.layout import check_kv_cache
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 _SEND_HWM = 16  # queued messages per receiver (pieces are <= 4 MiB): back-pressure instead of memory
 _RETRY_S = 0.002  # back-off when a receiver's queue is full
 _MAX_TOMBSTONES = 100_000
+_IDLE_PEER_S = 300.0  # connections unused this long are closed; the next request handshakes again
 
 
 @dataclass(eq=False)
@@ -48,6 +51,7 @@ class _Peer:
     transport: str = ""
     shm_cache: torch.Tensor | None = None  # shm: the receiver's KV cache, mapped here
     blocked_until: float = 0.0
+    last_used: float = 0.0
 
 
 @dataclass(eq=False)
@@ -60,7 +64,7 @@ class _Request:
     last_progress: float
     ops: collections.deque = field(default_factory=collections.deque)  # Piece | bytes (finish payload)
     outbox: list | None = None  # prepared frames of ops[0], sent once the socket takes them
-    is_started: bool = False  # shm: Begin sent; zmq: first frame sent
+    is_started: bool = False  # shm: Begin sent
     grant: set[int] | None = None  # shm: blocks the receiver allows us to write
     is_finishing: bool = False  # Finish sent, waiting for FinishAck
 
@@ -202,8 +206,8 @@ class KVSender(IOThread):
     def _cmd_abort(self, request_id: str, gen: int) -> None:
         req = self._requests.get(request_id)
         if req is not None and req.gen == gen:
-            if req.is_started:
-                self._send(req.peer, [FRAME_ENCODER.encode(SenderAbort(request_id=request_id))])
+            # Queued behind our Hello, so even a receiver mid-handshake learns it (D frees its blocks now).
+            self._send(req.peer, [FRAME_ENCODER.encode(SenderAbort(request_id=request_id))])
             self._complete(req, False, "aborted by sender")
 
     def _peer(self, endpoint: str, now: float) -> _Peer:
@@ -220,6 +224,7 @@ class KVSender(IOThread):
                 raise
             peer = self._peers[endpoint] = self._peer_of_sock[sock] = _Peer(endpoint, sock, now)
             self.poller.register(sock, zmq.POLLIN)
+        peer.last_used = now
         return peer
 
     # ---- I/O thread: progress ------------------------------------------------------------------
@@ -227,9 +232,12 @@ class KVSender(IOThread):
     def _tick(self, now: float) -> float | None:
         """One op per request per round (fair), then timeouts; returns seconds until work is due."""
         for peer in [p for p in self._peers.values() if not p.is_ready and now - p.since > self.timeout_s]:
-            self._count("num_timeouts")
+            self._stats.count("num_timeouts")
             self._fail_peer(peer, f"no handshake reply from {peer.endpoint} within {self.timeout_s}s "
                                   "(receiver dead or unreachable?)")
+        busy = {req.peer.endpoint for req in self._requests.values()}
+        for peer in [p for p in self._peers.values() if p.endpoint not in busy and now - p.last_used > _IDLE_PEER_S]:
+            self._close_peer(peer, linger=0)  # a decode worker that went away: stop reconnecting to it
         due = [p.since + self.timeout_s - now for p in self._peers.values() if not p.is_ready]
         for req in list(self._requests.values()):
             if self._requests.get(req.request_id) is not req:
@@ -245,7 +253,7 @@ class KVSender(IOThread):
                 due.append(0.0)
             elif req.ops or req.is_finishing:  # waiting on the receiver (not on the caller): bounded
                 if now - req.last_progress > self.timeout_s:
-                    self._count("num_timeouts")
+                    self._stats.count("num_timeouts")
                     self._complete(req, False, f"receiver at {req.peer.endpoint} made no progress for "
                                                f"{self.timeout_s}s (dead, stuck or unreachable?)")
                     continue
@@ -278,7 +286,6 @@ class KVSender(IOThread):
         if not self._send(peer, req.outbox):
             peer.blocked_until = now + _RETRY_S
             return False
-        req.is_started = True
         op = req.ops.popleft()
         req.outbox = None
         req.last_progress = time.monotonic()
@@ -287,40 +294,25 @@ class KVSender(IOThread):
         return True
 
     def _prepare_piece(self, req: _Request, piece: Piece) -> list | None:
+        """Pack (zmq) or write in place (shm) one piece; returns the frames that announce it."""
         start = time.perf_counter()
-        num_bytes = piece.num_bytes(self.layout.page_bytes)
-        layers = piece.layers
+        fields = dict(request_id=req.request_id, layer_start=piece.layer_start, layer_stop=piece.layer_stop,
+                      dst_block_ids=piece.dst_block_ids, num_bytes=piece.num_bytes(self.layout.page_bytes))
         if req.peer.transport == "zmq":
-            src_ids = torch.tensor(piece.src_block_ids, dtype=torch.int64)
-            # [num_selected_layers, 2, n, page_size, num_kv_heads, head_dim], contiguous
-            packed = self._kernels.pack_kv_blocks(self.kv_cache, src_ids, layers)
-            req.checksum.update_packed(packed)
-            packed = packed.cpu()
+            packed = pack_piece(self._kernels, self.kv_cache, piece, req.checksum)
             if self.corrupt_hook is not None:
                 self.corrupt_hook(req.request_id, packed)
-            header = Blocks(request_id=req.request_id, layer_start=piece.layer_start, layer_stop=piece.layer_stop,
-                            dst_block_ids=piece.dst_block_ids, num_bytes=num_bytes)
-            # The raw frame is a view of ``packed`` (numpy shares its memory); ZMQ keeps it alive until sent.
-            frames = [FRAME_ENCODER.encode(header), packed.view(-1).view(torch.uint8).numpy()]
+            frames = [FRAME_ENCODER.encode(Blocks(**fields)), as_frame(packed)]
         else:
             outside = [b for b in piece.dst_block_ids if b not in req.grant]
             if outside:
                 self._complete(req, False, f"blocks {outside[:8]} are outside the receiver's reservation")
                 return None
-            dst_cache, sums = req.peer.shm_cache, []
-            for src, dst, n in paired_runs(piece.src_block_ids, piece.dst_block_ids):
-                sums.append(req.checksum.block_sums(self.kv_cache, layers, src, n))  # reads the source...
-                dst_cache[layers, :, dst : dst + n].copy_(self.kv_cache[layers, :, src : src + n])  # ...the one copy
-            req.checksum.add_block_sums(torch.cat(sums, dim=2))
+            write_piece_in_place(self.kv_cache, req.peer.shm_cache, piece, req.checksum)
             if self.corrupt_hook is not None:
-                self.corrupt_hook(req.request_id, dst_cache[piece.layer_start, 0, piece.dst_block_ids[0]])
-            header = Written(request_id=req.request_id, layer_start=piece.layer_start, layer_stop=piece.layer_stop,
-                             dst_block_ids=piece.dst_block_ids, num_bytes=num_bytes)
-            frames = [FRAME_ENCODER.encode(header)]
-        with self._stats.lock:
-            t = self._stats.stats.transport(req.peer.transport)
-            t.num_bytes += num_bytes
-            t.busy_seconds += time.perf_counter() - start
+                self.corrupt_hook(req.request_id, req.peer.shm_cache[piece.layer_start, 0, piece.dst_block_ids[0]])
+            frames = [FRAME_ENCODER.encode(Written(**fields))]
+        self._stats.add_bytes(req.peer.transport, fields["num_bytes"], time.perf_counter() - start)
         return frames
 
     def _send(self, peer: _Peer, frames: list) -> bool:
@@ -342,7 +334,7 @@ class KVSender(IOThread):
             try:
                 msg = RECEIVER_FRAME_DECODER.decode(raw.buffer)
             except msgspec.DecodeError as exc:
-                self._count("num_bad_frames")
+                self._stats.count("num_bad_frames")
                 log.warning("KV sender: dropped a bad frame from %s: %s", peer.endpoint, exc)
                 continue
             if isinstance(msg, HelloReply):
@@ -363,15 +355,10 @@ class KVSender(IOThread):
     def _on_hello_reply(self, peer: _Peer, reply: HelloReply) -> None:
         if peer.is_ready:
             return
-        if not reply.ok:
-            self._count("num_refused_handshakes")
-            return self._fail_peer(peer, f"handshake refused by {peer.endpoint}: {reply.error}")
-        problems = self.layout.mismatch(reply.layout, ours="sender", theirs="receiver") if reply.layout else ["no layout"]
-        if problems or reply.transport not in self.layout.transports:
-            self._count("num_refused_handshakes")
-            error = "; ".join(problems) or f"transport {reply.transport!r} not allowed here"
-            log.warning("KV sender: refusing receiver %s: %s", peer.endpoint, error)
-            return self._fail_peer(peer, f"incompatible receiver {peer.endpoint}: {error}")
+        error = check_reply(self.layout, peer.endpoint, reply)
+        if error:
+            self._stats.count("num_refused_handshakes")
+            return self._fail_peer(peer, error)
         if reply.transport == "shm":
             shape = (self.layout.num_layers, 2, reply.num_blocks, *self.kv_cache.shape[3:])
             try:
@@ -402,15 +389,7 @@ class KVSender(IOThread):
         while len(self._tombstones) > _MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
         seconds = time.monotonic() - req.started
-        with self._stats.lock:
-            stats = self._stats.stats
-            stats.num_transfers += ok
-            stats.num_failed += not ok
-            if req.peer.transport:
-                t = stats.transport(req.peer.transport)
-                t.num_transfers += ok
-                t.num_failed += not ok
-                t.transfer_seconds += seconds if ok else 0.0
+        self._stats.end_transfer(req.peer.transport, ok, seconds)
         self._report(req.request_id, req.gen, ok, error, req.checksum.num_bytes, req.peer.transport, seconds)
 
     def _report(self, request_id: str, gen: int, ok: bool, error: str | None, num_bytes: int = 0,
@@ -418,14 +397,8 @@ class KVSender(IOThread):
         self._tombstones[request_id] = gen
         self._results.append((gen, SendStatus(request_id, ok, error, num_bytes, transport, seconds)))
 
-    def _count(self, name: str) -> None:
-        with self._stats.lock:
-            setattr(self._stats.stats, name, getattr(self._stats.stats, name) + 1)
-
     def _teardown(self) -> None:
         for req in list(self._requests.values()):  # best effort: D should not wait for its TTL
-            if req.peer.is_ready and req.is_started:
-                self._send(req.peer, [FRAME_ENCODER.encode(SenderAbort(request_id=req.request_id,
-                                                                       reason="sender closed"))])
+            self._send(req.peer, [FRAME_ENCODER.encode(SenderAbort(request_id=req.request_id, reason="sender closed"))])
         for peer in list(self._peers.values()):
             self._close_peer(peer, linger=200 if any(r.peer is peer for r in self._requests.values()) else 0)

@@ -11,8 +11,10 @@ import zmq
 
 from kv_transfer import KVReceiver, KVSender, kv_layout
 from kv_transfer.shm import host_id
-from pipeline.protocol.transfer import FRAME_ENCODER, Blocks, Finish, Hello, HelloReply, RECEIVER_FRAME_DECODER
-from tests.kv_transfer.helpers import TRANSPORT_CASES, random_cache, wait_for
+from pipeline.protocol.transfer import (
+    FRAME_ENCODER, RECEIVER_FRAME_DECODER, Begin, Blocks, Finish, Hello, HelloReply,
+)
+from tests.kv_transfer.helpers import TRANSPORT_CASES, names, random_cache, wait_for
 
 
 @pytest.fixture
@@ -260,3 +262,41 @@ def test_bad_piece_header_fails_only_that_request(closer, raw_socket):
     (got,) = wait_for(receiver, None, 1)[0]
     assert not got.ok and "reserved" in got.error
     assert torch.count_nonzero(dst) == 0
+
+
+def test_bad_endpoint_fails_the_request_not_the_sender(closer):
+    src = random_cache()
+    sender = KVSender(src, kv_layout(src, "m"), timeout_s=0.3)
+    closer(sender)
+    sender.send_blocks("r", "not-an-endpoint", [0], [0])
+    (status,) = wait_for(None, sender, 0, 1)[1]
+    assert not status.ok and "cannot connect" in status.error
+    with pytest.raises(ValueError, match="differ in length"):
+        sender.send_blocks("r2", "tcp://127.0.0.1:1", [0, 1], [0])
+    with pytest.raises(ValueError, match="out of range"):
+        sender.send_blocks("r2", "tcp://127.0.0.1:1", [10_000], [0])
+    with pytest.raises(ValueError, match="finish needs an open request"):
+        sender.finish("never-started")
+
+
+def test_shm_abort_waits_until_the_writer_stopped(closer, raw_socket):
+    """D may reuse blocks only once an in-place writer confirmed it stopped, or stayed silent too long."""
+    from kv_transfer import allocate_shared_kv_cache
+
+    dst = allocate_shared_kv_cache((2, 2, 4, 2, 1, 4), torch.float32, f"writer-{next(names)}")
+    receiver = KVReceiver(dst, kv_layout(dst, "m"), "tcp://127.0.0.1:0", timeout_s=0.4)
+    closer(receiver)
+    writer = raw_socket(zmq.DEALER)  # an shm sender that will ignore Revoke
+    writer.connect(receiver.endpoint)
+    writer.send(FRAME_ENCODER.encode(Hello(layout=kv_layout(dst, "m", transport="shm"), host_id=host_id())))
+    assert RECEIVER_FRAME_DECODER.decode(writer.recv()).transport == "shm"
+    receiver.expect("r", [2, 3])
+    writer.send(FRAME_ENCODER.encode(Begin(request_id="r")))
+    assert RECEIVER_FRAME_DECODER.decode(writer.recv()).dst_block_ids == [2, 3]  # granted: may write now
+    start = time.monotonic()
+    receiver.abort("r")
+    assert type(RECEIVER_FRAME_DECODER.decode(writer.recv())).__name__ == "Revoke"
+    assert receiver.poll() == []  # not yet: the writer may still be copying
+    (got,) = wait_for(receiver, None, 1)[0]
+    assert time.monotonic() - start >= 0.35 and "writer silent" in got.error
+    assert receiver.stats().num_timeouts == 1
