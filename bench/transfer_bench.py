@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 
 import msgspec
@@ -28,29 +29,39 @@ from kv_transfer.blocks import MAX_PIECE_BYTES
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 TARGETS = {"zmq": 0.7, "shm": 0.5}
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _send(conn, **msg) -> None:  # control messages between the bench processes: JSON, not pickle
-    conn.send_bytes(msgspec.json.encode(msg))
+class Channel:
+    """Control messages between P (this process) and D (a child process): JSON lines over its stdin/stdout."""
+
+    def __init__(self, reader, writer) -> None:
+        self.reader, self.writer = reader, writer
+
+    def send(self, **msg) -> None:
+        self.writer.write(msgspec.json.encode(msg) + b"\n")
+        self.writer.flush()
+
+    def recv(self) -> dict:
+        line = self.reader.readline()
+        if not line:
+            raise RuntimeError("the decode-side process exited (see its stderr above)")
+        return msgspec.json.decode(line)
 
 
-def _recv(conn) -> dict:
-    return msgspec.json.decode(conn.recv_bytes())
-
-
-def decode_side(conn, mode: str, shape: list[int], dtype: str, num_threads: int) -> None:
+def decode_side(conn: Channel, mode: str, shape: list[int], dtype: str, num_threads: int) -> None:
     """D: a KVReceiver (zmq / shm) or a bare PULL socket (raw), driven over ``conn``."""
     torch.set_num_threads(num_threads)
     if mode == "raw":
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
         pull.bind("tcp://127.0.0.1:0")
-        _send(conn, endpoint=pull.getsockopt_string(zmq.LAST_ENDPOINT))
-        while (cmd := _recv(conn))["op"] == "go":
+        conn.send(endpoint=pull.getsockopt_string(zmq.LAST_ENDPOINT))
+        while (cmd := conn.recv())["op"] == "go":
             cpu = time.process_time()
             for _ in range(cmd["num_messages"]):
                 pull.recv(copy=False)
-            _send(conn, t_end=time.perf_counter(), cpu_s=time.process_time() - cpu)
+            conn.send(t_end=time.perf_counter(), cpu_s=time.process_time() - cpu)
         pull.close(linger=0)
         ctx.term()
         return
@@ -60,33 +71,33 @@ def decode_side(conn, mode: str, shape: list[int], dtype: str, num_threads: int)
         kv_cache = allocate_shared_kv_cache(shape, TORCH_DTYPES[dtype], f"bench-{os.getpid()}")
     else:
         kv_cache = torch.zeros(shape, dtype=TORCH_DTYPES[dtype])
-    receiver = KVReceiver(kv_cache, kv_layout(kv_cache, "bench", transport=mode), "tcp://127.0.0.1:0")
+    receiver = KVReceiver(kv_cache, kv_layout(kv_cache, "bench", transport=mode), "tcp://127.0.0.1:0",
+                          num_torch_threads=num_threads)
     try:
-        _send(conn, endpoint=receiver.endpoint)
-        while (cmd := _recv(conn))["op"] == "expect":
+        conn.send(endpoint=receiver.endpoint)
+        while (cmd := conn.recv())["op"] == "expect":
             receiver.expect(cmd["request_id"], cmd["dst_block_ids"], cmd["num_bytes"])
-            _send(conn, ready=True)
+            conn.send(ready=True)
             cpu = time.process_time()
             done = []
             while not done:
                 done = receiver.poll()
                 if not done:
                     time.sleep(0.0005)
-            _send(conn, t_end=time.perf_counter(), cpu_s=time.process_time() - cpu, ok=done[0].ok,
+            conn.send(t_end=time.perf_counter(), cpu_s=time.process_time() - cpu, ok=done[0].ok,
                   error=done[0].error)
         stats = receiver.stats().transports.get(mode)
-        _send(conn, busy_seconds=stats.busy_seconds if stats else 0.0)
+        conn.send(busy_seconds=stats.busy_seconds if stats else 0.0)
     finally:
         receiver.close()
 
 
 def _start_decode_side(mode: str, shape, dtype: str):
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=decode_side, args=(child, mode, list(shape), dtype, torch.get_num_threads()),
-                       daemon=True)
-    proc.start()
-    return proc, parent, _recv(parent)["endpoint"]
+    command = [sys.executable, "-m", "bench.transfer_bench", "--decode-side", mode, "--shape",
+               ",".join(map(str, shape)), "--dtype", dtype, "--torch-threads", str(torch.get_num_threads())]
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO_ROOT)
+    conn = Channel(proc.stdout, proc.stdin)
+    return proc, conn, conn.recv()["endpoint"]
 
 
 class TransportRun:
@@ -97,7 +108,8 @@ class TransportRun:
 
         self.mode, self.src, self.num_blocks = mode, src, num_blocks
         self.proc, self.conn, self.endpoint = _start_decode_side(mode, src.shape, str(src.dtype).removeprefix("torch."))
-        self.sender = KVSender(src, kv_layout(src, "bench", transport=mode), max_piece_bytes=piece_bytes)
+        self.sender = KVSender(src, kv_layout(src, "bench", transport=mode), max_piece_bytes=piece_bytes,
+                               num_torch_threads=torch.get_num_threads())
         self.num_bytes = self.sender.layout.kv_bytes(num_blocks)
         self.gen = torch.Generator().manual_seed(0)
         self.count = 0
@@ -107,12 +119,12 @@ class TransportRun:
         rid = f"r{self.count}"
         src_ids = torch.randperm(self.src.shape[2], generator=self.gen)[: self.num_blocks].tolist()
         dst_ids = torch.randperm(self.src.shape[2], generator=self.gen)[: self.num_blocks].tolist()
-        _send(self.conn, op="expect", request_id=rid, dst_block_ids=dst_ids, num_bytes=self.num_bytes)
-        _recv(self.conn)
+        self.conn.send(op="expect", request_id=rid, dst_block_ids=dst_ids, num_bytes=self.num_bytes)
+        self.conn.recv()
         t0, cpu = time.perf_counter(), time.process_time()
         self.sender.send_blocks(rid, self.endpoint, src_ids, dst_ids)
         self.sender.finish(rid, b"done")
-        result = _recv(self.conn)
+        result = self.conn.recv()
         cpu = time.process_time() - cpu + result["cpu_s"]
         if not result["ok"]:
             raise RuntimeError(f"{self.mode} transfer failed: {result['error']}")
@@ -121,11 +133,11 @@ class TransportRun:
         return result["t_end"] - t0, cpu
 
     def close(self) -> dict:
-        _send(self.conn, op="stop")
-        receiver_busy = _recv(self.conn)["busy_seconds"]
+        self.conn.send(op="stop")
+        receiver_busy = self.conn.recv()["busy_seconds"]
         sender_busy = self.sender.stats().transports[self.mode].busy_seconds
         self.sender.close()
-        self.proc.join(10)
+        self.proc.wait(10)
         return {"sender_busy_s_per_run": sender_busy / self.count, "receiver_busy_s_per_run": receiver_busy / self.count}
 
 
@@ -133,25 +145,25 @@ class RawZmqRun:
     """Baseline: the same bytes as zero-copy PUSH frames of ``message_bytes`` to a bare PULL in D."""
 
     def __init__(self, buffer: torch.Tensor, message_bytes: int) -> None:
-        self.proc, self.conn, endpoint = _start_decode_side("raw", [], "")
+        self.proc, self.conn, endpoint = _start_decode_side("raw", [], "float16")  # shape and dtype unused
         self.ctx = zmq.Context()
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.connect(endpoint)
         self.frames = [f.numpy() for f in buffer.view(-1).view(torch.uint8).split(message_bytes)]
 
     def run(self) -> tuple[float, float]:
-        _send(self.conn, op="go", num_messages=len(self.frames))
+        self.conn.send(op="go", num_messages=len(self.frames))
         t0, cpu = time.perf_counter(), time.process_time()
         for frame in self.frames:
             self.push.send(frame, copy=False)
-        result = _recv(self.conn)
+        result = self.conn.recv()
         return result["t_end"] - t0, time.process_time() - cpu + result["cpu_s"]
 
     def close(self) -> dict:
-        _send(self.conn, op="stop")
+        self.conn.send(op="stop")
         self.push.close(linger=0)
         self.ctx.term()
-        self.proc.join(10)
+        self.proc.wait(10)
         return {}
 
 
@@ -225,10 +237,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", choices=list(TORCH_DTYPES), default="float16")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--piece-mib", type=float, default=MAX_PIECE_BYTES / 2**20, help="KVSender max_piece_bytes")
-    parser.add_argument("--torch-threads", type=int, default=1, help="in P and D (and for the copy_ baseline)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="intra-op threads of the transfer threads and of the copy_ baseline")
     parser.add_argument("--out", help="write the JSON report here")
     parser.add_argument("--plot", help="write a bar chart here (needs matplotlib)")
+    parser.add_argument("--decode-side", choices=["raw", "zmq", "shm"], help=argparse.SUPPRESS)
+    parser.add_argument("--shape", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.decode_side:  # the child process
+        shape = [int(x) for x in args.shape.split(",") if x]
+        decode_side(Channel(sys.stdin.buffer, sys.stdout.buffer), args.decode_side, shape, args.dtype,
+                    args.torch_threads)
+        return {}
 
     torch.set_num_threads(args.torch_threads)
     shape = (args.layers, 2, args.pool_blocks, args.page_size, args.kv_heads, args.head_dim)

@@ -138,7 +138,7 @@ class DecodeWorker(WorkerBase):
         state = self.remote.get(request_id)
         if state is not None and state.is_sent:
             # The receiver may still be writing: free the blocks only once it has let go.
-            self._tear_down_remote(request_id, state, "cancelled", retryable=False, notify=False)
+            self._tear_down_remote(request_id, state, "cancelled", retryable=False, notify=True)
             return
         self.remote.pop(request_id, None)
         self._forget(request_id)

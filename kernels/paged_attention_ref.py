@@ -40,8 +40,11 @@ def paged_attention_ref(
             continue
         q = query[starts[i] : starts[i + 1]]  # [q_len, num_q_heads, head_dim]
         k, v = _gather_kv(k_cache, v_cache, block_tables[i], kv_len)  # [kv_len, num_kv_heads, head_dim]
-        q_pos = torch.arange(kv_len - q.shape[0], kv_len, device=query.device)
-        mask = _visible(q_pos, torch.arange(kv_len, device=query.device), sliding_window)
+        if q.shape[0] == kv_len and sliding_window is None:
+            mask = None  # a whole prompt: plain causal, which lets the kernel skip the masked half
+        else:
+            q_pos = torch.arange(kv_len - q.shape[0], kv_len, device=query.device)
+            mask = _visible(q_pos, torch.arange(kv_len, device=query.device), sliding_window)
         out[starts[i] : starts[i + 1]] = _attend(q, k, v, mask, scale)
     return out
 
@@ -78,11 +81,14 @@ def _decode_padded(query, k_cache, v_cache, context_lens, block_tables, scale, s
     mask = k_pos[None, :] <= q_pos  # [num_seqs, padded_len]
     if sliding_window is not None:
         mask &= k_pos[None, :] > q_pos - sliding_window
-    q = query[:, :, None, :]  # [num_seqs, num_q_heads, 1, head_dim]
+    # The query heads that share a kv head attend as one [group, head_dim] block: K/V are read once
+    # per kv head, and no copy repeats them per query head.
+    group = query.shape[1] // num_kv_heads
+    q = query.reshape(num_seqs, num_kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-    )  # [num_seqs, num_q_heads, 1, head_dim]
-    return out[:, :, 0, :]
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
+    )  # [num_seqs, num_kv_heads, group, head_dim]
+    return out.reshape(num_seqs, num_kv_heads * group, head_dim)
 
 
 def _gather_kv(k_cache, v_cache, block_table, kv_len):
@@ -101,8 +107,13 @@ def _visible(q_pos, k_pos, sliding_window):
 
 
 def _attend(q, k, v, mask, scale):
-    # enable_gqa: each group of query heads reads its kv head directly, no repeated copy of K/V
-    q = q.transpose(0, 1)  # [num_q_heads, q_len, head_dim]
-    k = k.transpose(0, 1).to(q.dtype)  # [num_kv_heads, kv_len, head_dim]
-    v = v.transpose(0, 1).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
+    # mask [q_len, kv_len] bool, or None for causal with q_len == kv_len.
+    # enable_gqa: each group of query heads reads its kv head directly, no repeated copy of K/V.
+    # A leading batch dim of 1 makes the inputs 4-D, the layout CPU's flash attention kernel takes.
+    q = q.transpose(0, 1)[None]  # [1, num_q_heads, q_len, head_dim]
+    k = k.transpose(0, 1)[None].to(q.dtype)  # [1, num_kv_heads, kv_len, head_dim]
+    v = v.transpose(0, 1)[None].to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )  # [1, num_q_heads, q_len, head_dim]
+    return out[0].transpose(0, 1)  # [q_len, num_q_heads, head_dim]

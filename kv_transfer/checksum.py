@@ -8,11 +8,12 @@ checksum is the weighted total plus a multiple of the byte count, mod 2**64. Bot
 their own KV cache (the sender over its source blocks, the receiver over what landed in its
 destination blocks), so it checks the data path end to end, on CPU or GPU, with no host copy.
 
-What it catches: every corruption confined to one 8-byte word (any bit flips in it: an odd weight is
-invertible mod 2**64); pages or sub-rows that landed in the wrong block, layer or K/V slot, were
-duplicated, or never arrived (their weights differ); a missing or extra piece (byte count and weights
-shift). What it does not: a permutation of words inside one 2 KiB sub-row, and deliberately cancelling
-edits (it is not a cryptographic hash). It runs near memory bandwidth: one read of the data, no copy.
+What it catches: every corruption confined to one word (8 bytes for any page size that allows it;
+any bit flips in it: an odd weight is invertible mod 2**64); pages or sub-rows that landed in the
+wrong block, layer or K/V slot, were duplicated, or never arrived (their weights differ); a missing or
+extra piece (byte count and weights shift). What it does not: a permutation of words inside one 2 KiB
+sub-row, and deliberately cancelling edits (it is not a cryptographic hash). It is one read of the
+data (no copy), fused with the copy where there is one so the data is still in CPU cache.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class KVChecksum:
         self._subrows_per_page = words_per_page // self._subrow_words
         self._acc = 0
         self._num_subrows = 0
+        self._weights: torch.Tensor | None = None
         self.num_bytes = 0
 
     @property
@@ -81,8 +83,15 @@ class KVChecksum:
         return words.sum(-1) if self._word_dtype == torch.int64 else words.sum(-1, dtype=torch.int64)
 
     def _add(self, subrow_sums: torch.Tensor) -> None:  # [m] int64
-        index = torch.arange(self._num_subrows, self._num_subrows + subrow_sums.numel(), dtype=torch.int64,
-                             device=subrow_sums.device)
-        weights = (2 * index + 1) * _MIX  # odd, distinct mod 2**64
-        self._acc = (self._acc + int((subrow_sums * weights).sum().item())) & _MASK
-        self._num_subrows += subrow_sums.numel()
+        # sum_j s_j * (2 * (offset + j) + 1) * MIX  ==  MIX * (sum_j s_j * (2j + 1) + 2 * offset * sum_j s_j)
+        num = subrow_sums.numel()
+        odd = self._odd_weights(num, subrow_sums.device)
+        weighted, total = torch.stack([(subrow_sums * odd).sum(), subrow_sums.sum()]).tolist()
+        self._acc = (self._acc + _MIX * (weighted + 2 * self._num_subrows * total)) & _MASK
+        self._num_subrows += num
+
+    def _odd_weights(self, num: int, device: torch.device) -> torch.Tensor:  # [num] int64: 1, 3, 5, ...
+        cached = self._weights
+        if cached is None or cached.numel() < num or cached.device != device:
+            cached = self._weights = torch.arange(1, 2 * max(num, 1024), 2, dtype=torch.int64, device=device)
+        return cached[:num]

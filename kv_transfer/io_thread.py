@@ -2,8 +2,8 @@
 
 Public methods run on the caller's thread and only enqueue commands; the I/O thread runs them between
 messages, so no lock guards transfer state and no socket is touched by two threads. ``close()`` is
-deterministic: it stops the loop, the thread closes its sockets (linger 0) and exits, and ``close()``
-joins it before returning.
+deterministic: it stops the loop, the thread closes its sockets (waiting at most 200 ms to deliver
+goodbyes for requests still in flight) and exits, and ``close()`` joins it before returning.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Callable
 
+import torch
 import zmq
 
 log = logging.getLogger(__name__)
@@ -25,8 +26,9 @@ class IOThread:
     """Subclasses implement ``_setup``, ``_on_readable(socket)``, ``_tick(now) -> seconds until next
     deadline or None`` and ``_teardown``; they register sockets with ``self.poller``."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, num_torch_threads: int = 1) -> None:
         self.ctx = zmq.Context()
+        self._num_torch_threads = num_torch_threads
         self.poller = zmq.Poller()
         self._commands: collections.deque[tuple[Callable, tuple]] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
@@ -44,7 +46,10 @@ class IOThread:
     def _start(self) -> None:
         self._thread.start()
         self._ready.wait()
-        self._raise_if_failed()
+        if self._failure is not None:  # e.g. the bind address is taken: clean up, raise the original error
+            failure = self._failure
+            self._stop()
+            raise failure
 
     def _submit(self, fn: Callable, *args) -> None:
         if self._closed:
@@ -81,6 +86,9 @@ class IOThread:
     # ---- I/O thread ----------------------------------------------------------------------------
 
     def _main(self) -> None:
+        # Per-thread (OpenMP) setting: the worker's own torch ops keep their threads, and small per-block
+        # copies here do not wake a whole thread team on every call.
+        torch.set_num_threads(self._num_torch_threads)
         try:
             self._setup()
         except BaseException as exc:  # reported to the constructor by _start

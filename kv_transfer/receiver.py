@@ -14,6 +14,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
+from typing import Sequence
 from urllib.parse import urlsplit
 
 import msgspec
@@ -73,7 +74,8 @@ class KVReceiver(IOThread):
 
     def __init__(
         self, kv_cache: torch.Tensor, layout: KVLayout, bind: str, *, kernel_backend: str = "torch",
-        advertise_host: str | None = None, timeout_s: float = 10.0, name: str = "kv-receiver",
+        advertise_host: str | None = None, timeout_s: float = 10.0, num_torch_threads: int = 1,
+        name: str = "kv-receiver",
     ) -> None:
         check_kv_cache(kv_cache, layout)
         self._shm_path = shared_kv_path(kv_cache)
@@ -94,7 +96,7 @@ class KVReceiver(IOThread):
         self._peers: dict[bytes, _Peer] = {}
         self._tombstones: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._stats = StatsBox()
-        super().__init__(name)
+        super().__init__(name, num_torch_threads)
         self._start()
 
     # ---- caller side ---------------------------------------------------------------------------
@@ -104,7 +106,7 @@ class KVReceiver(IOThread):
         """The address senders connect to (put it in PrefillRequest)."""
         return self._endpoint
 
-    def expect(self, request_id: str, dst_block_ids, num_bytes: int | None = None) -> None:
+    def expect(self, request_id: str, dst_block_ids: Sequence[int] | torch.Tensor, num_bytes: int | None = None) -> None:
         """Reserve ``dst_block_ids`` for ``request_id``; ``num_bytes``, if given, is checked at finish.
 
         Request ids must be unique per attempt (a retry gets a new id).

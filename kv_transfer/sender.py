@@ -14,7 +14,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import msgspec
 import torch
@@ -86,7 +86,7 @@ class KVSender(IOThread):
 
     def __init__(
         self, kv_cache: torch.Tensor, layout: KVLayout, *, kernel_backend: str = "torch", timeout_s: float = 10.0,
-        max_piece_bytes: int = MAX_PIECE_BYTES, name: str = "kv-sender",
+        max_piece_bytes: int = MAX_PIECE_BYTES, num_torch_threads: int = 1, name: str = "kv-sender",
     ) -> None:
         check_kv_cache(kv_cache, layout)
         self.kv_cache = kv_cache
@@ -106,13 +106,13 @@ class KVSender(IOThread):
         # Test hook: fn(request_id, tensor) runs after a piece was checksummed, on the packed bytes about
         # to travel (zmq) or on the first page that just landed in the receiver's cache (shm).
         self.corrupt_hook: Callable[[str, torch.Tensor], None] | None = None
-        super().__init__(name)
+        super().__init__(name, num_torch_threads)
         self._start()
 
     # ---- caller side ---------------------------------------------------------------------------
 
-    def send_blocks(self, request_id: str, dst_endpoint: str, src_block_ids, dst_block_ids,
-                    layers: slice | int | None = None) -> None:
+    def send_blocks(self, request_id: str, dst_endpoint: str, src_block_ids: Sequence[int] | torch.Tensor,
+                    dst_block_ids: Sequence[int] | torch.Tensor, layers: slice | int | None = None) -> None:
         """Queue ``src_block_ids[i] -> dst_block_ids[i]`` for ``layers`` (None = all); returns at once.
 
         Call it as chunks (or layers) of the prompt finish; pieces land in call order. The blocks must

@@ -18,7 +18,8 @@ Order of operations for each row, vectorized over the batch:
    If a row's constraints mask every token, that row falls back to its raw logits rather than
    producing a meaningless token.
 3. Greedy rows (``temperature == 0`` or ``top_k == 1``) take the argmax of the processed logits. Fast
-   path: when every row is greedy and nothing needs processing, the raw logits' argmax is used.
+   path: when every row is greedy and nothing needs processing, the raw logits' argmax is used (checked
+   on the states first, so such a batch never builds the per-step metadata).
 4. Other rows: divide by temperature, keep the top_k largest, keep the smallest set whose cumulative
    probability >= top_p (the top token always stays), drop tokens with prob < min_p * max prob, then
    sample with the exponential race ``argmax(probs / Exp(1) noise)``.
@@ -70,6 +71,11 @@ class Sampler:
         if num_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=None)
         raw_logits = logits.float()  # [num_rows, vocab]
+        if all(s.is_plain_greedy for s in states):
+            # Fast path: no per-step metadata to build (the common greedy batch).
+            token_ids = raw_logits.argmax(dim=-1)  # [num_rows]
+            logprobs = gather_logprobs(raw_logits, token_ids, [s.params.logprobs for s in states])
+            return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
         metadata = build_sampling_metadata(states, vocab_size, logits.device)
 
         if metadata.is_all_greedy and not metadata.needs_processing:

@@ -41,6 +41,24 @@ class SequenceSamplingState:
     def is_greedy(self) -> bool:
         return self.params.is_greedy or self.params.temperature < SAMPLING_EPS
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with no logits processor that can apply at this step: the raw argmax is the answer.
+
+        Conservative (a bias on out-of-vocab ids only still counts), so ``False`` only costs speed.
+        """
+        p = self.params
+        return (
+            self.is_greedy
+            and not p.logit_bias
+            and p.allowed_token_ids is None
+            and not self.bad_words_token_ids
+            and len(self.output_token_ids) >= p.min_tokens
+            and p.repetition_penalty == 1.0
+            and not p.frequency_penalty
+            and not p.presence_penalty
+        )
+
 
 @dataclass
 class SamplingMetadata:

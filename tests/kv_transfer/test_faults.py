@@ -300,3 +300,11 @@ def test_shm_abort_waits_until_the_writer_stopped(closer, raw_socket):
     (got,) = wait_for(receiver, None, 1)[0]
     assert time.monotonic() - start >= 0.35 and "writer silent" in got.error
     assert receiver.stats().num_timeouts == 1
+
+
+def test_bind_failure_raises_and_leaks_nothing(closer):
+    dst = torch.zeros(1, 2, 2, 1, 1, 2)
+    first = KVReceiver(dst, kv_layout(dst, "m"), "tcp://127.0.0.1:0")
+    closer(first)
+    with pytest.raises(zmq.ZMQError):
+        KVReceiver(dst, kv_layout(dst, "m"), first.endpoint)  # address in use

@@ -1,0 +1,136 @@
+"""Every waiting state has a deadline: a worker in this process, the test playing the router."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from decode_worker.worker import DecodeWorker
+from pipeline.config import PipelineConfig
+from pipeline.endpoints import router_endpoint
+from pipeline.protocol import SamplingParams
+from pipeline.protocol.cluster import (
+    FinishCode,
+    GenerateRequest,
+    PrefillRejected,
+    PrefillRequest,
+    RegisterAck,
+    RegisterWorker,
+    TokenBatch,
+    decode_prefill_to_decode,
+    decode_worker_to_router,
+    encode,
+)
+from prefill_worker.worker import PrefillWorker
+
+
+class FakeRouter:
+    """A ROUTER socket that acknowledges registrations and collects token deltas."""
+
+    def __init__(self, base: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(router_endpoint(base))
+        self.deltas = []
+
+    def pump(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if not self.sock.poll(20):
+                continue
+            identity, frame = self.sock.recv_multipart()
+            message = decode_worker_to_router(frame)
+            if isinstance(message, RegisterWorker):
+                self.sock.send_multipart([identity, encode(RegisterAck(accepted=True, heartbeat_interval_s=0.2))])
+            elif isinstance(message, TokenBatch):
+                self.deltas.extend(message.outputs)
+
+    def send(self, worker_id: str, message) -> None:
+        self.sock.send_multipart([worker_id.encode(), encode(message)])
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+def run_in_thread(worker):
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    return stop, thread
+
+
+@pytest.fixture
+def base(tmp_path):
+    return f"ipc://{tmp_path}/t"
+
+
+def config(model_path: str, base: str, role: str, **extra) -> PipelineConfig:
+    return PipelineConfig.load(overrides={
+        "pipeline_role": role, "zmq_endpoint_base": base, "model": {"model_path": model_path},
+        "kv_cache": {"page_size": 4, "num_blocks": 64}, **extra,
+    }, environ={})
+
+
+def test_decode_reservation_expires_when_no_kv_arrives(tiny_checkpoint, base, tmp_path):
+    router = FakeRouter(base)
+    worker = DecodeWorker(config(tiny_checkpoint("llama"), base, "DecodeOnly",
+                                 transfer={"transport": "zmq", "ttl_s": 0.5}), "d0")
+    free_at_start = worker.engine.kv_manager.num_free_blocks
+    stop, thread = run_in_thread(worker)
+    try:
+        router.pump(0.5)
+        router.send("d0", GenerateRequest(request_id="r1", prompt_token_ids=list(range(3, 20)),
+                                          sampling_params=SamplingParams(max_tokens=4),
+                                          prefill_worker_id="ghost", prefill_endpoint=f"ipc://{tmp_path}/nobody"))
+        started = time.monotonic()
+        while not router.deltas and time.monotonic() - started < 10:
+            router.pump(0.1)
+        (delta,) = router.deltas
+        assert delta.finish_reason == FinishCode.ERROR and delta.retryable and "timed out" in delta.error
+        assert time.monotonic() - started < 5
+        assert worker.engine.kv_manager.num_free_blocks == free_at_start
+    finally:
+        stop.set()
+        thread.join(10)
+        router.close()
+
+
+def test_prefill_hold_expires_when_decode_is_gone(tiny_checkpoint, base, tmp_path):
+    router = FakeRouter(base)
+    worker = PrefillWorker(config(tiny_checkpoint("llama"), base, "PrefillOnly"), "p0")
+    free_at_start = worker.engine.kv_manager.num_free_blocks
+    stop, thread = run_in_thread(worker)
+    ctx = zmq.Context()
+    decode = ctx.socket(zmq.DEALER)
+    decode.setsockopt(zmq.LINGER, 0)
+    decode.setsockopt(zmq.IDENTITY, b"d-gone")
+    try:
+        router.pump(0.3)
+        decode.connect(worker.endpoint)
+        request = PrefillRequest(request_id="r1", prompt_token_ids=list(range(3, 30)),
+                                 sampling_params=SamplingParams(max_tokens=4), dst_block_ids=list(range(8)),
+                                 num_cached_tokens=0, transfer_endpoint=f"ipc://{tmp_path}/dead-decoder",
+                                 decode_worker_id="d-gone", ttl_s=1.0)
+        decode.send(encode(request))
+        decode.send(encode(request))  # a duplicate id is refused, not run twice
+        assert decode.poll(5000)
+        rejected = decode_prefill_to_decode(decode.recv())
+        assert isinstance(rejected, PrefillRejected) and "already" in rejected.error
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            router.pump(0.2)
+            if not worker.jobs and worker.engine.kv_manager.num_free_blocks == free_at_start:
+                break
+        assert not worker.jobs, "the hold on blocks for a dead decode worker must expire"
+        assert worker.engine.kv_manager.num_free_blocks == free_at_start
+    finally:
+        decode.close()
+        ctx.term()
+        stop.set()
+        thread.join(10)
+        router.close()
