@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 
 from deploy.config_flags import add_config_flags, config_from_args
@@ -25,11 +26,16 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deploy.local_launcher import LocalCluster
+    from deploy.local_launcher import ClusterError, LocalCluster
 
     if args.prefill is None and args.decode is None:
         args.prefill, args.decode = (1, 1) if not args.colocated else (0, 0)
     config = config_from_args(args)  # validates every flag and the file section before anything starts
+    if config.model.model_path is not None:  # a broken checkpoint is one clear error, not three crashed processes
+        from pipeline.weights import load_hf_config, weight_files
+
+        load_hf_config(config.model.model_path)
+        weight_files(config.model.model_path)
     overrides = config.model_dump(mode="json", exclude={"config_file", "section_name", "pipeline_role"},
                                   exclude_unset=False)
     if config.zmq_endpoint_base == PipelineConfig.model_fields["zmq_endpoint_base"].default:
@@ -43,7 +49,11 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting {len(cluster.worker_names)} workers and the router; logs in {cluster.log_dir}", flush=True)
     try:
-        cluster.start(timeout_s=args.ready_timeout)
+        try:
+            cluster.start(timeout_s=args.ready_timeout)
+        except ClusterError as exc:
+            print(f"tandem up: error: {exc}", file=sys.stderr, flush=True)
+            return 1
         print(f"Tandem is ready at {cluster.url}/v1 (model: {config.model.model_path or 'built-in'}); "
               "Ctrl-C to stop", flush=True)
         while not stop.wait(1.0):

@@ -123,6 +123,7 @@ def test_one_process_per_role_over_tcp(tiny_checkpoint, tmp_path):
         (["prefill", "--zmq-endpoint-base", "http://nope"], "zmq_endpoint_base"),
         (["worker", "--role", "PrefillOnly", "--config", "/nonexistent.yaml"], "config_file: no such file"),
         (["up", "--kv-cache-page-size", "0"], "kv_cache.page_size"),
+        (["up", "--model", "/nonexistent/dir"], "checkpoint directory /nonexistent/dir does not exist"),
     ],
 )
 def test_bad_config_is_a_clear_error(args, message):
