@@ -37,7 +37,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 # Random-weight llama checkpoints the benchmark builds when --model is not given. "small" is the
-# built-in model's shape; "medium" has 4x the per-token compute.
+# built-in model's shape; "medium" has 8x its weights (and per-token compute) and 4x its KV bytes per token.
 MODEL_SIZES: dict[str, dict] = {
     "small": dict(
         tokenizer_vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -68,6 +68,7 @@ class RunResult:
     output_tokens: int  # useful tokens (sum of max_tokens)
     generated_tokens: int  # tokens the engine computed, padding waste included
     num_requests: int
+    loadavg_1min: float = -1.0  # machine load when the run ended: other tenants show up here
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -78,13 +79,18 @@ class RunResult:
         return self.num_requests / self.wall_s
 
 
-def make_workload(args, vocab_size: int, num_special: int) -> list[Request]:
-    """Seeded prompts of uniform random length and content (no shared prefixes), uniform output lengths."""
+def make_workload(args, vocab_size: int, special_ids: list[int]) -> list[Request]:
+    """Seeded prompts of uniform random length and content (no shared prefixes), uniform output lengths.
+
+    Prompt tokens are drawn from the ordinary (non-special) ids of the model's vocabulary.
+    """
     rng = random.Random(args.seed)
+    specials = set(special_ids)
+    ordinary = [t for t in range(vocab_size) if t not in specials]
     requests = []
     for _ in range(args.num_prompts):
         prompt_len = rng.randint(args.min_prompt_len, args.max_prompt_len)
-        prompt = [rng.randrange(num_special, vocab_size) for _ in range(prompt_len)]
+        prompt = [rng.choice(ordinary) for _ in range(prompt_len)]
         requests.append(Request(prompt, rng.randint(args.min_output_len, args.max_output_len)))
     return requests
 
@@ -129,7 +135,7 @@ def run_tandem(llm, requests: list[Request]) -> tuple[RunResult, list[list[int]]
     expected = sum(r.max_tokens for r in requests)
     if num_tokens != expected:
         raise RuntimeError(f"Tandem produced {num_tokens} tokens, the workload asks for {expected}")
-    return RunResult(wall, num_tokens, num_tokens, len(requests)), [o.token_ids for o in outputs]
+    return RunResult(wall, num_tokens, num_tokens, len(requests), _loadavg()), [o.token_ids for o in outputs]
 
 
 # ------------------------------------------------------------------------------------ transformers
@@ -166,10 +172,14 @@ def run_hf(model, requests: list[Request], batch_size: int, pad_token_id: int) -
         useful += sum(r.max_tokens for r in batch)
         generated += len(batch) * max_new
     wall = time.perf_counter() - start
-    return RunResult(wall, useful, generated, len(requests)), token_ids
+    return RunResult(wall, useful, generated, len(requests), _loadavg()), token_ids
 
 
 # ------------------------------------------------------------------------------------------ report
+def _loadavg() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0
+
+
 def summarize(runs: list[RunResult]) -> dict:
     return dict(
         median_wall_s=statistics.median(r.wall_s for r in runs),
@@ -213,7 +223,11 @@ def parse_args(argv=None):
     parser.add_argument("--max-output-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine; medians are reported")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads for both engines (default: cpu count)")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch threads for both engines (default 1: on a shared machine, OpenMP threads that wait at "
+        "barriers for a core another process holds measure the neighbours, not the engines)",
+    )
     parser.add_argument("--hf-batch-size", type=int, default=16, help="transformers generate() batch size")
     parser.add_argument("--max-batch-size", type=int, default=64, help="Tandem max_batch_size")
     parser.add_argument("--max-batch-input-tokens", type=int, default=2048, help="Tandem max_batch_input_tokens")
@@ -223,15 +237,14 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    num_threads = args.threads or os.cpu_count() or 1
+    num_threads = args.threads
     torch.set_num_threads(num_threads)
     model_path = ensure_model(args)
 
     llm = make_tandem(model_path, args)
     tokenizer = llm.tokenizer
     vocab_size = llm.engine.vocab_size
-    num_special = len(tokenizer.all_special_ids) and max(tokenizer.all_special_ids) + 1
-    requests = make_workload(args, vocab_size, num_special)
+    requests = make_workload(args, vocab_size, tokenizer.all_special_ids)
     warmup = requests[:4]
     hf_model = None if args.skip_hf else make_hf(model_path)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -286,6 +299,8 @@ def main(argv=None) -> dict:
         report["ratio_output_tokens_per_s"] = (
             report["tandem"]["median_output_tokens_per_s"] / report["transformers"]["median_output_tokens_per_s"]
         )
+        # Each repeat runs both engines back to back, so its own ratio sees the same neighbours.
+        report["ratio_per_repeat"] = [t.output_tokens_per_s / h.output_tokens_per_s for t, h in zip(tandem_runs, hf_runs)]
         # Padded fp32 batches reorder reductions, so a few near-tie argmaxes may flip; informational only.
         report["requests_token_identical"] = sum(a == b for a, b in zip(tandem_tokens, hf_tokens))
         print(f"Tandem / transformers output tokens/s: {report['ratio_output_tokens_per_s']:.2f}x", file=sys.stderr)
