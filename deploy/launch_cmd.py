@@ -47,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if config.model.model_path is None:
+        from pipeline.builtin_model import BUILTIN_NOTICE
+
+        print(BUILTIN_NOTICE, flush=True)
     print(f"starting {len(cluster.worker_names)} workers and the router; logs in {cluster.log_dir}", flush=True)
     try:
         try:
