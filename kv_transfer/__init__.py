@@ -6,13 +6,16 @@ Modules, one sentence each:
 - ``interface``: the polling contract and what it reports (``ReceivedTransfer``, ``SendStatus``, stats).
 - ``receiver`` / ``sender``: the two halves, each one background I/O thread (``io_thread``).
 - ``layout``: the compatibility record (``pipeline.protocol.transfer.KVLayout``) of a KV cache tensor.
-- ``blocks``: argument checks, runs of consecutive blocks, splitting a send into <= 4 MiB pieces.
+- ``handshake``: the compatibility check and transport choice at first contact.
+- ``blocks``: argument and piece checks, runs of consecutive blocks, splitting a send into <= 4 MiB pieces.
+- ``data_path``: moving a piece's bytes (pack for the wire, in-place copy, landing), checksummed as they go.
 - ``checksum``: the position-weighted 64-bit checksum both ends compute over their own cache.
 - ``shm``: KV caches in /dev/shm for the same-host transport, and cleanup of crash leftovers.
 
 Transports ("auto" picks the first both ends accept, shared memory only on the same host):
 ``"shm"`` (the sender copies straight into the receiver's shared cache) and ``"zmq"`` (packed blocks as
 raw zero-copy frames over the receiver's tcp:// or ipc:// address).
+Measured throughput against raw baselines: ``bench/transfer_bench.py``, ``docs/benchmarks.md``.
 """
 
 from kv_transfer.interface import ReceivedTransfer, SendStatus, TransferStats, TransportStats

@@ -1,4 +1,4 @@
-"""Block descriptors: argument normalisation, runs of consecutive blocks, and splitting a send into pieces."""
+"""Block descriptors: argument checks, runs of consecutive blocks, and splitting a send into pieces."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from pipeline.protocol.transfer import KVLayout
 
 # A piece is what travels as one frame (zmq) or one in-place copy (shm). Bounded so that packing the next
 # piece overlaps sending this one, and so that one request cannot hold the I/O thread for long.
@@ -100,3 +102,20 @@ def split_pieces(
         for layer in range(layer_start, layer_stop)
         for i in range(0, len(dst), step)
     ]
+
+
+def check_piece(layout: KVLayout, allowed: set[int], header, frame_bytes: int | None) -> str | None:
+    """Why the piece ``header`` (a ``Blocks`` with a data frame of ``frame_bytes``, or a ``Written``: None)
+    must not land in a reservation of the ``allowed`` blocks; None when it may."""
+    start, stop, ids = header.layer_start, header.layer_stop, header.dst_block_ids
+    if not 0 <= start < stop <= layout.num_layers:
+        return f"bad piece: layers [{start}, {stop}) outside [0, {layout.num_layers})"
+    outside = [b for b in ids if b not in allowed]
+    if not ids or outside or len(set(ids)) != len(ids):
+        return f"bad piece: blocks must be distinct and reserved (outside: {outside[:8]}, count {len(ids)})"
+    expected = layout.kv_bytes(len(ids), stop - start)
+    if header.num_bytes != expected:
+        return f"size mismatch: piece header announces {header.num_bytes} bytes, its blocks hold {expected}"
+    if frame_bytes is not None and frame_bytes != expected:
+        return f"size mismatch: piece header announces {expected} bytes, frame has {frame_bytes}"
+    return None

@@ -13,7 +13,8 @@ any bit flips in it: an odd weight is invertible mod 2**64); pages or sub-rows t
 wrong block, layer or K/V slot, were duplicated, or never arrived (their weights differ); a missing or
 extra piece (byte count and weights shift). What it does not: a permutation of words inside one 2 KiB
 sub-row, and deliberately cancelling edits (it is not a cryptographic hash). It is one read of the
-data (no copy), fused with the copy where there is one so the data is still in CPU cache.
+data (no copy), taken run by run right after that run was copied, so much of it is still in CPU cache;
+the weighting is one small reduction per request (``value``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kv_transfer.blocks import runs
 _MASK = (1 << 64) - 1
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio constant as a signed int64
 _SUBROW_BYTES = 2048
+_MAX_PENDING = 1 << 20  # sub-row sums held before weighting (8 MiB; 2 GiB of KV)
 _WORD_DTYPES = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
 _WORD_SIZES = dict(_WORD_DTYPES)
 
@@ -41,18 +43,22 @@ class KVChecksum:
         self._subrows_per_page = words_per_page // self._subrow_words
         self._acc = 0
         self._num_subrows = 0
+        self._pending: list[torch.Tensor] = []  # sub-row sums not yet weighted: one reduction per request
+        self._num_pending = 0
         self._weights: torch.Tensor | None = None
+        self._words_of: tuple[torch.Tensor, slice, torch.Tensor] | None = None
         self.num_bytes = 0
 
     @property
     def value(self) -> int:
         """The uint64 checksum of everything fed so far."""
+        self._flush()
         return (self._acc + self.num_bytes * _MIX) & _MASK
 
     def update_packed(self, packed: torch.Tensor) -> None:
         """Add a packed piece ``[layers, 2, n, page_size, num_kv_heads, head_dim]`` (contiguous)."""
         words = packed.reshape(-1).view(torch.uint8).view(self._word_dtype).view(-1, self._subrow_words)
-        self._add(self._sum(words))
+        self._defer(self._sum(words))
         self.num_bytes += packed.numel() * packed.element_size()
 
     def update_blocks(self, kv_cache: torch.Tensor, block_ids: list[int], layers: slice) -> None:
@@ -62,25 +68,45 @@ class KVChecksum:
 
     def block_sums(self, kv_cache: torch.Tensor, layers: slice, first: int, length: int) -> torch.Tensor:
         """Sub-row sums of blocks ``first .. first + length - 1``: ``[num_selected_layers, 2, length,
-        subrows_per_page]``. Callers that also copy those blocks do it right after, while they are hot."""
-        num_layers, _, num_blocks = kv_cache.shape[:3]
-        # [num_layers, 2, num_blocks, subrows_per_page, subrow_words] over kv_cache's memory
-        words = (
-            kv_cache.view(torch.uint8)
-            .view(num_layers, 2, num_blocks, -1)
-            .view(self._word_dtype)
-            .view(num_layers, 2, num_blocks, self._subrows_per_page, self._subrow_words)
-        )
-        return self._sum(words[layers, :, first : first + length])
+        subrows_per_page]``. Callers that copy those blocks call it right after the copy, while they are hot."""
+        return self._sum(self._layer_words(kv_cache, layers).narrow(2, first, length))
+
+    def _layer_words(self, kv_cache: torch.Tensor, layers: slice) -> torch.Tensor:
+        """``[num_selected_layers, 2, num_blocks, subrows_per_page, subrow_words]`` over kv_cache's memory,
+        memoized: a piece asks once per run of blocks, with the same cache and layers."""
+        memo = self._words_of
+        if memo is None or memo[0] is not kv_cache or memo[1] != layers:
+            num_layers, _, num_blocks = kv_cache.shape[:3]
+            start, stop, _ = layers.indices(num_layers)
+            words = (
+                kv_cache.view(torch.uint8)
+                .view(num_layers, 2, num_blocks, -1)
+                .view(self._word_dtype)
+                .view(num_layers, 2, num_blocks, self._subrows_per_page, self._subrow_words)
+                .narrow(0, start, stop - start)
+            )
+            memo = self._words_of = (kv_cache, layers, words)
+        return memo[2]
 
     def add_block_sums(self, sums: torch.Tensor) -> None:
         """Add a piece given as ``block_sums`` concatenated along the block axis, in packed order."""
-        self._add(sums.reshape(-1))
+        self._defer(sums.reshape(-1))
         self.num_bytes += sums.numel() * self._subrow_words * _WORD_SIZES[self._word_dtype]
 
     def _sum(self, words: torch.Tensor) -> torch.Tensor:
         # int64 sums wrap mod 2**64 on CPU and GPU alike, so the order of the reduction does not matter.
         return words.sum(-1) if self._word_dtype == torch.int64 else words.sum(-1, dtype=torch.int64)
+
+    def _defer(self, subrow_sums: torch.Tensor) -> None:  # [m] int64, next in stream order
+        self._pending.append(subrow_sums)
+        self._num_pending += subrow_sums.numel()
+        if self._num_pending >= _MAX_PENDING:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._add(torch.cat(self._pending) if len(self._pending) > 1 else self._pending[0])
+            self._pending, self._num_pending = [], 0
 
     def _add(self, subrow_sums: torch.Tensor) -> None:  # [m] int64
         # sum_j s_j * (2 * (offset + j) + 1) * MIX  ==  MIX * (sum_j s_j * (2j + 1) + 2 * offset * sum_j s_j)

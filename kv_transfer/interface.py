@@ -1,6 +1,7 @@
 """What the two halves of the transfer service report: finished transfers, send statuses, counters.
 
-Contract (progress by polling, no callbacks; every request ends in exactly one report):
+Contract (progress by polling, no callbacks; every request ends in exactly one report; ``poll(timeout_s)``
+may wait that long for the first report instead of returning at once):
 
 Receiver on D, ``KVReceiver``::
 

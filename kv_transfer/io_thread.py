@@ -39,6 +39,7 @@ class IOThread:
         self._closed = False
         self._failure: BaseException | None = None
         self._ready = threading.Event()
+        self._reported = threading.Event()  # set by the I/O thread each time it reports a result (or fails)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 
     # ---- caller side ---------------------------------------------------------------------------
@@ -61,6 +62,16 @@ class IOThread:
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
             raise RuntimeError(f"{type(self).__name__} I/O thread failed: {self._failure!r}") from self._failure
+
+    def _wait_for_results(self, has_results: Callable[[], bool], timeout_s: float) -> None:
+        """Block until ``has_results()`` or ``timeout_s`` passed (or the I/O thread failed): ``poll``'s wait."""
+        deadline = time.monotonic() + timeout_s
+        while not has_results() and self._failure is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._reported.wait(remaining)
+            self._reported.clear()  # a stale wake-up only costs one more look at has_results()
 
     def _stop(self, timeout: float = 10.0) -> None:
         if self._closed:
@@ -110,6 +121,7 @@ class IOThread:
         except BaseException as exc:
             log.exception("%s: I/O thread crashed", type(self).__name__)
             self._failure = exc
+            self._reported.set()
         finally:
             self._teardown()
 

@@ -22,9 +22,9 @@ import torch
 import zmq
 
 from kernels import load_kernels
-from kv_transfer.blocks import normalize_block_ids
+from kv_transfer.blocks import check_piece, normalize_block_ids
 from kv_transfer.checksum import KVChecksum
-from kv_transfer.data_path import land_piece
+from kv_transfer.data_path import byte_pages, land_piece
 from kv_transfer.handshake import negotiate
 from kv_transfer.interface import ReceivedTransfer, StatsBox, TransferStats
 from kv_transfer.io_thread import IOThread
@@ -84,6 +84,7 @@ class KVReceiver(IOThread):
             raise ValueError("transports: 'shm' needs a kv_cache from allocate_shared_kv_cache")
         self.layout = msgspec.structs.replace(layout, transports=transports)
         self.kv_cache = kv_cache
+        self._pages = byte_pages(kv_cache)
         self.timeout_s = timeout_s
         self._kernels = load_kernels(kernel_backend, str(kv_cache.device))
         self._num_blocks = kv_cache.shape[2]
@@ -117,8 +118,11 @@ class KVReceiver(IOThread):
         self._open.add(request_id)
         self._submit(self._cmd_expect, request_id, ids, num_bytes, time.monotonic())
 
-    def poll(self) -> list[ReceivedTransfer]:
-        """Requests the receiver is done with since the last call, each reported exactly once."""
+    def poll(self, timeout_s: float = 0.0) -> list[ReceivedTransfer]:
+        """Requests the receiver is done with since the last call, each reported exactly once; with
+        ``timeout_s`` > 0 it waits up to that long for the first one (instead of a sleep loop)."""
+        if timeout_s > 0:
+            self._wait_for_results(lambda: bool(self._results), timeout_s)
         self._raise_if_failed()
         out = []
         while self._results:
@@ -250,7 +254,7 @@ class KVReceiver(IOThread):
             res.granted = True
             self._send(identity, Grant(request_id=res.request_id, dst_block_ids=res.dst_block_ids))
         else:
-            self._on_piece(res, peer, msg, data[0] if data else None)
+            self._on_piece(res, peer, msg, data[0].buffer if data else None)
 
     def _on_hello(self, identity: bytes, hello: Hello) -> None:
         transport, error = negotiate(self.layout, hello, self._host_id)
@@ -292,35 +296,20 @@ class KVReceiver(IOThread):
             self._send(identity, Revoke(request_id=msg.request_id, reason=reason))
         return None
 
-    def _on_piece(self, res: _Reservation, peer: _Peer, msg: Blocks | Written, frame: zmq.Frame | None) -> None:
+    def _on_piece(self, res: _Reservation, peer: _Peer, msg: Blocks | Written, frame: memoryview | None) -> None:
         expected_kind = Blocks if peer.transport == "zmq" else Written
         if not isinstance(msg, expected_kind):
             return self._terminate(res, f"protocol error: {type(msg).__name__} on a {peer.transport} connection")
         if isinstance(msg, Written) and not res.granted:
             return self._terminate(res, "protocol error: Written before Grant")
-        error = self._check_piece(res, msg)
-        if error is None and frame is not None and frame.buffer.nbytes != msg.num_bytes:
-            error = f"size mismatch: piece header announces {msg.num_bytes} bytes, frame has {frame.buffer.nbytes}"
+        error = check_piece(self.layout, res.allowed, msg, None if frame is None else frame.nbytes)
         if error is not None:
             log.warning("request %s: %s", res.request_id, error)
             return self._terminate(res, error)
         start = time.perf_counter()
-        land_piece(self._kernels, self.kv_cache, msg.dst_block_ids, slice(msg.layer_start, msg.layer_stop),
-                   frame.buffer if frame is not None else None, res.checksum)
+        land_piece(self._kernels, self.kv_cache, self._pages, msg.dst_block_ids,
+                   slice(msg.layer_start, msg.layer_stop), frame, res.checksum)
         self._stats.add_bytes(res.transport, msg.num_bytes, time.perf_counter() - start)
-
-    def _check_piece(self, res: _Reservation, msg: Blocks | Written) -> str | None:
-        num_layers = self.layout.num_layers
-        if not 0 <= msg.layer_start < msg.layer_stop <= num_layers:
-            return f"bad piece: layers [{msg.layer_start}, {msg.layer_stop}) outside [0, {num_layers})"
-        ids = msg.dst_block_ids
-        outside = [b for b in ids if b not in res.allowed]
-        if not ids or outside or len(set(ids)) != len(ids):
-            return f"bad piece: blocks must be distinct and reserved (outside: {outside[:8]}, count {len(ids)})"
-        expected = self.layout.kv_bytes(len(ids), msg.layer_stop - msg.layer_start)
-        if msg.num_bytes != expected:
-            return f"size mismatch: piece header announces {msg.num_bytes} bytes, its blocks hold {expected}"
-        return None
 
     def _on_finish(self, identity: bytes, res: _Reservation, msg: Finish) -> None:
         if res.revoking is not None:  # Finish comes after the writer's last write: it has stopped
@@ -364,6 +353,7 @@ class KVReceiver(IOThread):
 
     def _emit(self, result: ReceivedTransfer) -> None:
         self._results.append(result)
+        self._reported.set()
 
     def _tombstone(self, request_id: str, reason: str) -> None:
         self._tombstones[request_id] = reason

@@ -1,10 +1,10 @@
 """KVSender: the prefill worker's half of the transfer service; ships blocks to decode workers.
 
 One DEALER socket per receiver endpoint, handshake first. Per request, pieces go out in call order and
-``Finish`` (checksum + payload) after the last one on the same socket. zmq: each piece is packed with
-the kernels' ``pack_kv_blocks`` and sent zero-copy as a raw frame. shm: the receiver's cache file is
-mapped once per endpoint and each piece is copied straight into the granted destination blocks, then
-announced with a small ``Written`` header. Nothing waits forever: no handshake reply, a full send queue
+``Finish`` (checksum + payload) after the last one on the same socket. zmq: each piece is packed into a
+reused buffer (``data_path.pack_piece``) and sent zero-copy as a raw frame. shm: the receiver's cache
+file is mapped once per endpoint and each piece is copied straight into the granted destination blocks,
+then announced with a small ``Written`` header. Nothing waits forever: no handshake reply, a full send queue
 or no acknowledgement for ``timeout_s`` fails the request.
 """
 
@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
 from kernels import load_kernels
 from kv_transfer.blocks import MAX_PIECE_BYTES, Piece, normalize_block_ids, normalize_layers, split_pieces
 from kv_transfer.checksum import KVChecksum
-from kv_transfer.data_path import as_frame, pack_piece, write_piece_in_place
+from kv_transfer.data_path import PackBuffers, byte_pages, pack_piece, write_piece_in_place
 from kv_transfer.handshake import check_reply
 from kv_transfer.interface import SendStatus, StatsBox, TransferStats
 from kv_transfer.io_thread import IOThread
@@ -49,7 +50,7 @@ class _Peer:
     since: float
     is_ready: bool = False
     transport: str = ""
-    shm_cache: torch.Tensor | None = None  # shm: the receiver's KV cache, mapped here
+    shm_pages: np.ndarray | None = None  # shm: the receiver's KV cache, mapped here (``byte_pages``)
     blocked_until: float = 0.0
     last_used: float = 0.0
 
@@ -64,6 +65,7 @@ class _Request:
     last_progress: float
     ops: collections.deque = field(default_factory=collections.deque)  # Piece | bytes (finish payload)
     outbox: list | None = None  # prepared frames of ops[0], sent once the socket takes them
+    outbox_buffer: np.ndarray | None = None  # the pack buffer the outbox lives in, reused once ZMQ sent it
     is_started: bool = False  # shm: Begin sent
     grant: set[int] | None = None  # shm: blocks the receiver allows us to write
     is_finishing: bool = False  # Finish sent, waiting for FinishAck
@@ -80,8 +82,9 @@ class KVSender(IOThread):
     """Sends blocks of ``kv_cache`` ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``.
 
     ``timeout_s`` bounds every wait on a receiver (handshake, queue space, acknowledgement);
-    ``max_piece_bytes`` is the unit of packing / copying (small enough to stay in cache between the
-    copy and the checksum, large enough to amortise per-message costs).
+    ``max_piece_bytes`` is the unit of one message (zmq) or in-place write (shm): large enough to amortise
+    per-message costs, small enough that the receiver lands pieces while later ones are still being
+    sent. Up to ``_SEND_HWM`` pieces queue per receiver, and their pack buffers are kept for reuse.
     """
 
     def __init__(
@@ -90,9 +93,11 @@ class KVSender(IOThread):
     ) -> None:
         check_kv_cache(kv_cache, layout)
         self.kv_cache = kv_cache
+        self._pages = byte_pages(kv_cache)
         self.layout = layout
         self.timeout_s = timeout_s
         self.max_piece_bytes = max_piece_bytes
+        self._buffers = PackBuffers(max_piece_bytes, max_free=_SEND_HWM + 4)
         self._kernels = load_kernels(kernel_backend, str(kv_cache.device))
         self._hello = FRAME_ENCODER.encode(Hello(layout=layout, host_id=host_id()))
         self._results: collections.deque[tuple[int, SendStatus]] = collections.deque()
@@ -150,8 +155,11 @@ class KVSender(IOThread):
         if active is not None:
             self._submit(self._cmd_abort, request_id, active.gen)
 
-    def poll(self) -> list[SendStatus]:
-        """Requests finished since the last call (ok: the receiver verified them), each exactly once."""
+    def poll(self, timeout_s: float = 0.0) -> list[SendStatus]:
+        """Requests finished since the last call (ok: the receiver verified them), each exactly once; with
+        ``timeout_s`` > 0 it waits up to that long for the first one."""
+        if timeout_s > 0:
+            self._wait_for_results(lambda: bool(self._results), timeout_s)
         self._raise_if_failed()
         out = []
         while self._results:
@@ -283,44 +291,49 @@ class KVSender(IOThread):
                 checksum = req.checksum
                 req.outbox = [FRAME_ENCODER.encode(Finish(request_id=req.request_id, num_bytes=checksum.num_bytes,
                                                           checksum=checksum.value, payload=op))]
-        if not self._send(peer, req.outbox):
+        if not self._send(peer, req.outbox, req.outbox_buffer):
             peer.blocked_until = now + _RETRY_S
             return False
         op = req.ops.popleft()
-        req.outbox = None
+        req.outbox, req.outbox_buffer = None, None
         req.last_progress = time.monotonic()
         if not isinstance(op, Piece):
             req.is_finishing = True
         return True
 
     def _prepare_piece(self, req: _Request, piece: Piece) -> list | None:
-        """Pack (zmq) or write in place (shm) one piece; returns the frames that announce it."""
+        """Pack (zmq) or write in place (shm) one piece; returns the frames that announce / carry it."""
         start = time.perf_counter()
         fields = dict(request_id=req.request_id, layer_start=piece.layer_start, layer_stop=piece.layer_stop,
                       dst_block_ids=piece.dst_block_ids, num_bytes=piece.num_bytes(self.layout.page_bytes))
         if req.peer.transport == "zmq":
-            packed = pack_piece(self._kernels, self.kv_cache, piece, req.checksum)
+            packed, req.outbox_buffer = pack_piece(self._kernels, self.kv_cache, self._pages, piece, req.checksum,
+                                                   self._buffers)
             if self.corrupt_hook is not None:
-                self.corrupt_hook(req.request_id, packed)
-            frames = [FRAME_ENCODER.encode(Blocks(**fields)), as_frame(packed)]
+                self.corrupt_hook(req.request_id, torch.from_numpy(packed))
+            frames = [FRAME_ENCODER.encode(Blocks(**fields)), packed]
         else:
             outside = [b for b in piece.dst_block_ids if b not in req.grant]
             if outside:
                 self._complete(req, False, f"blocks {outside[:8]} are outside the receiver's reservation")
                 return None
-            write_piece_in_place(self.kv_cache, req.peer.shm_cache, piece, req.checksum)
+            write_piece_in_place(self.kv_cache, self._pages, req.peer.shm_pages, piece, req.checksum)
             if self.corrupt_hook is not None:
-                self.corrupt_hook(req.request_id, req.peer.shm_cache[piece.layer_start, 0, piece.dst_block_ids[0]])
+                page = req.peer.shm_pages[piece.layer_start, 0, piece.dst_block_ids[0]]
+                self.corrupt_hook(req.request_id, torch.from_numpy(page))
             frames = [FRAME_ENCODER.encode(Written(**fields))]
         self._stats.add_bytes(req.peer.transport, fields["num_bytes"], time.perf_counter() - start)
         return frames
 
-    def _send(self, peer: _Peer, frames: list) -> bool:
+    def _send(self, peer: _Peer, frames: list, buffer: np.ndarray | None = None) -> bool:
+        """Queue ``frames`` without blocking; a pack ``buffer`` they live in is reused once ZMQ sent them."""
         try:
-            peer.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            return True
+            tracker = peer.sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=buffer is not None)
         except zmq.Again:
             return False
+        if buffer is not None:
+            self._buffers.lend(buffer, tracker)
+        return True
 
     # ---- I/O thread: replies -------------------------------------------------------------------
 
@@ -362,7 +375,7 @@ class KVSender(IOThread):
         if reply.transport == "shm":
             shape = (self.layout.num_layers, 2, reply.num_blocks, *self.kv_cache.shape[3:])
             try:
-                peer.shm_cache = open_shared_kv_cache(reply.shm_path, shape, self.kv_cache.dtype)
+                peer.shm_pages = byte_pages(open_shared_kv_cache(reply.shm_path, shape, self.kv_cache.dtype))
             except (OSError, ValueError, RuntimeError) as exc:
                 return self._fail_peer(peer, f"shm transport to {peer.endpoint}: cannot map {reply.shm_path}: {exc}")
         peer.is_ready, peer.transport = True, reply.transport
@@ -381,7 +394,7 @@ class KVSender(IOThread):
         self._peer_of_sock.pop(peer.sock, None)
         self.poller.unregister(peer.sock)
         peer.sock.close(linger=linger)
-        peer.shm_cache = None  # unmaps once no piece refers to it
+        peer.shm_pages = None  # unmaps once no piece refers to it
 
     def _complete(self, req: _Request, ok: bool, error: str | None) -> None:
         del self._requests[req.request_id]
@@ -396,6 +409,7 @@ class KVSender(IOThread):
                 transport: str = "", seconds: float = 0.0) -> None:
         self._tombstones[request_id] = gen
         self._results.append((gen, SendStatus(request_id, ok, error, num_bytes, transport, seconds)))
+        self._reported.set()
 
     def _teardown(self) -> None:
         for req in list(self._requests.values()):  # best effort: D should not wait for its TTL

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import torch
+import time
+
 import pytest
+import torch
 
 from kv_transfer import KVReceiver, KVSender, kv_layout
 from tests.kv_transfer.helpers import TRANSPORT_CASES, random_cache, wait_for
@@ -105,3 +107,17 @@ def test_request_id_can_be_reused_after_its_status(make_pair):
         (got,), (status,) = wait_for(receiver, sender, 1, 1)
         assert got.ok and status.ok
     assert torch.equal(dst[:, :, [0, 1]], src[:, :, [5, 6]])
+
+
+def test_poll_can_wait_for_the_first_report(make_pair):
+    sender, receiver, src, dst = make_pair("zmq-tcp")
+    start = time.monotonic()
+    assert receiver.poll(timeout_s=0.05) == [] and sender.poll(timeout_s=0.05) == []
+    assert time.monotonic() - start >= 0.1
+    receiver.expect("r", [0, 3])
+    sender.send_blocks("r", receiver.endpoint, [1, 2], [0, 3])
+    sender.finish("r")
+    (got,) = receiver.poll(timeout_s=5)  # returns as soon as the transfer is verified
+    (status,) = sender.poll(timeout_s=5)
+    assert got.ok and status.ok and torch.equal(dst[:, :, [0, 3]], src[:, :, [1, 2]])
+
