@@ -81,8 +81,11 @@ class DecodeWorker(WorkerBase):
     def _shared_allocator(config: PipelineConfig, worker_id: str):
         if config.transfer.transport == "zmq" or config.model.resolved_device() != "cpu":
             return None
-        from kv_transfer.shm import allocate_shared_kv_cache
+        from kv_transfer.shm import allocate_shared_kv_cache, remove_stale_shared_kv_caches
 
+        # A worker killed with SIGKILL cannot remove its cache file; whoever starts next on this host does.
+        for path in remove_stale_shared_kv_caches():
+            logger.warning("removed a shared KV cache left by a dead process: %s", path)
         return lambda shape, dtype, device: allocate_shared_kv_cache(shape, dtype, f"tandem-{worker_id}")
 
     # ------------------------------------------------------------------ loop

@@ -136,6 +136,9 @@ class LocalCluster:
         self.processes.clear()
         for leftover in self._workdir.glob("zmq-*"):  # ipc socket files; logs stay for the user
             leftover.unlink(missing_ok=True)
+        from kv_transfer.shm import remove_stale_shared_kv_caches
+
+        remove_stale_shared_kv_caches()  # shared KV caches of workers that had to be killed
 
     def log_tail(self, name: str, num_lines: int = 40) -> str:
         path = self.log_dir / f"{name}.log"

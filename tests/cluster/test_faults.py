@@ -6,6 +6,7 @@ Ordered from harmless to destructive; the cluster is shared by the module, so th
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 import threading
 import time
 
@@ -18,7 +19,7 @@ from pipeline.endpoints import router_endpoint, worker_bind_endpoint
 from tests.cluster.conftest import CLUSTER_CONFIG, kv_gauges, start_cluster, wait_for_idle_blocks
 
 NUM_BLOCKS = CLUSTER_CONFIG["kv_cache"]["num_blocks"]
-FAST_FAULTS = {"transfer": {"transport": "zmq", "ttl_s": 3.0, "heartbeat_interval_s": 0.2}}
+FAST_FAULTS = {"transfer": {"transport": "shm", "ttl_s": 3.0, "heartbeat_interval_s": 0.2}}
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def cluster(tiny_checkpoint, tmp_path_factory):
         yield c
     finally:
         c.stop()
+    assert not list(Path("/dev/shm").glob("tandem-kv.*")), "a shared KV cache outlived the cluster"
 
 
 @pytest.fixture
