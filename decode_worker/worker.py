@@ -31,17 +31,16 @@ from decode_worker.prefill_links import PrefillLinks
 from kv_transfer.receiver import KVReceiver
 from pipeline.config import PipelineConfig, PipelineRole
 from pipeline.endpoints import worker_bind_endpoint
-from pipeline.engine import LLMEngine, RequestError, StepOutput
+from pipeline.engine import RequestError, StepOutput
 from pipeline.protocol.cluster import (
     CancelPrefill,
     CancelRequest,
-    FinishCode,
     GenerateRequest,
     PrefillRequest,
     decode_prefill_done,
 )
 from pipeline.scheduler import QueueFullError
-from pipeline.worker_base import WorkerBase, delta_from_step, error_delta
+from pipeline.worker_base import WorkerBase, delta_from_step, error_delta, transfer_counters
 
 logger = logging.getLogger(__name__)
 
@@ -98,15 +97,12 @@ class DecodeWorker(WorkerBase):
                 self._cancel(message.request_id)
         if self.is_disaggregated:
             outputs.extend(self._progress_remote())
-        if self.engine.scheduler.running or self.engine.scheduler.waiting:
+        if self.is_busy():
             for step in self.engine.step():
                 outputs.append(self._delta(step))
         outputs.extend(self._expire_deadlines())
         self.link.send_outputs(outputs)
         self.tick()
-
-    def is_busy(self) -> bool:
-        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
 
     def sockets(self) -> list[zmq.Socket]:
         extra = self.prefill_links.sockets() if self.prefill_links else []
@@ -114,13 +110,8 @@ class DecodeWorker(WorkerBase):
 
     def transfer_counters(self) -> dict:
         if self.receiver is None:
-            return {}
-        stats = self.receiver.stats()
-        return dict(
-            transfer_bytes=sum(t.num_bytes for t in stats.transports.values()),
-            transfer_seconds=sum(t.transfer_seconds for t in stats.transports.values()),
-            num_bad_frames=stats.num_bad_frames + self.link.num_bad_frames,
-        )
+            return super().transfer_counters()
+        return transfer_counters(self.receiver.stats(), self.link.num_bad_frames + self.prefill_links.num_bad_frames)
 
     # -------------------------------------------------------------- requests
     def _on_generate(self, request: GenerateRequest) -> list:
@@ -255,5 +246,3 @@ class DecodeWorker(WorkerBase):
             if shared_kv_path(self.engine.kv_cache):
                 free_shared_kv_cache(self.engine.kv_cache)
 
-
-__all__ = ["DecodeWorker", "FinishCode"]

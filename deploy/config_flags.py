@@ -34,8 +34,6 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 _add(group, f"{name}-{sub_name}", f"cfg:{name}.{sub_name}", sub_field)
         else:
             _add(group, name, f"cfg:{name}", field)
-    group.add_argument("--model-path", dest="cfg:model.model_path", default=argparse.SUPPRESS,
-                       help=argparse.SUPPRESS)
 
 
 def _add(group, flag_name: str, dest: str, field) -> None:

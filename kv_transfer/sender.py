@@ -28,8 +28,9 @@ from kv_transfer.data_path import PackBuffers, byte_pages, pack_piece, write_pie
 from kv_transfer.handshake import check_reply
 from kv_transfer.interface import SendStatus, StatsBox, TransferStats
 from kv_transfer.io_thread import IOThread
+from kv_transfer.sender_peers import SEND_HWM, Peer, PeerTable
 from kv_transfer.layout import check_kv_cache
-from kv_transfer.shm import host_id, open_shared_kv_cache
+from kv_transfer.shm import host_id
 from pipeline.protocol.transfer import (
     FRAME_ENCODER, RECEIVER_FRAME_DECODER, Begin, Blocks, Finish, FinishAck, Grant, Hello, HelloReply, KVLayout,
     Revoke, RevokeAck, SenderAbort, Written,
@@ -37,29 +38,16 @@ from pipeline.protocol.transfer import (
 
 log = logging.getLogger(__name__)
 
-_SEND_HWM = 16  # queued messages per receiver (pieces are <= 4 MiB): back-pressure instead of memory
 _RETRY_S = 0.002  # back-off when a receiver's queue is full
 _MAX_TOMBSTONES = 100_000
 _IDLE_PEER_S = 300.0  # connections unused this long are closed; the next request handshakes again
 
 
 @dataclass(eq=False)
-class _Peer:
-    endpoint: str
-    sock: zmq.Socket
-    since: float
-    is_ready: bool = False
-    transport: str = ""
-    shm_pages: np.ndarray | None = None  # shm: the receiver's KV cache, mapped here (``byte_pages``)
-    blocked_until: float = 0.0
-    last_used: float = 0.0
-
-
-@dataclass(eq=False)
 class _Request:
     request_id: str
     gen: int  # which incarnation of request_id (ids may be reused after their status was polled)
-    peer: _Peer
+    peer: Peer
     checksum: KVChecksum
     started: float
     last_progress: float
@@ -84,7 +72,7 @@ class KVSender(IOThread):
     ``timeout_s`` bounds every wait on a receiver (handshake, queue space, acknowledgement);
     ``max_piece_bytes`` is the unit of one message (zmq) or in-place write (shm): large enough to amortise
     per-message costs, small enough that the receiver lands pieces while later ones are still being
-    sent. Up to ``_SEND_HWM`` pieces queue per receiver, and their pack buffers are kept for reuse.
+    sent. Up to ``SEND_HWM`` pieces queue per receiver, and their pack buffers are kept for reuse.
     """
 
     def __init__(
@@ -97,14 +85,11 @@ class KVSender(IOThread):
         self.layout = layout
         self.timeout_s = timeout_s
         self.max_piece_bytes = max_piece_bytes
-        self._buffers = PackBuffers(max_piece_bytes, max_free=_SEND_HWM + 4)
+        self._buffers = PackBuffers(max_piece_bytes, max_free=SEND_HWM + 4)
         self._kernels = load_kernels(kernel_backend, str(kv_cache.device))
-        self._hello = FRAME_ENCODER.encode(Hello(layout=layout, host_id=host_id()))
         self._results: collections.deque[tuple[int, SendStatus]] = collections.deque()
         self._active: dict[str, _Active] = {}  # caller side
         self._next_gen = 0
-        self._peers: dict[str, _Peer] = {}  # I/O thread from here on
-        self._peer_of_sock: dict[zmq.Socket, _Peer] = {}
         self._requests: dict[str, _Request] = {}
         self._tombstones: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._stats = StatsBox()
@@ -112,6 +97,8 @@ class KVSender(IOThread):
         # to travel (zmq) or on the first page that just landed in the receiver's cache (shm).
         self.corrupt_hook: Callable[[str, torch.Tensor], None] | None = None
         super().__init__(name, num_torch_threads)
+        hello = FRAME_ENCODER.encode(Hello(layout=layout, host_id=host_id()))
+        self._peers = PeerTable(self.ctx, self.poller, hello, layout, kv_cache)  # I/O thread only
         self._start()
 
     # ---- caller side ---------------------------------------------------------------------------
@@ -195,7 +182,7 @@ class KVSender(IOThread):
                 return  # already failed; its status is on its way to the caller
             now = time.monotonic()
             try:
-                peer = self._peer(endpoint, now)
+                peer = self._peers.get(endpoint, now)
             except zmq.ZMQError as exc:
                 return self._report(request_id, gen, False, f"cannot connect to {endpoint!r}: {exc}")
             req = self._requests[request_id] = _Request(request_id, gen, peer, KVChecksum(self.layout.page_bytes),
@@ -218,35 +205,18 @@ class KVSender(IOThread):
             self._send(req.peer, [FRAME_ENCODER.encode(SenderAbort(request_id=request_id))])
             self._complete(req, False, "aborted by sender")
 
-    def _peer(self, endpoint: str, now: float) -> _Peer:
-        peer = self._peers.get(endpoint)
-        if peer is None:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
-            try:
-                sock.connect(endpoint)
-                sock.send(self._hello, zmq.NOBLOCK)  # first message on a fresh pipe: always queued
-            except zmq.ZMQError:
-                sock.close()
-                raise
-            peer = self._peers[endpoint] = self._peer_of_sock[sock] = _Peer(endpoint, sock, now)
-            self.poller.register(sock, zmq.POLLIN)
-        peer.last_used = now
-        return peer
-
     # ---- I/O thread: progress ------------------------------------------------------------------
 
     def _tick(self, now: float) -> float | None:
         """One op per request per round (fair), then timeouts; returns seconds until work is due."""
-        for peer in [p for p in self._peers.values() if not p.is_ready and now - p.since > self.timeout_s]:
+        for peer in [p for p in self._peers.all() if not p.is_ready and now - p.since > self.timeout_s]:
             self._stats.count("num_timeouts")
             self._fail_peer(peer, f"no handshake reply from {peer.endpoint} within {self.timeout_s}s "
                                   "(receiver dead or unreachable?)")
         busy = {req.peer.endpoint for req in self._requests.values()}
-        for peer in [p for p in self._peers.values() if p.endpoint not in busy and now - p.last_used > _IDLE_PEER_S]:
-            self._close_peer(peer, linger=0)  # a decode worker that went away: stop reconnecting to it
-        due = [p.since + self.timeout_s - now for p in self._peers.values() if not p.is_ready]
+        for peer in [p for p in self._peers.all() if p.endpoint not in busy and now - p.last_used > _IDLE_PEER_S]:
+            self._peers.close(peer, linger=0)  # a decode worker that went away: stop reconnecting to it
+        due = [p.since + self.timeout_s - now for p in self._peers.all() if not p.is_ready]
         for req in list(self._requests.values()):
             if self._requests.get(req.request_id) is not req:
                 continue  # ended earlier in this round
@@ -325,7 +295,7 @@ class KVSender(IOThread):
         self._stats.add_bytes(req.peer.transport, fields["num_bytes"], time.perf_counter() - start)
         return frames
 
-    def _send(self, peer: _Peer, frames: list, buffer: np.ndarray | None = None) -> bool:
+    def _send(self, peer: Peer, frames: list, buffer: np.ndarray | None = None) -> bool:
         """Queue ``frames`` without blocking; a pack ``buffer`` they live in is reused once ZMQ sent them."""
         try:
             tracker = peer.sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=buffer is not None)
@@ -338,8 +308,8 @@ class KVSender(IOThread):
     # ---- I/O thread: replies -------------------------------------------------------------------
 
     def _on_readable(self, sock: zmq.Socket) -> None:
-        peer = self._peer_of_sock.get(sock)
-        while peer is not None and self._peers.get(peer.endpoint) is peer:
+        peer = self._peers.of_socket(sock)
+        while peer is not None and self._peers.is_open(peer):
             try:
                 raw = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -365,36 +335,25 @@ class KVSender(IOThread):
                     self._complete(req, False, f"revoked by receiver: {msg.reason}")
                 self._send(peer, [FRAME_ENCODER.encode(RevokeAck(request_id=msg.request_id))])  # we stopped
 
-    def _on_hello_reply(self, peer: _Peer, reply: HelloReply) -> None:
+    def _on_hello_reply(self, peer: Peer, reply: HelloReply) -> None:
         if peer.is_ready:
             return
         error = check_reply(self.layout, peer.endpoint, reply)
         if error:
             self._stats.count("num_refused_handshakes")
             return self._fail_peer(peer, error)
-        if reply.transport == "shm":
-            shape = (self.layout.num_layers, 2, reply.num_blocks, *self.kv_cache.shape[3:])
-            try:
-                peer.shm_pages = byte_pages(open_shared_kv_cache(reply.shm_path, shape, self.kv_cache.dtype))
-            except (OSError, ValueError, RuntimeError) as exc:
-                return self._fail_peer(peer, f"shm transport to {peer.endpoint}: cannot map {reply.shm_path}: {exc}")
-        peer.is_ready, peer.transport = True, reply.transport
+        error = self._peers.open_transport(peer, reply)
+        if error:
+            self._fail_peer(peer, error)
 
     # ---- I/O thread: ending --------------------------------------------------------------------
 
-    def _fail_peer(self, peer: _Peer, error: str) -> None:
+    def _fail_peer(self, peer: Peer, error: str) -> None:
         """Fail every request on ``peer`` and drop the connection (a later request handshakes again)."""
         log.warning("KV sender: %s", error)
         for req in [r for r in self._requests.values() if r.peer is peer]:
             self._complete(req, False, error)
-        self._close_peer(peer, linger=0)
-
-    def _close_peer(self, peer: _Peer, linger: int) -> None:
-        self._peers.pop(peer.endpoint, None)
-        self._peer_of_sock.pop(peer.sock, None)
-        self.poller.unregister(peer.sock)
-        peer.sock.close(linger=linger)
-        peer.shm_pages = None  # unmaps once no piece refers to it
+        self._peers.close(peer, linger=0)
 
     def _complete(self, req: _Request, ok: bool, error: str | None) -> None:
         del self._requests[req.request_id]
@@ -414,5 +373,5 @@ class KVSender(IOThread):
     def _teardown(self) -> None:
         for req in list(self._requests.values()):  # best effort: D should not wait for its TTL
             self._send(req.peer, [FRAME_ENCODER.encode(SenderAbort(request_id=req.request_id, reason="sender closed"))])
-        for peer in list(self._peers.values()):
-            self._close_peer(peer, linger=200 if any(r.peer is peer for r in self._requests.values()) else 0)
+        for peer in self._peers.all():
+            self._peers.close(peer, linger=200 if any(r.peer is peer for r in self._requests.values()) else 0)

@@ -1,7 +1,7 @@
 """What every worker process shares: the engine, the router link, the poll loop, output messages.
 
 Roles subclass ``WorkerBase`` and implement ``run_once`` (one pass: read sockets, step the engine,
-send outputs) and ``is_busy`` (whether the next pass has work without waiting for a socket).
+send outputs); ``is_busy`` says whether the next pass has work without waiting for a socket.
 """
 
 from __future__ import annotations
@@ -77,14 +77,16 @@ class WorkerBase:
     def run_once(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def is_busy(self) -> bool:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def is_busy(self) -> bool:
+        """Whether the engine has runnable work (so the loop must not sleep on its sockets)."""
+        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.link.socket]
 
     def transfer_counters(self) -> dict:
-        return {}
+        """Cumulative transfer and bad-frame counters for the load report."""
+        return {"num_bad_frames": self.link.num_bad_frames}
 
     def tick(self) -> None:
         self.link.tick(self.engine.load(**self.transfer_counters()))
@@ -93,6 +95,15 @@ class WorkerBase:
         if self.link is not None:
             self.link.close()
         self.ctx.destroy(linger=0)
+
+
+def transfer_counters(stats, num_other_bad_frames: int) -> dict:
+    """Load-report counters from a transfer half's ``TransferStats`` plus this worker's own bad frames."""
+    return dict(
+        transfer_bytes=sum(t.num_bytes for t in stats.transports.values()),
+        transfer_seconds=sum(t.transfer_seconds for t in stats.transports.values()),
+        num_bad_frames=stats.num_bad_frames + num_other_bad_frames,
+    )
 
 
 def logprobs_to_wire(entry: dict[int, float], sampled: int, num_top: int) -> list[TokenLogprob]:

@@ -38,7 +38,7 @@ from pipeline.protocol.cluster import (
     encode,
 )
 from pipeline.scheduler import QueueFullError
-from pipeline.worker_base import WorkerBase, logprobs_to_wire
+from pipeline.worker_base import WorkerBase, logprobs_to_wire, transfer_counters
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +69,8 @@ class PrefillWorker(WorkerBase):
     def sockets(self) -> list[zmq.Socket]:
         return [self.link.socket, self.requests]
 
-    def is_busy(self) -> bool:
-        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
-
     def transfer_counters(self) -> dict:
-        stats = self.sender.stats()
-        return dict(
-            transfer_bytes=sum(t.num_bytes for t in stats.transports.values()),
-            transfer_seconds=sum(t.transfer_seconds for t in stats.transports.values()),
-            num_bad_frames=stats.num_bad_frames + self.link.num_bad_frames + self.num_bad_frames,
-        )
+        return transfer_counters(self.sender.stats(), self.link.num_bad_frames + self.num_bad_frames)
 
     # ------------------------------------------------------------------ loop
     def run_once(self) -> None:

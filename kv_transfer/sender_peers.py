@@ -1,0 +1,88 @@
+"""The sender's connections: one DEALER socket per receiver endpoint, its handshake state, its shm mapping.
+
+Owned by the sender's I/O thread. A connection is opened (and ``Hello`` queued) on first use of an
+endpoint; after a failure or a long idle spell it is closed and the next request opens a fresh one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zmq
+
+from kv_transfer.data_path import byte_pages
+from kv_transfer.shm import open_shared_kv_cache
+from pipeline.protocol.transfer import HelloReply, KVLayout
+
+SEND_HWM = 16  # queued messages per receiver (pieces are <= 4 MiB): back-pressure instead of memory
+
+
+@dataclass(eq=False)
+class Peer:
+    endpoint: str
+    sock: zmq.Socket
+    since: float
+    is_ready: bool = False
+    transport: str = ""
+    shm_pages: np.ndarray | None = None  # shm: the receiver's KV cache, mapped here (``byte_pages``)
+    blocked_until: float = 0.0
+    last_used: float = 0.0
+
+
+class PeerTable:
+    def __init__(self, ctx: zmq.Context, poller: zmq.Poller, hello: bytes, layout: KVLayout,
+                 kv_cache: torch.Tensor) -> None:
+        self._ctx = ctx
+        self._poller = poller
+        self._hello = hello
+        self._layout = layout
+        self._kv_cache = kv_cache
+        self._by_endpoint: dict[str, Peer] = {}
+        self._by_socket: dict[zmq.Socket, Peer] = {}
+
+    def get(self, endpoint: str, now: float) -> Peer:
+        """The connection to ``endpoint``, opened (with ``Hello`` queued first) if there is none."""
+        peer = self._by_endpoint.get(endpoint)
+        if peer is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            try:
+                sock.connect(endpoint)
+                sock.send(self._hello, zmq.NOBLOCK)  # first message on a fresh pipe: always queued
+            except zmq.ZMQError:
+                sock.close()
+                raise
+            peer = self._by_endpoint[endpoint] = self._by_socket[sock] = Peer(endpoint, sock, now)
+            self._poller.register(sock, zmq.POLLIN)
+        peer.last_used = now
+        return peer
+
+    def of_socket(self, sock: zmq.Socket) -> Peer | None:
+        return self._by_socket.get(sock)
+
+    def is_open(self, peer: Peer) -> bool:
+        return self._by_endpoint.get(peer.endpoint) is peer
+
+    def all(self) -> list[Peer]:
+        return list(self._by_endpoint.values())
+
+    def open_transport(self, peer: Peer, reply: HelloReply) -> str | None:
+        """Finish the handshake the receiver accepted (map its cache for shm); an error string if that fails."""
+        if reply.transport == "shm":
+            shape = (self._layout.num_layers, 2, reply.num_blocks, *self._kv_cache.shape[3:])
+            try:
+                peer.shm_pages = byte_pages(open_shared_kv_cache(reply.shm_path, shape, self._kv_cache.dtype))
+            except (OSError, ValueError, RuntimeError) as exc:
+                return f"shm transport to {peer.endpoint}: cannot map {reply.shm_path}: {exc}"
+        peer.is_ready, peer.transport = True, reply.transport
+        return None
+
+    def close(self, peer: Peer, linger: int) -> None:
+        self._by_endpoint.pop(peer.endpoint, None)
+        self._by_socket.pop(peer.sock, None)
+        self._poller.unregister(peer.sock)
+        peer.sock.close(linger=linger)
+        peer.shm_pages = None  # unmaps once no piece refers to it
