@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test bench
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py kv_transfer/_copysum.c
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0  # first: on CPU-only machines this is the CPU build

@@ -4,17 +4,19 @@ The stream of a request is the concatenation of its pieces, each in packed order
 ``[layer][K/V][block][page bytes]`` (exactly what ``pack_kv_blocks`` produces). The stream is cut into
 sub-rows of 2 KiB (or the largest divisor of a page below that), each sub-row is summed as int64 words
 mod 2**64, and sub-row ``j`` is weighted by the odd constant ``(2j + 1) * 0x9E3779B97F4A7C15``; the
-checksum is the weighted total plus a multiple of the byte count, mod 2**64. Both ends compute it from
-their own KV cache (the sender over its source blocks, the receiver over what landed in its
-destination blocks), so it checks the data path end to end, on CPU or GPU, with no host copy.
+checksum is the weighted total plus a multiple of the byte count, mod 2**64. Both ends compute it over
+their own KV cache: the sender over its source blocks, the receiver over its destination blocks, either
+in the pass that lands the bytes there (zmq on the CPU: ``copy_native``, which reads each byte once for
+the copy and the sum) or by reading them back (shm, where the sender wrote them; other devices).
+So it checks the data path end to end, on CPU or GPU, with no host copy.
 
 What it catches: every corruption confined to one word (8 bytes for any page size that allows it;
 any bit flips in it: an odd weight is invertible mod 2**64); pages or sub-rows that landed in the
 wrong block, layer or K/V slot, were duplicated, or never arrived (their weights differ); a missing or
 extra piece (byte count and weights shift). What it does not: a permutation of words inside one 2 KiB
-sub-row, and deliberately cancelling edits (it is not a cryptographic hash). It is one read of the
-data (no copy), taken run by run right after that run was copied, so much of it is still in CPU cache;
-the weighting is one small reduction per request (``value``).
+sub-row, and deliberately cancelling edits (it is not a cryptographic hash). The torch path is one read
+of the data, run by run right after that run was copied, with the weighting as one small reduction per
+request (``value``); the native path (``kv_transfer.native``) weights as it goes and gives the same value.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import math
 
 import torch
 
+from kv_transfer import native
 from kv_transfer.blocks import runs
 
 _MASK = (1 << 64) - 1
@@ -54,6 +57,24 @@ class KVChecksum:
         """The uint64 checksum of everything fed so far."""
         self._flush()
         return (self._acc + self.num_bytes * _MIX) & _MASK
+
+    @property
+    def native_subrow_bytes(self) -> int | None:
+        """The sub-row size ``copy_native`` works in; None when it cannot (no extension, or pages that are
+        not a whole number of 64-bit words)."""
+        if native.copy_checksum is None or self._word_dtype != torch.int64:
+            return None
+        return self._subrow_words * 8
+
+    def copy_native(self, dst, src, segments, stream: bool = True) -> None:
+        """Copy ``segments`` (``native.segments``, in stream order) from buffer ``src`` to ``dst`` (None:
+        read only) and add what was read, in the same pass (``native_subrow_bytes`` must not be None)."""
+        self._flush()
+        subrow_bytes = self.native_subrow_bytes
+        weighted, num = native.copy_checksum(dst, src, segments, subrow_bytes, self._num_subrows, stream)
+        self._acc = (self._acc + _MIX * weighted) & _MASK
+        self._num_subrows += num
+        self.num_bytes += num * subrow_bytes
 
     def update_packed(self, packed: torch.Tensor) -> None:
         """Add a packed piece ``[layers, 2, n, page_size, num_kv_heads, head_dim]`` (contiguous)."""

@@ -1,10 +1,11 @@
 """Moving the bytes of one piece: pack for the wire, copy in place (shm) or land a frame, checksumming each.
 
-On the CPU every copy is one ``numpy.copyto`` per run of consecutive blocks, over byte views of the
-caches (``byte_pages``): a run is one contiguous stretch per (layer, K/V), which numpy moves with libc
-``memcpy`` (1.3-1.6x the speed of torch's ``copy_`` loop here), with no index tensor and no temporary.
-The checksum is always taken from a KV cache (the source on P, the destination on D), run by run right
-after that run was copied, while much of it is still in CPU cache. On a GPU the kernels (``pack_kv_blocks`` /
+On the CPU a piece is one call of the native copy-and-checksum (``kv_transfer.native``) over byte views
+of the caches (``byte_pages``): every (layer, K/V) stretch of every run of consecutive blocks is read
+once, for the copy and the checksum together. Without the extension, each run is one ``numpy.copyto``
+(libc ``memcpy``) followed by the torch checksum of the run while it is still in CPU cache. The
+checksum is taken over what is copied: P's source pages, and on D the pages as they land (zmq) or as
+they sit in the cache (shm, where P wrote them). On a GPU the kernels (``pack_kv_blocks`` /
 ``unpack_kv_blocks``) move a piece in one launch and the checksum runs on the device.
 
 Sending views of the cache instead of packing (zero-copy, one frame per (layer, K/V, run)) was measured
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from kernels import Kernels
+from kv_transfer import native
 from kv_transfer.blocks import Piece, paired_runs, runs
 from kv_transfer.checksum import KVChecksum
 
@@ -74,6 +76,13 @@ def pack_piece(
     shape = (layers.stop - layers.start, 2, len(src_ids), pages.shape[-1])
     buffer = buffers.take(math.prod(shape))
     packed = buffer[: math.prod(shape)].reshape(shape)
+    if checksum.native_subrow_bytes:
+        indexes, firsts, lengths = zip(*runs(src_ids))
+        rows = range(2 * layers.start, 2 * layers.stop)
+        segments = native.segments(range(len(rows)), len(src_ids), indexes, rows, pages.shape[2], firsts, lengths,
+                                   pages.shape[-1])
+        checksum.copy_native(buffer, pages, segments)
+        return packed, buffer
     sums, src_pages = [], pages[layers]
     for index, first, length in runs(src_ids):
         np.copyto(packed[:, :, index : index + length], src_pages[:, :, first : first + length])
@@ -87,6 +96,12 @@ def write_piece_in_place(
 ) -> None:
     """P, shm: copy the piece straight into the receiver's mapped cache (``dst_pages``), one copy per run."""
     layers, sums = piece.layers, []
+    if checksum.native_subrow_bytes:
+        firsts, dst_firsts, lengths = zip(*paired_runs(piece.src_block_ids, piece.dst_block_ids))
+        rows = range(2 * layers.start, 2 * layers.stop)
+        segments = native.segments(rows, dst_pages.shape[2], dst_firsts, rows, pages.shape[2], firsts, lengths,
+                                   pages.shape[-1])
+        return checksum.copy_native(dst_pages, pages, segments)
     src_pages, dst_pages = pages[layers], dst_pages[layers]
     for src, dst, n in paired_runs(piece.src_block_ids, piece.dst_block_ids):
         np.copyto(dst_pages[:, :, dst : dst + n], src_pages[:, :, src : src + n])
@@ -100,9 +115,19 @@ def land_piece(
 ) -> None:
     """D: copy ``frame`` (zmq; its size already checked) into ``dst_block_ids``, or take bytes already there
     (shm); then checksum what landed, from the cache itself."""
+    num_layers, n = layers.stop - layers.start, len(dst_block_ids)
+    if pages is not None and checksum.native_subrow_bytes:
+        indexes, firsts, lengths = zip(*runs(dst_block_ids))
+        rows = range(2 * layers.start, 2 * layers.stop)
+        if frame is None:  # shm: read what P wrote
+            segments = native.segments(rows, pages.shape[2], firsts, rows, pages.shape[2], firsts, lengths,
+                                       pages.shape[-1])
+            return checksum.copy_native(None, pages, segments)
+        segments = native.segments(rows, pages.shape[2], firsts, range(len(rows)), n, indexes, lengths,
+                                   pages.shape[-1])
+        return checksum.copy_native(pages, frame, segments)
     if frame is None:
         return checksum.update_blocks(kv_cache, dst_block_ids, layers)
-    num_layers, n = layers.stop - layers.start, len(dst_block_ids)
     if pages is None:
         # [num_layers, 2, n, page_size, num_kv_heads, head_dim], a view of ZMQ's receive buffer
         packed = torch.frombuffer(frame, dtype=torch.uint8).view(kv_cache.dtype).view(

@@ -1,5 +1,6 @@
 """The data path moves exactly the requested pages, and both ends' checksums agree whichever way the
-bytes moved: memcpy per run of blocks (CPU caches), the kernels (other devices), or in place (shm)."""
+bytes moved: the native copy-and-checksum or memcpy per run of blocks (CPU caches), the kernels (other
+devices), or in place (shm). Every test runs once with the native extension and once without it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from kernels import load_kernels
+from kv_transfer import native
 from kv_transfer.blocks import split_pieces
 from kv_transfer.checksum import KVChecksum
 from kv_transfer.data_path import PackBuffers, byte_pages, land_piece, pack_piece, write_piece_in_place
@@ -15,6 +17,15 @@ from tests.kv_transfer.helpers import random_cache
 KERNELS = load_kernels("torch")
 SRC_IDS = [5, 6, 7, 0, 9, 2, 3]  # runs of consecutive blocks and lone ones
 DST_IDS = [1, 2, 3, 8, 4, 10, 11]  # some runs line up with the source's, some do not
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def cpu_copy(request, monkeypatch):
+    if request.param == "numpy":
+        monkeypatch.setattr(native, "copy_checksum", None)
+    else:
+        assert native.copy_checksum is not None, "kv_transfer._copysum is not built (setup.py needs a C compiler)"
+    return request.param
 
 
 def _pieces(cache: torch.Tensor) -> tuple[list, int]:
