@@ -20,3 +20,6 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.offline_throughput --out bench/results/offline_throughput.json
+	$(PY) -m bench.transfer_bench --out bench/results/transfer_bench.json
+	$(PY) -m bench.plot bench/results/offline_throughput.json
+	$(PY) -m bench.plot bench/results/transfer_bench.json

@@ -11,7 +11,8 @@ shm transport copies, no more) is shown for reference. Variants run round-robin 
 machine's load; the report has medians of ``--repeats`` runs, the ratios, the load average and, per
 variant, the CPU time and run-queue wait of every busy thread of P and D (Linux schedstat).
 
-    python -m bench.transfer_bench --repeats 9 --out /tmp/transfer_bench.json
+    python -m bench.transfer_bench --repeats 15 --out bench/results/transfer_bench.json
+    python -m bench.plot bench/results/transfer_bench.json
 """
 
 from __future__ import annotations
@@ -214,6 +215,16 @@ def thread_times(pids: list[int]) -> dict[tuple[int, int], tuple[str, int, int]]
     return out
 
 
+def cpu_steal_share() -> tuple[int, int] | None:
+    """``(steal ticks, all ticks)`` from /proc/stat: time the hypervisor gave this VM's CPUs to others."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks)
+
+
 def measure(runs: dict, repeats: int, num_bytes: int) -> dict:
     """Round-robin over ``runs`` so every variant sees the same machine load; one warm-up round.
 
@@ -257,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", choices=list(TORCH_DTYPES), default="float16")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--piece-mib", type=float, default=MAX_PIECE_BYTES / 2**20, help="KVSender max_piece_bytes")
     parser.add_argument("--raw-mib", default="0.25,1,4,16,0", help="raw ZMQ message sizes in MiB (0: one message)")
     parser.add_argument("--torch-threads", type=int, default=1,
@@ -286,11 +297,17 @@ def main(argv: list[str] | None = None) -> dict:
     for mode in ("zmq", "shm"):
         runs[mode] = TransportRun(mode, src, args.blocks, int(args.piece_mib * 2**20))
     report: dict = {
+        "benchmark": "transfer",
+        "targets": TARGETS,
         "config": {**vars(args), "total_mib": total / 2**20, "host": platform.node(), "cpus": os.cpu_count(),
                    "load_avg_before": os.getloadavg(), "torch": torch.__version__, "pyzmq": zmq.__version__},
-        **measure(runs, args.repeats, total),
     }
+    steal_before = cpu_steal_share()
+    report.update(measure(runs, args.repeats, total))
+    steal_after = cpu_steal_share()
     report["config"]["load_avg_after"] = os.getloadavg()
+    if steal_before and steal_after and steal_after[1] > steal_before[1]:
+        report["config"]["cpu_steal_pct"] = 100 * (steal_after[0] - steal_before[0]) / (steal_after[1] - steal_before[1])
     report["raw_zmq_best"] = max(raw_sizes, key=lambda name: report[name]["gb_per_s"])
     report["raw_zmq_gb_per_s"] = report[report["raw_zmq_best"]]["gb_per_s"]
     report["memcpy_best"] = max(("memcpy_libc", "memcpy_torch"), key=lambda name: report[name]["gb_per_s"])
@@ -308,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"zmq / raw zmq ({report['raw_zmq_best']}) = {ratios['zmq_vs_raw_zmq']:.2f} (target >= {TARGETS['zmq']}), "
           f"shm / memcpy ({report['memcpy_best']}) = {ratios['shm_vs_memcpy']:.2f} (target >= {TARGETS['shm']}; "
           f"vs memcpy_pages {ratios['shm_vs_memcpy_pages']:.2f}), load average {load['load_avg_before'][0]:.2f} -> "
-          f"{load['load_avg_after'][0]:.2f}")
+          f"{load['load_avg_after'][0]:.2f}, CPU steal {load.get('cpu_steal_pct', float('nan')):.1f}%")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

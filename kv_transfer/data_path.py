@@ -94,7 +94,8 @@ def pack_piece(
 def write_piece_in_place(
     kv_cache: torch.Tensor, pages: np.ndarray, dst_pages: np.ndarray, piece: Piece, checksum: KVChecksum
 ) -> None:
-    """P, shm: copy the piece straight into the receiver's mapped cache (``dst_pages``), one copy per run."""
+    """P, shm: copy the piece straight into the receiver's mapped cache (``dst_pages``), checksumming the
+    source as it goes (one native call, or one copy per run then its checksum)."""
     layers, sums = piece.layers, []
     if checksum.native_subrow_bytes:
         firsts, dst_firsts, lengths = zip(*paired_runs(piece.src_block_ids, piece.dst_block_ids))
@@ -113,8 +114,8 @@ def land_piece(
     kernels: Kernels, kv_cache: torch.Tensor, pages: np.ndarray | None, dst_block_ids: list[int], layers: slice,
     frame: memoryview | None, checksum: KVChecksum,
 ) -> None:
-    """D: copy ``frame`` (zmq; its size already checked) into ``dst_block_ids``, or take bytes already there
-    (shm); then checksum what landed, from the cache itself."""
+    """D: copy ``frame`` (zmq; its size already checked) into ``dst_block_ids`` and checksum what lands (in
+    the same pass natively, else from the cache right after), or checksum the bytes P wrote there (shm)."""
     num_layers, n = layers.stop - layers.start, len(dst_block_ids)
     if pages is not None and checksum.native_subrow_bytes:
         indexes, firsts, lengths = zip(*runs(dst_block_ids))

@@ -10,6 +10,8 @@ falls back to numpy + torch, with the same bytes and the same checksum.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 try:
@@ -19,8 +21,8 @@ except ImportError:  # built without a C compiler: kv_transfer.data_path takes t
 
 
 def segments(
-    dst_rows: range, dst_row_pages: int, dst_firsts: list[int],
-    src_rows: range, src_row_pages: int, src_firsts: list[int], lengths: list[int], page_bytes: int,
+    dst_rows: range, dst_row_pages: int, dst_firsts: Sequence[int],
+    src_rows: range, src_row_pages: int, src_firsts: Sequence[int], lengths: Sequence[int], page_bytes: int,
 ) -> np.ndarray:
     """``[len(rows) * len(runs), 3]`` int64 ``(dst_offset, src_offset, nbytes)``, rows outer, runs inner.
 
@@ -29,8 +31,9 @@ def segments(
     ``lengths[r]`` pages from page ``src_firsts[r]`` of each source row to page ``dst_firsts[r]`` of the
     matching destination row. Rows outer, runs inner is the checksum's stream order.
     """
-    out = np.empty((len(dst_rows), len(lengths), 3), dtype=np.int64)
-    out[..., 0] = np.add.outer(np.asarray(dst_rows, dtype=np.int64) * dst_row_pages, dst_firsts) * page_bytes
-    out[..., 1] = np.add.outer(np.asarray(src_rows, dtype=np.int64) * src_row_pages, src_firsts) * page_bytes
-    out[..., 2] = np.asarray(lengths, dtype=np.int64) * page_bytes
+    runs = np.array((dst_firsts, src_firsts, lengths), dtype=np.int64).T  # [runs, 3]
+    row_step = np.array((dst_row_pages, src_row_pages, 0), dtype=np.int64)
+    first_row = np.array((dst_rows.start * dst_row_pages, src_rows.start * src_row_pages, 0), dtype=np.int64)
+    out = np.arange(len(dst_rows), dtype=np.int64)[:, None, None] * row_step + (first_row + runs)
+    out *= page_bytes
     return out.reshape(-1, 3)

@@ -3,6 +3,10 @@
 A decode worker that enables the shm transport allocates its cache with ``allocate_shared_kv_cache``;
 the receiver hands the file's path to senders at handshake, and each sender maps it once.
 
+Memory is committed when the cache is allocated (``posix_fallocate``): a /dev/shm too small for it is
+a clear error at start-up, not a SIGBUS in the middle of serving. Each mapping is also prefaulted
+(``MADV_POPULATE_WRITE``), so the first transfers do not pay a page fault per 4 KiB.
+
 Lifetime: the file is removed by ``free_shared_kv_cache``, by ``KVReceiver.close()`` for the cache it
 serves, or at interpreter exit. Memory stays mapped (and valid) in every process that still holds a
 mapping, and is returned to the OS when the last mapping goes. A crashed process cannot clean up: its
@@ -13,6 +17,8 @@ worker start, or by hand: ``rm /dev/shm/tandem-kv.*``) deletes those whose pid n
 from __future__ import annotations
 
 import atexit
+import ctypes
+import errno
 import logging
 import math
 import os
@@ -43,14 +49,14 @@ def allocate_shared_kv_cache(shape: tuple[int, ...] | torch.Size, dtype: torch.d
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # never clobber another cache
     try:
-        os.ftruncate(fd, nbytes)
-    finally:
-        os.close(fd)
-    try:
+        _reserve(fd, nbytes, path)
         tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(*shape)
     except BaseException:
         os.unlink(path)
         raise
+    finally:
+        os.close(fd)
+    prefault(tensor)
     with _lock:
         _owned[tensor.untyped_storage().data_ptr()] = path
     return tensor
@@ -79,7 +85,39 @@ def open_shared_kv_cache(path: str, shape: tuple[int, ...], dtype: torch.dtype) 
     size = os.stat(path).st_size  # FileNotFoundError if gone; torch.from_file would create it instead
     if size != nbytes:
         raise ValueError(f"shared KV cache {path}: file has {size} bytes, the layout needs {nbytes}")
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(*shape)
+    tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(*shape)
+    prefault(tensor)
+    return tensor
+
+
+def _reserve(fd: int, nbytes: int, path: str) -> None:
+    """Commit ``nbytes`` of /dev/shm to the file now, or fail with a message that says what to change."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        stat = os.statvfs(os.path.dirname(path))
+        raise OSError(errno.ENOSPC, (
+            f"not enough shared memory for the KV cache: it needs {nbytes / 2**30:.2f} GiB, {SHM_DIR} has "
+            f"{stat.f_bavail * stat.f_frsize / 2**30:.2f} GiB free; enlarge {SHM_DIR} (docker: --shm-size), "
+            "lower kv_cache.cpu_kv_cache_gib / num_blocks, or set transfer.transport to zmq")) from None
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
+
+
+def prefault(tensor: torch.Tensor) -> bool:
+    """Map every page of ``tensor``'s memory into this process now, writable, without touching the data
+    (``MADV_POPULATE_WRITE``). Best effort: False where the kernel does not support it."""
+    if _libc is None or not hasattr(_libc, "madvise"):
+        return False
+    storage = tensor.untyped_storage()
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = storage.data_ptr() & ~(page - 1)
+    length = storage.data_ptr() + storage.nbytes() - start
+    return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0
 
 
 def host_id() -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import platform
+import re
 import subprocess
 import sys
 
@@ -15,7 +18,8 @@ from kv_transfer import (
     shared_kv_path,
 )
 from kv_transfer.blocks import paired_runs, split_pieces
-from kv_transfer.shm import SHM_DIR, open_shared_kv_cache
+from kv_transfer import shm
+from kv_transfer.shm import SHM_DIR, open_shared_kv_cache, prefault
 from pipeline.protocol.transfer import FRAME_ENCODER, SENDER_FRAME_DECODER, Finish, Hello
 from tests.kv_transfer.helpers import names
 
@@ -37,6 +41,32 @@ def test_shared_cache_is_shared_and_removed_on_close():
     assert torch.all(cache[1, 0, 3] == 2.5)  # still mapped here until dropped
     with pytest.raises(FileNotFoundError):
         open_shared_kv_cache(path, shape, torch.bfloat16)
+
+
+def test_a_full_dev_shm_is_a_clear_error_at_allocation_and_leaves_no_file(monkeypatch):
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", no_space)
+    name = f"full-{next(names)}"
+    with pytest.raises(OSError, match=r"not enough shared memory for the KV cache: it needs .* GiB.*--shm-size"):
+        allocate_shared_kv_cache((2, 2, 4, 2, 1, 4), torch.float32, name)
+    assert not os.path.exists(os.path.join(SHM_DIR, f"tandem-kv.{os.getpid()}.{name}"))
+
+
+def test_memory_is_committed_and_mappings_prefaulted_without_changing_data():
+    shape = (2, 2, 64, 16, 2, 32)
+    cache = allocate_shared_kv_cache(shape, torch.float16, f"commit-{next(names)}")
+    path = shared_kv_path(cache)
+    try:
+        assert os.stat(path).st_blocks * 512 >= cache.numel() * cache.element_size()  # allocated, not sparse
+        cache.copy_(torch.randn(shape, generator=torch.Generator().manual_seed(3)).half())
+        other = open_shared_kv_cache(path, shape, torch.float16)
+        kernel = tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
+        assert prefault(other) is (kernel >= (5, 14))  # MADV_POPULATE_WRITE came in Linux 5.14
+        assert torch.equal(other, cache)
+    finally:
+        os.unlink(path)
 
 
 def test_stale_files_of_dead_processes_are_removed():

@@ -1,0 +1,113 @@
+"""Render a benchmark's JSON report as a PNG next to it (or at ``--out``).
+
+    python -m bench.plot bench/results/transfer_bench.json     # -> bench/results/transfer_bench.png
+
+Knows the three reports of ``bench/``: ``offline_throughput`` (tok/s per system, every repeat shown),
+``transfer`` (GB/s per transport and baseline, every repeat shown, targets drawn) and ``kernels``
+(achieved bandwidth against the peak). Needs matplotlib (``pip install -e '.[bench]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def kind_of(report: dict) -> str:
+    if report.get("benchmark") in ("offline_throughput", "transfer"):
+        return report["benchmark"]
+    if "results" in report and "peak_gbps" in report:
+        return "kernels"
+    raise ValueError("not a bench/ report: expected offline_throughput, transfer or kernel_bench JSON")
+
+
+def _bar(ax, y: int, median: float, repeats: list[float]) -> None:
+    """The median's value, printed past the bar and every repeat (drawn as dots on the bar)."""
+    ax.scatter(repeats, [y] * len(repeats), s=10, color="black", alpha=0.5, zorder=3)
+    ax.text(max([median, *repeats]), y, f"  {median:.3g}", va="center")
+
+
+def plot_offline(report: dict, ax) -> str:
+    systems = ["tandem", "transformers"]
+    medians = [report[s]["median_output_tokens_per_s"] for s in systems]
+    ax.barh(systems, medians, color=["tab:blue", "tab:gray"])
+    for i, system in enumerate(systems):
+        _bar(ax, i, medians[i], [r["output_tokens_per_s"] for r in report[system]["runs"]])
+    ax.invert_yaxis()
+    ax.set_xlabel("output tokens / s (median; dots: each repeat)")
+    settings = report["settings"]
+    return (f"Offline throughput, {report['workload']['num_prompts']} requests, {settings['threads']} thread(s): "
+            f"Tandem / transformers = {report['ratio_output_tokens_per_s']:.2f}x")
+
+
+def plot_transfer(report: dict, ax) -> str:
+    total_gb = report["config"]["total_mib"] * 2**20 / 1e9
+    names = [n for n in report if isinstance(report[n], dict) and "gb_per_s" in report[n]]
+    colors = ["tab:blue" if n in ("zmq", "shm") else "tab:gray" for n in names]
+    ax.barh(names, [report[n]["gb_per_s"] for n in names], color=colors)
+    for i, name in enumerate(names):
+        _bar(ax, i, report[name]["gb_per_s"], [total_gb / s for s in report[name]["runs_s"]])
+    targets = report.get("targets", {"zmq": 0.7, "shm": 0.5})
+    for name, reference, color in (("zmq", report["raw_zmq_gb_per_s"], "tab:red"),
+                                   ("shm", report["memcpy_gb_per_s"], "tab:green")):
+        ax.axvline(targets[name] * reference, color=color, linestyle="--",
+                   label=f"{name} target: {targets[name]} x {reference:.2f} GB/s")
+    ax.invert_yaxis()
+    ax.legend(loc="lower right", fontsize="small")
+    ax.set_xlabel("GB/s (median; dots: each repeat)")
+    ratios = report["ratios"]
+    return (f"KV transfer, {report['config']['total_mib']:.0f} MiB: zmq / raw = {ratios['zmq_vs_raw_zmq']:.2f}, "
+            f"shm / memcpy = {ratios['shm_vs_memcpy']:.2f}")
+
+
+def plot_kernels(report: dict, ax) -> str:
+    results = report["results"]
+    labels = [f"{r['kernel']} {r['case']}" for r in results]
+    ax.barh(labels, [r["triton_pct_peak"] for r in results], color="tab:blue")
+    ax.invert_yaxis()
+    ax.set_xlabel(f"% of peak bandwidth ({report['peak_gbps']} GB/s)")
+    median = statistics.median(r["triton_pct_peak"] for r in results) if results else 0.0
+    return f"Triton kernels on {report['device']} ({report['dtype']}): median {median:.0f}% of peak"
+
+
+PLOTTERS = {"offline_throughput": plot_offline, "transfer": plot_transfer, "kernels": plot_kernels}
+
+
+def render(report: dict, out: Path) -> Path:
+    """Write the plot of ``report`` to ``out`` (PNG) and return it."""
+    rows = len(report.get("results", [])) or sum(isinstance(v, dict) and "gb_per_s" in v for v in report.values()) or 2
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.35 * rows))
+    try:
+        ax.set_title(PLOTTERS[kind_of(report)](report, ax), fontsize="medium")
+        fig.tight_layout()
+        fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("report", type=Path, help="a JSON report written by a bench/ script")
+    parser.add_argument("--out", type=Path, help="PNG path (default: the report's path with .png)")
+    args = parser.parse_args(argv)
+    try:
+        report = json.loads(args.report.read_text())
+        out = render(report, args.out or args.report.with_suffix(".png"))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"bench.plot: {args.report}: {exc!r}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
