@@ -10,7 +10,7 @@ falls back to numpy + torch, with the same bytes and the same checksum.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
