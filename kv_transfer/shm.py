@@ -5,7 +5,7 @@ the receiver hands the file's path to senders at handshake, and each sender maps
 
 Memory is committed when the cache is allocated (``posix_fallocate``): a /dev/shm too small for it is
 a clear error at start-up, not a SIGBUS in the middle of serving. Each mapping is also prefaulted
-(``MADV_POPULATE_WRITE``), so the first transfers do not pay a page fault per 4 KiB.
+(``MADV_POPULATE_WRITE``; a sender's in the background), so transfers do not pay a page fault per 4 KiB.
 
 Lifetime: the file is removed by ``free_shared_kv_cache``, by ``KVReceiver.close()`` for the cache it
 serves, or at interpreter exit. Memory stays mapped (and valid) in every process that still holds a
@@ -86,7 +86,9 @@ def open_shared_kv_cache(path: str, shape: tuple[int, ...], dtype: torch.dtype) 
     if size != nbytes:
         raise ValueError(f"shared KV cache {path}: file has {size} bytes, the layout needs {nbytes}")
     tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(*shape)
-    prefault(tensor)
+    # In the background: for a cache of many GiB this takes a while, and the caller (a sender's I/O
+    # thread, mid-handshake) has other transfers to serve; pages it touches first just fault as usual.
+    threading.Thread(target=prefault, args=(tensor,), name="kv-prefault", daemon=True).start()
     return tensor
 
 
