@@ -96,14 +96,14 @@ def write_piece_in_place(
 ) -> None:
     """P, shm: copy the piece straight into the receiver's mapped cache (``dst_pages``), checksumming the
     source as it goes (one native call, or one copy per run then its checksum)."""
-    layers, sums = piece.layers, []
+    layers = piece.layers
     if checksum.native_subrow_bytes:
         firsts, dst_firsts, lengths = zip(*paired_runs(piece.src_block_ids, piece.dst_block_ids))
         rows = range(2 * layers.start, 2 * layers.stop)
         segments = native.segments(rows, dst_pages.shape[2], dst_firsts, rows, pages.shape[2], firsts, lengths,
                                    pages.shape[-1])
         return checksum.copy_native(dst_pages, pages, segments)
-    src_pages, dst_pages = pages[layers], dst_pages[layers]
+    sums, src_pages, dst_pages = [], pages[layers], dst_pages[layers]
     for src, dst, n in paired_runs(piece.src_block_ids, piece.dst_block_ids):
         np.copyto(dst_pages[:, :, dst : dst + n], src_pages[:, :, src : src + n])
         sums.append(checksum.block_sums(kv_cache, layers, src, n))  # the source run, still hot

@@ -130,8 +130,9 @@ def test_abort_mid_transfer_stops_writes(make_pair, case):
     assert receiver.poll() == [] and sender.poll() == []  # nothing reported twice
 
 
-def test_late_bytes_for_an_aborted_request_are_discarded(closer, raw_socket):
-    """Even a sender that ignores Revoke cannot write into an aborted reservation."""
+def _receiver_and_raw_sender(closer, raw_socket) -> tuple[torch.Tensor, KVReceiver, zmq.Socket]:
+    """A zmq receiver over a zeroed cache and a bare DEALER that completed the handshake with it: a sender
+    that sends whatever the test wants."""
     dst = torch.zeros(2, 2, 4, 2, 1, 4)
     layout = kv_layout(dst, "m", transport="zmq")
     receiver = KVReceiver(dst, layout, "tcp://127.0.0.1:0")
@@ -140,6 +141,12 @@ def test_late_bytes_for_an_aborted_request_are_discarded(closer, raw_socket):
     raw.connect(receiver.endpoint)
     raw.send(FRAME_ENCODER.encode(Hello(layout=layout, host_id="elsewhere")))
     assert RECEIVER_FRAME_DECODER.decode(raw.recv()).ok
+    return dst, receiver, raw
+
+
+def test_late_bytes_for_an_aborted_request_are_discarded(closer, raw_socket):
+    """Even a sender that ignores Revoke cannot write into an aborted reservation."""
+    dst, receiver, raw = _receiver_and_raw_sender(closer, raw_socket)
     receiver.expect("r", [1])
     receiver.abort("r")
     (got,) = wait_for(receiver, None, 1)[0]
@@ -247,14 +254,7 @@ def test_malformed_frames_are_dropped_and_counted(make_pair, raw_socket, caplog)
 
 
 def test_bad_piece_header_fails_only_that_request(closer, raw_socket):
-    dst = torch.zeros(2, 2, 4, 2, 1, 4)
-    layout = kv_layout(dst, "m", transport="zmq")
-    receiver = KVReceiver(dst, layout, "tcp://127.0.0.1:0")
-    closer(receiver)
-    raw = raw_socket(zmq.DEALER)
-    raw.connect(receiver.endpoint)
-    raw.send(FRAME_ENCODER.encode(Hello(layout=layout, host_id="elsewhere")))
-    raw.recv()
+    dst, receiver, raw = _receiver_and_raw_sender(closer, raw_socket)
     receiver.expect("r", [1])
     piece = torch.ones(2, 2, 1, 2, 1, 4)
     header = Blocks(request_id="r", layer_start=0, layer_stop=2, dst_block_ids=[2], num_bytes=piece.numel() * 4)
