@@ -87,6 +87,22 @@ class TransferConfig(_Section):
     heartbeat_interval_s: float = Field(0.5, gt=0.0, description="worker -> router heartbeat period")
 
 
+class RouterConfig(_Section):
+    """How the router decides who is alive, what to admit and where to prefill."""
+
+    dead_after_s: float = Field(
+        3.0, gt=0.0, description="a worker silent this long is dead (heartbeats come from a thread no step blocks)")
+    max_queued_requests: int = Field(
+        256, ge=0, description="requests that wait in the router while every worker is saturated; beyond: 429")
+    queue_timeout_s: float = Field(
+        60.0, gt=0.0, description="a request that waited this long for a free worker gets 429")
+    max_local_prefill_length: int = Field(
+        0, ge=0, description="DecodeOnly workers prefill prompts up to this many tokens themselves (0 = never)")
+    request_timeout_s: float = Field(600.0, gt=0.0, description="a request unfinished after this gets 504")
+    drain_timeout_s: float = Field(
+        30.0, ge=0.0, description="on SIGTERM, how long in-flight requests may take to finish")
+
+
 class PipelineConfig(_Section):
     config_file: str | None = Field(None, description="YAML/TOML file this config was read from")
     section_name: str | None = Field(None, description="section of config_file")
@@ -102,12 +118,15 @@ class PipelineConfig(_Section):
     )
     enable_overlap_scheduler: bool = Field(False, description="not supported yet: must be false")
     max_queue_size_tg: int | None = Field(None, ge=1, description="max requests waiting for admission")
+    step_stall_timeout_s: float = Field(
+        300.0, gt=0.0, description="a worker whose one engine step runs longer exits (its launcher restarts it)")
     kernel_backend: Literal["torch", "triton", "auto"] = Field(
         "auto", description="auto = triton on CUDA, torch on CPU (env: TANDEM_KERNEL_BACKEND)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
 
     @field_validator("zmq_endpoint_base")
     @classmethod

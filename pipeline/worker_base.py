@@ -45,6 +45,7 @@ class WorkerBase:
             num_total_blocks=self.engine.kv_manager.num_total_blocks,
             prefill_endpoint=prefill_endpoint,
             pid=os.getpid(),
+            max_batch_size=self.config.max_batch_size,
         )
         self.link = RouterLink(self.ctx, self.config.zmq_endpoint_base, registration)
         self.link.heartbeat_interval_s = self.link.max_heartbeat_interval_s = self.config.transfer.heartbeat_interval_s

@@ -4,14 +4,19 @@ Rules, in order:
 
 1. Candidates are live workers whose ``max_length`` fits the request, minus any excluded ones
    (a retry excludes the workers that just failed it).
-2. Decode candidates are PrefillAndDecode workers, plus DecodeOnly workers when at least one
-   PrefillOnly worker (with an endpoint) is a candidate: a DecodeOnly worker cannot prefill.
+2. Decode candidates are PrefillAndDecode and DecodeOnly workers (a DecodeOnly worker can prefill
+   locally: the fallback when no PrefillOnly worker is alive).
 3. The decode worker is the least loaded candidate: workers with free KV blocks first, then the
    fewest requests (the router's own in-flight count, which is fresher than the last heartbeat, or the
    reported running + waiting if larger), then the most free blocks, then the id (determinism).
 4. A PrefillAndDecode worker serves alone (prefill None). A DecodeOnly worker is paired with the
-   prefill candidate with the fewest queued prefill tokens (reported plus what the router sent since).
-5. No decode candidate -> ``NoRoute`` with the reason (the HTTP layer answers 503).
+   prefill candidate with the fewest queued prefill tokens (reported plus what the router sent since),
+   unless no prefill candidate is alive or the prompt has at most ``max_local_prefill_length`` tokens
+   (conditional disaggregation, Dynamo's idea: shipping the KV of a short prompt costs more than
+   computing it where it will be decoded); then it prefills locally (prefill None).
+5. No decode candidate -> ``NoRoute`` with the reason (the HTTP layer answers 503). Candidates that
+   all run a full batch (router-side in-flight count >= their ``max_batch_size``) -> ``Saturated``
+   (a ``NoRoute``): the request waits in the router's admission queue instead.
 """
 
 from __future__ import annotations
@@ -37,6 +42,12 @@ class WorkerView:
     num_queued_prefill_tokens: int = 0
     num_inflight: int = 0  # router-side: routed here, not finished
     num_pending_prefill_tokens: int = 0  # router-side: prompt tokens sent here without a first token yet
+    max_batch_size: int = 0  # requests it runs at once (0: unknown, never saturated)
+
+    @property
+    def is_saturated(self) -> bool:
+        """Every slot of its running batch is taken by requests the router sent (new ones would queue there)."""
+        return 0 < self.max_batch_size <= self.num_inflight
 
 
 @dataclass(frozen=True)
@@ -49,20 +60,28 @@ class NoRoute(Exception):
     """No live worker combination can serve the request; ``str()`` says why."""
 
 
+class Saturated(NoRoute):
+    """Workers can serve the request, but every one of them is saturated: wait for a free slot."""
+
+
 def choose_route(
-    workers: Sequence[WorkerView], num_tokens: int, exclude: Iterable[str] = ()
+    workers: Sequence[WorkerView], num_tokens: int, exclude: Iterable[str] = (), *,
+    num_prompt_tokens: int | None = None, max_local_prefill_length: int = 0,
 ) -> Route:
-    """Pick (prefill or None, decode) for a request needing ``num_tokens`` (prompt + max output)."""
+    """Pick (prefill or None, decode) for a request needing ``num_tokens`` (prompt + max output)
+    whose prompt has ``num_prompt_tokens`` (default: all of ``num_tokens``)."""
     excluded = set(exclude)
     fitting = [w for w in workers if w.worker_id not in excluded and w.max_length >= num_tokens]
     prefill = [w for w in fitting if w.role == PipelineRole.PrefillOnly and w.prefill_endpoint]
-    colocated = [w for w in fitting if w.role == PipelineRole.PrefillAndDecode]
-    decode_only = [w for w in fitting if w.role == PipelineRole.DecodeOnly]
-    decode_candidates = colocated + (decode_only if prefill else [])
+    decode_candidates = [w for w in fitting if w.role in (PipelineRole.PrefillAndDecode, PipelineRole.DecodeOnly)]
     if not decode_candidates:
-        raise NoRoute(_why_none(workers, excluded, num_tokens, prefill, decode_only))
+        raise NoRoute(_why_none(workers, excluded, num_tokens))
+    decode_candidates = [w for w in decode_candidates if not w.is_saturated]
+    if not decode_candidates:
+        raise Saturated("every decode-capable worker is running a full batch")
     decode = min(decode_candidates, key=_decode_key)
-    if decode.role == PipelineRole.PrefillAndDecode:
+    num_prompt_tokens = num_tokens if num_prompt_tokens is None else num_prompt_tokens
+    if decode.role == PipelineRole.PrefillAndDecode or not prefill or num_prompt_tokens <= max_local_prefill_length:
         return Route(decode=decode, prefill=None)
     return Route(decode=decode, prefill=min(prefill, key=_prefill_key))
 
@@ -76,19 +95,11 @@ def _prefill_key(w: WorkerView) -> tuple:
     return (w.num_queued_prefill_tokens + w.num_pending_prefill_tokens, w.worker_id)
 
 
-def _why_none(
-    workers: Sequence[WorkerView],
-    excluded: set[str],
-    num_tokens: int,
-    prefill: list[WorkerView],
-    decode_only: list[WorkerView],
-) -> str:
+def _why_none(workers: Sequence[WorkerView], excluded: set[str], num_tokens: int) -> str:
     usable = [w for w in workers if w.worker_id not in excluded]
     if not usable:
         return "no live workers" if not workers else "no other live worker to retry on"
     if all(w.max_length < num_tokens for w in usable):
         longest = max(w.max_length for w in usable)
         return f"no live worker accepts {num_tokens} tokens (prompt + max_tokens); the largest max_length is {longest}"
-    if decode_only and not prefill:
-        return "only DecodeOnly workers are alive and no PrefillOnly worker can prefill for them"
     return "no decode-capable (DecodeOnly or PrefillAndDecode) worker is alive"

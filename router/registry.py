@@ -38,6 +38,7 @@ class WorkerInfo:
     is_alive: bool = True
     num_inflight: int = 0  # requests the router has routed here and not seen finish (decode side)
     num_pending_prefill_tokens: int = 0  # prompt tokens routed here (prefill side) still without a first token
+    max_batch_size: int = 0  # from registration; 0: unknown
     registered_at: float = field(default_factory=time.time)
 
     def view(self) -> WorkerView:
@@ -49,6 +50,7 @@ class WorkerInfo:
             num_total_blocks=load.num_total_blocks or self.num_total_blocks, num_running=load.num_running,
             num_waiting=load.num_waiting, num_queued_prefill_tokens=load.num_queued_prefill_tokens,
             num_inflight=self.num_inflight, num_pending_prefill_tokens=self.num_pending_prefill_tokens,
+            max_batch_size=self.max_batch_size,
         )
 
     @property
@@ -98,6 +100,7 @@ class WorkerRegistry:
             num_total_blocks=msg.num_total_blocks,
             prefill_endpoint=msg.prefill_endpoint,
             pid=msg.pid,
+            max_batch_size=msg.max_batch_size,
             load=WorkerLoad(num_free_blocks=msg.num_total_blocks, num_total_blocks=msg.num_total_blocks),
             last_seen=self._clock(),
         )
@@ -163,7 +166,8 @@ class WorkerRegistry:
         return list(self._workers.values())
 
     def readiness(self) -> tuple[bool, str]:
-        """(ready, why): a decode-capable worker is alive, and a prefill worker too if only DecodeOnly ones are."""
+        """(ready, why): a decode-capable worker is alive (DecodeOnly workers prefill locally when no
+        PrefillOnly worker is)."""
         live = self.live_workers()
         colocated = [w for w in live if w.role == PipelineRole.PrefillAndDecode]
         decode_only = [w for w in live if w.role == PipelineRole.DecodeOnly]
@@ -173,7 +177,7 @@ class WorkerRegistry:
         if decode_only and prefill:
             return True, f"{len(decode_only)} DecodeOnly and {len(prefill)} PrefillOnly worker(s) alive"
         if decode_only:
-            return False, "DecodeOnly workers are alive but no PrefillOnly (or PrefillAndDecode) worker is"
+            return True, f"{len(decode_only)} DecodeOnly worker(s) alive, prefilling locally (no PrefillOnly worker is)"
         if prefill:
             return False, "PrefillOnly workers are alive but no decode-capable (DecodeOnly or PrefillAndDecode) worker is"
         return False, "no live workers"

@@ -100,6 +100,7 @@ class RegisterWorker(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tr
     prefill_endpoint: str | None = None  # PrefillOnly: where decode workers connect (LAST_ENDPOINT)
     pid: int = 0
     protocol_version: int = PROTOCOL_VERSION
+    max_batch_size: int = 0  # requests this worker runs at once (0: unknown); the router admits up to it
 
 
 class WorkerLoad(msgspec.Struct, **_HOT):
@@ -118,6 +119,9 @@ class WorkerLoad(msgspec.Struct, **_HOT):
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
     num_bad_frames: int = 0
+    busy_in_step_s: float = 0.0  # how long the current engine step has run (0: between steps)
+    num_steps: int = 0  # engine steps completed since start
+    max_step_s: float = 0.0  # the longest engine step so far
 
 
 class Heartbeat(msgspec.Struct, tag=True, **_HOT):

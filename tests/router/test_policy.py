@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import PipelineRole
-from router.policy import NoRoute, WorkerView, choose_route
+from router.policy import NoRoute, Saturated, WorkerView, choose_route
 
 P, D, PD = PipelineRole.PrefillOnly, PipelineRole.DecodeOnly, PipelineRole.PrefillAndDecode
 
@@ -54,23 +54,37 @@ def test_colocated_and_disaggregated_compete_on_load():
     assert route.decode.worker_id == "d0" and route.prefill.worker_id == "p0"
 
 
-def test_without_prefill_workers_fall_back_to_colocated():
+def test_without_prefill_workers_the_least_loaded_decoder_prefills_itself():
     route = choose_route([w("d0", D), w("c0", PD, num_running=30)], 10)
-    assert route.decode.worker_id == "c0" and route.prefill is None
+    assert route.decode.worker_id == "d0" and route.prefill is None
 
 
-def test_decode_only_without_prefill_is_no_route():
-    with pytest.raises(NoRoute, match="no PrefillOnly worker"):
-        choose_route([w("d0", D), w("d1", D)], 10)
+def test_decode_only_without_prefill_prefills_locally():
+    route = choose_route([w("d0", D, num_running=3), w("d1", D)], 10)
+    assert route.decode.worker_id == "d1" and route.prefill is None
     with pytest.raises(NoRoute, match="decode-capable"):
         choose_route([w("p0", P)], 10)
     with pytest.raises(NoRoute, match="no live workers"):
         choose_route([], 10)
 
 
-def test_prefill_worker_without_endpoint_cannot_serve():
-    with pytest.raises(NoRoute):
-        choose_route([w("d0", D), w("p0", P, prefill_endpoint=None)], 10)
+def test_prefill_worker_without_endpoint_is_not_used():
+    assert choose_route([w("d0", D), w("p0", P, prefill_endpoint=None)], 10).prefill is None
+
+
+def test_short_prompts_are_prefilled_where_they_decode():
+    workers = [w("d0", D), w("p0", P)]
+    assert choose_route(workers, 40, num_prompt_tokens=32, max_local_prefill_length=32).prefill is None
+    assert choose_route(workers, 40, num_prompt_tokens=33, max_local_prefill_length=32).prefill.worker_id == "p0"
+    assert choose_route(workers, 40, num_prompt_tokens=8).prefill.worker_id == "p0"  # threshold 0: always remote
+
+
+def test_saturated_workers_are_skipped_and_all_saturated_is_its_own_error():
+    workers = [w("d0", D, num_inflight=4, max_batch_size=4), w("d1", D, num_inflight=9, max_batch_size=16), w("p0", P)]
+    assert choose_route(workers, 10).decode.worker_id == "d1"
+    with pytest.raises(Saturated):
+        choose_route(workers[:1] + [w("p0", P)], 10)
+    assert choose_route([w("d0", D, num_inflight=50)], 10).decode.worker_id == "d0"  # unknown size: never saturated
 
 
 def test_max_length_and_exclusions_filter_candidates():

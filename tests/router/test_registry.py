@@ -83,7 +83,7 @@ def test_readiness_needs_a_servable_role_mix(registry, clock):
     assert registry.readiness() == (False, "no live workers")
     registry.register(reg("d0", WorkerRole.DECODE_ONLY))
     ready, why = registry.readiness()
-    assert not ready and "no PrefillOnly" in why
+    assert ready and "prefilling locally" in why  # a DecodeOnly worker alone prefills itself
     registry.register(reg("p0", WorkerRole.PREFILL_ONLY, endpoint="ipc:///tmp/x"))
     assert registry.readiness()[0]
     clock.now += 5
