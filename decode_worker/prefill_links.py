@@ -7,7 +7,14 @@ import logging
 import msgspec
 import zmq
 
-from pipeline.protocol.cluster import CancelPrefill, PrefillRejected, PrefillRequest, decode_prefill_to_decode, encode
+from pipeline.protocol.cluster import (
+    CancelPrefill,
+    PrefillRejected,
+    PrefillRequest,
+    PrefillStarted,
+    decode_prefill_to_decode,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +43,7 @@ class PrefillLinks:
             logger.warning("prefill worker at %s is not draining its queue; dropped %s", endpoint,
                            type(message).__name__)
 
-    def receive(self) -> list[PrefillRejected]:
+    def receive(self) -> list[PrefillRejected | PrefillStarted]:
         messages = []
         for endpoint, sock in self._sockets.items():
             while True:

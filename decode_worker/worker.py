@@ -8,7 +8,8 @@ Request lifecycle on this worker:
 2. Reservation: the scheduler admits it under ``kvcache_ce_watermark`` / ``max_batch_size`` by
    reserving blocks for the prompt plus the first token (prefix blocks this worker already holds are
    reused). The transfer receiver is told to expect those blocks, and a ``PrefillRequest`` with the
-   destination block ids goes to the chosen prefill worker. A TTL clock starts.
+   destination block ids goes to the chosen prefill worker. A TTL clock starts when the prefill
+   worker reports ``PrefillStarted`` (a queue on a busy prefill worker is load, not a fault).
 3. The prefill worker pushes the KV straight into the reserved blocks and, on the same ordered
    channel, the ``PrefillDone`` payload (first token, logprobs). The receiver verifies sizes and
    checksum; then the request becomes runnable and its first token is emitted at once.
@@ -21,6 +22,7 @@ Request lifecycle on this worker:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -28,6 +30,7 @@ import msgspec
 import zmq
 
 from decode_worker.prefill_links import PrefillLinks
+from kv_transfer.layout import kv_layout
 from kv_transfer.receiver import KVReceiver
 from pipeline.config import PipelineConfig, PipelineRole
 from pipeline.endpoints import worker_bind_endpoint
@@ -37,6 +40,7 @@ from pipeline.protocol.cluster import (
     CancelRequest,
     GenerateRequest,
     PrefillRequest,
+    PrefillStarted,
     decode_prefill_done,
 )
 from pipeline.scheduler import QueueFullError
@@ -50,7 +54,7 @@ class RemotePrefill:
     """A request whose prompt another worker prefills."""
 
     request: GenerateRequest
-    ttl_deadline: float = 0.0  # set at reservation
+    ttl_deadline: float = float("inf")  # set when the prefill worker starts it (queued there: only the request deadline)
     is_sent: bool = False
     failure: str | None = None  # set when it is being torn down; reported once the receiver lets go
     retryable: bool = True
@@ -69,8 +73,10 @@ class DecodeWorker(WorkerBase):
         if self.is_disaggregated:
             self.receiver = KVReceiver(
                 self.engine.kv_cache,
-                self.kv_layout(),
-                worker_bind_endpoint(config.zmq_endpoint_base, worker_id, "kv"),
+                kv_layout(self.engine.kv_cache, self.model_fingerprint, config.transfer.transport),
+                # Per incarnation (pid): a prefill worker must handshake anew with a restarted decode
+                # worker (a new cache), never write into its predecessor's mapping.
+                worker_bind_endpoint(config.zmq_endpoint_base, worker_id, f"kv-{os.getpid()}"),
                 kernel_backend=config.kernel_backend,
             )
             self.prefill_links = PrefillLinks(self.ctx, worker_id)
@@ -98,7 +104,7 @@ class DecodeWorker(WorkerBase):
         if self.is_disaggregated:
             outputs.extend(self._progress_remote())
         if self.is_busy():
-            for step in self.engine.step():
+            for step in self.run_step():
                 outputs.append(self._delta(step))
         outputs.extend(self._expire_deadlines())
         self.link.send_outputs(outputs)
@@ -155,7 +161,6 @@ class DecodeWorker(WorkerBase):
         now = time.monotonic()
         for seq in self.engine.reserve_remote():
             state = self.remote[seq.request_id]
-            state.ttl_deadline = now + self.config.transfer.ttl_s
             block_ids = list(self.engine.kv_manager.block_table(seq.request_id))
             self.receiver.expect(seq.request_id, block_ids)
             request = state.request
@@ -170,11 +175,15 @@ class DecodeWorker(WorkerBase):
                 ttl_s=self.config.transfer.ttl_s,
             ))
             state.is_sent = True
-        for rejected in self.prefill_links.receive():
-            state = self.remote.get(rejected.request_id)
-            if state is not None:
-                self._tear_down_remote(rejected.request_id, state, f"prefill rejected: {rejected.error}",
-                                       rejected.retryable, notify=False)
+        for answer in self.prefill_links.receive():
+            state = self.remote.get(answer.request_id)
+            if state is None:
+                continue
+            if isinstance(answer, PrefillStarted):
+                state.ttl_deadline = now + self.config.transfer.ttl_s
+            else:
+                self._tear_down_remote(answer.request_id, state, f"prefill rejected: {answer.error}",
+                                       answer.retryable, notify=False)
         for done in self.receiver.poll():
             outputs.extend(self._on_transfer_done(done))
         return outputs

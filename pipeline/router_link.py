@@ -1,14 +1,25 @@
 """A worker's connection to the router: registration, heartbeats, requests in, token batches out.
 
-One DEALER socket (routing id = worker id) to the router's ROUTER at ``router_endpoint(base)``.
-Registration is retried until the router acknowledges it, so workers may start before the router.
-Frames that fail to decode are counted, logged and dropped. Used from the worker's single loop
-thread only (ZMQ sockets are not thread-safe).
+One DEALER socket (routing id = worker id) to the router's ROUTER at ``router_endpoint(base)``, owned
+by a background thread of its own, so that **no engine step can delay a heartbeat**: a busy worker
+keeps saying so ("inside a step for N s"), and only a gone or frozen process falls silent. The same
+thread reads every frame from the router at once (cancels included), answers registration acks and
+runs the stall watchdog: a step longer than ``step_stall_timeout_s`` means a wedged engine, and the
+process exits so that its launcher restarts it.
+
+The worker's loop thread talks to that thread through an inproc PAIR socket (``socket``: what the
+loop's poller waits on; it becomes readable when requests arrive) and plain attributes written by
+the loop and read by the heartbeat (``load``, ``step_started_at``). ZMQ sockets are never shared
+between threads. Registration is retried until the router acknowledges it, so workers may start
+before the router. Frames that fail to decode are counted, logged and dropped.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
+import threading
 import time
 
 import msgspec
@@ -31,6 +42,7 @@ from pipeline.protocol.cluster import (
 logger = logging.getLogger(__name__)
 
 REGISTER_RETRY_S = 0.5
+STALL_EXIT_CODE = 75  # EX_TEMPFAIL: the launcher restarts a worker that exits with it
 
 
 class RegistrationRejected(RuntimeError):
@@ -38,26 +50,108 @@ class RegistrationRejected(RuntimeError):
 
 
 class RouterLink:
-    def __init__(self, ctx: zmq.Context, zmq_endpoint_base: str, registration: RegisterWorker) -> None:
+    def __init__(self, ctx: zmq.Context, zmq_endpoint_base: str, registration: RegisterWorker, *,
+                 heartbeat_interval_s: float = 0.5, step_stall_timeout_s: float | None = None) -> None:
         self.registration = registration
         self.worker_id = registration.worker_id
-        self.socket = ctx.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, self.worker_id.encode())
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(router_endpoint(zmq_endpoint_base))
-        self.is_registered = False
-        self.heartbeat_interval_s = 0.5
-        self.max_heartbeat_interval_s = 0.5
+        self.max_heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.step_stall_timeout_s = step_stall_timeout_s
         self.num_bad_frames = 0
-        self._last_register = 0.0
-        self._last_heartbeat = 0.0
+        self.is_registered = False
+        # Written by the loop thread, read by the heartbeat (single assignments: atomic under the GIL).
+        self.load = WorkerLoad()
+        self.step_started_at: float | None = None
+        self._num_steps = 0
+        self._max_step_s = 0.0
+        self._inbox: collections.deque[GenerateRequest | CancelRequest] = collections.deque()
+        self._rejection: str | None = None
+        self._stopping = False
+        address = f"inproc://router-link-{id(self)}"
+        self._io_end = ctx.socket(zmq.PAIR)
+        self._io_end.setsockopt(zmq.LINGER, 0)
+        self._io_end.bind(address)
+        self.socket = ctx.socket(zmq.PAIR)  # the loop thread's end
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        self._dealer = ctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.connect(router_endpoint(zmq_endpoint_base))
+        self._thread = threading.Thread(target=self._main, name=f"router-link-{self.worker_id}", daemon=True)
+        self._thread.start()
 
+    # ------------------------------------------------------------ loop thread
     def receive(self) -> list[GenerateRequest | CancelRequest]:
-        """Every pending request from the router (non-blocking); handles acks internally."""
-        messages: list[GenerateRequest | CancelRequest] = []
+        """Every request the router sent since the last call (non-blocking)."""
         while True:
             try:
-                frame = self.socket.recv(zmq.NOBLOCK)
+                self.socket.recv(zmq.NOBLOCK)  # wake-ups only; the messages wait in the inbox
+            except zmq.Again:
+                break
+        if self._rejection is not None:
+            raise RegistrationRejected(f"the router refused worker {self.worker_id}: {self._rejection}")
+        messages = []
+        while self._inbox:
+            messages.append(self._inbox.popleft())
+        return messages
+
+    def send_outputs(self, deltas: list[TokenDelta]) -> None:
+        if deltas:
+            self.socket.send(encode(TokenBatch(outputs=deltas)))
+
+    def step_started(self) -> None:
+        self.step_started_at = time.monotonic()
+
+    def step_finished(self) -> None:
+        started, self.step_started_at = self.step_started_at, None
+        if started is not None:
+            self._num_steps += 1
+            self._max_step_s = max(self._max_step_s, time.monotonic() - started)
+
+    def update_load(self, load: WorkerLoad) -> None:
+        """The load the next heartbeat reports (the loop calls it once per pass)."""
+        self.load = load
+
+    def close(self) -> None:
+        self._stopping = True
+        self._thread.join(timeout=5)
+        self.socket.close(linger=0)
+
+    # -------------------------------------------------------------- I/O thread
+    def _main(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._io_end, zmq.POLLIN)
+        last_register = last_heartbeat = 0.0
+        try:
+            while not self._stopping:
+                for sock, _ in poller.poll(50):
+                    if sock is self._dealer:
+                        self._read_router()
+                    else:
+                        self._forward_outputs()
+                now = time.monotonic()
+                if not self.is_registered:
+                    if now - last_register >= REGISTER_RETRY_S:
+                        self._dealer.send(encode(self.registration))
+                        last_register = now
+                elif now - last_heartbeat >= self.heartbeat_interval_s:
+                    self._dealer.send(encode(Heartbeat(worker_id=self.worker_id, load=self._heartbeat_load(now))))
+                    last_heartbeat = now
+                self._watch_for_stall(now)
+        except Exception:
+            logger.exception("router link thread failed")
+            self._rejection = "the router link thread failed (see the log)"
+        finally:
+            self._dealer.close(linger=0)
+            self._io_end.close(linger=0)
+
+    def _read_router(self) -> None:
+        has_requests = False
+        while True:
+            try:
+                frame = self._dealer.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             try:
@@ -69,8 +163,21 @@ class RouterLink:
             if isinstance(message, RegisterAck):
                 self._on_ack(message)
             else:
-                messages.append(message)
-        return messages
+                self._inbox.append(message)
+                has_requests = True
+        if has_requests or self._rejection is not None:
+            try:
+                self._io_end.send(b"", zmq.NOBLOCK)  # wake the loop
+            except zmq.Again:
+                pass  # a thousand wake-ups are already queued: the loop will look
+
+    def _forward_outputs(self) -> None:
+        while True:
+            try:
+                frame = self._io_end.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._dealer.send(frame)
 
     def _on_ack(self, ack: RegisterAck) -> None:
         if ack.accepted:
@@ -81,24 +188,23 @@ class RouterLink:
             self.heartbeat_interval_s = min(ack.heartbeat_interval_s, self.max_heartbeat_interval_s)
         elif ack.reregister:
             self.is_registered = False
-            self._last_register = 0.0
         else:
-            raise RegistrationRejected(f"the router refused worker {self.worker_id}: {ack.error}")
+            self._rejection = ack.error or "rejected"
 
-    def tick(self, load: WorkerLoad) -> None:
-        """Register (until acknowledged) or heartbeat when it is time."""
-        now = time.monotonic()
-        if not self.is_registered:
-            if now - self._last_register >= REGISTER_RETRY_S:
-                self.socket.send(encode(self.registration))
-                self._last_register = now
-        elif now - self._last_heartbeat >= self.heartbeat_interval_s:
-            self.socket.send(encode(Heartbeat(worker_id=self.worker_id, load=load)))
-            self._last_heartbeat = now
+    def _heartbeat_load(self, now: float) -> WorkerLoad:
+        load = msgspec.structs.replace(self.load, num_steps=self._num_steps, max_step_s=self._max_step_s)
+        started = self.step_started_at
+        if started is not None:
+            load.busy_in_step_s = now - started
+        return load
 
-    def send_outputs(self, deltas: list[TokenDelta]) -> None:
-        if deltas:
-            self.socket.send(encode(TokenBatch(outputs=deltas)))
-
-    def close(self) -> None:
-        self.socket.close(linger=0)
+    def _watch_for_stall(self, now: float) -> None:
+        started = self.step_started_at
+        if self.step_stall_timeout_s is None or started is None or now - started <= self.step_stall_timeout_s:
+            return
+        logger.critical("worker %s: one engine step has run for %.0f s (step_stall_timeout_s=%g): the engine is "
+                        "wedged; exiting with code %d so that the launcher restarts it", self.worker_id,
+                        now - started, self.step_stall_timeout_s, STALL_EXIT_CODE)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(STALL_EXIT_CODE)

@@ -4,8 +4,9 @@ Request lifecycle (colocated PrefillAndDecode role):
 
 1. ``add`` puts a new sequence at the back of the waiting queue (bounded by ``max_queue_size_tg``).
 2. Each ``schedule`` call fills one step under a token budget of ``max_batch_input_tokens``:
-   a. running sequences first, in admission order: one token each when decoding, or the next
-      prompt chunk when their prefill is still in progress (chunked prefill);
+   a. running sequences that decode first (one token each), then the next prompt chunk of
+      running sequences whose prefill is still in progress (chunked prefill), oldest first — so a
+      long prompt never stalls the decodes beside it (decode-first mixed batches);
    b. a running sequence that needs a new KV block when the pool is empty preempts the most
       recently admitted running sequence (its blocks are freed; it goes back to the front of the
       waiting queue and is recomputed later from prompt + tokens generated so far);
@@ -151,15 +152,28 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_batch_input_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve(seq, seq.num_computed_tokens + num_new, out):
+        # Decode-first: every running sequence that needs one token runs before any prefill chunk, so
+        # a long prompt is spread over steps beside the decodes instead of stalling them.
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        for seq in decoding:
+            if budget <= 0:
+                break
+            if seq not in self.running:
+                continue  # preempted by an earlier sequence of this step
+            if not self._reserve(seq, seq.num_computed_tokens + 1, out):
                 break  # ``seq`` itself was preempted: nothing after it can run either
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
+            budget -= 1
+        # Then prompts already in progress, oldest first. Their blocks were reserved at admission.
+        for seq in list(self.running):
+            num_left = seq.num_tokens - seq.num_computed_tokens
+            if budget <= 0 or out.preempted:
+                break
+            if num_left <= 1:
+                continue
+            num_new = min(num_left, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
-            i += 1
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
         return out

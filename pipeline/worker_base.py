@@ -1,7 +1,9 @@
 """What every worker process shares: the engine, the router link, the poll loop, output messages.
 
-Roles subclass ``WorkerBase`` and implement ``run_once`` (one pass: read sockets, step the engine,
-send outputs); ``is_busy`` says whether the next pass has work without waiting for a socket.
+Roles subclass ``WorkerBase`` and implement ``run_once`` (one pass: read sockets, step the engine
+with ``run_step``, send outputs); ``is_busy`` says whether the next pass has work without waiting for
+a socket. Heartbeats do not depend on this loop: the router link's own thread sends them, reporting
+how long the current step has run (``run_step`` marks steps for it).
 """
 
 from __future__ import annotations
@@ -47,13 +49,9 @@ class WorkerBase:
             pid=os.getpid(),
             max_batch_size=self.config.max_batch_size,
         )
-        self.link = RouterLink(self.ctx, self.config.zmq_endpoint_base, registration)
-        self.link.heartbeat_interval_s = self.link.max_heartbeat_interval_s = self.config.transfer.heartbeat_interval_s
-
-    def kv_layout(self):
-        from kv_transfer.layout import kv_layout
-
-        return kv_layout(self.engine.kv_cache, self.model_fingerprint, self.config.transfer.transport)
+        self.link = RouterLink(self.ctx, self.config.zmq_endpoint_base, registration,
+                               heartbeat_interval_s=self.config.transfer.heartbeat_interval_s,
+                               step_stall_timeout_s=self.config.step_stall_timeout_s)
 
     # ------------------------------------------------------------------ loop
     def run(self, stop: threading.Event | None = None) -> None:
@@ -78,6 +76,14 @@ class WorkerBase:
     def run_once(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def run_step(self) -> list[StepOutput]:
+        """One engine step, marked for the heartbeat ("busy in a step since T") and the stall watchdog."""
+        self.link.step_started()
+        try:
+            return self.engine.step()
+        finally:
+            self.link.step_finished()
+
     def is_busy(self) -> bool:
         """Whether the engine has runnable work (so the loop must not sleep on its sockets)."""
         return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
@@ -90,7 +96,8 @@ class WorkerBase:
         return {"num_bad_frames": self.link.num_bad_frames}
 
     def tick(self) -> None:
-        self.link.tick(self.engine.load(**self.transfer_counters()))
+        """Refresh the load report the heartbeat thread sends."""
+        self.link.update_load(self.engine.load(**self.transfer_counters()))
 
     def close(self) -> None:
         if self.link is not None:

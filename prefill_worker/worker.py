@@ -7,24 +7,29 @@ Request lifecycle on this worker:
    (it stops after the first token and keeps its blocks). A full queue answers ``PrefillRejected``
    (retryable).
 2. Batched chunked prefill under ``max_batch_input_tokens``; this worker's own prefix cache skips
-   compute for prompts it has seen.
+   compute for prompts it has seen. When a request's first chunk has run, ``PrefillStarted`` tells
+   D, and the TTL starts on both sides (time queued here behind other prompts is load, not a fault).
 3. After every step, blocks that became complete are pushed to D at once, so the transfer overlaps
    the next chunk's compute. Blocks D already holds (its own prefix hit) are not sent.
 4. When the prompt is done, the last (partial) block follows, then ``PrefillDone`` (first token,
    logprobs) as the completion payload on the same ordered channel.
 5. Blocks are freed (kept in the prefix cache) only once D acknowledged the verified transfer, or
    at once when the transfer fails, D cancels (``CancelPrefill``) or the request's TTL passes.
+   Each step is bounded by ``max_batch_input_tokens``, so cancels, TTLs and shipping are looked at
+   between chunks even while a long prompt is encoded.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import msgspec
 import zmq
 
+from kv_transfer.layout import kv_layout
 from kv_transfer.sender import KVSender
 from pipeline.config import PipelineConfig
 from pipeline.endpoints import worker_bind_endpoint
@@ -34,6 +39,7 @@ from pipeline.protocol.cluster import (
     PrefillDone,
     PrefillRejected,
     PrefillRequest,
+    PrefillStarted,
     decode_decode_to_prefill,
     encode,
 )
@@ -47,11 +53,12 @@ logger = logging.getLogger(__name__)
 class PrefillJob:
     request: PrefillRequest
     decode_identity: bytes
-    deadline: float
+    deadline: float  # the TTL, counted from the first chunk (a job queued here waits for its turn)
     num_sent_blocks: int  # leading destination blocks already sent (or already on D)
     is_finished: bool = False  # PrefillDone handed to the sender
     is_dropped: bool = False
     has_sent: bool = False  # the sender knows this request (so it will report it once)
+    is_started: bool = False  # its first chunk ran and the decode worker was told (PrefillStarted)
 
 
 class PrefillWorker(WorkerBase):
@@ -59,9 +66,11 @@ class PrefillWorker(WorkerBase):
         super().__init__(config, worker_id)
         self.requests = self.ctx.socket(zmq.ROUTER)
         self.requests.setsockopt(zmq.LINGER, 0)
-        self.requests.bind(worker_bind_endpoint(config.zmq_endpoint_base, worker_id, "prefill"))
+        # Per incarnation (pid): a restarted worker must not receive what decode workers queued for its predecessor.
+        self.requests.bind(worker_bind_endpoint(config.zmq_endpoint_base, worker_id, f"prefill-{os.getpid()}"))
         self.endpoint = self.requests.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.sender = KVSender(self.engine.kv_cache, self.kv_layout(), kernel_backend=config.kernel_backend)
+        layout = kv_layout(self.engine.kv_cache, self.model_fingerprint, config.transfer.transport)
+        self.sender = KVSender(self.engine.kv_cache, layout, kernel_backend=config.kernel_backend)
         self.jobs: dict[str, PrefillJob] = {}
         self.num_bad_frames = 0
         self.connect_router(prefill_endpoint=self.endpoint)
@@ -78,7 +87,9 @@ class PrefillWorker(WorkerBase):
             logger.debug("ignored %s from the router", type(message).__name__)
         self._receive_requests()
         if self.is_busy():
-            for out in self.engine.step():
+            outputs = self.run_step()
+            self._mark_started()
+            for out in outputs:
                 if out.finish_reason is not None:
                     self._finish(out)
             self._ship_progress()
@@ -118,7 +129,7 @@ class PrefillWorker(WorkerBase):
         except (RequestError, ValueError) as exc:
             return self._reject(identity, rid, str(exc), retryable=False)
         page_size = self.engine.kv_manager.page_size
-        self.jobs[rid] = PrefillJob(request, identity, time.monotonic() + request.ttl_s,
+        self.jobs[rid] = PrefillJob(request, identity, float("inf"),
                                     num_sent_blocks=request.num_cached_tokens // page_size)
 
     def _reject(self, identity: bytes, rid: str, error: str, retryable: bool) -> None:
@@ -135,6 +146,18 @@ class PrefillWorker(WorkerBase):
             if job is None or job.is_finished or job.is_dropped:
                 continue
             self._send_blocks(job, chunk.seq.num_computed_tokens // page_size)
+
+    def _mark_started(self) -> None:
+        """Jobs whose first chunk just ran: their TTL starts now, and their decode worker's."""
+        plan = self.engine.last_plan
+        now = time.monotonic()
+        for chunk in plan.chunks if plan is not None else []:
+            job = self.jobs.get(chunk.seq.request_id)
+            if job is None or job.is_started or job.is_dropped:
+                continue
+            job.is_started = True
+            job.deadline = now + job.request.ttl_s
+            self.requests.send_multipart([job.decode_identity, encode(PrefillStarted(request_id=job.request.request_id))])
 
     def _send_blocks(self, job: PrefillJob, upto: int) -> None:
         rid = job.request.request_id

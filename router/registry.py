@@ -1,8 +1,11 @@
 """The router's view of its workers: who registered, their last load report, and who is alive.
 
 A worker is alive while its last message (any message counts) is younger than ``dead_after_s``.
+Workers heartbeat from a thread that no engine step blocks (their load report says how long the
+current step has run), so silence means a gone or frozen process, never a busy one.
 ``check_liveness()`` (called periodically by the dispatcher) marks the silent ones dead once and calls
-``on_worker_dead`` for each. A dead worker that speaks again comes back to life with its old record;
+``on_worker_dead`` for each; a check that comes late (the router itself was starved of CPU, so it may
+not have read the heartbeats waiting on its socket) declares nobody dead. A dead worker that speaks again comes back to life with its old record;
 a worker that registers again with a new pid is a new incarnation: the old one is declared dead first.
 """
 
@@ -81,6 +84,7 @@ class WorkerRegistry:
         self.on_worker_dead = on_worker_dead
         self._clock = clock
         self._workers: dict[str, WorkerInfo] = {}
+        self._last_check: float | None = None
 
     # -------------------------------------------------------------- updates from messages
 
@@ -137,6 +141,11 @@ class WorkerRegistry:
     def check_liveness(self) -> list[WorkerInfo]:
         """Declare dead every live worker silent for ``dead_after_s``; returns those."""
         now = self._clock()
+        last_check, self._last_check = self._last_check, now
+        if last_check is not None and now - last_check > max(self.heartbeat_interval_s * 2, self.dead_after_s / 2):
+            logger.warning("router liveness check ran %.1f s late: no worker is declared dead this round",
+                           now - last_check)
+            return []
         newly_dead = [w for w in self._workers.values() if w.is_alive and now - w.last_seen > self.dead_after_s]
         for info in newly_dead:
             logger.warning("worker %s missed heartbeats for %.1f s: declared dead", info.worker_id, now - info.last_seen)

@@ -95,3 +95,20 @@ def test_queue_bound_and_abort_frees_blocks():
     scheduler.finish(a, "abort")
     scheduler.finish(b, "abort")
     assert scheduler.num_unfinished == 0 and kv.num_free_blocks == 16
+
+
+def test_decodes_run_every_step_while_an_older_long_prompt_is_chunked_beside_them():
+    kv = KVCacheManager(1024, 4)
+    scheduler = Scheduler(kv, max_batch_size=8, max_batch_input_tokens=203)
+    scheduler.add(make_seq("short", 3, 40))
+    scheduler.add(make_seq("long", 2000, 2))
+    plan = scheduler.schedule()  # both admitted: the short prompt, then the long prompt's first chunk
+    assert [(c.seq.request_id, c.num_tokens) for c in plan.chunks] == [("short", 3), ("long", 200)]
+    scheduler.update(plan, [7])
+    scheduler.running.reverse()  # the order after the short one was preempted and admitted again
+    scheduler.max_batch_input_tokens = 16
+    for _ in range(20):
+        plan = scheduler.schedule()
+        assert [(c.seq.request_id, c.num_tokens) for c in plan.chunks] == [("short", 1), ("long", 15)], (
+            "the older prompt's chunk must not displace the running decode")
+        scheduler.update(plan, [7] * sum(c.is_sampling for c in plan.chunks))

@@ -8,8 +8,8 @@ Sockets and who speaks on them (every frame is one msgpack-encoded tagged struct
    RegisterAck; decode with ``decode_router_to_worker``.
 3. decode DEALER -> prefill ROUTER at the prefill worker's ``prefill_endpoint``:
    ``DecodeToPrefill`` = PrefillRequest | CancelPrefill; decode with ``decode_decode_to_prefill``.
-4. prefill ROUTER -> decode DEALER, same connection: ``PrefillToDecode`` = PrefillRejected;
-   decode with ``decode_prefill_to_decode``.
+4. prefill ROUTER -> decode DEALER, same connection: ``PrefillToDecode`` = PrefillRejected |
+   PrefillStarted; decode with ``decode_prefill_to_decode``.
 5. ``PrefillDone`` is not sent on any of these: it is the completion payload the transfer service
    delivers after the last KV bytes (``encode_prefill_done`` / ``decode_prefill_done``).
 
@@ -197,7 +197,8 @@ class PrefillRequest(msgspec.Struct, tag=True, **_HOT):
     """Decode -> prefill: compute this prompt and push its KV into ``dst_block_ids`` at ``transfer_endpoint``.
 
     The first ``num_cached_tokens`` tokens' blocks are already on the decode worker (prefix reuse);
-    the prefill worker does not send them. After ``ttl_s`` the decode worker gives up on this request.
+    the prefill worker does not send them. ``ttl_s`` after ``PrefillStarted`` the decode worker gives
+    up on this request.
     """
 
     request_id: str
@@ -222,8 +223,18 @@ class PrefillRejected(msgspec.Struct, tag=True, **_HOT):
     retryable: bool = False
 
 
+class PrefillStarted(msgspec.Struct, tag=True, **_HOT):
+    """Prefill -> decode: the request left the prefill worker's queue and its first chunk ran.
+
+    The transfer TTL counts from here on both sides: time spent queued behind other prompts on a
+    busy prefill worker is load, not a fault (a dead prefill worker is the router's to detect).
+    """
+
+    request_id: str
+
+
 DecodeToPrefill = Union[PrefillRequest, CancelPrefill]
-PrefillToDecode = PrefillRejected  # a union of one; more answers may join it
+PrefillToDecode = Union[PrefillRejected, PrefillStarted]
 
 
 class PrefillDone(msgspec.Struct, **_HOT):
@@ -267,7 +278,7 @@ def decode_decode_to_prefill(frame: bytes | memoryview) -> PrefillRequest | Canc
     return _decode_to_prefill.decode(frame)
 
 
-def decode_prefill_to_decode(frame: bytes | memoryview) -> PrefillRejected:
+def decode_prefill_to_decode(frame: bytes | memoryview) -> PrefillRejected | PrefillStarted:
     return _prefill_to_decode.decode(frame)
 
 
@@ -280,7 +291,7 @@ __all__ = [
     "WorkerRole", "FinishCode",
     "RegisterWorker", "WorkerLoad", "Heartbeat", "TokenDelta", "TokenBatch", "WorkerToRouter",
     "GenerateRequest", "CancelRequest", "RegisterAck", "RouterToWorker",
-    "PrefillRequest", "CancelPrefill", "PrefillRejected", "DecodeToPrefill", "PrefillToDecode", "PrefillDone",
+    "PrefillRequest", "CancelPrefill", "PrefillRejected", "PrefillStarted", "DecodeToPrefill", "PrefillToDecode", "PrefillDone",
     "encode", "encode_prefill_done", "decode_worker_to_router", "decode_router_to_worker",
     "decode_decode_to_prefill", "decode_prefill_to_decode", "decode_prefill_done",
 ]

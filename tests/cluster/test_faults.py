@@ -70,8 +70,8 @@ def test_client_disconnect_frees_decode_blocks_within_1s(cluster, client):
 
 def test_malformed_frames_are_counted_and_dropped(cluster, client):
     base = cluster.config["zmq_endpoint_base"]
-    targets = [router_endpoint(base), worker_bind_endpoint(base, "prefill-0", "prefill"),
-               worker_bind_endpoint(base, "decode-0", "kv")]
+    targets = [router_endpoint(base), incarnation_endpoint(base, "prefill-0", "prefill"),
+               incarnation_endpoint(base, "decode-0", "kv")]
     ctx = zmq.Context()
     try:
         for endpoint in targets:
@@ -98,6 +98,13 @@ def test_malformed_frames_are_counted_and_dropped(cluster, client):
         raise AssertionError(f"bad frames not reported:\n{text}")
     out = client.completions.create(model=name(client), prompt="still serving?", max_tokens=4, temperature=0)
     assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def incarnation_endpoint(base: str, worker_id: str, name: str) -> str:
+    """A worker's ipc endpoint ``name`` of its running incarnation (the name ends with its pid)."""
+    prefix = worker_bind_endpoint(base, worker_id, name)[len("ipc://"):]
+    [path] = Path(prefix).parent.glob(Path(prefix).name + "-*")
+    return f"ipc://{path}"
 
 
 def _consume_until_end(stream, results: dict, key: str) -> None:
