@@ -111,7 +111,8 @@ class PipelineConfig(_Section):
     zmq_endpoint_base: str = Field("ipc:///tmp/tandem", description="every socket address derives from it")
     max_length: int | None = Field(None, ge=2, description="max prompt + output tokens; None = model's limit")
     max_batch_size: int = Field(64, ge=1, description="max requests in one decode batch")
-    max_batch_input_tokens: int = Field(2048, ge=1, description="max tokens per step (prefill chunks + decodes)")
+    max_batch_input_tokens: int = Field(
+        512, ge=1, description="max tokens per step (decodes first, then prefill chunks): bounds step time; see docs/load.md")
     enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
     kvcache_ce_watermark: float = Field(
         0.95, gt=0.0, le=1.0, description="admit a prefill only while KV use stays under this fraction"

@@ -13,12 +13,14 @@ from typing import Iterator
 
 import torch
 
+from pipeline.checkpoint_errors import CheckpointError
+from pipeline.models.registry import resolve_model_class
+
+__all__ = ["CheckpointError", "load_hf_config", "weight_files", "iter_safetensors", "load_model",
+           "checkpoint_fingerprint"]
+
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory, its config or its weights cannot be used as given."""
 
 
 def load_hf_config(path: str | os.PathLike):
@@ -80,8 +82,6 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: str | torch.
 
     Weights stored in another dtype (e.g. bf16 on disk, fp32 asked) are cast while they are copied in.
     """
-    from pipeline.models.registry import resolve_model_class  # models import this module for CheckpointError
-
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (got {dtype!r})")
     hf_config = load_hf_config(path)

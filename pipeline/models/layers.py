@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.norm_rope_ref import rope_cos_sin_cache
-from pipeline.weights import CheckpointError
+from pipeline.checkpoint_errors import CheckpointError
 
 # rope types whose frequencies transformers recomputes from the running sequence length; a static
 # cos/sin cache cannot follow them.

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kernels import Kernels
 from pipeline.forward_batch import ForwardBatch
 from pipeline.models.layers import Embedding, Linear, RMSNorm, build_rope_cache
-from pipeline.weights import CheckpointError
+from pipeline.checkpoint_errors import CheckpointError
 
 # Projections fused into one matmul, and the checkpoint tensors they are concatenated from (in row order).
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipeline.models.llama import LlamaFamilyForCausalLM
-from pipeline.weights import CheckpointError
+from pipeline.checkpoint_errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES: dict[str, type] = {
     "LlamaForCausalLM": LlamaFamilyForCausalLM,
