@@ -122,6 +122,8 @@ class DecodeWorker(WorkerBase):
     # -------------------------------------------------------------- requests
     def _on_generate(self, request: GenerateRequest) -> list:
         rid = request.request_id
+        if self.is_draining:
+            return [error_delta(rid, f"worker {self.worker_id} is shutting down", retryable=True)]
         remote = request.prefill_endpoint is not None and self.is_disaggregated
         try:
             self.engine.add_request(rid, request.prompt_token_ids, request.sampling_params, remote_prefill=remote)
@@ -133,6 +135,18 @@ class DecodeWorker(WorkerBase):
         if remote:
             self.remote[rid] = RemotePrefill(request)
         return []
+
+    def fail_in_flight(self, reason: str) -> None:
+        outputs = []
+        for rid in list(self.deadlines):
+            state = self.remote.pop(rid, None)
+            if state is not None and state.is_sent:
+                self.receiver.abort(rid)
+                self.prefill_links.send(state.request.prefill_endpoint, CancelPrefill(request_id=rid))
+            self.engine.abort_request(rid)
+            outputs.append(error_delta(rid, reason, retryable=rid not in self.emitted))
+            self._forget(rid)
+        self.link.send_outputs(outputs)
 
     def _cancel(self, request_id: str) -> None:
         state = self.remote.get(request_id)

@@ -99,8 +99,6 @@ class RouterConfig(_Section):
     max_local_prefill_length: int = Field(
         0, ge=0, description="DecodeOnly workers prefill prompts up to this many tokens themselves (0 = never)")
     request_timeout_s: float = Field(600.0, gt=0.0, description="a request unfinished after this gets 504")
-    drain_timeout_s: float = Field(
-        30.0, ge=0.0, description="on SIGTERM, how long in-flight requests may take to finish")
 
 
 class PipelineConfig(_Section):
@@ -119,6 +117,8 @@ class PipelineConfig(_Section):
     )
     enable_overlap_scheduler: bool = Field(False, description="not supported yet: must be false")
     max_queue_size_tg: int | None = Field(None, ge=1, description="max requests waiting for admission")
+    drain_timeout_s: float = Field(
+        30.0, ge=0.0, description="on SIGTERM a router or worker stops admitting and gives in-flight requests this long")
     step_stall_timeout_s: float = Field(
         300.0, gt=0.0, description="a worker whose one engine step runs longer exits (its launcher restarts it)")
     kernel_backend: Literal["torch", "triton", "auto"] = Field(

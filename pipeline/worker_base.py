@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import zmq
 
@@ -36,6 +37,7 @@ class WorkerBase:
         self.model_fingerprint = checkpoint_fingerprint(self.engine.model_path)
         self.ctx = zmq.Context()
         self.link: RouterLink | None = None
+        self.is_draining = False  # SIGTERM: new work is refused (retryable), work in flight finishes
 
     def connect_router(self, prefill_endpoint: str | None = None) -> None:
         registration = RegisterWorker(
@@ -55,14 +57,27 @@ class WorkerBase:
 
     # ------------------------------------------------------------------ loop
     def run(self, stop: threading.Event | None = None) -> None:
-        """Serve until ``stop`` is set (or forever); always closes sockets on the way out."""
+        """Serve until ``stop`` is set (or forever), then drain: refuse new work (retryable, so the
+        router sends it elsewhere), give what is in flight ``drain_timeout_s`` to finish, fail the
+        rest, and close every socket on the way out."""
         if self.link is None:
             self.connect_router()
         stop = stop or threading.Event()
         poller = zmq.Poller()
         registered: set[zmq.Socket] = set()
+        drain_deadline = None
         try:
-            while not stop.is_set():
+            while True:
+                if stop.is_set() and drain_deadline is None:
+                    drain_deadline = time.monotonic() + self.config.drain_timeout_s
+                    self.is_draining = True
+                    logger.warning("worker %s draining: up to %gs for requests in flight", self.worker_id,
+                                   self.config.drain_timeout_s)
+                if self.is_draining and not self.has_work_in_flight():
+                    break
+                if drain_deadline is not None and time.monotonic() > drain_deadline:
+                    self.fail_in_flight("the worker shut down before the request finished")
+                    break
                 for sock in self.sockets():
                     if sock not in registered:
                         poller.register(sock, zmq.POLLIN)
@@ -75,6 +90,12 @@ class WorkerBase:
 
     def run_once(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def has_work_in_flight(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def fail_in_flight(self, reason: str) -> None:
+        """The drain grace is over: end every request still here (roles tell their peers)."""
 
     def run_step(self) -> list[StepOutput]:
         """One engine step, marked for the heartbeat ("busy in a step since T") and the stall watchdog."""
@@ -97,7 +118,9 @@ class WorkerBase:
 
     def tick(self) -> None:
         """Refresh the load report the heartbeat thread sends."""
-        self.link.update_load(self.engine.load(**self.transfer_counters()))
+        load = self.engine.load(**self.transfer_counters())
+        load.is_draining = self.is_draining
+        self.link.update_load(load)
 
     def close(self) -> None:
         if self.link is not None:

@@ -120,6 +120,8 @@ class PrefillWorker(WorkerBase):
 
     def _accept(self, identity: bytes, request: PrefillRequest) -> None:
         rid = request.request_id
+        if self.is_draining:
+            return self._reject(identity, rid, f"prefill worker {self.worker_id} is shutting down", retryable=True)
         try:
             if rid in self.jobs:
                 raise RequestError(f"request {rid} is already being prefilled here")
@@ -213,6 +215,15 @@ class PrefillWorker(WorkerBase):
         # The sender may still read these blocks: stop computing now, free once it reports back.
         self.engine.abort_request(rid, keep_blocks=True)
         self.sender.abort(rid)
+
+    def has_work_in_flight(self) -> bool:
+        return bool(self.jobs) or super().has_work_in_flight()
+
+    def fail_in_flight(self, reason: str) -> None:
+        for rid, job in list(self.jobs.items()):
+            if not job.has_sent:
+                self._reject(job.decode_identity, rid, reason, retryable=True)
+            self._drop(rid, reason)
 
     def _expire(self) -> None:
         now = time.monotonic()

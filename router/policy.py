@@ -2,8 +2,8 @@
 
 Rules, in order:
 
-1. Candidates are live workers whose ``max_length`` fits the request, minus any excluded ones
-   (a retry excludes the workers that just failed it).
+1. Candidates are live workers whose ``max_length`` fits the request and that are not draining,
+   minus any excluded ones (a retry excludes the workers that just failed it).
 2. Decode candidates are PrefillAndDecode and DecodeOnly workers (a DecodeOnly worker can prefill
    locally: the fallback when no PrefillOnly worker is alive).
 3. The decode worker is the least loaded candidate: workers with free KV blocks first, then the
@@ -43,6 +43,7 @@ class WorkerView:
     num_inflight: int = 0  # router-side: routed here, not finished
     num_pending_prefill_tokens: int = 0  # router-side: prompt tokens sent here without a first token yet
     max_batch_size: int = 0  # requests it runs at once (0: unknown, never saturated)
+    is_draining: bool = False  # shutting down: finishes what it has, takes nothing new
 
     @property
     def is_saturated(self) -> bool:
@@ -71,7 +72,8 @@ def choose_route(
     """Pick (prefill or None, decode) for a request needing ``num_tokens`` (prompt + max output)
     whose prompt has ``num_prompt_tokens`` (default: all of ``num_tokens``)."""
     excluded = set(exclude)
-    fitting = [w for w in workers if w.worker_id not in excluded and w.max_length >= num_tokens]
+    fitting = [w for w in workers
+               if w.worker_id not in excluded and w.max_length >= num_tokens and not w.is_draining]
     prefill = [w for w in fitting if w.role == PipelineRole.PrefillOnly and w.prefill_endpoint]
     decode_candidates = [w for w in fitting if w.role in (PipelineRole.PrefillAndDecode, PipelineRole.DecodeOnly)]
     if not decode_candidates:
@@ -99,6 +101,9 @@ def _why_none(workers: Sequence[WorkerView], excluded: set[str], num_tokens: int
     usable = [w for w in workers if w.worker_id not in excluded]
     if not usable:
         return "no live workers" if not workers else "no other live worker to retry on"
+    if all(w.is_draining for w in usable):
+        return "every live worker is shutting down"
+    usable = [w for w in usable if not w.is_draining]
     if all(w.max_length < num_tokens for w in usable):
         longest = max(w.max_length for w in usable)
         return f"no live worker accepts {num_tokens} tokens (prompt + max_tokens); the largest max_length is {longest}"

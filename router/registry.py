@@ -53,7 +53,7 @@ class WorkerInfo:
             num_total_blocks=load.num_total_blocks or self.num_total_blocks, num_running=load.num_running,
             num_waiting=load.num_waiting, num_queued_prefill_tokens=load.num_queued_prefill_tokens,
             num_inflight=self.num_inflight, num_pending_prefill_tokens=self.num_pending_prefill_tokens,
-            max_batch_size=self.max_batch_size,
+            max_batch_size=self.max_batch_size, is_draining=load.is_draining,
         )
 
     @property

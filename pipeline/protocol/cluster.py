@@ -122,6 +122,7 @@ class WorkerLoad(msgspec.Struct, **_HOT):
     busy_in_step_s: float = 0.0  # how long the current engine step has run (0: between steps)
     num_steps: int = 0  # engine steps completed since start
     max_step_s: float = 0.0  # the longest engine step so far
+    is_draining: bool = False  # shutting down: route nothing new here
 
 
 class Heartbeat(msgspec.Struct, tag=True, **_HOT):
