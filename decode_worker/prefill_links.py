@@ -9,6 +9,7 @@ import zmq
 
 from pipeline.protocol.cluster import (
     CancelPrefill,
+    PrefillAccepted,
     PrefillRejected,
     PrefillRequest,
     PrefillStarted,
@@ -43,7 +44,7 @@ class PrefillLinks:
             logger.warning("prefill worker at %s is not draining its queue; dropped %s", endpoint,
                            type(message).__name__)
 
-    def receive(self) -> list[PrefillRejected | PrefillStarted]:
+    def receive(self) -> list[PrefillRejected | PrefillAccepted | PrefillStarted]:
         messages = []
         for endpoint, sock in self._sockets.items():
             while True:

@@ -8,8 +8,9 @@ Request lifecycle on this worker:
 2. Reservation: the scheduler admits it under ``kvcache_ce_watermark`` / ``max_batch_size`` by
    reserving blocks for the prompt plus the first token (prefix blocks this worker already holds are
    reused). The transfer receiver is told to expect those blocks, and a ``PrefillRequest`` with the
-   destination block ids goes to the chosen prefill worker. A TTL clock starts when the prefill
-   worker reports ``PrefillStarted`` (a queue on a busy prefill worker is load, not a fault).
+   destination block ids goes to the chosen prefill worker. A TTL clock starts; the prefill worker's
+   ``PrefillAccepted`` stops it (a queue on a busy prefill worker is load, not a fault) and its
+   ``PrefillStarted`` (first chunk ran) starts it again for the prefill and the transfer.
 3. The prefill worker pushes the KV straight into the reserved blocks and, on the same ordered
    channel, the ``PrefillDone`` payload (first token, logprobs). The receiver verifies sizes and
    checksum; then the request becomes runnable and its first token is emitted at once.
@@ -39,6 +40,7 @@ from pipeline.protocol.cluster import (
     CancelPrefill,
     CancelRequest,
     GenerateRequest,
+    PrefillAccepted,
     PrefillRequest,
     PrefillStarted,
     decode_prefill_done,
@@ -54,7 +56,7 @@ class RemotePrefill:
     """A request whose prompt another worker prefills."""
 
     request: GenerateRequest
-    ttl_deadline: float = float("inf")  # set when the prefill worker starts it (queued there: only the request deadline)
+    ttl_deadline: float = float("inf")  # reset by the prefill worker's PrefillAccepted (no TTL) / PrefillStarted
     is_sent: bool = False
     failure: str | None = None  # set when it is being torn down; reported once the receiver lets go
     retryable: bool = True
@@ -175,6 +177,7 @@ class DecodeWorker(WorkerBase):
         now = time.monotonic()
         for seq in self.engine.reserve_remote():
             state = self.remote[seq.request_id]
+            state.ttl_deadline = now + self.config.transfer.ttl_s  # until the prefill worker answers
             block_ids = list(self.engine.kv_manager.block_table(seq.request_id))
             self.receiver.expect(seq.request_id, block_ids)
             request = state.request
@@ -193,7 +196,9 @@ class DecodeWorker(WorkerBase):
             state = self.remote.get(answer.request_id)
             if state is None:
                 continue
-            if isinstance(answer, PrefillStarted):
+            if isinstance(answer, PrefillAccepted):
+                state.ttl_deadline = float("inf")  # queued there: load, not a fault
+            elif isinstance(answer, PrefillStarted):
                 state.ttl_deadline = now + self.config.transfer.ttl_s
             else:
                 self._tear_down_remote(answer.request_id, state, f"prefill rejected: {answer.error}",

@@ -7,8 +7,9 @@ Request lifecycle on this worker:
    (it stops after the first token and keeps its blocks). A full queue answers ``PrefillRejected``
    (retryable).
 2. Batched chunked prefill under ``max_batch_input_tokens``; this worker's own prefix cache skips
-   compute for prompts it has seen. When a request's first chunk has run, ``PrefillStarted`` tells
-   D, and the TTL starts on both sides (time queued here behind other prompts is load, not a fault).
+   compute for prompts it has seen. ``PrefillAccepted`` answers at once; when the request's first
+   chunk has run, ``PrefillStarted`` tells D and the TTL starts on both sides (time queued here
+   behind other prompts is load, not a fault).
 3. After every step, blocks that became complete are pushed to D at once, so the transfer overlaps
    the next chunk's compute. Blocks D already holds (its own prefix hit) are not sent.
 4. When the prompt is done, the last (partial) block follows, then ``PrefillDone`` (first token,
@@ -36,6 +37,7 @@ from pipeline.endpoints import worker_bind_endpoint
 from pipeline.engine import RequestError
 from pipeline.protocol.cluster import (
     CancelPrefill,
+    PrefillAccepted,
     PrefillDone,
     PrefillRejected,
     PrefillRequest,
@@ -133,6 +135,7 @@ class PrefillWorker(WorkerBase):
         page_size = self.engine.kv_manager.page_size
         self.jobs[rid] = PrefillJob(request, identity, float("inf"),
                                     num_sent_blocks=request.num_cached_tokens // page_size)
+        self.requests.send_multipart([identity, encode(PrefillAccepted(request_id=rid))])
 
     def _reject(self, identity: bytes, rid: str, error: str, retryable: bool) -> None:
         self.requests.send_multipart([identity, encode(PrefillRejected(request_id=rid, error=error,

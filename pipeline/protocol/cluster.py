@@ -9,7 +9,7 @@ Sockets and who speaks on them (every frame is one msgpack-encoded tagged struct
 3. decode DEALER -> prefill ROUTER at the prefill worker's ``prefill_endpoint``:
    ``DecodeToPrefill`` = PrefillRequest | CancelPrefill; decode with ``decode_decode_to_prefill``.
 4. prefill ROUTER -> decode DEALER, same connection: ``PrefillToDecode`` = PrefillRejected |
-   PrefillStarted; decode with ``decode_prefill_to_decode``.
+   PrefillAccepted | PrefillStarted; decode with ``decode_prefill_to_decode``.
 5. ``PrefillDone`` is not sent on any of these: it is the completion payload the transfer service
    delivers after the last KV bytes (``encode_prefill_done`` / ``decode_prefill_done``).
 
@@ -199,7 +199,7 @@ class PrefillRequest(msgspec.Struct, tag=True, **_HOT):
 
     The first ``num_cached_tokens`` tokens' blocks are already on the decode worker (prefix reuse);
     the prefill worker does not send them. ``ttl_s`` after ``PrefillStarted`` the decode worker gives
-    up on this request.
+    up on this request (and ``ttl_s`` after sending it, until ``PrefillAccepted``).
     """
 
     request_id: str
@@ -224,18 +224,25 @@ class PrefillRejected(msgspec.Struct, tag=True, **_HOT):
     retryable: bool = False
 
 
-class PrefillStarted(msgspec.Struct, tag=True, **_HOT):
-    """Prefill -> decode: the request left the prefill worker's queue and its first chunk ran.
+class PrefillAccepted(msgspec.Struct, tag=True, **_HOT):
+    """Prefill -> decode: the request is queued on the prefill worker (sent at once on receipt).
 
-    The transfer TTL counts from here on both sides: time spent queued behind other prompts on a
-    busy prefill worker is load, not a fault (a dead prefill worker is the router's to detect).
+    From here until ``PrefillStarted`` no TTL runs: time spent queued behind other prompts on a busy
+    prefill worker is load, not a fault (a dead prefill worker is the router's to detect). Without
+    it, the decode worker gives up ``ttl_s`` after sending the request (the prefill worker is unreachable).
     """
 
     request_id: str
 
 
+class PrefillStarted(msgspec.Struct, tag=True, **_HOT):
+    """Prefill -> decode: the request's first chunk ran; the transfer TTL starts again on both sides."""
+
+    request_id: str
+
+
 DecodeToPrefill = Union[PrefillRequest, CancelPrefill]
-PrefillToDecode = Union[PrefillRejected, PrefillStarted]
+PrefillToDecode = Union[PrefillRejected, PrefillAccepted, PrefillStarted]
 
 
 class PrefillDone(msgspec.Struct, **_HOT):
@@ -279,7 +286,7 @@ def decode_decode_to_prefill(frame: bytes | memoryview) -> PrefillRequest | Canc
     return _decode_to_prefill.decode(frame)
 
 
-def decode_prefill_to_decode(frame: bytes | memoryview) -> PrefillRejected | PrefillStarted:
+def decode_prefill_to_decode(frame: bytes | memoryview) -> PrefillRejected | PrefillAccepted | PrefillStarted:
     return _prefill_to_decode.decode(frame)
 
 
@@ -292,7 +299,7 @@ __all__ = [
     "WorkerRole", "FinishCode",
     "RegisterWorker", "WorkerLoad", "Heartbeat", "TokenDelta", "TokenBatch", "WorkerToRouter",
     "GenerateRequest", "CancelRequest", "RegisterAck", "RouterToWorker",
-    "PrefillRequest", "CancelPrefill", "PrefillRejected", "PrefillStarted", "DecodeToPrefill", "PrefillToDecode", "PrefillDone",
+    "PrefillRequest", "CancelPrefill", "PrefillRejected", "PrefillAccepted", "PrefillStarted", "DecodeToPrefill", "PrefillToDecode", "PrefillDone",
     "encode", "encode_prefill_done", "decode_worker_to_router", "decode_router_to_worker",
     "decode_decode_to_prefill", "decode_prefill_to_decode", "decode_prefill_done",
 ]

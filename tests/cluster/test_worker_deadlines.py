@@ -15,8 +15,10 @@ from pipeline.protocol import SamplingParams
 from pipeline.protocol.cluster import (
     FinishCode,
     GenerateRequest,
+    PrefillAccepted,
     PrefillRejected,
     PrefillRequest,
+    PrefillStarted,
     RegisterAck,
     RegisterWorker,
     TokenBatch,
@@ -118,9 +120,13 @@ def test_prefill_hold_expires_when_decode_is_gone(tiny_checkpoint, base, tmp_pat
                                  decode_worker_id="d-gone", ttl_s=1.0)
         decode.send(encode(request))
         decode.send(encode(request))  # a duplicate id is refused, not run twice
-        assert decode.poll(5000)
-        rejected = decode_prefill_to_decode(decode.recv())
-        assert isinstance(rejected, PrefillRejected) and "already" in rejected.error
+        answers = []
+        while not any(isinstance(a, PrefillRejected) for a in answers):
+            assert decode.poll(5000)
+            answers.append(decode_prefill_to_decode(decode.recv()))
+        assert isinstance(answers[0], PrefillAccepted)  # the first copy is queued, and says so at once
+        rejected = answers[-1]
+        assert "already" in rejected.error
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             router.pump(0.2)
@@ -130,6 +136,46 @@ def test_prefill_hold_expires_when_decode_is_gone(tiny_checkpoint, base, tmp_pat
         assert worker.engine.kv_manager.num_free_blocks == free_at_start
     finally:
         decode.close()
+        ctx.term()
+        stop.set()
+        thread.join(10)
+        router.close()
+
+
+def test_a_reservation_queued_on_a_busy_prefill_worker_waits_then_the_ttl_runs_from_the_start(
+        tiny_checkpoint, base, tmp_path):
+    router = FakeRouter(base)
+    worker = DecodeWorker(config(tiny_checkpoint("llama"), base, "DecodeOnly",
+                                 transfer={"transport": "zmq", "ttl_s": 0.5}), "d0")
+    free_at_start = worker.engine.kv_manager.num_free_blocks
+    stop, thread = run_in_thread(worker)
+    ctx = zmq.Context()
+    prefill = ctx.socket(zmq.ROUTER)  # plays a prefill worker with a long queue
+    prefill.setsockopt(zmq.LINGER, 0)
+    prefill.bind(f"ipc://{tmp_path}/busy-prefill")
+    try:
+        router.pump(0.5)
+        router.send("d0", GenerateRequest(request_id="r1", prompt_token_ids=list(range(3, 20)),
+                                          sampling_params=SamplingParams(max_tokens=4), prefill_worker_id="p0",
+                                          prefill_endpoint=f"ipc://{tmp_path}/busy-prefill"))
+        assert prefill.poll(5000)
+        identity, _ = prefill.recv_multipart()
+        prefill.send_multipart([identity, encode(PrefillAccepted(request_id="r1"))])
+        router.pump(2.0)  # four TTLs queued behind other prompts: load, not a fault
+        assert router.deltas == []
+        prefill.send_multipart([identity, encode(PrefillStarted(request_id="r1"))])
+        started = time.monotonic()
+        while not router.deltas and time.monotonic() - started < 10:
+            router.pump(0.1)
+        (delta,) = router.deltas  # started, then silent: the TTL runs again
+        assert delta.finish_reason == FinishCode.ERROR and "timed out" in delta.error
+        assert time.monotonic() - started < 3
+        deadline = time.monotonic() + 5
+        while worker.engine.kv_manager.num_free_blocks != free_at_start and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.engine.kv_manager.num_free_blocks == free_at_start
+    finally:
+        prefill.close()
         ctx.term()
         stop.set()
         thread.join(10)
