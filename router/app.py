@@ -2,14 +2,22 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (the /v1 routes take an
 optional ``Authorization: Bearer <api_key>``), GET /health (the process is up), GET /ready (200 only
-when live workers can serve a request: a PrefillAndDecode worker, or DecodeOnly plus PrefillOnly
-workers; 503 with the reason otherwise), GET /metrics (Prometheus).
+when live workers can serve a request: any PrefillAndDecode or DecodeOnly worker, the latter prefilling
+locally when no PrefillOnly worker is alive; 503 with the reason otherwise), GET /metrics (Prometheus).
+
+Under load the router bends rather than breaks: requests wait in a bounded queue while every worker
+runs a full batch, and beyond it get 429 with ``Retry-After`` (see ``router.admission``). On SIGTERM
+``run_router`` drains: it stops accepting connections, lets requests in flight finish for up to
+``drain_timeout_s``, and only then stops the dispatcher; then it exits 0.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import signal
+import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,13 +31,11 @@ from router.errors import APIError, install_error_handlers
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
 from router.preprocess import prepare_chat, prepare_completion
-from router.registry import DEFAULT_DEAD_AFTER_S, DEFAULT_HEARTBEAT_INTERVAL_S, WorkerRegistry
+from router.registry import WorkerRegistry
 from router.served_model import ServedModel, keep_torch_out, load_served_model
 from router.serving import RouterState, serve
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 
 def create_app(
@@ -38,9 +44,11 @@ def create_app(
     model_path: str | None = None,
     *,
     served_model: ServedModel | None = None,
-    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
-    dead_after_s: float = DEFAULT_DEAD_AFTER_S,
-    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    heartbeat_interval_s: float | None = None,
+    dead_after_s: float | None = None,
+    request_timeout_s: float | None = None,
+    max_queued_requests: int | None = None,
+    queue_timeout_s: float | None = None,
     max_attempts: int = 2,
 ) -> FastAPI:
     """Build the router app. The ZMQ socket binds when the app starts (lifespan), not here.
@@ -49,12 +57,24 @@ def create_app(
     already be built) is the checkpoint whose tokenizer and ``config.json`` the router reads; the served
     name is ``served_model_name(model_path)``, which workers must register with (they derive it the
     same way from their config). ``served_model`` replaces loading (tests share one tokenizer).
+    Timings and admission limits left None come from ``config.router`` (the heartbeat interval from
+    ``config.transfer``); ``max_attempts`` is how often a request is sent before it fails.
     """
+    router_config = config.router
     model = served_model or load_served_model(model_path or config.model.model_path, max_length=config.max_length)
-    registry = WorkerRegistry(heartbeat_interval_s=heartbeat_interval_s, dead_after_s=dead_after_s)
+    registry = WorkerRegistry(
+        heartbeat_interval_s=_or(heartbeat_interval_s, config.transfer.heartbeat_interval_s),
+        dead_after_s=_or(dead_after_s, router_config.dead_after_s),
+    )
     metrics = RouterMetrics(registry)
-    dispatcher = Dispatcher(config.zmq_endpoint_base, registry, metrics, model.name, max_attempts=max_attempts)
-    state = RouterState(model, dispatcher, metrics, config.sampling, request_timeout_s)
+    dispatcher = Dispatcher(
+        config.zmq_endpoint_base, registry, metrics, model.name, max_attempts=max_attempts,
+        max_queued_requests=_or(max_queued_requests, router_config.max_queued_requests),
+        queue_timeout_s=_or(queue_timeout_s, router_config.queue_timeout_s),
+        max_local_prefill_length=router_config.max_local_prefill_length,
+    )
+    state = RouterState(model, dispatcher, metrics, config.sampling,
+                        _or(request_timeout_s, router_config.request_timeout_s))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -105,7 +125,7 @@ def create_app(
     async def ready() -> JSONResponse:
         is_ready, reason = registry.readiness()
         workers = [
-            {"worker_id": w.worker_id, "role": w.role.value, "alive": w.is_alive} for w in registry.all_workers()
+            {"worker_id": w.worker_id, "role": w.role.value, "alive": w.is_alive, "pid": w.pid} for w in registry.all_workers()
         ]
         body = {"ready": is_ready, "reason": reason, "workers": workers}
         return JSONResponse(body, status_code=200 if is_ready else 503)
@@ -115,6 +135,10 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _or(override, default):
+    return default if override is None else override
 
 
 def _prepared_or_count(state: RouterState, prepare):
@@ -135,8 +159,11 @@ def run_router(
 ) -> None:
     """Serve the router until interrupted (blocking). ``app_options`` go to ``create_app``.
 
-    Call it in a process of its own: it first marks torch unavailable (``keep_torch_out``) so that
-    loading the tokenizer does not pull torch into the router.
+    SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections at once, lets the requests in
+    flight (streams included) finish for up to ``config.drain_timeout_s`` (a second Ctrl-C ends
+    that wait), then cancels what is left; the dispatcher, which the streams need, stops only after
+    that (app lifespan shutdown), and the process exits 0. Call it in a process of its own: it first
+    marks torch unavailable (``keep_torch_out``) so that loading the tokenizer does not pull torch in.
     """
     import uvicorn
 
@@ -144,4 +171,22 @@ def run_router(
         logger.warning("torch or transformers was imported before run_router: the router process holds torch")
     app = create_app(config, api_key=api_key, model_path=model_path, **app_options)
     logger.info("router serving %s on http://%s:%d", app.state.router.model.name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=5)
+    previous = _exit_zero_on_sigterm()
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info", access_log=False,
+                    timeout_graceful_shutdown=config.drain_timeout_s)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_zero_on_sigterm():
+    """Make SIGTERM end the process with exit code 0; returns the previous handler (None: not ours to set).
+
+    uvicorn drains on SIGTERM, then raises the signal again once done, so that the default action would
+    report a clean drain as death by signal; the workers exit 0 after theirs, and so does the router.
+    Before uvicorn runs (the tokenizer loads) SIGTERM exits at once. Only the main thread sets handlers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -1,4 +1,4 @@
-"""Requests in flight between the HTTP layer and the workers: routing, token delivery, cancels, retries.
+"""Requests in flight between the HTTP layer and the workers: admission, routing, token delivery, cancels, retries.
 
 Worker messages arrive through ``WorkerSocket`` (registration, heartbeats, token batches) and requests
 and cancels leave through it. Everything runs on the HTTP server's event loop, so no locks.
@@ -8,6 +8,14 @@ Each request has a ``RequestHandle`` with an asyncio queue that receives its ``T
 cannot reach it, or an error it marks retryable), a request that has received no token yet is sent
 again to another route under a fresh wire id (so late messages of the old attempt cannot mix in);
 otherwise it fails. A heartbeat that claims another worker's id counts as a bad frame.
+
+Admission: a request goes to a worker only while one has a free slot in its batch (router-side
+in-flight count < the ``max_batch_size`` it registered with). When none has, ``submit`` queues it in
+the ``AdmissionQueue`` (first in, first out, bounded, timed) and the HTTP layer awaits
+``wait_admitted`` before it starts a response, so an overload is a 429 at once, never a stream that
+dies later. A retry that finds every worker saturated waits at the front of that queue. Slots free
+when a request finishes, fails or is cancelled, and a worker may appear or report load: each of those
+wakes the queue, and so does the housekeeping loop, as a backstop.
 """
 
 from __future__ import annotations
@@ -35,14 +43,16 @@ from pipeline.protocol.cluster import (
     WorkerToRouter,
 )
 from pipeline.protocol.requests import SamplingParams
+from router.admission import AdmissionQueue, Overloaded, estimate_retry_after_s
 from router.metrics import RouterMetrics
-from router.policy import NoRoute, Route, WorkerView, choose_route
+from router.policy import NoRoute, Route, Saturated, WorkerView, choose_route
 from router.registry import WorkerInfo, WorkerRegistry
 from router.worker_socket import WorkerSocket
 
 logger = logging.getLogger(__name__)
 
 _MAX_REMEMBERED_CANCELS = 4096
+_SLOT_HOLD_EWMA_WEIGHT = 0.1  # weight of the newest sample in the mean time a request holds a slot
 
 
 @dataclass
@@ -64,9 +74,13 @@ class RequestHandle:
     decode_worker_id: str | None = None
     prefill_worker_id: str | None = None
     num_attempts: int = 0
+    excluded: set[str] = field(default_factory=set)  # workers that failed it (never routed there again)
+    admission: asyncio.Future | None = None  # done once dispatched (see Dispatcher.wait_admitted)
+    is_admitted: bool = False  # dispatched once: counted in the in-flight gauges until finished
     has_tokens: bool = False
     is_done: bool = False
     created_at: float = field(default_factory=time.monotonic)
+    dispatched_at: float = 0.0
     last_token_at: float = 0.0
     _inflight_on: str | None = None  # the decode worker whose num_inflight counts this request
     _pending_prefill: tuple[str, int] | None = None  # (prefill worker, prompt tokens) counted there
@@ -86,12 +100,21 @@ class Dispatcher:
         metrics: RouterMetrics,
         model_name: str,
         max_attempts: int = 2,
+        *,
+        max_queued_requests: int = 256,
+        queue_timeout_s: float = 60.0,
+        max_local_prefill_length: int = 0,
     ) -> None:
         self.socket = WorkerSocket(router_endpoint(zmq_endpoint_base), self._on_message, metrics.bad_frames_total.inc)
         self.registry = registry
         self.metrics = metrics
         self.model_name = model_name
         self.max_attempts = max_attempts
+        self.max_local_prefill_length = max_local_prefill_length
+        self.admission: AdmissionQueue[RequestHandle] = AdmissionQueue(
+            self._try_dispatch, max_queued_requests, queue_timeout_s)
+        metrics.admission_queue_depth.set_function(lambda: len(self.admission))
+        self._mean_slot_hold_s: float | None = None  # feeds the Retry-After estimate
         self._requests: dict[str, RequestHandle] = {}  # wire id -> handle
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # wire ids we cancelled: ignore their deltas
         self._housekeeping: asyncio.Task | None = None
@@ -108,6 +131,7 @@ class Dispatcher:
             self._housekeeping.cancel()
             await asyncio.gather(self._housekeeping, return_exceptions=True)
             self._housekeeping = None
+        self.admission.close(NoRoute("the router is shutting down"))
         for handle in list(self._requests.values()):
             self._fail(handle, "the router is shutting down", 503)
         await self.socket.stop()
@@ -119,26 +143,76 @@ class Dispatcher:
     # ------------------------------------------------------------------ requests
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, timeout_s: float) -> RequestHandle:
-        """Route and send a request; raises ``NoRoute`` when no worker can take it."""
+        """Send a request to a worker now, or queue it while every worker is saturated.
+
+        Raises at once, before anything was sent: ``Overloaded`` when it would have to wait and the
+        admission queue is full (429), ``NoRoute`` when no worker can serve it at all (503). A queued
+        request is sent once a slot frees: await ``wait_admitted(handle)`` before reading from it.
+        """
         handle = RequestHandle(request_id, prompt_token_ids, params, deadline=time.monotonic() + timeout_s)
-        self._dispatch(handle, exclude=set())
-        self.metrics.queue_depth.inc()
-        self.metrics.requests_in_flight.inc()
+        try:
+            handle.admission = self.admission.enqueue(handle, timeout_s=timeout_s)
+        except Overloaded as exc:
+            exc.retry_after_s = self.retry_after_s()
+            raise
         return handle
 
+    async def wait_admitted(self, handle: RequestHandle) -> None:
+        """Wait until ``handle`` was sent to a worker (returns at once if it was).
+
+        Raises ``Overloaded`` when it waited past ``queue_timeout_s`` (or its own deadline) and
+        ``NoRoute`` when the workers that could serve it went away meanwhile. Cancelling the caller
+        (the client left) takes the request out of the queue, or cancels it if it was just sent.
+        """
+        try:
+            await handle.admission
+        except Overloaded as exc:
+            exc.retry_after_s = self.retry_after_s()
+            raise
+        except asyncio.CancelledError:
+            if handle.admission.done() and not handle.admission.cancelled():
+                handle.admission.exception()  # it failed as the client left: mark it seen (no asyncio warning)
+            self.cancel(handle)
+            raise
+
     def cancel(self, handle: RequestHandle) -> None:
-        """The client is gone or a stop string matched: stop the worker, forget the request."""
+        """The client is gone or a stop string matched: stop the worker (or leave the queue), forget it."""
         if handle.is_done:
             return
         if handle.decode_worker_id is not None:
             self._send(handle.decode_worker_id, CancelRequest(request_id=handle.wire_id))
-        self._remember_cancel(handle.wire_id)
+        if handle.wire_id:
+            self._remember_cancel(handle.wire_id)
         self._finish(handle)
 
-    def _dispatch(self, handle: RequestHandle, exclude: set[str]) -> None:
-        needed = len(handle.prompt_token_ids) + (handle.sampling_params.max_tokens or 0)
+    def retry_after_s(self) -> int:
+        """Whole seconds after which a request turned away now would likely find a free slot."""
+        num_slots = sum(w.max_batch_size for w in self.registry.live_workers()
+                        if w.can_decode and w.model_name == self.model_name and not w.load.is_draining)
+        return estimate_retry_after_s(len(self.admission), num_slots, self._mean_slot_hold_s)
+
+    def _try_dispatch(self, handle: RequestHandle) -> bool:
+        """The admission queue's ``try_admit``: send now; False while every worker is saturated."""
+        if handle.is_done:  # cancelled while it waited: nothing to send
+            return True
+        try:
+            self._dispatch(handle)
+        except Saturated:
+            return False
+        if not handle.is_admitted:
+            handle.is_admitted = True
+            self.metrics.queue_depth.inc()
+            self.metrics.requests_in_flight.inc()
+            self.metrics.admission_wait_seconds.observe(time.monotonic() - handle.created_at)
+        return True
+
+    def _dispatch(self, handle: RequestHandle) -> None:
+        """Route and send one attempt; raises ``NoRoute`` (``Saturated``: every worker's batch is full)."""
+        num_prompt_tokens = len(handle.prompt_token_ids)
+        needed = num_prompt_tokens + (handle.sampling_params.max_tokens or 0)
         while True:
-            route = choose_route(self._views(), needed, exclude)  # raises NoRoute
+            route = choose_route(self._views(), needed, handle.excluded, num_prompt_tokens=num_prompt_tokens,
+                                 max_local_prefill_length=self.max_local_prefill_length)
             handle.num_attempts += 1
             handle.wire_id = handle.request_id if handle.num_attempts == 1 else f"{handle.request_id}~{handle.num_attempts}"
             msg = GenerateRequest(
@@ -152,9 +226,10 @@ class Dispatcher:
             if self._send(route.decode.worker_id, msg):
                 self._assign(handle, route)
                 return
-            exclude.add(route.decode.worker_id)
+            handle.excluded.add(route.decode.worker_id)
 
     def _assign(self, handle: RequestHandle, route: Route) -> None:
+        handle.dispatched_at = time.monotonic()
         handle.decode_worker_id = route.decode.worker_id
         handle.prefill_worker_id = route.prefill.worker_id if route.prefill else None
         self._requests[handle.wire_id] = handle
@@ -168,13 +243,18 @@ class Dispatcher:
                 prefill.num_pending_prefill_tokens += len(handle.prompt_token_ids)
                 handle._pending_prefill = (prefill.worker_id, len(handle.prompt_token_ids))
 
-    def _unassign(self, handle: RequestHandle) -> None:
+    def _unassign(self, handle: RequestHandle) -> bool:
+        """Take the request off its workers; True when that freed a decode slot (the queue is woken)."""
         self._requests.pop(handle.wire_id, None)
         self._release_prefill(handle)
+        handle.decode_worker_id = handle.prefill_worker_id = None
         decode = self.registry.get(handle._inflight_on) if handle._inflight_on else None
         handle._inflight_on = None
-        if decode is not None:
-            decode.num_inflight = max(0, decode.num_inflight - 1)
+        if decode is None:
+            return False
+        decode.num_inflight = max(0, decode.num_inflight - 1)
+        self.admission.wake()
+        return True
 
     def _release_prefill(self, handle: RequestHandle) -> None:
         if handle._pending_prefill is not None:
@@ -187,11 +267,18 @@ class Dispatcher:
     def _finish(self, handle: RequestHandle) -> None:
         if handle.is_done:
             return
-        self._unassign(handle)
+        self.admission.discard(handle)  # it may be waiting (new, or a retry) rather than on a worker
+        if self._unassign(handle):
+            self._note_slot_hold(time.monotonic() - handle.dispatched_at)
         handle.is_done = True
-        if not handle.has_tokens:
-            self.metrics.queue_depth.dec()
-        self.metrics.requests_in_flight.dec()
+        if handle.is_admitted:
+            if not handle.has_tokens:
+                self.metrics.queue_depth.dec()
+            self.metrics.requests_in_flight.dec()
+
+    def _note_slot_hold(self, seconds: float) -> None:
+        mean = self._mean_slot_hold_s
+        self._mean_slot_hold_s = seconds if mean is None else mean + _SLOT_HOLD_EWMA_WEIGHT * (seconds - mean)
 
     def _fail(self, handle: RequestHandle, message: str, status_code: int) -> None:
         if handle.is_done:
@@ -211,13 +298,28 @@ class Dispatcher:
             self._send(old_decode, CancelRequest(request_id=handle.wire_id))
         self._remember_cancel(handle.wire_id)
         self._unassign(handle)
-        try:
-            self._dispatch(handle, exclude={failed_worker})
+        handle.excluded.add(failed_worker)
+        try:  # it was admitted once: it goes ahead of everyone who waits, and waits if all are saturated
+            handle.admission = self.admission.enqueue(
+                handle, at_front=True, timeout_s=max(0.001, handle.deadline - time.monotonic()))
         except NoRoute as exc:
             self._fail(handle, f"{message}; no other worker to retry on ({exc})", status_code)
             return
         self.metrics.retries_total.inc()
-        logger.info("request %s retried as %s after: %s", handle.request_id, handle.wire_id, message)
+        if handle.admission.done():
+            logger.info("request %s retried as %s after: %s", handle.request_id, handle.wire_id, message)
+            return
+        logger.info("request %s waits for a free worker to retry on after: %s", handle.request_id, message)
+        handle.admission.add_done_callback(
+            lambda admission: self._on_retry_admission(handle, admission, message, status_code))
+
+    def _on_retry_admission(self, handle: RequestHandle, admission: asyncio.Future, message: str,
+                            status_code: int) -> None:
+        if admission.cancelled():  # the request was cancelled while it waited
+            return
+        error = admission.exception()
+        if error is not None:
+            self._fail(handle, f"{message}; no worker free to retry on ({error})", status_code)
 
     def _on_worker_dead(self, worker: WorkerInfo) -> None:
         for handle in list(self._requests.values()):
@@ -225,6 +327,7 @@ class Dispatcher:
                 self._retry_or_fail(handle, worker.worker_id, f"decode worker {worker.worker_id} died")
             elif handle.prefill_worker_id == worker.worker_id and not handle.has_tokens:
                 self._retry_or_fail(handle, worker.worker_id, f"prefill worker {worker.worker_id} died")
+        self.admission.wake()  # queued requests that only this worker could serve now fail (503)
 
     def _views(self) -> list[WorkerView]:
         return [w.view() for w in self.registry.live_workers() if w.model_name == self.model_name]
@@ -247,6 +350,8 @@ class Dispatcher:
                 self.socket.count_bad_frame(worker_id, f"heartbeat for {msg.worker_id!r} from routing id {worker_id!r}")
             elif self.registry.heartbeat(msg) is None:
                 self._send(worker_id, RegisterAck(accepted=False, reregister=True, error="unknown worker: register again"))
+            else:
+                self.admission.wake()  # its load (or its being alive again) may let a queued request in
         elif isinstance(msg, RegisterWorker):
             self._on_register(worker_id, msg)
 
@@ -266,6 +371,7 @@ class Dispatcher:
             return
         self.registry.register(msg)
         self._send(worker_id, RegisterAck(accepted=True, heartbeat_interval_s=self.registry.heartbeat_interval_s))
+        self.admission.wake()
 
     def _on_token_batch(self, worker_id: str, batch: TokenBatch) -> None:
         self.registry.touch(worker_id)
@@ -305,5 +411,6 @@ class Dispatcher:
                 for handle in list(self._requests.values()):
                     if now > handle.deadline + 5.0:  # its consumer vanished without cancelling
                         self.cancel(handle)
+                self.admission.wake()  # backstop: a slot freed by a path that forgot to wake the queue
             except Exception:
                 logger.exception("router housekeeping failed")

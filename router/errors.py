@@ -2,7 +2,8 @@
 
 Body: ``{"error": {"message": str, "type": str, "param": str | None, "code": str | int | None}}``.
 FastAPI's own 422 validation errors and Starlette's 404/405 are rewritten into the same body
-(422 becomes 400, as OpenAI answers).
+(422 becomes 400, as OpenAI answers). An overloaded router answers 429 with ``Retry-After`` and
+``code: "rate_limit_exceeded"``, as OpenAI does, so clients (the openai SDK among them) back off and retry.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _TYPE_BY_STATUS = {
     405: "invalid_request_error",
     408: "timeout_error",
     413: "invalid_request_error",
+    429: "rate_limit_exceeded",
     500: "internal_error",
     503: "service_unavailable",
     504: "timeout_error",
@@ -41,6 +43,7 @@ class APIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -48,17 +51,24 @@ class APIError(Exception):
         self.type = type or _TYPE_BY_STATUS.get(status_code, "api_error")
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
+        if status_code == 401:
+            self.headers.setdefault("WWW-Authenticate", "Bearer")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else None
-        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers or None)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def overloaded(message: str, retry_after_s: int) -> APIError:
+    """429: every worker is busy and the request cannot wait in the router (queue full or waited too long)."""
+    return APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": str(max(1, int(retry_after_s)))})
 
 
 def from_value_error(exc: ValueError) -> APIError:

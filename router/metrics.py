@@ -1,13 +1,18 @@
 """Prometheus metrics of one router app (its own CollectorRegistry, so apps and tests never collide).
 
-Request metrics are updated as requests run. Per-worker metrics are read from the worker registry at
-scrape time (``WorkerCollector``), so a worker that goes away simply stops being reported:
+Request metrics are updated as requests run; ``tandem_requests_total{outcome="overloaded"}`` counts
+429s, ``tandem_router_admission_queue_depth`` the requests waiting for a free worker slot now and
+``tandem_router_admission_wait_seconds`` how long they waited. Per-worker metrics are read from the
+worker registry at scrape time (``WorkerCollector``), so a worker that goes away simply stops being
+reported:
 
 * ``tandem_kv_blocks_used`` / ``tandem_kv_blocks_free`` / ``tandem_kv_blocks_total`` {worker, role}:
   from the last heartbeat; "used" is held by a live request, prefix-cached blocks nobody holds are free.
 * ``tandem_worker_queue_depth``, ``tandem_worker_running_requests``, ``tandem_worker_queued_prefill_tokens``.
 * ``tandem_kv_transfer_bytes_total`` / ``tandem_kv_transfer_seconds_total``: cumulative, as reported.
 * ``tandem_worker_bad_frames_total`` (reported) and ``tandem_worker_up`` (1 alive, 0 declared dead).
+* ``tandem_worker_busy_in_step_seconds`` (how long the current step has run: busy, not dead),
+  ``tandem_worker_max_step_seconds``, ``tandem_worker_steps_total`` and ``tandem_worker_draining``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-OUTCOMES = ("ok", "error", "cancelled", "timeout", "rejected", "unavailable")
+ADMISSION_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+# rejected: a bad request (4xx); unavailable: no worker can serve it (503); overloaded: 429, every worker busy
+OUTCOMES = ("ok", "error", "cancelled", "timeout", "rejected", "unavailable", "overloaded")
 
 
 class RouterMetrics:
@@ -48,6 +56,14 @@ class RouterMetrics:
         self.queue_depth = Gauge(
             "tandem_router_queue_depth", "Requests dispatched and still waiting for their first token",
             registry=self.registry,
+        )
+        self.admission_queue_depth = Gauge(  # its owner binds it with set_function (read at scrape time)
+            "tandem_router_admission_queue_depth", "Requests waiting in the router for a worker with a free slot",
+            registry=self.registry,
+        )
+        self.admission_wait_seconds = Histogram(
+            "tandem_router_admission_wait_seconds", "Request arrival to dispatch to a worker (queueing in the router)",
+            buckets=ADMISSION_WAIT_BUCKETS, registry=self.registry,
         )
         self.requests_in_flight = Gauge(
             "tandem_requests_in_flight", "Requests dispatched to a worker and not finished", registry=self.registry
@@ -92,6 +108,14 @@ class WorkerCollector(Collector):
                 "tandem_kv_transfer_seconds", "Seconds spent transferring KV (reported)", labels=labels
             ),
             "bad": CounterMetricFamily("tandem_worker_bad_frames", "Frames a worker dropped (reported)", labels=labels),
+            "busy": GaugeMetricFamily(
+                "tandem_worker_busy_in_step_seconds", "How long the worker's current engine step has run (0: idle)",
+                labels=labels),
+            "max_step": GaugeMetricFamily(
+                "tandem_worker_max_step_seconds", "The longest engine step the worker has run", labels=labels),
+            "steps": CounterMetricFamily("tandem_worker_steps", "Engine steps the worker completed", labels=labels),
+            "draining": GaugeMetricFamily(
+                "tandem_worker_draining", "1 while the worker shuts down (takes no new requests)", labels=labels),
         }
         for w in self._workers.all_workers():
             values = [w.worker_id, w.role.value]
@@ -108,4 +132,8 @@ class WorkerCollector(Collector):
             families["bytes"].add_metric(values, load.transfer_bytes)
             families["seconds"].add_metric(values, load.transfer_seconds)
             families["bad"].add_metric(values, load.num_bad_frames)
+            families["busy"].add_metric(values, load.busy_in_step_s)
+            families["max_step"].add_metric(values, load.max_step_s)
+            families["steps"].add_metric(values, load.num_steps)
+            families["draining"].add_metric(values, 1.0 if load.is_draining else 0.0)
         yield from families.values()

@@ -1,9 +1,12 @@
-"""One request's life in the router after validation: dispatch, stream or collect, stop, cancel, time out.
+"""One request's life in the router after validation: admit, dispatch, stream or collect, stop, cancel, time out.
 
-Streaming answers are Server-Sent Events ending with ``data: [DONE]``; a failure after the response
-started is sent as one ``data: {"error": {...}}`` event (the openai client raises it as an APIError)
-before ``[DONE]``. The worker gets a ``CancelRequest`` whenever the router stops listening before the
-worker finished: client disconnect, stop string, timeout, error.
+Admission comes first and ends before any response starts: a request that finds every worker busy
+waits in the dispatcher's admission queue (a client that leaves meanwhile leaves the queue), and one
+that cannot wait gets 429 with ``Retry-After`` at once. Streaming answers are Server-Sent Events
+ending with ``data: [DONE]``; a failure after the response started is sent as one
+``data: {"error": {...}}`` event (the openai client raises it as an APIError) before ``[DONE]``.
+The worker gets a ``CancelRequest`` whenever the router stops listening before the worker finished:
+client disconnect, stop string, timeout, error.
 """
 
 from __future__ import annotations
@@ -12,15 +15,16 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Awaitable, AsyncIterator, TypeVar
 
 import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pipeline.config import SamplingConfig
+from router.admission import Overloaded
 from router.dispatcher import Dispatcher, RequestFailed, RequestHandle
-from router.errors import APIError
+from router.errors import APIError, overloaded
 from router.metrics import RouterMetrics
 from router.policy import NoRoute
 from router.preprocess import PreparedRequest
@@ -30,6 +34,12 @@ from router.streaming import LogprobEntry, OutputBuilder, Piece, ResponseShape
 logger = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()
+
+T = TypeVar("T")
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the response was ready."""
 
 
 @dataclass
@@ -62,11 +72,19 @@ async def serve(state: RouterState, http_request: Request, prepared: PreparedReq
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     try:
         handle = state.dispatcher.submit(
-            request_id, prepared.prompt_token_ids, prepared.params, state.request_timeout_s
-        )
+            request_id, prepared.prompt_token_ids, prepared.params, state.request_timeout_s)
+        if not handle.is_admitted:  # every worker is busy: wait in the queue, unless the client leaves
+            await _unless_disconnected(http_request, state.dispatcher.wait_admitted(handle))
+    except Overloaded as exc:
+        state.metrics.requests_total.labels("overloaded").inc()
+        raise overloaded(str(exc), exc.retry_after_s) from None
     except NoRoute as exc:
         state.metrics.requests_total.labels("unavailable").inc()
         raise APIError(503, f"no worker can serve this request: {exc}") from None
+    except _ClientGone:
+        state.dispatcher.cancel(handle)
+        state.metrics.requests_total.labels("cancelled").inc()
+        return Response(status_code=499)  # nobody reads this
     shape = ResponseShape(kind, request_id, state.model.name, prepared.want_logprobs)
     builder = OutputBuilder(state.model, prepared.params, len(prepared.prompt_token_ids))
     if prepared.stream:
@@ -144,23 +162,33 @@ async def _wait_for_disconnect(http_request: Request) -> None:
             return
 
 
+async def _unless_disconnected(http_request: Request, work: Awaitable[T]) -> T:
+    """``await work``, unless the client disconnects first: then ``work`` is cancelled and ``_ClientGone`` raised.
+
+    A plain (non-streaming) handler is not cancelled when its client leaves, so it must watch for that.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(http_request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watch):
+            if not pending.done():
+                pending.cancel()  # finishes on the loop's next turn; nothing awaits it
+    if not task.done() or task.cancelled():
+        raise _ClientGone
+    return task.result()
+
+
 async def _collect_unless_disconnected(
     state: RouterState, http_request: Request, handle: RequestHandle, builder: OutputBuilder, shape: ResponseShape
 ) -> Response:
-    collect = asyncio.ensure_future(_collect(state, handle, builder, shape))
-    watch = asyncio.ensure_future(_wait_for_disconnect(http_request))
     try:
-        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        body = await _unless_disconnected(http_request, _collect(state, handle, builder, shape))
+    except _ClientGone:
+        return Response(status_code=499)  # nobody reads this
     finally:
-        for task in (collect, watch):
-            if not task.done():
-                task.cancel()  # finishes on the loop's next turn; nothing awaits it
         if not handle.is_done:
             state.dispatcher.cancel(handle)
             state.metrics.requests_total.labels("cancelled").inc()
-    if not collect.done() or collect.cancelled():
-        return Response(status_code=499)  # the client left; nobody reads this
-    error = collect.exception()
-    if error is not None:
-        raise error
-    return JSONResponse(collect.result())
+    return JSONResponse(body)

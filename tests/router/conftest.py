@@ -29,12 +29,15 @@ def served_model(tiny_checkpoint) -> ServedModel:
 
 
 class RouterServer:
-    """A live router: ``url``, ``base`` (its zmq_endpoint_base), ``app``, plus worker helpers."""
+    """A live router: ``url``, ``base`` (its zmq_endpoint_base), ``app``, plus worker helpers.
+
+    ``options`` go to ``create_app``, except ``config``: a dict of further ``PipelineConfig`` fields.
+    """
 
     def __init__(self, served_model: ServedModel, **options: Any) -> None:
         self.tmpdir = tempfile.mkdtemp(prefix="tdm", dir="/tmp")
         self.base = f"ipc://{self.tmpdir}/t"
-        config = PipelineConfig(zmq_endpoint_base=self.base, max_length=MAX_LENGTH)
+        config = PipelineConfig(zmq_endpoint_base=self.base, max_length=MAX_LENGTH, **options.pop("config", {}))
         options.setdefault("heartbeat_interval_s", 0.05)
         options.setdefault("dead_after_s", 1.0)
         options.setdefault("request_timeout_s", 10.0)
@@ -78,6 +81,25 @@ class RouterServer:
         if wait:
             assert worker.wait_for(lambda: bool(worker.acks)), "worker got no RegisterAck"
         return worker
+
+    def metric(self, name: str) -> float:
+        """One sample from /metrics: ``name`` as exported, labels included (``'x_total{outcome="ok"}'``)."""
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name} not exported")
+
+    def wait_idle(self, timeout: float = 5.0) -> None:
+        """Wait until nothing waits, nothing is in flight and no worker holds a router-side slot."""
+        gauges = ("tandem_router_admission_queue_depth", "tandem_requests_in_flight", "tandem_router_queue_depth")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            values = {g: self.metric(g) for g in gauges}
+            held = {w.worker_id: w.num_inflight for w in self.state.dispatcher.registry.all_workers() if w.num_inflight}
+            if not any(values.values()) and not held:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"router not idle: {values}, slots held: {held}")
 
     def wait_ready(self, expected: bool = True, timeout: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout

@@ -2,7 +2,9 @@
 
 It runs in its own thread with a plain (sync) zmq socket. ``script(request)`` returns the outputs for
 a ``GenerateRequest`` as ``[(delay_s, TokenDelta), ...]`` (delays from the request's arrival); deltas
-due at the same poll are sent together as one TokenBatch, as a real decode step would.
+due at the same poll are sent together as one TokenBatch, as a real decode step would. ``held``
+scripts nothing: the test answers by hand with ``emit``. ``max_batch_size`` is reported at registration
+(0: unknown, so the router never sees the worker as saturated).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ from pipeline.protocol.cluster import (
 )
 
 Script = Callable[[GenerateRequest], list[tuple[float, TokenDelta]]]
+
+
+def held(_request: GenerateRequest) -> list[tuple[float, TokenDelta]]:
+    """A script that answers nothing: the test finishes requests with ``FakeWorker.emit``."""
+    return []
 
 
 def tokens_script(token_ids: list[int], step_s: float = 0.005, finish: FinishCode = FinishCode.LENGTH,
@@ -73,6 +80,7 @@ class FakeWorker:
         prefill_endpoint: str | None = None,
         heartbeat_s: float = 0.05,
         load: WorkerLoad | None = None,
+        max_batch_size: int = 0,
     ) -> None:
         self.endpoint = router_endpoint(zmq_endpoint_base)
         self.worker_id = worker_id
@@ -80,7 +88,7 @@ class FakeWorker:
         self.register_msg = RegisterWorker(
             worker_id=worker_id, role=WorkerRole.from_pipeline_role(role), model_name=model_name,
             max_length=max_length, page_size=16, num_total_blocks=num_total_blocks,
-            prefill_endpoint=prefill_endpoint, pid=os.getpid(),
+            prefill_endpoint=prefill_endpoint, pid=os.getpid(), max_batch_size=max_batch_size,
         )
         self.heartbeat_s = heartbeat_s
         self.load = load or WorkerLoad(num_free_blocks=num_total_blocks, num_total_blocks=num_total_blocks)
@@ -105,6 +113,10 @@ class FakeWorker:
     def send_raw(self, *frames: bytes) -> None:
         with self._lock:
             self._raw_out.append(list(frames))
+
+    def emit(self, *deltas: TokenDelta) -> None:
+        """Send ``deltas`` to the router now, as one TokenBatch."""
+        self.send_raw(encode(TokenBatch(outputs=list(deltas))))
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout

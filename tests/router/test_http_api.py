@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import openai
 import pytest
@@ -31,7 +33,8 @@ def test_ready_health_and_models(router):
     router.add_worker()
     assert router.wait_ready(True)
     body = httpx.get(f"{router.url}/ready").json()
-    assert body["ready"] and body["workers"] == [{"worker_id": "w0", "role": "PrefillAndDecode", "alive": True}]
+    assert body["ready"] and len(body["workers"]) == 1
+    assert body["workers"][0] == {"worker_id": "w0", "role": "PrefillAndDecode", "alive": True, "pid": os.getpid()}
     models = httpx.get(f"{router.url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 64
 
@@ -172,16 +175,39 @@ def test_api_key(router_factory):
 
 def test_disaggregated_route_and_readiness(router):
     decode = router.add_worker("d0", role=PipelineRole.DecodeOnly)
-    assert router.wait_ready(False)
+    assert router.wait_ready(True)  # alone, a DecodeOnly worker prefills locally
+    assert "prefilling locally" in httpx.get(f"{router.url}/ready").json()["reason"]
     response = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
-    assert response.status_code == 503 and "PrefillOnly" in response.json()["error"]["message"]
+    assert response.status_code == 200, response.text
+    local = decode.requests[0]
+    assert local.prefill_worker_id is None and local.prefill_endpoint is None
     router.add_worker("p0", role=PipelineRole.PrefillOnly, prefill_endpoint="ipc:///tmp/p0-prefill")
     assert router.wait_ready(True)
     response = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
     assert response.status_code == 200
-    request = decode.requests[0]
+    request = decode.requests[1]
     assert request.prefill_worker_id == "p0" and request.prefill_endpoint == "ipc:///tmp/p0-prefill"
     assert 0 < request.deadline_s <= 10.0
+
+
+def test_short_prompts_prefill_on_the_decode_worker(router_factory, served_model):
+    router = router_factory(config={"router": {"max_local_prefill_length": 4}})
+    decode = router.add_worker("d0", role=PipelineRole.DecodeOnly)
+    router.add_worker("p0", role=PipelineRole.PrefillOnly, prefill_endpoint="ipc:///tmp/p0-prefill")
+    long_prompt = "Hello there, how are you? Paris is the capital of France."
+    assert len(served_model.tokenizer.encode("Hi")) <= 4 < len(served_model.tokenizer.encode(long_prompt))
+    for prompt in ("Hi", long_prompt):
+        response = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 3})
+        assert response.status_code == 200, response.text
+    short, long = decode.requests
+    assert short.prefill_endpoint is None and long.prefill_worker_id == "p0"
+
+
+def test_only_prefill_workers_is_not_ready_and_503(router):
+    router.add_worker("p0", role=PipelineRole.PrefillOnly, prefill_endpoint="ipc:///tmp/p0-prefill")
+    assert router.wait_ready(False)
+    response = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+    assert response.status_code == 503 and "decode-capable" in response.json()["error"]["message"]
 
 
 def test_metrics_expose_worker_kv_gauges_and_request_counts(router):

@@ -36,13 +36,6 @@ def silent(_request):
     return []
 
 
-def metric(router, name: str) -> float:
-    for line in httpx.get(f"{router.url}/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not exported")
-
-
 def test_client_disconnect_mid_stream_cancels_on_the_worker(router, served_model):
     worker = router.add_worker(script=slow_script(served_model))
     with httpx.stream("POST", f"{router.url}/v1/completions", json={**BODY, "stream": True}) as response:
@@ -50,7 +43,7 @@ def test_client_disconnect_mid_stream_cancels_on_the_worker(router, served_model
         first = next(line for line in lines if line.startswith("data: "))
     request_id = msgspec.json.decode(first[len("data: "):])["id"]
     assert worker.wait_for(lambda: request_id in worker.cancels), "no CancelRequest after the client left"
-    assert metric(router, "tandem_requests_in_flight") == 0
+    assert router.metric("tandem_requests_in_flight") == 0
 
 
 def test_client_disconnect_while_waiting_for_a_full_response_cancels(router):
@@ -72,7 +65,7 @@ def test_worker_death_ends_the_stream_with_an_error_and_unreadies(router, served
                 worker.stop()  # no more heartbeats, no more tokens
     assert time.monotonic() - start < 3.0
     assert router.wait_ready(False)
-    assert metric(router, 'tandem_worker_up{role="PrefillAndDecode",worker="w0"}') == 0.0
+    assert router.metric('tandem_worker_up{role="PrefillAndDecode",worker="w0"}') == 0.0
     response = httpx.post(f"{router.url}/v1/completions", json=BODY)
     assert response.status_code == 503
 
@@ -90,7 +83,7 @@ def test_request_without_tokens_is_retried_on_another_worker(router, served_mode
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"].startswith("Hello there")
     assert healthy.requests[0].request_id == f"{response.json()['id']}~2"
-    assert metric(router, "tandem_request_retries_total") == 1.0
+    assert router.metric("tandem_request_retries_total") == 1.0
 
 
 def test_prefill_worker_death_before_the_first_token_reroutes_the_prefill(router, served_model):
@@ -148,9 +141,9 @@ def test_malformed_frames_are_counted_and_dropped(router, served_model):
     worker.send_raw(encode(Heartbeat(worker_id="someone-else", load=WorkerLoad())))
     worker.send_raw(b"two", b"frames")
     deadline = time.monotonic() + 5
-    while metric(router, "tandem_router_bad_frames_total") < 3 and time.monotonic() < deadline:
+    while router.metric("tandem_router_bad_frames_total") < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert metric(router, "tandem_router_bad_frames_total") == 3
+    assert router.metric("tandem_router_bad_frames_total") == 3
     assert httpx.post(f"{router.url}/v1/completions", json=BODY).status_code == 200
     assert router.state.dispatcher.num_bad_frames == 3
 

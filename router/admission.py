@@ -1,0 +1,190 @@
+"""The router's admission queue: who waits for a free worker slot, in what order, and until when.
+
+When every worker runs a full batch the router does not fail a request, nor push it onto a worker
+that would only queue it: the request waits here, first in first out, until a slot frees. The queue is
+bounded; a request that finds it full, or waits longer than ``queue_timeout_s``, is ``Overloaded``
+(the HTTP layer answers 429 with ``Retry-After``) before any response started.
+
+The queue never decides routes. Its owner passes ``try_admit(item)``, which dispatches the item and
+returns True, returns False while every worker is saturated, or raises (e.g. ``NoRoute``: nobody can
+serve it at all, which fails that item only). The owner calls ``wake()`` whenever a slot may have
+freed (a request finished, a worker registered or reported load); the queue then admits from its
+head, in order, on the event loop's next turn, so a burst of wake-ups costs one pass. The queue
+admits on the waiter's behalf (rather than waking it to try itself), so no newcomer can take the slot
+between the wake-up and the waiter's turn.
+
+Everything runs on one asyncio event loop: no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+MAX_RETRY_AFTER_S = 60  # clients (the openai SDK among them) ignore or cap longer server-directed delays
+
+
+class Overloaded(Exception):
+    """The request cannot wait for a slot: the queue is full, or it waited past ``queue_timeout_s``.
+
+    ``retry_after_s`` is when the client should try again (whole seconds, >= 1); the owner of the queue,
+    who knows the cluster's slots and service times, fills it in.
+    """
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(eq=False)
+class _Waiter(Generic[T]):
+    item: T
+    future: asyncio.Future  # result None once admitted; exception Overloaded / what try_admit raised
+    timer: asyncio.TimerHandle | None = None
+
+
+class AdmissionQueue(Generic[T]):
+    def __init__(self, try_admit: Callable[[T], bool], max_queued_requests: int, queue_timeout_s: float) -> None:
+        if max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests: must be >= 0 (got {max_queued_requests})")
+        if queue_timeout_s <= 0:
+            raise ValueError(f"queue_timeout_s: must be > 0 (got {queue_timeout_s})")
+        self.try_admit = try_admit
+        self.max_queued_requests = max_queued_requests
+        self.queue_timeout_s = queue_timeout_s
+        self._waiters: OrderedDict[int, _Waiter[T]] = OrderedDict()  # id(item) -> waiter, head first
+        self._is_pump_scheduled = False
+
+    def __len__(self) -> int:
+        """Requests waiting now."""
+        return len(self._waiters)
+
+    def __contains__(self, item: T) -> bool:
+        return id(item) in self._waiters
+
+    def enqueue(self, item: T, *, at_front: bool = False, timeout_s: float | None = None) -> asyncio.Future:
+        """Admit ``item`` now or queue it; the returned future resolves (None) once it was admitted.
+
+        Nobody waiting ahead and ``try_admit(item)`` succeeding: the future is already done. Otherwise
+        the item queues at the back, or with ``at_front`` ahead of everyone (work already admitted once,
+        such as a retry after a worker died: it passes the queue and ignores its bound). Raises at once,
+        queueing nothing: ``Overloaded`` when the queue is full, and whatever ``try_admit`` raises.
+        Later failures arrive through the future: ``Overloaded`` after waiting ``queue_timeout_s`` (or
+        ``timeout_s`` if shorter: the request's own deadline), or what ``try_admit`` raised on a later pass.
+        """
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if (at_front or not self._waiters) and self.try_admit(item):
+            future.set_result(None)
+            return future
+        if not at_front and len(self._waiters) >= self.max_queued_requests:
+            raise Overloaded(
+                "every worker is busy and the router's admission queue is full "
+                f"({self.max_queued_requests} requests waiting); try again later"
+            )
+        waiter = _Waiter(item, future)
+        wait_s = self.queue_timeout_s if timeout_s is None else min(self.queue_timeout_s, timeout_s)
+        waiter.timer = loop.call_later(wait_s, self._expire, waiter, wait_s)
+        self._waiters[id(item)] = waiter
+        if at_front:
+            self._waiters.move_to_end(id(item), last=False)
+        # A future done while still queued was cancelled (its awaiting task was): drop the waiter.
+        future.add_done_callback(lambda _: self._drop(waiter))
+        self.wake()  # a slot may have freed since the last pass
+        return future
+
+    async def admit(self, item: T, *, timeout_s: float | None = None) -> None:
+        """``enqueue`` and wait until admitted; cancelling the caller takes the item out of the queue."""
+        await self.enqueue(item, timeout_s=timeout_s)
+
+    def discard(self, item: T) -> None:
+        """Take ``item`` out of the queue (it was cancelled); no-op when it is not queued."""
+        waiter = self._waiters.pop(id(item), None)
+        if waiter is None:
+            return
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        if not waiter.future.done():
+            waiter.future.cancel()
+        self.wake()  # it may have been the head that held the others back
+
+    def wake(self) -> None:
+        """A slot may have freed: admit from the head on the loop's next turn (coalesced)."""
+        if not self._waiters or self._is_pump_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (called from plain code): there can be no waiters to wake either
+            return
+        self._is_pump_scheduled = True
+        loop.call_soon(self._pump)
+
+    def close(self, error: Exception) -> None:
+        """Fail every waiter with ``error`` (the router is shutting down)."""
+        waiters, self._waiters = list(self._waiters.values()), OrderedDict()
+        for waiter in waiters:
+            self._resolve(waiter, error)
+
+    # ------------------------------------------------------------------ internals
+
+    def _pump(self) -> None:
+        self._is_pump_scheduled = False
+        while self._waiters:
+            waiter = next(iter(self._waiters.values()))
+            if waiter.future.done():  # cancelled; its done callback has not run yet
+                self._pop_and_resolve(waiter, None)
+                continue
+            try:
+                is_admitted = self.try_admit(waiter.item)
+            except Exception as exc:  # this one can never be served (e.g. no worker fits it): it alone fails
+                self._pop_and_resolve(waiter, exc)
+                continue
+            if not is_admitted:
+                return  # still saturated: the ones behind it wait too (first in, first out)
+            self._pop_and_resolve(waiter, None)
+
+    def _drop(self, waiter: _Waiter[T]) -> None:
+        if self._waiters.get(id(waiter.item)) is waiter:
+            self.discard(waiter.item)
+
+    def _expire(self, waiter: _Waiter[T], wait_s: float) -> None:
+        if self._waiters.get(id(waiter.item)) is not waiter:
+            return
+        self._pop_and_resolve(waiter, Overloaded(
+            f"every worker stayed busy for the {wait_s:.3g} s this request could wait; try again later"
+        ))
+        self.wake()  # if it was the head, the ones behind it may fit where it did not
+
+    def _pop_and_resolve(self, waiter: _Waiter[T], error: Exception | None) -> None:
+        self._waiters.pop(id(waiter.item), None)
+        self._resolve(waiter, error)
+
+    @staticmethod
+    def _resolve(waiter: _Waiter[T], error: Exception | None) -> None:
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        if waiter.future.done():
+            return
+        if error is None:
+            waiter.future.set_result(None)
+        else:
+            waiter.future.set_exception(error)
+
+
+def estimate_retry_after_s(num_ahead: int, num_slots: int, mean_slot_hold_s: float | None) -> int:
+    """Whole seconds until a request that finds ``num_ahead`` requests waiting would likely get a slot.
+
+    ``num_slots`` requests run at once and each holds its slot ``mean_slot_hold_s`` on average, so slots
+    free at ``num_slots / mean_slot_hold_s`` per second and the queue ahead drains in
+    ``(num_ahead + 1) * mean_slot_hold_s / num_slots``. Unknown service time: 1 s. Clamped to
+    [1, ``MAX_RETRY_AFTER_S``] so that clients honour it.
+    """
+    if not mean_slot_hold_s or mean_slot_hold_s <= 0:
+        return 1
+    seconds = (num_ahead + 1) * mean_slot_hold_s / max(1, num_slots)
+    return max(1, min(MAX_RETRY_AFTER_S, math.ceil(seconds)))
