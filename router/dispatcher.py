@@ -24,7 +24,6 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import msgspec
 
@@ -38,7 +37,6 @@ from pipeline.protocol.cluster import (
     RegisterAck,
     RegisterWorker,
     TokenBatch,
-    TokenDelta,
     WorkerRole,
     WorkerToRouter,
 )
@@ -47,49 +45,13 @@ from router.admission import AdmissionQueue, Overloaded, estimate_retry_after_s
 from router.metrics import RouterMetrics
 from router.policy import NoRoute, Route, Saturated, WorkerView, choose_route
 from router.registry import WorkerInfo, WorkerRegistry
+from router.request_handle import RequestFailed, RequestHandle
 from router.worker_socket import WorkerSocket
 
 logger = logging.getLogger(__name__)
 
 _MAX_REMEMBERED_CANCELS = 4096
 _SLOT_HOLD_EWMA_WEIGHT = 0.1  # weight of the newest sample in the mean time a request holds a slot
-
-
-@dataclass
-class RequestFailed:
-    """Put into a request's queue instead of a delta: the request cannot finish."""
-
-    message: str
-    status_code: int = 503  # 503: capacity / worker loss; 500: the worker reported an error
-
-
-@dataclass
-class RequestHandle:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    deadline: float  # time.monotonic() after which the request fails
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    wire_id: str = ""
-    decode_worker_id: str | None = None
-    prefill_worker_id: str | None = None
-    num_attempts: int = 0
-    excluded: set[str] = field(default_factory=set)  # workers that failed it (never routed there again)
-    admission: asyncio.Future | None = None  # done once dispatched (see Dispatcher.wait_admitted)
-    is_admitted: bool = False  # dispatched once: counted in the in-flight gauges until finished
-    has_tokens: bool = False
-    is_done: bool = False
-    created_at: float = field(default_factory=time.monotonic)
-    dispatched_at: float = 0.0
-    last_token_at: float = 0.0
-    _inflight_on: str | None = None  # the decode worker whose num_inflight counts this request
-    _pending_prefill: tuple[str, int] | None = None  # (prefill worker, prompt tokens) counted there
-
-    async def next(self) -> TokenDelta | RequestFailed:
-        """The next delta or failure; raises TimeoutError once the deadline passed."""
-        if not self.queue.empty():  # the common case under load: no timer, no task
-            return self.queue.get_nowait()
-        return await asyncio.wait_for(self.queue.get(), timeout=max(0.0, self.deadline - time.monotonic()))
 
 
 class Dispatcher:

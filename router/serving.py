@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pipeline.config import SamplingConfig
 from router.admission import Overloaded
-from router.dispatcher import Dispatcher, RequestFailed, RequestHandle
+from router.dispatcher import Dispatcher
+from router.request_handle import RequestFailed, RequestHandle
 from router.errors import APIError, overloaded
 from router.metrics import RouterMetrics
 from router.policy import NoRoute
