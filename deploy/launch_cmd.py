@@ -1,4 +1,10 @@
-"""``tandem up``: a whole local cluster (router + workers as separate processes) until Ctrl-C."""
+"""``tandem up``: a whole local cluster (router + workers as separate processes) until Ctrl-C.
+
+A process that exits is restarted (``--max-restarts`` crashes in a row, with backoff; see
+``deploy.supervisor``) and every restart is printed. ``tandem up`` exits 0 after Ctrl-C / SIGTERM (the
+router drains first), and 1 when the cluster cannot serve any more: the router or every decode-capable
+worker crashed past the limit.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ def register(sub) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--log-dir", default=None, help="where each process logs (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--max-restarts", type=int, default=5,
+                        help="restart a process that exits up to N times in a row, with backoff; 0: never (default 5)")
     add_config_flags(parser)
     parser.set_defaults(handler=run)
 
@@ -28,6 +36,8 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from deploy.local_launcher import ClusterError, LocalCluster
 
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts: must be >= 0 (got {args.max_restarts})")
     if args.prefill is None and args.decode is None:
         args.prefill, args.decode = (1, 1) if not args.colocated else (0, 0)
     config = config_from_args(args)  # validates every flag and the file section before anything starts
@@ -43,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = LocalCluster(
         num_prefill=args.prefill or 0, num_decode=args.decode or 0, num_colocated=args.colocated,
         host=args.host, port=args.port, config=overrides, api_key=args.api_key, log_dir=args.log_dir,
+        max_restarts=args.max_restarts, on_event=_print_event,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -60,12 +71,18 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(f"Tandem is ready at {cluster.url}/v1 (model: {config.model.model_path or 'built-in'}); "
               "Ctrl-C to stop", flush=True)
-        while not stop.wait(1.0):
-            for name, proc in cluster.processes.items():
-                if proc.poll() is not None:
-                    print(f"{name} exited with code {proc.returncode}; see {cluster.log_dir}/{name}.log", flush=True)
-                    stop.set()
+        print("pids: " + ", ".join(f"{name} {pid}" for name, pid in cluster.pids.items()), flush=True)
+        while not stop.wait(0.5):
+            if cluster.failure is not None:
+                print(f"tandem up: error: the cluster cannot serve: {cluster.failure}; "
+                      f"see {cluster.log_dir}/launcher.log", file=sys.stderr, flush=True)
+                return 1
     finally:
         print("shutting down...", flush=True)
         cluster.stop()
     return 0
+
+
+def _print_event(event) -> None:
+    if event.kind != "cluster_failed":  # the main loop says that one, as the error it exits with
+        print(event.message, flush=True)

@@ -4,6 +4,12 @@ Each process runs in its own process group (so a Ctrl-C in the terminal reaches 
 then shuts every child down in order) and logs to a file of its own. All sockets derive from one
 ``zmq_endpoint_base`` (a fresh ``ipc://`` path by default, so clusters never collide).
 ``tests/`` uses the same class as its cluster fixture.
+
+Once ready, a background thread applies ``deploy.supervisor``'s restart policy: a process that exits is
+started again (same command, its log appended to) until it crashes ``max_restarts`` times in a row.
+Restarted workers re-register with the router by themselves. Every supervision event goes to
+``on_event`` (``tandem up`` prints it; default: this module's logger) and to ``launcher.log``.
+``failure`` says why the cluster cannot serve any more (router or every decode-capable worker given up).
 """
 
 from __future__ import annotations
@@ -14,14 +20,22 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import yaml
 
+from deploy.supervisor import RestartPolicy, Supervisor, SupervisorEvent
+from pipeline.config import PipelineConfig
+
 logger = logging.getLogger(__name__)
+
+SUPERVISE_INTERVAL_S = 0.2
+ROUTER_STOP_MARGIN_S = 5.0  # past drain_timeout_s: uvicorn's own shutdown after the drain
 
 
 class ClusterError(RuntimeError):
@@ -40,9 +54,20 @@ class LocalCluster:
     api_key: str | None = None
     router_options: list[str] = field(default_factory=list)
     log_dir: Path | None = None
+    # 0: a process that exits stays down (the test fixture's choice: fault tests kill on purpose).
+    max_restarts: int = 0
+    on_event: Callable[[SupervisorEvent], None] | None = None  # called from the supervision thread
+    entry_module: str = "deploy.cli"  # what ``python -m`` runs in each process (tests swap in a wrapper)
+    env: dict[str, str] = field(default_factory=dict)  # set in every process's environment, over ours
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.restart_policy = RestartPolicy(max_restarts=self.max_restarts)
+        self._commands: dict[str, list[str]] = {}
+        self._lock = threading.Lock()  # processes and spawning: the supervision thread vs stop() and kill()
+        self._is_stopping = threading.Event()
+        self._supervisor: Supervisor | None = None
+        self._supervision_thread: threading.Thread | None = None
         self._workdir = Path(tempfile.mkdtemp(prefix="tandem-"))
         self.log_dir = Path(self.log_dir) if self.log_dir else self._workdir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -59,6 +84,20 @@ class LocalCluster:
     def worker_names(self) -> list[str]:
         return ([f"prefill-{i}" for i in range(self.num_prefill)] + [f"decode-{i}" for i in range(self.num_decode)]
                 + [f"colocated-{i}" for i in range(self.num_colocated)])
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """{process name: pid of its current incarnation}."""
+        with self._lock:
+            return {name: proc.pid for name, proc in self.processes.items()}
+
+    @property
+    def failure(self) -> str | None:
+        """Why the cluster cannot serve any more (processes given up); None while it can."""
+        return self._supervisor.failure if self._supervisor else None
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
 
     # --------------------------------------------------------------- control
     def start(self, timeout_s: float = 180.0) -> "LocalCluster":
@@ -86,16 +125,64 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+        self._start_supervision()
         return self
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        log = open(self.log_dir / f"{name}.log", "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.processes[name] = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "--log-level", "INFO", *args],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+    def _spawn(self, name: str, args: list[str]) -> int:
+        """Start ``name`` (first start: a fresh log; a restart: the same command, appended to its log)."""
+        is_restart = name in self._commands
+        self._commands[name] = args
+        with open(self.log_path(name), "ab" if is_restart else "wb") as log:
+            if is_restart:
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                log.write(f"\n===== {stamp} tandem: {name} restarted; the previous run's output is above =====\n"
+                          .encode())
+                log.flush()
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+            proc = subprocess.Popen(
+                [sys.executable, "-m", self.entry_module, "--log-level", "INFO", *args],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            )
+        self.processes[name] = proc
+        return proc.pid
+
+    # ----------------------------------------------------------- supervision
+    def _start_supervision(self) -> None:
+        self._supervisor = Supervisor(
+            list(self.processes), self.restart_policy,
+            poll_exit=lambda name: self.processes[name].poll(),
+            respawn=lambda name: self._spawn(name, self._commands[name]),
+            why_cannot_serve=_why_cannot_serve, log_path_of=lambda name: str(self.log_path(name)),
         )
-        log.close()
+        self._supervision_thread = threading.Thread(target=self._supervise, name="tandem-supervisor", daemon=True)
+        self._supervision_thread.start()
+
+    def _supervise(self) -> None:
+        while not self._is_stopping.wait(SUPERVISE_INTERVAL_S):
+            with self._lock:
+                if self._is_stopping.is_set():  # stop() began while we waited for the lock: restart nothing
+                    return
+                events = self._supervisor.step()
+            for event in events:
+                try:
+                    self._report(event)
+                except Exception:  # noqa: BLE001 - a failed report must not end supervision
+                    logger.exception("could not report: %s", event.message)
+
+    def _report(self, event: SupervisorEvent) -> None:
+        with open(self.log_dir / "launcher.log", "a") as log:
+            log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {event.message}\n")
+        if self.on_event is not None:
+            self.on_event(event)
+        else:
+            logger.warning("%s", event.message)
+
+    def _stop_supervision(self) -> None:
+        self._is_stopping.set()
+        with self._lock:  # waits for a step in progress, so no restart can follow
+            pass
+        if self._supervision_thread is not None and self._supervision_thread is not threading.current_thread():
+            self._supervision_thread.join(timeout=5)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until the router reports ready with every worker alive; fails fast if a process exits."""
@@ -117,31 +204,38 @@ class LocalCluster:
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal one process of this cluster (fault tests)."""
-        self.processes[name].send_signal(sig)
+        with self._lock:
+            self.processes[name].send_signal(sig)
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM every process group (workers first, router last), then SIGKILL stragglers."""
-        order = [n for n in self.processes if n != "router"] + [n for n in self.processes if n == "router"]
-        for name in order:
-            _signal_group(self.processes[name], signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for name in order:
-            proc = self.processes[name]
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in %.0fs; killing it", name, timeout_s)
-                _signal_group(proc, signal.SIGKILL)
-                proc.wait(5)
-        self.processes.clear()
+        """Drain, then stop: supervision off; the router first (SIGTERM: it stops accepting and lets
+        in-flight requests finish within ``drain_timeout_s``, which needs the workers still up); then
+        the workers (SIGTERM); SIGKILL for any process still running after its wait.
+
+        Workers get ``timeout_s``, not another full drain: once the router is gone nothing they still
+        run has a client to go to."""
+        self._stop_supervision()
+        with self._lock:
+            workers = dict(self.processes)
+        router = workers.pop("router", None)
+        try:
+            if router is not None:
+                _terminate({"router": router}, self._drain_timeout_s() + ROUTER_STOP_MARGIN_S)
+        finally:  # whatever went wrong above, no worker may outlive the cluster
+            _terminate(workers, timeout_s)
+        with self._lock:
+            self.processes.clear()
         for leftover in self._workdir.glob("zmq-*"):  # ipc socket files; logs stay for the user
             leftover.unlink(missing_ok=True)
         from kv_transfer.shm import remove_stale_shared_kv_caches
 
         remove_stale_shared_kv_caches()  # shared KV caches of workers that had to be killed
 
+    def _drain_timeout_s(self) -> float:
+        return float(self.config.get("drain_timeout_s", PipelineConfig.model_fields["drain_timeout_s"].default))
+
     def log_tail(self, name: str, num_lines: int = 40) -> str:
-        path = self.log_dir / f"{name}.log"
+        path = self.log_path(name)
         lines = path.read_text(errors="replace").splitlines() if path.exists() else []
         return "\n".join(lines[-num_lines:])
 
@@ -150,6 +244,30 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _why_cannot_serve(names_left: set[str]) -> str | None:
+    """The cluster needs its router and at least one worker that decodes (a decode worker prefills
+    locally when no prefill worker is left)."""
+    if "router" not in names_left:
+        return "the router is down for good"
+    if not any(name.startswith(("decode-", "colocated-")) for name in names_left):
+        return "no decode or colocated worker is left"
+    return None
+
+
+def _terminate(processes: dict[str, subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM every process group, wait up to ``timeout_s`` in all, SIGKILL what is still running."""
+    for proc in processes.values():
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for name, proc in processes.items():
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in %.0fs; killing it", name, timeout_s)
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait(5)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -68,3 +68,28 @@ def reference_text(tiny_checkpoint, hf_reference):
         return cache[key]
 
     return get
+
+
+def worker_metric(url: str, metric: str, worker: str) -> float | None:
+    """The router's per-worker ``metric`` (e.g. tandem_kv_transfer_bytes_total) for ``worker``; None if absent."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    for line in text.splitlines():
+        match = re.match(rf'{metric}\{{(.*)\}} ([0-9.e+-]+)$', line)
+        if match and dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))).get("worker") == worker:
+            return float(match.group(2))
+    return None
+
+
+def wait_for_incarnation(url: str, worker_id: str, pid: int, timeout_s: float) -> None:
+    """Wait until the router's /ready lists ``worker_id`` alive as process ``pid`` (a restart re-registered)."""
+    deadline = time.monotonic() + timeout_s
+    seen = None
+    while time.monotonic() < deadline:
+        try:
+            seen = {w["worker_id"]: w for w in httpx.get(f"{url}/ready", timeout=2).json()["workers"]}.get(worker_id)
+        except (httpx.HTTPError, ValueError, KeyError):
+            seen = None
+        if seen and seen["alive"] and seen.get("pid") == pid:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{worker_id} (pid {pid}) not alive at the router after {timeout_s:.0f}s; last seen: {seen}")

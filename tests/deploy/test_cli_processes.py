@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,28 +12,7 @@ import httpx
 import pytest
 
 from tests.cluster.conftest import free_port
-
-TANDEM = [sys.executable, "-m", "deploy.cli"]
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+from tests.deploy.conftest import TANDEM, children_of, is_alive
 
 
 def wait_ready(url: str, procs: list[subprocess.Popen], num_workers: int, timeout_s: float = 180) -> None:
@@ -124,6 +102,7 @@ def test_one_process_per_role_over_tcp(tiny_checkpoint, tmp_path):
         (["worker", "--role", "PrefillOnly", "--config", "/nonexistent.yaml"], "config_file: no such file"),
         (["up", "--kv-cache-page-size", "0"], "kv_cache.page_size"),
         (["up", "--model", "/nonexistent/dir"], "checkpoint directory /nonexistent/dir does not exist"),
+        (["up", "--max-restarts", "-1"], "--max-restarts: must be >= 0 (got -1)"),
     ],
 )
 def test_bad_config_is_a_clear_error(args, message):

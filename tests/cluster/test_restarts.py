@@ -1,0 +1,247 @@
+"""Supervision on a real 2 prefill + 2 decode cluster: a killed process is restarted and serves again.
+
+While a worker is down the cluster keeps serving (a prober sends a request every ~0.3 s throughout);
+only the streams that ran on a killed decode worker end, with an error. The restarted process
+re-registers as a new incarnation (a new pid in /ready), takes new requests, and outputs stay exactly
+transformers' greedy text.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.cluster.conftest import (
+    CLUSTER_CONFIG, start_cluster, wait_for_idle_blocks, wait_for_incarnation, worker_metric,
+)
+from tests.conftest import hf_greedy
+
+NUM_BLOCKS = 2048  # two long streams fit on one decode worker: no preemption muddles the timing
+CONFIG = {"kv_cache": {**CLUSTER_CONFIG["kv_cache"], "num_blocks": NUM_BLOCKS},
+          "transfer": {"transport": "shm", "ttl_s": 3.0, "heartbeat_interval_s": 0.2}}
+LONG_TOKENS = 2000  # ~2.5 s for four streams on 2 CPU cores: still running when a worker dies
+PROMPTS = [f"story number {i}: once upon a time" for i in range(4)]
+# Five processes on 2 cores: with a torch thread per core each, two decode workers spin against each
+# other and these streams take minutes instead of seconds.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_checkpoint, tmp_path_factory):
+    events = []
+    c = start_cluster(tiny_checkpoint("llama"), tmp_path_factory.mktemp("logs-restarts"), num_prefill=2,
+                      num_decode=2, config=CONFIG, max_restarts=3, on_event=events.append, env=ONE_THREAD)
+    c.events = events
+    pids = set(c.pids.values())
+    try:
+        yield c
+    finally:
+        c.stop()
+    pids |= {int(m.group(1)) for e in events if (m := re.search(r"as pid (\d+)", e.message))}
+    leftovers = [p for p in Path("/dev/shm").glob("tandem-kv.*") if int(p.name.split(".")[1]) in pids]
+    assert not leftovers, f"a shared KV cache outlived the cluster: {leftovers}"
+
+
+@pytest.fixture
+def client(cluster):
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_checkpoint, hf_reference):
+    return hf_reference(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def long_reference(hf):
+    """``long_reference(i)``: transformers' greedy text for PROMPTS[i], LONG_TOKENS tokens, EOS ignored."""
+    model, tokenizer = hf
+    cache: dict[int, str] = {}
+
+    def get(i: int) -> str:
+        if i not in cache:
+            ids = hf_greedy(model, tokenizer(PROMPTS[i])["input_ids"], LONG_TOKENS)
+            cache[i] = tokenizer.decode(ids, skip_special_tokens=True)
+        return cache[i]
+
+    return get
+
+
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+class Prober:
+    """Sends a short greedy request every ~0.3 s from a thread and keeps every failure."""
+
+    def __init__(self, client, tokenizer, reference_text):
+        self._client, self._tokenizer, self._reference_text = client, tokenizer, reference_text
+        self.num_ok = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _run(self):
+        name = model_name(self._client)
+        i = 0
+        while not self._stop.wait(0.3):
+            prompt = f"probe {i}"
+            i += 1
+            try:
+                out = self._client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
+                want = self._reference_text(self._tokenizer(prompt)["input_ids"], 8)[1]
+                if out.choices[0].text != want:
+                    self.failures.append(f"{prompt!r}: {out.choices[0].text!r} != {want!r}")
+                else:
+                    self.num_ok += 1
+            except openai.APIError as exc:
+                self.failures.append(f"{prompt!r}: {exc!r}")
+
+
+def start_long_streams(cluster, client) -> tuple[list[threading.Thread], dict, dict[str, int]]:
+    """Four long greedy streams (ignore_eos), returned once all decode, on both decode workers.
+
+    Returns the threads, results (results[i] = ("completed", text, finish, t) or ("error", repr, t)
+    when stream i ends) and how many streams each decode worker runs."""
+    name = model_name(client)
+    results: dict = {}
+    num_streaming = threading.Semaphore(0)
+
+    def consume(i):
+        text, finish = "", None
+        try:
+            for num_chunks, chunk in enumerate(client.completions.create(
+                    model=name, prompt=PROMPTS[i], max_tokens=LONG_TOKENS, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True})):
+                if num_chunks == 0:
+                    num_streaming.release()
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            results[i] = ("completed", text, finish, time.monotonic())
+        except openai.APIError as exc:
+            results[i] = ("error", repr(exc), time.monotonic())
+
+    threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert num_streaming.acquire(timeout=30), f"a stream did not start: {results}"
+    deadline = time.monotonic() + 2
+    while True:  # heartbeats lag: wait until the load reports show every stream
+        running = {w: worker_metric(cluster.url, "tandem_worker_running_requests", w) for w in ("decode-0", "decode-1")}
+        if sum(running.values()) == len(PROMPTS) and all(running.values()):
+            return threads, results, running
+        assert time.monotonic() < deadline, f"the streams should run on both decode workers: {running}"
+        time.sleep(0.05)
+
+
+def route_a_batch(client, tokenizer, reference_text, tag: str, num_requests: int = 8) -> None:
+    """Concurrent greedy requests (enough that every worker gets some), each exactly transformers' text."""
+    name = model_name(client)
+    prompts = [f"{tag} request {i} with a prompt long enough to be worth a transfer" for i in range(num_requests)]
+    outputs: dict = {}
+
+    def one(i):
+        outputs[i] = client.completions.create(model=name, prompt=prompts[i], max_tokens=24, temperature=0)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(num_requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(outputs) == num_requests
+    for i, out in outputs.items():
+        assert out.choices[0].text == reference_text(tokenizer(prompts[i])["input_ids"], 24)[1]
+
+
+def assert_restarted(cluster, name: str, old_pid: int, killed_at: float) -> int:
+    new_pid = None
+    while time.monotonic() - killed_at < 30 and new_pid in (None, old_pid):
+        new_pid = cluster.pids[name]
+        time.sleep(0.1)
+    assert new_pid not in (None, old_pid), f"{name} was not restarted"
+    wait_for_incarnation(cluster.url, name, new_pid, timeout_s=max(1.0, 30 - (time.monotonic() - killed_at)))
+    messages = [e.message for e in cluster.events if e.name == name]
+    assert any("killed by signal SIGKILL; restarting in" in m and f"{name}.log" in m for m in messages), messages
+    assert any(f"restarted as pid {new_pid}" in m for m in messages), messages
+    log = cluster.log_path(name).read_text()
+    assert log.count(f"tandem: {name} restarted") >= 1 and "serving" in log.rsplit("restarted;", 1)[1]
+    return new_pid
+
+
+def test_killed_decode_worker_is_restarted_and_serves_again(cluster, client, hf, reference_text, long_reference):
+    _, tokenizer = hf
+    threads, results, running = start_long_streams(cluster, client)
+    old_pid = cluster.pids["decode-0"]
+    with Prober(client, tokenizer, reference_text) as prober:
+        cluster.kill("decode-0", signal.SIGKILL)
+        killed_at = time.monotonic()
+        for t in threads:
+            t.join(timeout=60)
+        assert_restarted(cluster, "decode-0", old_pid, killed_at)
+    assert not prober.failures and prober.num_ok >= 5, prober.failures
+
+    assert len(results) == len(PROMPTS), results  # every stream ended: an error event or its last chunk
+    errors = [r for r in results.values() if r[0] == "error"]
+    # Exactly the streams on decode-0 end, with an error event, soon after the kill.
+    assert len(errors) == running["decode-0"] and all(r[2] - killed_at < 10 for r in errors), results
+    completed = {i: r for i, r in results.items() if r[0] == "completed"}
+    for i, (_, text, finish, _) in completed.items():
+        assert finish == "length" and text == long_reference(i)
+
+    route_a_batch(client, tokenizer, reference_text, "after the decode restart")
+    assert worker_metric(cluster.url, "tandem_kv_transfer_bytes_total", "decode-0") > 0, \
+        "the restarted decode worker received no KV"
+    wait_for_idle_blocks(cluster.url, cluster.worker_names, NUM_BLOCKS, timeout_s=20)
+
+
+def test_killed_prefill_worker_is_restarted_and_serves_again(cluster, client, hf, reference_text, long_reference):
+    _, tokenizer = hf
+    threads, results, _ = start_long_streams(cluster, client)
+    old_pid = cluster.pids["prefill-0"]
+    with Prober(client, tokenizer, reference_text) as prober:
+        cluster.kill("prefill-0", signal.SIGKILL)
+        killed_at = time.monotonic()
+        for t in threads:
+            t.join(timeout=60)
+        assert_restarted(cluster, "prefill-0", old_pid, killed_at)
+    assert not prober.failures and prober.num_ok >= 5, prober.failures
+
+    # The streams were past prefill when it died: every one completes, exactly.
+    assert len(results) == len(PROMPTS) and all(r[0] == "completed" for r in results.values()), results
+    for i, (_, text, finish, _) in results.items():
+        assert finish == "length" and text == long_reference(i)
+
+    route_a_batch(client, tokenizer, reference_text, "after the prefill restart")
+    assert worker_metric(cluster.url, "tandem_kv_transfer_bytes_total", "prefill-0") > 0, \
+        "the restarted prefill worker sent no KV"
+    wait_for_idle_blocks(cluster.url, cluster.worker_names, NUM_BLOCKS, timeout_s=20)
+
+
+def test_killed_router_is_restarted_and_every_worker_registers_again(cluster, client, hf, reference_text):
+    _, tokenizer = hf
+    old_pid = cluster.pids["router"]
+    cluster.kill("router", signal.SIGKILL)
+    killed_at = time.monotonic()
+    while cluster.pids["router"] == old_pid:
+        assert time.monotonic() - killed_at < 10, "the router was not restarted"
+        time.sleep(0.1)
+    for name, pid in cluster.pids.items():  # workers re-register by themselves, as the same processes
+        if name != "router":
+            wait_for_incarnation(cluster.url, name, pid, timeout_s=30 - (time.monotonic() - killed_at))
+    route_a_batch(client, tokenizer, reference_text, "after the router restart")
+    wait_for_idle_blocks(cluster.url, cluster.worker_names, NUM_BLOCKS, timeout_s=20)

@@ -1,0 +1,104 @@
+"""``tandem up`` keeps the service up: it restarts a killed worker (and says so), gives up with a clear
+error and a non-zero exit only when the cluster cannot serve, and on SIGTERM lets a running stream finish."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.cluster.conftest import free_port, wait_for_incarnation
+from tests.deploy.conftest import TandemUp, children_of, is_alive
+
+
+def up_args(tiny_checkpoint, tmp_path, *args: str) -> list[str]:
+    return ["--model", tiny_checkpoint("llama"), "--port", str(free_port()), "--log-dir", str(tmp_path),
+            "--kv-cache-num-blocks", "128", *args]
+
+
+def complete(url: str, tiny_checkpoint, prompt: str = "Hi") -> None:
+    out = httpx.post(f"{url}/v1/completions", json={"model": Path(tiny_checkpoint("llama")).name, "prompt": prompt,
+                                                    "max_tokens": 4, "ignore_eos": True}, timeout=60)
+    assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 4, out.text
+
+
+def test_killed_worker_is_restarted_and_the_cluster_keeps_serving(tiny_checkpoint, tmp_path):
+    up = TandemUp(up_args(tiny_checkpoint, tmp_path, "--prefill", "1", "--decode", "2"))
+    try:
+        url = up.wait_ready()
+        old_pid = up.pids["decode-0"]
+        os.kill(old_pid, signal.SIGKILL)
+        line = up.wait_for(r"^decode-0 ", 10).string
+        assert "decode-0 was killed by signal SIGKILL; restarting in 1 s (attempt 1 of 5)" in line
+        assert f"log: {tmp_path}/decode-0.log" in line
+        complete(url, tiny_checkpoint, "while decode-0 is down")  # decode-1 serves (after a retry, if need be)
+        new_pid = int(up.wait_for(r"^decode-0 restarted as pid (\d+)", 30).group(1))
+        wait_for_incarnation(url, "decode-0", new_pid, timeout_s=30)
+        complete(url, tiny_checkpoint, "after the restart")
+        assert "tandem: decode-0 restarted" in (tmp_path / "decode-0.log").read_text()  # appended, marked
+        assert "decode-0 restarted as pid" in (tmp_path / "launcher.log").read_text()
+        children = children_of(up.proc.pid)
+        assert new_pid in children and old_pid not in children and len(children) == 4
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.exit_code(timeout_s=60) == 0, up.output
+        assert not [pid for pid in children if is_alive(pid)]
+    finally:
+        up.cleanup()
+
+
+def test_crashing_past_the_limit_exits_nonzero_with_the_reason(tiny_checkpoint, tmp_path):
+    up = TandemUp(up_args(tiny_checkpoint, tmp_path, "--colocated", "1", "--max-restarts", "1"))
+    try:
+        url = up.wait_ready()
+        os.kill(up.pids["colocated-0"], signal.SIGKILL)
+        new_pid = int(up.wait_for(r"^colocated-0 restarted as pid (\d+)", 30).group(1))
+        wait_for_incarnation(url, "colocated-0", new_pid, timeout_s=30)
+        os.kill(new_pid, signal.SIGKILL)
+        assert up.exit_code(timeout_s=60) == 1, up.output
+        assert ("colocated-0 was killed by signal SIGKILL; not restarted: 2 crashes in a row (max_restarts=1)"
+                in up.output)
+        assert "tandem up: error: the cluster cannot serve: no decode or colocated worker is left" in up.output
+        assert not [pid for pid in up.all_pids if is_alive(pid)]  # the router was stopped too
+    finally:
+        up.cleanup()
+
+
+def test_sigterm_lets_a_running_stream_finish(tiny_checkpoint, tmp_path):
+    up = TandemUp(up_args(tiny_checkpoint, tmp_path, "--prefill", "1", "--decode", "1"))
+    try:
+        url = up.wait_ready()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        stream = client.completions.create(model=Path(tiny_checkpoint("llama")).name, prompt="a long story",
+                                           max_tokens=1900, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        result: dict = {}
+
+        def consume():
+            num_chunks, finish = 0, None
+            for chunk in stream:
+                num_chunks += 1
+                finish = chunk.choices[0].finish_reason or finish
+                if num_chunks == 5:
+                    result["streaming"] = time.monotonic()
+            result.update(finish=finish, ended=time.monotonic())
+
+        reader = threading.Thread(target=consume, daemon=True)
+        reader.start()
+        while "streaming" not in result:
+            assert reader.is_alive(), result
+            time.sleep(0.05)
+        children = children_of(up.proc.pid)
+        up.proc.send_signal(signal.SIGTERM)
+        signalled_at = time.monotonic()
+        assert up.exit_code(timeout_s=60) == 0, up.output
+        reader.join(timeout=10)
+        assert result.get("finish") == "length", (result, up.output)
+        assert result["ended"] > signalled_at
+        assert not [pid for pid in children if is_alive(pid)]
+    finally:
+        up.cleanup()
