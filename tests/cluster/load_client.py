@@ -36,12 +36,15 @@ class LoadResult:
 def mixed_workload(num_requests: int, rate: float, *, long_fraction: float, long_len: int, long_out: int,
                    short_len: int, short_out: int, seed: int = 0, token_range: tuple[int, int] = (10, 290),
                    ) -> list[LoadRequest]:
-    """Poisson arrivals at ``rate``/s; a ``long_fraction`` of long-prompt/short-output requests among
-    short-prompt/long-output ones (the mix that makes prefill and decode fight)."""
+    """Poisson arrivals at ``rate``/s; ``round(long_fraction * num_requests)`` long-prompt/short-output
+    requests, at random places among short-prompt/long-output ones (the mix that makes prefill and
+    decode fight)."""
     rng = random.Random(seed)
+    num_long = round(long_fraction * num_requests)
+    kinds = [True] * num_long + [False] * (num_requests - num_long)
+    rng.shuffle(kinds)
     requests, t = [], 0.0
-    for _ in range(num_requests):
-        is_long = rng.random() < long_fraction
+    for is_long in kinds:
         length, out = (long_len, long_out) if is_long else (short_len, short_out)
         requests.append(LoadRequest([rng.randrange(*token_range) for _ in range(length)], out, t))
         t += rng.expovariate(rate)

@@ -1,0 +1,167 @@
+"""Busy is not dead, frozen is: liveness on real processes with the router's deadline at 1 s.
+
+A worker inside one 10-second engine step keeps heartbeating (from its router link's own thread) and
+reports how long the step has run; it is never declared dead and its request completes. A worker
+frozen with SIGSTOP falls silent and is declared dead within the deadline; its streams end with an
+error event while the other worker keeps serving; after SIGCONT it is admitted again. A 1P1D cluster
+whose prefill worker is gone (and not restarted) serves by prefilling on the decode worker.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import openai
+
+from tests.cluster.conftest import start_cluster, wait_for_idle_blocks, worker_metric
+
+NUM_BLOCKS = 1024
+FAST_LIVENESS = {
+    "kv_cache": {"page_size": 4, "num_blocks": NUM_BLOCKS},
+    "max_batch_input_tokens": 512,
+    "transfer": {"heartbeat_interval_s": 0.2},
+    "router": {"dead_after_s": 1.0},
+}
+
+
+def client_for(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def workers_alive(url: str) -> dict[str, bool]:
+    return {w["worker_id"]: w["alive"] for w in httpx.get(f"{url}/ready", timeout=5).json()["workers"]}
+
+
+def test_a_worker_inside_a_ten_second_step_is_not_declared_dead(tiny_checkpoint, tmp_path, reference_text,
+                                                                monkeypatch):
+    monkeypatch.setenv("TANDEM_TEST_SLOW_STEP_S", "10")
+    monkeypatch.setenv("TANDEM_TEST_SLOW_MIN_CHUNK", "200")
+    monkeypatch.setenv("TANDEM_TEST_SLOW_ONCE", "1")
+    cluster = start_cluster(tiny_checkpoint("llama"), tmp_path, num_prefill=0, num_decode=0, num_colocated=1,
+                            config=FAST_LIVENESS, entry_module="tests.cluster.slow_steps")
+    try:
+        client = client_for(cluster)
+        name = client.models.list().data[0].id
+        prompt = [10 + (i * 7) % 280 for i in range(300)]
+        outcome: dict = {}
+        thread = threading.Thread(target=lambda: outcome.update(
+            out=client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)))
+        thread.start()
+        busy_seen = 0.0
+        while thread.is_alive():
+            assert workers_alive(cluster.url) == {"colocated-0": True}
+            busy_seen = max(busy_seen, (worker_metric(cluster.url, "tandem_worker_busy_in_step_seconds", "colocated-0") or 0.0))
+            time.sleep(0.25)
+        thread.join()
+        assert busy_seen > 5.0, "the heartbeat should report the long step while it runs"
+        assert outcome["out"].choices[0].text == reference_text(prompt, 8)[1]
+        deadline = time.monotonic() + 5  # the heartbeat after the step carries its length
+        while (worker_metric(cluster.url, "tandem_worker_max_step_seconds", "colocated-0") or 0.0) < 10.0:
+            assert time.monotonic() < deadline, "the 10-second step should be reported"
+            time.sleep(0.1)
+        assert "declared dead" not in cluster.log_tail("router", 10_000)
+        wait_for_idle_blocks(cluster.url, cluster.worker_names, NUM_BLOCKS)
+    finally:
+        cluster.stop()
+
+
+def _stream_to_end(client, name: str, prompt: str, results: dict, key: str) -> None:
+    try:
+        for _ in client.completions.create(model=name, prompt=prompt, max_tokens=400, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}):
+            pass
+        results[key] = ("completed", time.monotonic())
+    except (openai.APIError, httpx.HTTPError) as exc:
+        results[key] = ("error", time.monotonic(), repr(exc))
+
+
+def test_a_frozen_worker_is_declared_dead_and_only_its_streams_end(tiny_checkpoint, tmp_path, reference_text):
+    cluster = start_cluster(tiny_checkpoint("llama"), tmp_path, num_prefill=0, num_decode=0, num_colocated=2,
+                            config=FAST_LIVENESS)
+    frozen = cluster.processes["colocated-1"]
+    try:
+        client = client_for(cluster)
+        name = client.models.list().data[0].id
+        results: dict = {}
+        threads = [threading.Thread(target=_stream_to_end, args=(client, name, f"story {i}", results, str(i)),
+                                    daemon=True) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 10
+        while (worker_metric(cluster.url, "tandem_worker_running_requests", "colocated-1") or 0.0) == 0:
+            assert time.monotonic() < deadline, "no stream reached colocated-1"
+            time.sleep(0.05)
+        frozen.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        for thread in threads:
+            thread.join(60)
+        errors = [r for r in results.values() if r[0] == "error"]
+        assert errors, "the frozen worker's streams should have ended with an error"
+        assert all(r[1] - stopped_at < 1.0 + 2.0 for r in errors), "declared dead within the deadline (+ slack)"
+        assert any(r[0] == "completed" for r in results.values()), "streams on the live worker complete"
+        assert not workers_alive(cluster.url)["colocated-1"]
+        prompt = [12, 44, 91, 200]
+        out = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
+        assert out.choices[0].text == reference_text(prompt, 12)[1]  # served by the live worker meanwhile
+        frozen.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while not workers_alive(cluster.url)["colocated-1"]:
+            assert time.monotonic() < deadline, "a thawed worker heartbeats again and is admitted"
+            time.sleep(0.1)
+        wait_for_idle_blocks(cluster.url, cluster.worker_names, NUM_BLOCKS)  # its dead requests were cancelled
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+        cluster.stop()
+
+
+def test_1p1d_without_a_prefill_worker_prefills_on_the_decode_worker(tiny_checkpoint, tmp_path, reference_text):
+    cluster = start_cluster(tiny_checkpoint("llama"), tmp_path, num_prefill=1, num_decode=1,
+                            config=FAST_LIVENESS, max_restarts=0)
+    try:
+        client = client_for(cluster)
+        name = client.models.list().data[0].id
+        before = (worker_metric(cluster.url, "tandem_kv_transfer_bytes_total", "decode-0") or 0.0)
+        prompt = [10 + (i * 13) % 280 for i in range(60)]
+        out = client.completions.create(model=name, prompt=prompt, max_tokens=10, temperature=0)
+        assert out.choices[0].text == reference_text(prompt, 10)[1]
+        time.sleep(0.5)  # one heartbeat
+        assert (worker_metric(cluster.url, "tandem_kv_transfer_bytes_total", "decode-0") or 0.0) > before  # via P
+        cluster.kill("prefill-0", signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while workers_alive(cluster.url).get("prefill-0", False):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert httpx.get(f"{cluster.url}/ready").status_code == 200
+        for i in range(3):
+            prompt = [20 + (i * 31 + j * 17) % 270 for j in range(40 + 30 * i)]
+            out = client.completions.create(model=name, prompt=prompt, max_tokens=10, temperature=0)
+            assert out.choices[0].text == reference_text(prompt, 10)[1]
+        wait_for_idle_blocks(cluster.url, ["decode-0"], NUM_BLOCKS)
+    finally:
+        cluster.stop()
+
+
+def test_short_prompts_are_prefilled_where_they_decode_and_long_ones_are_shipped(tiny_checkpoint, tmp_path,
+                                                                                 reference_text):
+    config = dict(FAST_LIVENESS, router={"dead_after_s": 1.0, "max_local_prefill_length": 32})
+    cluster = start_cluster(tiny_checkpoint("llama"), tmp_path, num_prefill=1, num_decode=1, config=config)
+    try:
+        client = client_for(cluster)
+        name = client.models.list().data[0].id
+
+        def moved_bytes() -> float:
+            time.sleep(0.6)  # heartbeats carry the transfer counters
+            return worker_metric(cluster.url, "tandem_kv_transfer_bytes_total", "decode-0") or 0.0
+
+        for num_prompt_tokens, is_local in [(24, True), (32, True), (120, False)]:
+            before = moved_bytes()
+            prompt = [10 + (i * 13) % 280 for i in range(num_prompt_tokens)]
+            out = client.completions.create(model=name, prompt=prompt, max_tokens=10, temperature=0)
+            assert out.choices[0].text == reference_text(prompt, 10)[1]
+            assert (moved_bytes() == before) is is_local, f"{num_prompt_tokens} tokens"
+        wait_for_idle_blocks(cluster.url, cluster.worker_names, NUM_BLOCKS)
+    finally:
+        cluster.stop()
