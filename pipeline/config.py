@@ -97,7 +97,7 @@ class RouterConfig(_Section):
     queue_timeout_s: float = Field(
         60.0, gt=0.0, description="a request that waited this long for a free worker gets 429")
     max_local_prefill_length: int = Field(
-        0, ge=0, description="DecodeOnly workers prefill prompts up to this many tokens themselves (0 = never)")
+        32, ge=0, description="DecodeOnly workers prefill prompts up to this many tokens themselves (0 = never); see docs/load.md")
     request_timeout_s: float = Field(600.0, gt=0.0, description="a request unfinished after this gets 504")
 
 

@@ -11,7 +11,10 @@ import pytest
 
 from deploy.local_launcher import LocalCluster
 
-CLUSTER_CONFIG = {"kv_cache": {"page_size": 4, "num_blocks": 512}, "max_batch_input_tokens": 64}
+# max_local_prefill_length 0: every request of a P/D cluster goes through a prefill worker and a KV
+# transfer, even the tests' short prompts (which the default would prefill on the decode worker).
+CLUSTER_CONFIG = {"kv_cache": {"page_size": 4, "num_blocks": 512}, "max_batch_input_tokens": 64,
+                  "router": {"max_local_prefill_length": 0}}
 
 
 def free_port() -> int:

@@ -23,7 +23,7 @@ FAST_LIVENESS = {
     "kv_cache": {"page_size": 4, "num_blocks": NUM_BLOCKS},
     "max_batch_input_tokens": 512,
     "transfer": {"heartbeat_interval_s": 0.2},
-    "router": {"dead_after_s": 1.0},
+    "router": {"dead_after_s": 1.0, "max_local_prefill_length": 0},
 }
 
 

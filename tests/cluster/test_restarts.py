@@ -23,7 +23,7 @@ from tests.cluster.conftest import (
 from tests.conftest import hf_greedy
 
 NUM_BLOCKS = 2048  # two long streams fit on one decode worker: no preemption muddles the timing
-CONFIG = {"kv_cache": {**CLUSTER_CONFIG["kv_cache"], "num_blocks": NUM_BLOCKS},
+CONFIG = {"kv_cache": {**CLUSTER_CONFIG["kv_cache"], "num_blocks": NUM_BLOCKS}, "router": CLUSTER_CONFIG["router"],
           "transfer": {"transport": "shm", "ttl_s": 3.0, "heartbeat_interval_s": 0.2}}
 LONG_TOKENS = 2000  # ~2.5 s for four streams on 2 CPU cores: still running when a worker dies
 PROMPTS = [f"story number {i}: once upon a time" for i in range(4)]

@@ -37,7 +37,9 @@ class RouterServer:
     def __init__(self, served_model: ServedModel, **options: Any) -> None:
         self.tmpdir = tempfile.mkdtemp(prefix="tdm", dir="/tmp")
         self.base = f"ipc://{self.tmpdir}/t"
-        config = PipelineConfig(zmq_endpoint_base=self.base, max_length=MAX_LENGTH, **options.pop("config", {}))
+        # Every P/D request through a prefill worker unless a test says otherwise (the tests' prompts are short).
+        fields = {"router": {"max_local_prefill_length": 0}, **options.pop("config", {})}
+        config = PipelineConfig(zmq_endpoint_base=self.base, max_length=MAX_LENGTH, **fields)
         options.setdefault("heartbeat_interval_s", 0.05)
         options.setdefault("dead_after_s", 1.0)
         options.setdefault("request_timeout_s", 10.0)
