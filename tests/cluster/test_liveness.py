@@ -70,7 +70,7 @@ def test_a_worker_inside_a_ten_second_step_is_not_declared_dead(tiny_checkpoint,
 
 def _stream_to_end(client, name: str, prompt: str, results: dict, key: str) -> None:
     try:
-        for _ in client.completions.create(model=name, prompt=prompt, max_tokens=400, temperature=0, stream=True,
+        for _ in client.completions.create(model=name, prompt=prompt, max_tokens=800, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True}):
             pass
         results[key] = ("completed", time.monotonic())

@@ -109,3 +109,15 @@ def test_bad_config_is_a_clear_error(args, message):
     result = subprocess.run([*TANDEM, *args], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_worker_processes_let_idle_openmp_threads_sleep(monkeypatch):
+    """Workers share cores: spinning OpenMP threads of one worker stall every other (docs/load.md)."""
+    from deploy.serve_cmds import quiet_openmp_waits
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    quiet_openmp_waits()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # a user's explicit choice stands
+    quiet_openmp_waits()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
