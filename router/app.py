@@ -1,8 +1,8 @@
 """The router's HTTP app (OpenAI-compatible) and its entry point ``run_router``.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (the /v1 routes take an
-optional ``Authorization: Bearer <api_key>``), GET /health (the process is up), GET /ready (200 only
-when live workers can serve a request: any PrefillAndDecode or DecodeOnly worker, the latter prefilling
+optional ``Authorization: Bearer <api_key>``), GET /health (the process is up), GET /ready (per
+worker: alive, pid, how long its current step has run, draining; 200 only when live workers can serve a request: any PrefillAndDecode or DecodeOnly worker, the latter prefilling
 locally when no PrefillOnly worker is alive; 503 with the reason otherwise), GET /metrics (Prometheus).
 
 Under load the router bends rather than breaks: requests wait in a bounded queue while every worker
@@ -125,7 +125,9 @@ def create_app(
     async def ready() -> JSONResponse:
         is_ready, reason = registry.readiness()
         workers = [
-            {"worker_id": w.worker_id, "role": w.role.value, "alive": w.is_alive, "pid": w.pid} for w in registry.all_workers()
+            {"worker_id": w.worker_id, "role": w.role.value, "alive": w.is_alive, "pid": w.pid,
+             "busy_in_step_s": round(w.load.busy_in_step_s, 3), "draining": w.load.is_draining}
+            for w in registry.all_workers()
         ]
         body = {"ready": is_ready, "reason": reason, "workers": workers}
         return JSONResponse(body, status_code=200 if is_ready else 503)

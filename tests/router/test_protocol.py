@@ -14,7 +14,9 @@ from pipeline.protocol.cluster import (
     GenerateRequest,
     Heartbeat,
     PrefillDone,
+    PrefillAccepted,
     PrefillRejected,
+    PrefillStarted,
     PrefillRequest,
     RegisterAck,
     RegisterWorker,
@@ -81,8 +83,10 @@ def test_decode_to_prefill_round_trip(msg):
 
 
 def test_prefill_to_decode_and_prefill_done_round_trip():
-    rejected = PrefillRejected(request_id="a", error="queue full", retryable=True)
-    assert decode_prefill_to_decode(encode(rejected)) == rejected
+    for answer in (PrefillRejected(request_id="a", error="queue full", retryable=True),
+                   PrefillAccepted(request_id="a"), PrefillStarted(request_id="a")):
+        decoded = decode_prefill_to_decode(encode(answer))
+        assert decoded == answer and type(decoded) is type(answer)
     done = PrefillDone(request_id="a", first_token_id=17, first_logprobs=[TokenLogprob(17, -0.3), TokenLogprob(4, -1.9)],
                        num_prompt_tokens=40, num_computed_tokens=24, prefill_worker_id="p0")
     payload = encode_prefill_done(done)
