@@ -228,7 +228,8 @@ class DecodeWorker(WorkerBase):
         self._forget(rid)
         if state.failure == "cancelled":
             return []
-        return [error_delta(rid, error, retryable=state.retryable)]
+        # The prefill side failed it (rejected, timed out, transfer broken): a retry avoids that prefill worker.
+        return [error_delta(rid, error, retryable=state.retryable, is_prefill_failure=True)]
 
     def _tear_down_remote(self, rid: str, state: RemotePrefill, reason: str, retryable: bool, notify: bool) -> None:
         if state.failure is not None:

@@ -163,5 +163,6 @@ def delta_from_step(step: StepOutput) -> TokenDelta:
     return delta
 
 
-def error_delta(request_id: str, error: str, retryable: bool) -> TokenDelta:
-    return TokenDelta(request_id=request_id, finish_reason=FinishCode.ERROR, error=error, retryable=retryable)
+def error_delta(request_id: str, error: str, retryable: bool, is_prefill_failure: bool = False) -> TokenDelta:
+    return TokenDelta(request_id=request_id, finish_reason=FinishCode.ERROR, error=error, retryable=retryable,
+                      is_prefill_failure=is_prefill_failure)

@@ -346,7 +346,11 @@ class Dispatcher:
                     self._send(worker_id, CancelRequest(request_id=delta.request_id))
                 continue
             if delta.finish_reason == FinishCode.ERROR and delta.retryable and not delta.token_ids:
-                self._retry_or_fail(handle, worker_id, f"worker {worker_id}: {delta.error or 'error'}", 503)
+                # Blame the prefill worker when the decode worker says its side failed: the retry may
+                # go back to this decode worker (the only one, perhaps) with another prefill worker,
+                # or prefill locally when none is left.
+                culprit = handle.prefill_worker_id if delta.is_prefill_failure and handle.prefill_worker_id else worker_id
+                self._retry_or_fail(handle, culprit, f"worker {worker_id}: {delta.error or 'error'}", 503)
                 continue
             if delta.token_ids:
                 if not handle.has_tokens:

@@ -148,6 +148,7 @@ class TokenDelta(msgspec.Struct, **_HOT):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     stop_token_id: int | None = None
+    is_prefill_failure: bool = False  # with ERROR: the prefill worker's side failed (retry without it)
 
 
 class TokenBatch(msgspec.Struct, tag=True, **_HOT):

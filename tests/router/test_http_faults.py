@@ -117,6 +117,24 @@ def test_retryable_worker_error_is_retried_elsewhere(router, served_model):
     assert response.status_code == 200 and response.json()["choices"][0]["text"].startswith("Hello")
 
 
+def test_a_prefill_side_failure_is_retried_on_the_same_decode_worker_without_that_prefill_worker(router, served_model):
+    decode_ok = slow_script(served_model, step_s=0.005)
+
+    def decode_script(request):
+        if request.prefill_worker_id == "p-stuck":  # its prefill timed out there: the decode side is fine
+            return [(0.0, TokenDelta(request_id=request.request_id, finish_reason=FinishCode.ERROR,
+                                     error="prefill timed out", retryable=True, is_prefill_failure=True))]
+        return decode_ok(request)
+
+    decode = router.add_worker("d0", role=PipelineRole.DecodeOnly, script=decode_script)
+    router.add_worker("p-stuck", role=PipelineRole.PrefillOnly, prefill_endpoint="ipc:///tmp/p-stuck")
+    response = httpx.post(f"{router.url}/v1/completions", json=BODY)
+    assert response.status_code == 200, response.text  # d0 is the only decode worker, and it is not to blame
+    first, second = decode.requests
+    assert first.prefill_worker_id == "p-stuck"
+    assert second.request_id == first.request_id + "~2" and second.prefill_worker_id is None  # prefilled locally
+
+
 def test_worker_error_fails_the_request(router):
     def fail(request):
         return [(0.0, TokenDelta(request_id=request.request_id, finish_reason=FinishCode.ERROR, error="KV checksum mismatch"))]
