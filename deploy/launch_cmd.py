@@ -56,8 +56,15 @@ def run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts, on_event=_print_event,
     )
     stop = threading.Event()
+
+    def on_signal(*_) -> None:
+        if stop.is_set():  # the second Ctrl-C / SIGTERM: no more waiting for requests in flight
+            print("stopping at once", flush=True)
+            cluster.force_stop()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     if config.model.model_path is None:
         from pipeline.builtin_model import BUILTIN_NOTICE
 
@@ -78,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
                       f"see {cluster.log_dir}/launcher.log", file=sys.stderr, flush=True)
                 return 1
     finally:
-        print("shutting down...", flush=True)
+        print(f"shutting down: requests in flight get {config.drain_timeout_s:g} s to finish "
+              "(Ctrl-C again to stop at once)...", flush=True)
         cluster.stop()
     return 0
 

@@ -66,6 +66,7 @@ class LocalCluster:
         self._commands: dict[str, list[str]] = {}
         self._lock = threading.Lock()  # processes and spawning: the supervision thread vs stop() and kill()
         self._is_stopping = threading.Event()
+        self._is_forced = threading.Event()  # stop without waiting: the user asked twice
         self._supervisor: Supervisor | None = None
         self._supervision_thread: threading.Thread | None = None
         self._workdir = Path(tempfile.mkdtemp(prefix="tandem-"))
@@ -220,9 +221,9 @@ class LocalCluster:
         router = workers.pop("router", None)
         try:
             if router is not None:
-                _terminate({"router": router}, self._drain_timeout_s() + ROUTER_STOP_MARGIN_S)
+                _terminate({"router": router}, self._drain_timeout_s() + ROUTER_STOP_MARGIN_S, self._is_forced)
         finally:  # whatever went wrong above, no worker may outlive the cluster
-            _terminate(workers, timeout_s)
+            _terminate(workers, timeout_s, self._is_forced)
         with self._lock:
             self.processes.clear()
         for leftover in self._workdir.glob("zmq-*"):  # ipc socket files; logs stay for the user
@@ -230,6 +231,11 @@ class LocalCluster:
         from kv_transfer.shm import remove_stale_shared_kv_caches
 
         remove_stale_shared_kv_caches()  # shared KV caches of workers that had to be killed
+
+    def force_stop(self) -> None:
+        """Cut a ``stop()`` in progress short (from another thread or a signal handler): whatever
+        still runs gets SIGKILL now instead of its drain."""
+        self._is_forced.set()
 
     def _drain_timeout_s(self) -> float:
         return float(self.config.get("drain_timeout_s", PipelineConfig.model_fields["drain_timeout_s"].default))
@@ -256,16 +262,20 @@ def _why_cannot_serve(names_left: set[str]) -> str | None:
     return None
 
 
-def _terminate(processes: dict[str, subprocess.Popen], timeout_s: float) -> None:
-    """SIGTERM every process group, wait up to ``timeout_s`` in all, SIGKILL what is still running."""
+def _terminate(processes: dict[str, subprocess.Popen], timeout_s: float, is_forced: threading.Event) -> None:
+    """SIGTERM every process group, wait up to ``timeout_s`` in all (less once ``is_forced`` is set),
+    SIGKILL what is still running."""
     for proc in processes.values():
         _signal_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not is_forced.is_set():
+        if all(proc.poll() is not None for proc in processes.values()):
+            return
+        time.sleep(0.05)
     for name, proc in processes.items():
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop in %.0fs; killing it", name, timeout_s)
+        if proc.poll() is None:
+            if not is_forced.is_set():
+                logger.warning("%s did not stop in %.0fs; killing it", name, timeout_s)
             _signal_group(proc, signal.SIGKILL)
             proc.wait(5)
 

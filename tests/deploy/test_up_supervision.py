@@ -102,3 +102,38 @@ def test_sigterm_lets_a_running_stream_finish(tiny_checkpoint, tmp_path):
         assert not [pid for pid in children if is_alive(pid)]
     finally:
         up.cleanup()
+
+
+def test_a_second_sigterm_stops_at_once_without_waiting_for_the_drain(tiny_checkpoint, tmp_path):
+    up = TandemUp(up_args(tiny_checkpoint, tmp_path, "--colocated", "1", "--drain-timeout-s", "120"))
+    try:
+        url = up.wait_ready()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        stream = client.completions.create(model=Path(tiny_checkpoint("llama")).name, prompt="a long story",
+                                           max_tokens=1900, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)  # a request is in flight: the first signal drains, and would wait for it
+        result: dict = {}
+
+        def consume():
+            try:
+                result["finish"] = [c.choices[0].finish_reason for c in chunks][-1]
+            except (openai.APIError, httpx.HTTPError) as exc:
+                result["error"] = repr(exc)
+
+        reader = threading.Thread(target=consume, daemon=True)
+        reader.start()
+        children = children_of(up.proc.pid)
+        up.proc.send_signal(signal.SIGTERM)
+        up.wait_for("shutting down")
+        up.proc.send_signal(signal.SIGTERM)
+        signalled_at = time.monotonic()
+        up.wait_for("stopping at once")
+        assert up.exit_code(timeout_s=30) == 0, up.output
+        assert time.monotonic() - signalled_at < 15  # not the 120 s drain
+        reader.join(timeout=10)
+        assert result.get("finish") != "length", result  # cut off, not drained
+        assert not [pid for pid in children if is_alive(pid)]
+    finally:
+        up.cleanup()
