@@ -4,7 +4,9 @@
 engine step that ran a prompt chunk of at least ``TANDEM_TEST_SLOW_MIN_CHUNK`` tokens then burns
 ``TANDEM_TEST_SLOW_STEP_S`` more seconds of CPU in torch matmuls (which, like a real forward, release
 the GIL between ops and keep the cores busy). With ``TANDEM_TEST_SLOW_ONCE=1`` only the first such
-step is slow. The router process is left alone (it must never import torch).
+step is slow. ``TANDEM_TEST_STEP_DELAY_S`` adds a pause after every step (a slower model: long
+streams stay in flight long enough for a test to act on them). The router process is left alone (it
+must never import torch).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def _patch_engine() -> None:
     slow_s = float(os.environ.get("TANDEM_TEST_SLOW_STEP_S", "0"))
     min_chunk = int(os.environ.get("TANDEM_TEST_SLOW_MIN_CHUNK", "64"))
     once = os.environ.get("TANDEM_TEST_SLOW_ONCE") == "1"
+    delay_s = float(os.environ.get("TANDEM_TEST_STEP_DELAY_S", "0"))
     step = LLMEngine.step
     num_slowed = 0
 
@@ -39,6 +42,8 @@ def _patch_engine() -> None:
         if plan is not None and any(c.num_tokens >= min_chunk for c in plan.chunks) and not (once and num_slowed):
             num_slowed += 1
             _burn(slow_s)
+        if delay_s and plan is not None and plan.chunks:
+            time.sleep(delay_s)
         return outputs
 
     LLMEngine.step = slow_step

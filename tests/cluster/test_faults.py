@@ -24,8 +24,11 @@ FAST_FAULTS = {"transfer": {"transport": "shm", "ttl_s": 3.0, "heartbeat_interva
 
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoint, tmp_path_factory):
+    # A 3 ms pause per step: the tiny model's 1,500-token streams stay in flight for seconds, so the
+    # kill tests hit them mid-stream however fast the machine is.
     c = start_cluster(tiny_checkpoint("llama"), tmp_path_factory.mktemp("logs-faults"), num_prefill=2,
-                      num_decode=2, config=FAST_FAULTS)
+                      num_decode=2, config=FAST_FAULTS, entry_module="tests.cluster.slow_steps",
+                      env={"TANDEM_TEST_STEP_DELAY_S": "0.003"})
     try:
         yield c
     finally:
@@ -111,7 +114,7 @@ def _consume_until_end(stream, results: dict, key: str) -> None:
     started = time.monotonic()
     try:
         for _ in stream:
-            pass
+            results.setdefault(key + ":first", time.monotonic())
         results[key] = ("completed", time.monotonic())
     except (openai.APIError, httpx.HTTPError) as exc:
         results[key] = ("error", time.monotonic(), repr(exc))
@@ -125,13 +128,17 @@ def test_kill_decode_worker_mid_stream(cluster, client):
                for i, s in enumerate(streams)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 20
+    while sum(k.endswith(":first") for k in results) < 4:  # every stream has tokens: none can be retried
+        assert time.monotonic() < deadline and not any(":" not in k for k in results), results
+        time.sleep(0.02)
+    time.sleep(0.3)  # a heartbeat with the blocks
     assert used_blocks(cluster.url, "decode-0") > 0 and used_blocks(cluster.url, "decode-1") > 0
     cluster.kill("decode-0", signal.SIGKILL)
     killed_at = time.monotonic()
     while time.monotonic() - killed_at < 10.0 and len([k for k in results if ":" not in k]) < 4:
         time.sleep(0.1)
-    ended = {k: v for k, v in results.items() if not k.endswith(":started")}
+    ended = {k: v for k, v in results.items() if ":" not in k}
     errors = [v for v in ended.values() if v[0] == "error"]
     assert errors, f"the streams on the killed worker must end with an error within 10 s: {results}"
     assert all(e[1] - killed_at < 10.0 for e in errors)
