@@ -68,30 +68,39 @@ def test_crashing_past_the_limit_exits_nonzero_with_the_reason(tiny_checkpoint, 
         up.cleanup()
 
 
-def test_sigterm_lets_a_running_stream_finish(tiny_checkpoint, tmp_path):
-    up = TandemUp(up_args(tiny_checkpoint, tmp_path, "--prefill", "1", "--decode", "1"))
-    try:
-        url = up.wait_ready()
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
-        stream = client.completions.create(model=Path(tiny_checkpoint("llama")).name, prompt="a long story",
-                                           max_tokens=1900, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
-        result: dict = {}
+def read_a_long_stream(url: str, tiny_checkpoint) -> tuple[dict, threading.Thread]:
+    """Start a 1,900-token stream and read it in a thread; returns once it is streaming. The dict
+    gets ``finish`` and ``ended`` when it completes, ``error`` when it breaks."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    stream = client.completions.create(model=Path(tiny_checkpoint("llama")).name, prompt="a long story",
+                                       max_tokens=1900, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    result: dict = {}
 
-        def consume():
-            num_chunks, finish = 0, None
+    def consume():
+        num_chunks, finish = 0, None
+        try:
             for chunk in stream:
                 num_chunks += 1
                 finish = chunk.choices[0].finish_reason or finish
                 if num_chunks == 5:
                     result["streaming"] = time.monotonic()
+        except (openai.APIError, httpx.HTTPError) as exc:
+            result["error"] = repr(exc)
+        else:
             result.update(finish=finish, ended=time.monotonic())
 
-        reader = threading.Thread(target=consume, daemon=True)
-        reader.start()
-        while "streaming" not in result:
-            assert reader.is_alive(), result
-            time.sleep(0.05)
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    while "streaming" not in result:
+        assert reader.is_alive(), result
+        time.sleep(0.05)
+    return result, reader
+
+
+def test_sigterm_lets_a_running_stream_finish(tiny_checkpoint, tmp_path):
+    up = TandemUp(up_args(tiny_checkpoint, tmp_path, "--prefill", "1", "--decode", "1"))
+    try:
+        result, reader = read_a_long_stream(up.wait_ready(), tiny_checkpoint)
         children = children_of(up.proc.pid)
         up.proc.send_signal(signal.SIGTERM)
         signalled_at = time.monotonic()
@@ -107,23 +116,8 @@ def test_sigterm_lets_a_running_stream_finish(tiny_checkpoint, tmp_path):
 def test_a_second_sigterm_stops_at_once_without_waiting_for_the_drain(tiny_checkpoint, tmp_path):
     up = TandemUp(up_args(tiny_checkpoint, tmp_path, "--colocated", "1", "--drain-timeout-s", "120"))
     try:
-        url = up.wait_ready()
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
-        stream = client.completions.create(model=Path(tiny_checkpoint("llama")).name, prompt="a long story",
-                                           max_tokens=1900, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
-        chunks = iter(stream)
-        next(chunks)  # a request is in flight: the first signal drains, and would wait for it
-        result: dict = {}
-
-        def consume():
-            try:
-                result["finish"] = [c.choices[0].finish_reason for c in chunks][-1]
-            except (openai.APIError, httpx.HTTPError) as exc:
-                result["error"] = repr(exc)
-
-        reader = threading.Thread(target=consume, daemon=True)
-        reader.start()
+        # A request is in flight: the first signal drains, and would wait for it.
+        result, reader = read_a_long_stream(up.wait_ready(), tiny_checkpoint)
         children = children_of(up.proc.pid)
         up.proc.send_signal(signal.SIGTERM)
         up.wait_for("shutting down")
