@@ -143,8 +143,7 @@ class DecodeWorker(WorkerBase):
         for rid in list(self.deadlines):
             state = self.remote.pop(rid, None)
             if state is not None and state.is_sent:
-                self.receiver.abort(rid)
-                self.prefill_links.send(state.request.prefill_endpoint, CancelPrefill(request_id=rid))
+                self._abandon_transfer(rid, state, notify=True)
             self.engine.abort_request(rid)
             outputs.append(error_delta(rid, reason, retryable=rid not in self.emitted))
             self._forget(rid)
@@ -236,13 +235,17 @@ class DecodeWorker(WorkerBase):
             return
         state.failure, state.retryable = reason, retryable
         if state.is_sent:
-            self.receiver.abort(rid)  # reported by the next poll(); blocks are freed then
-            if notify:
-                self.prefill_links.send(state.request.prefill_endpoint, CancelPrefill(request_id=rid))
+            self._abandon_transfer(rid, state, notify)  # reported by the next poll(); blocks are freed then
         else:
             self.remote.pop(rid, None)
             self.engine.abort_request(rid)
             self._forget(rid)
+
+    def _abandon_transfer(self, rid: str, state: RemotePrefill, notify: bool) -> None:
+        """Stop expecting KV for ``rid`` (and, with ``notify``, tell its prefill worker to stop computing)."""
+        self.receiver.abort(rid)
+        if notify:
+            self.prefill_links.send(state.request.prefill_endpoint, CancelPrefill(request_id=rid))
 
     def _expire_deadlines(self) -> list:
         now = time.monotonic()

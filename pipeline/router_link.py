@@ -61,6 +61,7 @@ class RouterLink:
         self.is_registered = False
         # Written by the loop thread, read by the heartbeat (single assignments: atomic under the GIL).
         self.load = WorkerLoad()
+        self._load_at = float("-inf")  # when ``load`` was last refreshed
         self.step_started_at: float | None = None
         self._num_steps = 0
         self._max_step_s = 0.0
@@ -109,9 +110,14 @@ class RouterLink:
             self._num_steps += 1
             self._max_step_s = max(self._max_step_s, time.monotonic() - started)
 
+    def is_load_stale(self) -> bool:
+        """Whether the next heartbeat would report a load older than half a heartbeat interval."""
+        return time.monotonic() - self._load_at >= self.heartbeat_interval_s / 2
+
     def update_load(self, load: WorkerLoad) -> None:
-        """The load the next heartbeat reports (the loop calls it once per pass)."""
+        """The load the next heartbeat reports."""
         self.load = load
+        self._load_at = time.monotonic()
 
     def close(self) -> None:
         self._stopping = True

@@ -158,7 +158,7 @@ class Scheduler:
         for seq in decoding:
             if budget <= 0:
                 break
-            if seq not in self.running:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted by an earlier sequence of this step
             if not self._reserve(seq, seq.num_computed_tokens + 1, out):
                 break  # ``seq`` itself was preempted: nothing after it can run either

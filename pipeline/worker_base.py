@@ -117,7 +117,10 @@ class WorkerBase:
         return {"num_bad_frames": self.link.num_bad_frames}
 
     def tick(self) -> None:
-        """Refresh the load report the heartbeat thread sends."""
+        """Refresh the load report the heartbeat thread sends (only when the next heartbeat would see
+        an old one: building it walks the queues and snapshots the transfer counters)."""
+        if not self.link.is_load_stale():
+            return
         load = self.engine.load(**self.transfer_counters())
         load.is_draining = self.is_draining
         self.link.update_load(load)

@@ -90,11 +90,10 @@ class PrefillWorker(WorkerBase):
         self._receive_requests()
         if self.is_busy():
             outputs = self.run_step()
-            self._mark_started()
+            self._ship_progress()
             for out in outputs:
                 if out.finish_reason is not None:
                     self._finish(out)
-            self._ship_progress()
         self._reap_sends()
         self._expire()
         self.tick()
@@ -143,26 +142,21 @@ class PrefillWorker(WorkerBase):
 
     # --------------------------------------------------------------- shipping
     def _ship_progress(self) -> None:
-        """Push every block that became complete this step (all of them once the prompt is done)."""
+        """After a step: jobs whose first chunk just ran start their TTL (and tell their decode worker),
+        and every block that became complete is pushed (the last, partial one follows in ``_finish``)."""
         plan = self.engine.last_plan
         page_size = self.engine.kv_manager.page_size
+        now = time.monotonic()
         for chunk in plan.chunks if plan is not None else []:
             job = self.jobs.get(chunk.seq.request_id)
             if job is None or job.is_finished or job.is_dropped:
                 continue
+            if not job.is_started:
+                job.is_started = True
+                job.deadline = now + job.request.ttl_s
+                self.requests.send_multipart([job.decode_identity,
+                                              encode(PrefillStarted(request_id=job.request.request_id))])
             self._send_blocks(job, chunk.seq.num_computed_tokens // page_size)
-
-    def _mark_started(self) -> None:
-        """Jobs whose first chunk just ran: their TTL starts now, and their decode worker's."""
-        plan = self.engine.last_plan
-        now = time.monotonic()
-        for chunk in plan.chunks if plan is not None else []:
-            job = self.jobs.get(chunk.seq.request_id)
-            if job is None or job.is_started or job.is_dropped:
-                continue
-            job.is_started = True
-            job.deadline = now + job.request.ttl_s
-            self.requests.send_multipart([job.decode_identity, encode(PrefillStarted(request_id=job.request.request_id))])
 
     def _send_blocks(self, job: PrefillJob, upto: int) -> None:
         rid = job.request.request_id

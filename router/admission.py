@@ -98,10 +98,6 @@ class AdmissionQueue(Generic[T]):
         self.wake()  # a slot may have freed since the last pass
         return future
 
-    async def admit(self, item: T, *, timeout_s: float | None = None) -> None:
-        """``enqueue`` and wait until admitted; cancelling the caller takes the item out of the queue."""
-        await self.enqueue(item, timeout_s=timeout_s)
-
     def discard(self, item: T) -> None:
         """Take ``item`` out of the queue (it was cancelled); no-op when it is not queued."""
         waiter = self._waiters.pop(id(item), None)

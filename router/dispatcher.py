@@ -14,8 +14,8 @@ in-flight count < the ``max_batch_size`` it registered with). When none has, ``s
 the ``AdmissionQueue`` (first in, first out, bounded, timed) and the HTTP layer awaits
 ``wait_admitted`` before it starts a response, so an overload is a 429 at once, never a stream that
 dies later. A retry that finds every worker saturated waits at the front of that queue. Slots free
-when a request finishes, fails or is cancelled, and a worker may appear or report load: each of those
-wakes the queue, and so does the housekeeping loop, as a backstop.
+when a request finishes, fails or is cancelled, and a worker may appear, die, come back or report
+load: each of those wakes the queue.
 """
 
 from __future__ import annotations
@@ -377,6 +377,5 @@ class Dispatcher:
                 for handle in list(self._requests.values()):
                     if now > handle.deadline + 5.0:  # its consumer vanished without cancelling
                         self.cancel(handle)
-                self.admission.wake()  # backstop: a slot freed by a path that forgot to wake the queue
             except Exception:
                 logger.exception("router housekeeping failed")

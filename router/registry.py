@@ -22,8 +22,6 @@ from router.policy import WorkerView
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HEARTBEAT_INTERVAL_S = 0.5
-DEFAULT_DEAD_AFTER_S = 3.0
 
 
 @dataclass
@@ -68,8 +66,8 @@ class WorkerInfo:
 class WorkerRegistry:
     def __init__(
         self,
-        heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
-        dead_after_s: float = DEFAULT_DEAD_AFTER_S,
+        heartbeat_interval_s: float,
+        dead_after_s: float,
         on_worker_dead: Callable[[WorkerInfo], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

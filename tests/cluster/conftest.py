@@ -83,6 +83,16 @@ def worker_metric(url: str, metric: str, worker: str) -> float | None:
     return None
 
 
+def wait_for_metric(url: str, metric: str, worker: str, above: float, timeout_s: float = 5.0) -> bool:
+    """Whether ``worker``'s ``metric`` exceeds ``above`` within ``timeout_s`` (reports lag a heartbeat)."""
+    deadline = time.monotonic() + timeout_s
+    while (worker_metric(url, metric, worker) or 0.0) <= above:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def wait_for_incarnation(url: str, worker_id: str, pid: int, timeout_s: float) -> None:
     """Wait until the router's /ready lists ``worker_id`` alive as process ``pid`` (a restart re-registered)."""
     deadline = time.monotonic() + timeout_s

@@ -113,7 +113,10 @@ def test_a_cancelled_waiter_leaves_the_queue_and_takes_no_slot():
     async def main():
         slots = Slots()
         queue = AdmissionQueue(slots.try_admit, max_queued_requests=4, queue_timeout_s=5.0)
-        waiting = asyncio.ensure_future(queue.admit("a"))
+        async def wait_admitted(item):  # what the HTTP handler does: await the future enqueue returned
+            await queue.enqueue(item)
+
+        waiting = asyncio.ensure_future(wait_admitted("a"))
         queue.enqueue("b")
         await turn()
         assert len(queue) == 2

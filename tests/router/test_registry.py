@@ -114,4 +114,4 @@ def test_bad_timing_is_rejected():
     with pytest.raises(ValueError, match="dead_after_s"):
         WorkerRegistry(heartbeat_interval_s=1.0, dead_after_s=0.5)
     with pytest.raises(ValueError, match="heartbeat_interval_s"):
-        WorkerRegistry(heartbeat_interval_s=0)
+        WorkerRegistry(heartbeat_interval_s=0, dead_after_s=3.0)
