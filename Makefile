@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench
+.PHONY: run test bench bench-serve
 
 $(STAMP): pyproject.toml setup.py kv_transfer/_copysum.c
 	python3 -m venv $(VENV)
@@ -23,3 +23,8 @@ bench: $(STAMP)
 	$(PY) -m bench.transfer_bench --out bench/results/transfer_bench.json
 	$(PY) -m bench.plot bench/results/offline_throughput.json
 	$(PY) -m bench.plot bench/results/transfer_bench.json
+
+# P/D vs colocated vs `transformers serve --continuous-batching` (docs/benchmarks.md); about 40 minutes
+bench-serve: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m bench.serve_compare --out bench/results/serve_compare.json

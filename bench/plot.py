@@ -2,9 +2,10 @@
 
     python -m bench.plot bench/results/transfer_bench.json     # -> bench/results/transfer_bench.png
 
-Knows the three reports of ``bench/``: ``offline_throughput`` (tok/s per system, every repeat shown),
-``transfer`` (GB/s per transport and baseline, every repeat shown, targets drawn) and ``kernels``
-(achieved bandwidth against the peak). Needs matplotlib (``pip install -e '.[bench]'``).
+Knows the reports of ``bench/``: ``offline_throughput`` (tok/s per system, every repeat shown),
+``transfer`` (GB/s per transport and baseline, every repeat shown, targets drawn), ``kernels``
+(achieved bandwidth against the peak), and the serving reports ``serve`` / ``serve_compare``
+(``bench/serve_plot.py``: ``NAME_latency.png`` and ``NAME_slo.png``). Needs matplotlib (``pip install -e '.[bench]'``).
 """
 
 from __future__ import annotations
@@ -101,11 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         report = json.loads(args.report.read_text())
-        out = render(report, args.out or args.report.with_suffix(".png"))
+        if report.get("benchmark") in ("serve", "serve_compare"):  # several PNGs, named after the report
+            from bench.serve_plot import render_serve
+
+            outs = render_serve(report, args.out or args.report)
+        else:
+            outs = [render(report, args.out or args.report.with_suffix(".png"))]
     except (OSError, ValueError, KeyError) as exc:
         print(f"bench.plot: {args.report}: {exc!r}", file=sys.stderr)
         return 2
-    print(f"wrote {out}")
+    for out in outs:
+        print(f"wrote {out}")
     return 0
 
 

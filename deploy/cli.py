@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from deploy import generate_cmd, launch_cmd, serve_cmds
+from deploy import bench_cmd, generate_cmd, launch_cmd, serve_cmds
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
 
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cmd.register(sub)
     serve_cmds.register(sub)
     launch_cmd.register(sub)
+    bench_cmd.register(sub)
     return parser
 
 

@@ -4,6 +4,9 @@ A process that exits is restarted (``--max-restarts`` crashes in a row, with bac
 ``deploy.supervisor``) and every restart is printed. ``tandem up`` exits 0 after Ctrl-C / SIGTERM (the
 router drains first), and 1 when the cluster cannot serve any more: the router or every decode-capable
 worker crashed past the limit.
+
+Workers are bound to cores (``deploy.cpu_plan``): prefill and decode workers apart, out of the pool
+``--cpu-cores`` names (default: every core ``tandem up`` may use); ``--share-cores`` gives each the whole pool.
 """
 
 from __future__ import annotations
@@ -29,12 +32,17 @@ def register(sub) -> None:
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument("--max-restarts", type=int, default=5,
                         help="restart a process that exits up to N times in a row, with backoff; 0: never (default 5)")
+    parser.add_argument("--share-cores", action="store_true",
+                        help="let every worker use every core of the pool (default: prefill and decode workers "
+                             "get disjoint cores; the pool is --cpu-cores, else every core this process may use)")
     add_config_flags(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from deploy.cpu_plan import describe_plan, plan_cores, router_cores
     from deploy.local_launcher import ClusterError, LocalCluster
+    from pipeline.cpu_placement import allowed_cores, format_core_list
 
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts: must be >= 0 (got {args.max_restarts})")
@@ -46,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
 
         load_hf_config(config.model.model_path)
         weight_files(config.model.model_path)
+    pool = allowed_cores(config.cpu_cores)  # a core that is not ours is an error here, not in every worker
+    cpu_plan = plan_cores(pool, args.prefill or 0, args.decode or 0, args.colocated, share=args.share_cores)
+    router_pool = router_cores(cpu_plan)
     overrides = config.model_dump(mode="json", exclude={"config_file", "section_name", "pipeline_role"},
                                   exclude_unset=False)
     if config.zmq_endpoint_base == PipelineConfig.model_fields["zmq_endpoint_base"].default:
@@ -53,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = LocalCluster(
         num_prefill=args.prefill or 0, num_decode=args.decode or 0, num_colocated=args.colocated,
         host=args.host, port=args.port, config=overrides, api_key=args.api_key, log_dir=args.log_dir,
-        max_restarts=args.max_restarts, on_event=_print_event,
+        max_restarts=args.max_restarts, on_event=_print_event, cpu_plan=cpu_plan, router_cores=router_pool,
     )
     stop = threading.Event()
 
@@ -69,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         from pipeline.builtin_model import BUILTIN_NOTICE
 
         print(BUILTIN_NOTICE, flush=True)
+    print(f"cpu plan: {describe_plan(cpu_plan, config.num_threads)} | router: cores {format_core_list(router_pool)}",
+          flush=True)
     print(f"starting {len(cluster.worker_names)} workers and the router; logs in {cluster.log_dir}", flush=True)
     try:
         try:

@@ -10,6 +10,8 @@ started again (same command, its log appended to) until it crashes ``max_restart
 Restarted workers re-register with the router by themselves. Every supervision event goes to
 ``on_event`` (``tandem up`` prints it; default: this module's logger) and to ``launcher.log``.
 ``failure`` says why the cluster cannot serve any more (router or every decode-capable worker given up).
+With a ``cpu_plan`` (``deploy.cpu_plan``) each worker is started bound to its own cores, and the
+router to ``router_cores``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import yaml
 
 from deploy.supervisor import RestartPolicy, Supervisor, SupervisorEvent
 from pipeline.config import PipelineConfig
+from pipeline.cpu_placement import format_core_list
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,9 @@ class LocalCluster:
     on_event: Callable[[SupervisorEvent], None] | None = None  # called from the supervision thread
     entry_module: str = "deploy.cli"  # what ``python -m`` runs in each process (tests swap in a wrapper)
     env: dict[str, str] = field(default_factory=dict)  # set in every process's environment, over ours
+    # {worker name: cores}: each worker gets "--cpu-cores" (deploy.cpu_plan); None: no binding
+    cpu_plan: dict[str, list[int]] | None = None
+    router_cores: list[int] | None = None  # the router's "--cpu-cores" (deploy.cpu_plan.router_cores); None: unbound
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -83,8 +89,7 @@ class LocalCluster:
 
     @property
     def worker_names(self) -> list[str]:
-        return ([f"prefill-{i}" for i in range(self.num_prefill)] + [f"decode-{i}" for i in range(self.num_decode)]
-                + [f"colocated-{i}" for i in range(self.num_colocated)])
+        return worker_names(self.num_prefill, self.num_decode, self.num_colocated)
 
     @property
     def pids(self) -> dict[str, int]:
@@ -104,6 +109,8 @@ class LocalCluster:
     def start(self, timeout_s: float = 180.0) -> "LocalCluster":
         if self.num_decode + self.num_colocated == 0:
             raise ClusterError("a cluster needs at least one decode or colocated worker")
+        if self.cpu_plan is not None and set(self.worker_names) - set(self.cpu_plan):
+            raise ClusterError(f"cpu_plan has no cores for {sorted(set(self.worker_names) - set(self.cpu_plan))}")
         if self.num_decode and not self.num_prefill:
             logger.warning("decode workers without prefill workers prefill locally (colocated fallback)")
         if self.config.get("model", {}).get("model_path") is None:
@@ -116,12 +123,15 @@ class LocalCluster:
         router_args = ["router", "--host", self.host, "--port", str(self.port), *self.router_options]
         if self.api_key:
             router_args += ["--api-key", self.api_key]
+        if self.router_cores:
+            router_args += ["--cpu-cores", format_core_list(self.router_cores)]
         try:
             self._spawn("router", router_args + common)
             roles = {"prefill": "PrefillOnly", "decode": "DecodeOnly", "colocated": "PrefillAndDecode"}
             for name in self.worker_names:
                 role = roles[name.split("-")[0]]
-                self._spawn(name, ["worker", "--role", role, "--worker-id", name, *common])
+                placement = ["--cpu-cores", format_core_list(self.cpu_plan[name])] if self.cpu_plan else []
+                self._spawn(name, ["worker", "--role", role, "--worker-id", name, *common, *placement])
             self.wait_ready(timeout_s)
         except BaseException:
             self.stop()
@@ -250,6 +260,12 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def worker_names(num_prefill: int, num_decode: int, num_colocated: int) -> list[str]:
+    """Every worker's name, which is also its worker id: "prefill-0", ..., "decode-0", ..., "colocated-0", ..."""
+    return ([f"prefill-{i}" for i in range(num_prefill)] + [f"decode-{i}" for i in range(num_decode)]
+            + [f"colocated-{i}" for i in range(num_colocated)])
 
 
 def _why_cannot_serve(names_left: set[str]) -> str | None:

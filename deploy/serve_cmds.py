@@ -1,4 +1,7 @@
-"""``tandem router``, ``tandem prefill``, ``tandem decode`` and ``tandem worker --role``: one process each."""
+"""``tandem router``, ``tandem prefill``, ``tandem decode`` and ``tandem worker --role``: one process each.
+
+A worker binds itself to ``--cpu-cores`` and sets its torch threads (``--num-threads``) before anything
+else starts a thread; the router only binds itself to ``--cpu-cores``."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import threading
 
 from deploy.config_flags import add_config_flags, config_from_args
 from pipeline.config import PipelineRole
+from pipeline.cpu_placement import allowed_cores, apply_cpu_placement, bind_to_cores, describe_placement
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,8 @@ def run_router_cmd(args: argparse.Namespace) -> int:
     from router.app import run_router
 
     config = config_from_args(args)
+    if config.cpu_cores is not None:  # the router binds only: it runs no torch
+        bind_to_cores(allowed_cores(config.cpu_cores))
     run_router(config, host=args.host, port=args.port, api_key=args.api_key,
                model_path=config.model.model_path)
     return 0
@@ -65,6 +71,8 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
     quiet_openmp_waits()
     config = config_from_args(args, pipeline_role=args.role)
     worker_id = args.worker_id or f"{config.pipeline_role.value}-{socket.gethostname()}-{os.getpid()}"
+    cores, num_threads = apply_cpu_placement(config)  # before any thread starts (and before torch's pool)
+    logger.warning("worker %s placement: %s", worker_id, describe_placement(cores, num_threads))
     if config.pipeline_role is PipelineRole.PrefillOnly:
         from prefill_worker.worker import PrefillWorker as worker_cls
     else:

@@ -112,6 +112,9 @@ class PipelineConfig(_Section):
     max_batch_input_tokens: int = Field(
         512, ge=1, description="max tokens per step (decodes first, then prefill chunks): bounds step time; see docs/load.md")
     enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
+    long_prefill_token_threshold: int | None = Field(
+        128, ge=1, description="while prompts wait, a prompt chunk takes at most this many tokens of a step, so short "
+        "prompts are admitted beside a long one (the rest of the budget goes back to it); None = no cap")
     kvcache_ce_watermark: float = Field(
         0.95, gt=0.0, le=1.0, description="admit a prefill only while KV use stays under this fraction"
     )
@@ -123,6 +126,11 @@ class PipelineConfig(_Section):
         300.0, gt=0.0, description="a worker whose one engine step runs longer exits (its launcher restarts it)")
     kernel_backend: Literal["torch", "triton", "auto"] = Field(
         "auto", description="auto = triton on CUDA, torch on CPU (env: TANDEM_KERNEL_BACKEND)")
+    cpu_cores: str | None = Field(
+        None, description="CPU cores a worker (or the router) may run on, Linux list syntax '0-3,6' (as taskset -c); "
+        "None = as started. tandem up: the pool it splits among its workers")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads of a worker; None = one per core it may use")
     model: ModelConfig = Field(default_factory=ModelConfig)
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -135,6 +143,17 @@ class PipelineConfig(_Section):
         from pipeline.endpoints import validate_endpoint_base
 
         return validate_endpoint_base(value)
+
+    @field_validator("cpu_cores", mode="before")
+    @classmethod
+    def _check_cpu_cores(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # "--cpu-cores 3" and TANDEM_CPU_CORES=3 arrive parsed as numbers
+        if not isinstance(value, str):
+            return value  # None, or a type error pydantic reports
+        from pipeline.cpu_placement import format_core_list, parse_core_list
+
+        return format_core_list(parse_core_list(value))
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "PipelineConfig":

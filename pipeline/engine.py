@@ -87,6 +87,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             kvcache_ce_watermark=config.kvcache_ce_watermark,
             max_queue_size=config.max_queue_size_tg,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
         self.kernels = load_kernels(config.kernel_backend, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kernels, Sampler(self.vocab_size, config.model.seed),

@@ -6,7 +6,10 @@ Request lifecycle (colocated PrefillAndDecode role):
 2. Each ``schedule`` call fills one step under a token budget of ``max_batch_input_tokens``:
    a. running sequences that decode first (one token each), then the next prompt chunk of
       running sequences whose prefill is still in progress (chunked prefill), oldest first — so a
-      long prompt never stalls the decodes beside it (decode-first mixed batches);
+      long prompt never stalls the decodes beside it (decode-first mixed batches); while prompts
+      wait, a chunk takes at most ``long_prefill_token_threshold`` tokens (vLLM's name), so a short
+      prompt is admitted into the same step as the long one before it, and the leftover budget
+      returns to the chunks afterwards (no step is smaller for it);
    b. a running sequence that needs a new KV block when the pool is empty preempts the most
       recently admitted running sequence (its blocks are freed; it goes back to the front of the
       waiting queue and is recomputed later from prompt + tokens generated so far);
@@ -69,6 +72,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         kvcache_ce_watermark: float = 1.0,
         max_queue_size: int | None = None,
+        long_prefill_token_threshold: int | None = None,
     ) -> None:
         self.kv = kv_manager
         self.max_batch_size = max_batch_size
@@ -76,6 +80,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.kvcache_ce_watermark = kvcache_ce_watermark
         self.max_queue_size = max_queue_size
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.waiting_remote: deque[Sequence] = deque()
@@ -164,18 +169,31 @@ class Scheduler:
                 break  # ``seq`` itself was preempted: nothing after it can run either
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
             budget -= 1
-        # Then prompts already in progress, oldest first. Their blocks were reserved at admission.
+        # Then prompts already in progress, oldest first (their blocks were reserved at admission),
+        # then admissions. While prompts wait, each chunk takes at most ``long_prefill_token_threshold``
+        # tokens, so a short prompt behind a long one shares the step instead of waiting out the long
+        # prompt's every chunk; what is left of the budget then goes back to the chunks, oldest first.
+        cap = budget
+        if self.waiting and self.enable_chunked_prefill and self.long_prefill_token_threshold is not None:
+            cap = self.long_prefill_token_threshold
+        num_decodes = len(out.chunks)
         for seq in list(self.running):
             num_left = seq.num_tokens - seq.num_computed_tokens
             if budget <= 0 or out.preempted:
                 break
             if num_left <= 1:
                 continue
-            num_new = min(num_left, budget)
+            num_new = min(num_left, budget, cap)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
         if not out.preempted:
-            budget = self._admit_waiting(out, budget)
+            budget = self._admit_waiting(out, budget, cap)
+        for chunk in out.chunks[num_decodes:]:  # prompt chunks only: a decode is one token by nature
+            if budget <= 0:
+                break
+            extra = min(budget, chunk.seq.num_tokens - chunk.start - chunk.num_tokens)
+            chunk.num_tokens += extra
+            budget -= extra
         return out
 
     def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
@@ -196,7 +214,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, cap: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             num_cached = self.kv.allocate(
@@ -216,7 +234,7 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_new = min(num_new, budget)
+            num_new = min(num_new, budget, cap)
             out.chunks.append(ScheduledChunk(seq, num_cached, num_new))
             budget -= num_new
         return budget

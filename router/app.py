@@ -115,6 +115,8 @@ def create_app(
         card = {"id": model.name, "object": "model", "created": created, "owned_by": "tandem"}
         if model.max_length:
             card["max_model_len"] = model.max_length
+        if model.root:
+            card["root"] = model.root
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

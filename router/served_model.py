@@ -40,6 +40,7 @@ class ServedModel:
     tokenizer: Any
     vocab_size: int
     max_length: int | None  # prompt + output tokens; None: only the workers' limits apply
+    root: str | None = None  # the checkpoint directory (vLLM's "root" in /v1/models: where clients find the tokenizer)
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
 
     def token_text(self, token_id: int) -> str:
@@ -73,7 +74,8 @@ def load_served_model(
     vocab_size = int(hf_config.get("vocab_size") or text_config.get("vocab_size") or len(tokenizer))
     if max_length is None:
         max_length = hf_config.get("max_position_embeddings") or text_config.get("max_position_embeddings")
-    return ServedModel(resolved_name, tokenizer, vocab_size, int(max_length) if max_length else None)
+    return ServedModel(resolved_name, tokenizer, vocab_size, int(max_length) if max_length else None,
+                       root=str(path.resolve()))
 
 
 def _builtin_path() -> Path:

@@ -40,3 +40,27 @@ def test_json_that_is_no_bench_report_is_refused(tmp_path, capsys):
     assert plot.main([str(path)]) == 2
     assert "not a bench/ report" in capsys.readouterr().err
     assert not (tmp_path / "other.png").exists()
+
+
+def _serve_report(label: str, attainments: list[float]) -> dict:
+    run_keys = {f"{s}_{n}_ms": 10.0 * (i + 1) for i, (s, n) in enumerate(
+        (s, n) for s in ("median", "p99") for n in ("ttft", "tpot", "itl", "e2el"))}
+    runs = [{"request_rate": rate, "slo_attainment": a, **run_keys,
+             "groups": {"short": dict(run_keys), "long": dict(run_keys)}}
+            for rate, a in zip((0.5, 1.0, float("inf")), attainments)]
+    return {"benchmark": "serve", "label": label, "base_url": "http://x", "goodput_slos": {"tpot_ms": 100.0},
+            "attainment_target": 0.9, "goodput_rate": 0.5, "runs": runs,
+            "workload": {"dataset": "mixed", "num_prompts": 10, "long_fraction": 0.2, "long_input_len": 100,
+                         "long_output_len": 2, "short_input_len": 10, "short_output_len": 20}}
+
+
+@pytest.mark.parametrize("kind", ["serve", "serve_compare"])
+def test_serving_reports_render_latency_and_slo_plots(tmp_path, kind):
+    report = _serve_report("a", [1.0, 0.5, 0.2])
+    if kind == "serve_compare":
+        report = {"benchmark": "serve_compare", "systems": {"a": report, "b": _serve_report("b", [1.0, 1.0, 0.9])}}
+    path = tmp_path / "serve.json"
+    path.write_text(json.dumps(report))
+    assert plot.main([str(path)]) == 0
+    for suffix in ("_latency.png", "_slo.png"):
+        assert (tmp_path / f"serve{suffix}").read_bytes().startswith(PNG_MAGIC)

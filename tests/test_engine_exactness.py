@@ -67,12 +67,14 @@ def record_preemptions(llm: LLM) -> list[str]:
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_tiny_pages_small_chunks_and_preemption(arch, tiny_checkpoint, references):
-    """Page size 2 (sequences span up to 31 blocks), 7-token prefill chunks, and a pool far too
-    small for the whole batch: preemption by recompute must not change a single token."""
+    """Page size 2 (sequences span up to 31 blocks), 7-token steps shared by several prompts (at
+    most 3 tokens each while others wait), and a pool far too small for the whole batch: chunking
+    and preemption by recompute must not change a single token."""
     prompts, expected = references(arch)
     llm = LLM(
         model=tiny_checkpoint(arch),
         max_batch_input_tokens=7,
+        long_prefill_token_threshold=3,
         kv_cache={"page_size": 2, "num_blocks": 48, "enable_prefix_caching": False},
     )
     preempted = record_preemptions(llm)

@@ -112,3 +112,42 @@ def test_decodes_run_every_step_while_an_older_long_prompt_is_chunked_beside_the
         assert [(c.seq.request_id, c.num_tokens) for c in plan.chunks] == [("short", 1), ("long", 15)], (
             "the older prompt's chunk must not displace the running decode")
         scheduler.update(plan, [7] * sum(c.is_sampling for c in plan.chunks))
+
+
+def step(scheduler):
+    plan = scheduler.schedule()
+    for seq in scheduler.update(plan, [7] * sum(c.is_sampling for c in plan.chunks)):
+        if seq.num_tokens >= seq.max_total_tokens:
+            scheduler.finish(seq, "length")
+    return plan
+
+
+def test_a_short_prompt_shares_the_step_of_a_long_one_in_progress():
+    kv = KVCacheManager(256, 4)
+    scheduler = Scheduler(kv, max_batch_size=8, max_batch_input_tokens=64, long_prefill_token_threshold=16)
+    long, short = make_seq("long", 200, 2), make_seq("short", 10, 2)
+    scheduler.add(long)
+    first = step(scheduler)  # alone: the whole budget, no cap
+    assert [(c.seq.request_id, c.num_tokens) for c in first.chunks] == [("long", 64)]
+    scheduler.add(short)
+    second = step(scheduler)  # the short prompt is admitted beside it and finishes its prefill
+    assert [(c.seq.request_id, c.num_tokens) for c in second.chunks] == [("long", 54), ("short", 10)]
+    assert short.num_output_tokens == 1
+    third = step(scheduler)  # nobody waits: decode first, the rest of the budget to the long prompt
+    assert [(c.seq.request_id, c.num_tokens) for c in third.chunks] == [("short", 1), ("long", 63)]
+    run_to_completion(scheduler, [long, short])
+    assert kv.num_free_blocks == 256
+
+
+def test_waiting_long_prompts_share_the_step_and_lose_no_budget():
+    kv = KVCacheManager(256, 4)
+    scheduler = Scheduler(kv, max_batch_size=8, max_batch_input_tokens=64, long_prefill_token_threshold=16)
+    seqs = [make_seq(f"r{i}", 100, 2) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    plan = step(scheduler)
+    # every admission capped at 16 while others wait, then the leftover back to the oldest
+    assert [(c.seq.request_id, c.num_tokens) for c in plan.chunks] == [("r0", 32), ("r1", 16), ("r2", 16)]
+    plans = run_to_completion(scheduler, seqs)
+    assert all(sum(c.num_tokens for c in p.chunks) <= 64 for p in plans)
+    assert all(s.num_output_tokens == 2 for s in seqs) and kv.num_free_blocks == 256

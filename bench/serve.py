@@ -1,0 +1,233 @@
+"""Serving benchmark for any OpenAI-compatible endpoint (``tandem bench serve``), in the conventions
+of vLLM's ``bench serve`` and SGLang's ``bench_serving``.
+
+Open-loop arrivals precomputed from a seed (Poisson, or gamma with ``--burstiness``), optionally
+capped by ``--max-concurrency``; warm-up requests excluded; the same prompts at every rate of a
+``--request-rate`` sweep. Workloads: ``random`` (fixed input/output lengths) and ``mixed`` (a fraction
+of long-prompt/short-output requests among short-prompt/long-output ones: the case disaggregation is
+for), prompts built from the server's tokenizer so lengths are exact. Metrics use vLLM's key names
+(``bench/serve_metrics.py``), per request group too; against a Tandem router the report adds the
+server's counts, KV bytes and transfer time per request, and the leak check (``bench/tandem_scrape.py``).
+Writes JSON (``--out``) and PNG plots next to it::
+
+    tandem bench serve --base-url http://127.0.0.1:8000 --dataset mixed --num-prompts 100 \\
+        --request-rate 0.5,1,2 --goodput ttft:2000 tpot:100 --out bench/results/serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import httpx
+
+from bench import tandem_scrape
+from bench.serve_client import ClientSettings, run_requests
+from bench.serve_metrics import errors_seen, goodput_rate, parse_goodput, summarize, summarize_by_group
+from bench.serve_workload import WorkloadSpec, build_workload, scheduled
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+IDLE_GAP_S = 2.0  # between the runs of a sweep, for a server whose idleness cannot be read
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    server = parser.add_argument_group("server")
+    server.add_argument("--base-url", default="http://127.0.0.1:8000")
+    server.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    server.add_argument("--model", default=None, help="the request's model (default: the server's first model)")
+    server.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory (default: the model if it is a directory, else its /v1/models root)")
+    server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    server.add_argument("--label", default=None, help="name of the system under test, for the report")
+    work = parser.add_argument_group("workload")
+    work.add_argument("--dataset", default="random", choices=["random", "mixed"])
+    work.add_argument("--num-prompts", type=int, default=100)
+    work.add_argument("--random-input-len", type=int, default=128)
+    work.add_argument("--random-output-len", type=int, default=128)
+    add_mixed_arguments(work)
+    work.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (a vLLM/Tandem extension)")
+    work.add_argument("--seed", type=int, default=0)
+    load = parser.add_argument_group("load")
+    load.add_argument("--request-rate", "--rate", default="inf",
+                      help="requests/s; a comma list runs a sweep (default inf: all at once)")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    load.add_argument("--max-concurrency", type=int, default=None)
+    load.add_argument("--num-warmups", type=int, default=2, help="requests sent before the measurement")
+    load.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                      help="SLOs for request_goodput, e.g. ttft:2000 tpot:100 (names: ttft, tpot, e2el)")
+    load.add_argument("--attainment-target", type=float, default=0.9,
+                      help="goodput_rate: the highest rate whose SLO attainment reaches this (default 0.9)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=None, help="JSON report (PNG plots are written beside it)")
+    out.add_argument("--no-plot", action="store_true")
+    out.add_argument("--no-progress", action="store_true")
+
+
+def add_mixed_arguments(group) -> None:
+    """The ``mixed`` workload's shape (also ``bench/serve_compare.py``'s)."""
+    group.add_argument("--mixed-long-fraction", type=float, default=0.2, help="share of long requests")
+    group.add_argument("--mixed-long-input-len", type=int, default=1536)
+    group.add_argument("--mixed-long-output-len", type=int, default=8)
+    group.add_argument("--mixed-short-input-len", type=int, default=64)
+    group.add_argument("--mixed-short-output-len", type=int, default=128)
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--request-rate takes numbers or inf, comma-separated (got {text!r})") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise ValueError(f"--request-rate: every rate must be > 0 (got {text!r})")
+    return rates
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(
+        dataset=args.dataset, num_prompts=args.num_prompts, input_len=args.random_input_len,
+        output_len=args.random_output_len, long_fraction=args.mixed_long_fraction,
+        long_input_len=args.mixed_long_input_len, long_output_len=args.mixed_long_output_len,
+        short_input_len=args.mixed_short_input_len, short_output_len=args.mixed_short_output_len, seed=args.seed,
+    )
+
+
+def served_models(base_url: str, headers: dict[str, str]) -> list[dict]:
+    """The server's model cards (``/v1/models``); empty when it lists none."""
+    response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0)
+    response.raise_for_status()
+    return response.json().get("data") or []
+
+
+def load_tokenizer(tokenizer: str | None, model: str, cards: list[dict]):
+    """``--tokenizer``, else the model if it names a directory, else the card's ``root`` (vLLM and
+    Tandem list the checkpoint directory there)."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is None:
+        roots = [c.get("root") for c in cards if c.get("id") == model and c.get("root")]
+        candidates = [model, *roots]
+        tokenizer = next((c for c in candidates if Path(c).is_dir()), None)
+        if tokenizer is None:
+            raise ValueError(f"cannot tell where the tokenizer of {model!r} is: pass --tokenizer DIR")
+    return tokenizer, AutoTokenizer.from_pretrained(tokenizer)
+
+
+def benchmark(client: ClientSettings, spec: WorkloadSpec, rates: list[float], *, tokenizer, burstiness: float = 1.0,
+              slos: dict[str, float] | None = None, attainment_target: float = 0.9, num_warmups: int = 2,
+              progress: bool = True, label: str | None = None) -> dict:
+    """Run the workload once per rate against one server; the report (no file written)."""
+    slos = slos or {}
+    headers = {"Authorization": f"Bearer {client.api_key}"} if client.api_key else {}
+    count_tokens = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    if num_warmups:
+        warmups = build_workload(replace(spec, num_prompts=num_warmups), tokenizer, client.endpoint, salt=-1)
+        asyncio.run(run_requests(replace(client, max_concurrency=1), warmups, count_tokens))
+    runs = []
+    for index, rate in enumerate(rates):
+        # fresh prompts for every run (no prefix-cache hits on an earlier run's), the same for every system
+        requests = build_workload(spec, tokenizer, client.endpoint, salt=index)
+        before = tandem_scrape.wait_until_idle(client.base_url, headers)
+        if before is None:
+            time.sleep(IDLE_GAP_S)
+        timed = scheduled(requests, rate, burstiness, spec.seed)
+        bar = _progress_bar(len(timed), f"{label or 'server'} @ {rate:g} req/s", progress)
+        outcomes, duration = asyncio.run(run_requests(client, timed, count_tokens, on_done=lambda _: bar.update()))
+        bar.close()
+        run = {"request_rate": rate, "burstiness": burstiness, "max_concurrency": client.max_concurrency,
+               **summarize(outcomes, duration, slos)}
+        groups = summarize_by_group(outcomes, duration, slos)
+        if groups:
+            run["groups"] = groups
+        run["errors"] = errors_seen(outcomes)
+        if before is not None:
+            after = tandem_scrape.wait_until_idle(client.base_url, headers)
+            run["tandem"] = tandem_scrape.run_report(before, after, run["completed"])
+        runs.append(run)
+    report = {
+        "benchmark": "serve", "label": label, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "base_url": client.base_url, "endpoint": client.endpoint, "model": client.model,
+        "workload": asdict(spec), "num_warmups": num_warmups, "goodput_slos": slos,
+        "attainment_target": attainment_target, "runs": runs,
+    }
+    if slos:
+        report["goodput_rate"] = goodput_rate(runs, attainment_target)
+    return report
+
+
+def _progress_bar(total: int, description: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=description, unit="req", disable=not enabled, leave=False)
+
+
+def print_summary(report: dict) -> None:
+    keys = ["completed", "failed", "request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+            "median_tpot_ms", "p99_tpot_ms", "p99_itl_ms"]
+    if report["goodput_slos"]:
+        keys += ["request_goodput", "slo_attainment"]
+    print(f"== {report.get('label') or report['base_url']} ({report['workload']['dataset']}, "
+          f"{report['workload']['num_prompts']} requests) ==")
+    print("rate      " + "".join(f"{k:>20}" for k in keys))
+    for run in report["runs"]:
+        cells = "".join(f"{run[k]:>20.4g}" if isinstance(run[k], float) else f"{run[k]:>20}" for k in keys)
+        print(f"{run['request_rate']:<10g}{cells}")
+        if run.get("tandem"):
+            t = run["tandem"]
+            print(f"          server: {t['requests_by_outcome']}, KV {t['kv_bytes_received_per_request'] / 1e6:.2f} MB "
+                  f"and {t['kv_transfer_ms_per_request']:.1f} ms per request, leak check {t['leak_check']}")
+        for error in run["errors"]:
+            print(f"          error: {error}")
+    if report.get("goodput_slos"):
+        print(f"goodput rate (SLO attainment >= {report['attainment_target']:.0%}): {report.get('goodput_rate')}")
+
+
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    if parser is None:
+        parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+        add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_from_args(args)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    rates = parse_rates(args.request_rate)
+    slos = parse_goodput(args.goodput)
+    base_url = args.base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    cards = served_models(base_url, headers) if args.model is None or args.tokenizer is None else []
+    if args.model is None and not cards:
+        raise ValueError(f"{base_url}/v1/models lists no model: pass --model")
+    model = args.model or cards[0]["id"]
+    tokenizer_path, tokenizer = load_tokenizer(args.tokenizer, model, cards)
+    client = ClientSettings(base_url=base_url, endpoint=args.endpoint, model=model, api_key=args.api_key,
+                            ignore_eos=args.ignore_eos, max_concurrency=args.max_concurrency)
+    report = benchmark(client, workload_spec(args), rates, tokenizer=tokenizer, burstiness=args.burstiness,
+                       slos=slos, attainment_target=args.attainment_target, num_warmups=args.num_warmups,
+                       progress=not args.no_progress, label=args.label)
+    report["tokenizer"] = tokenizer_path
+    print_summary(report)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+        if not args.no_plot:
+            from bench.serve_plot import render_serve
+
+            for path in render_serve(report, args.out):
+                print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, httpx.HTTPError) as exc:
+        print(f"bench.serve: error: {exc}", file=sys.stderr)
+        sys.exit(2)

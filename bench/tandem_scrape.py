@@ -1,0 +1,104 @@
+"""What the benchmark reads from a Tandem router's ``/metrics`` before and after a run.
+
+Request outcomes (to check the client's counts against the server's), KV bytes and transfer time
+per request (received by DecodeOnly workers, sent by PrefillOnly workers), and the leak check: once
+the run is over and the workers have reported in, no KV block may still be held
+(``tandem_kv_blocks_used`` summed over live workers back to 0). Any other server has no
+``tandem_requests_total`` and is simply not scraped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+IDLE_WAIT_S = 15.0  # workers report blocks in use with their heartbeats (every 0.5 s by default)
+SETTLE_S = 1.25  # unchanged counters for this long: every worker's latest report is in
+
+
+@dataclass
+class TandemSnapshot:
+    requests_by_outcome: dict[str, float] = field(default_factory=dict)
+    transfer_bytes_by_role: dict[str, float] = field(default_factory=dict)
+    transfer_seconds_by_role: dict[str, float] = field(default_factory=dict)
+    kv_blocks_used: float = 0.0
+    requests_in_flight: float = 0.0
+    running_requests: float = 0.0
+
+    @property
+    def is_idle(self) -> bool:
+        return self.kv_blocks_used == 0 and self.requests_in_flight == 0 and self.running_requests == 0
+
+
+def scrape(base_url: str, headers: dict[str, str] | None = None) -> TandemSnapshot | None:
+    """The router's counters now, or None when ``base_url`` is not a Tandem router."""
+    try:
+        response = httpx.get(f"{base_url}/metrics", headers=headers, timeout=10.0)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200 or "tandem_requests_total" not in response.text:
+        return None
+    snapshot = TandemSnapshot()
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels, value = sample.labels, sample.value
+            if sample.name == "tandem_requests_total":
+                snapshot.requests_by_outcome[labels["outcome"]] = value
+            elif sample.name == "tandem_kv_transfer_bytes_total":
+                _add(snapshot.transfer_bytes_by_role, labels["role"], value)
+            elif sample.name == "tandem_kv_transfer_seconds_total":
+                _add(snapshot.transfer_seconds_by_role, labels["role"], value)
+            elif sample.name == "tandem_kv_blocks_used":
+                snapshot.kv_blocks_used += value
+            elif sample.name == "tandem_requests_in_flight":
+                snapshot.requests_in_flight = value
+            elif sample.name == "tandem_worker_running_requests":
+                snapshot.running_requests += value
+    return snapshot
+
+
+def _add(totals: dict[str, float], key: str, value: float) -> None:
+    totals[key] = totals.get(key, 0.0) + value
+
+
+def wait_until_idle(base_url: str, headers: dict[str, str] | None = None,
+                    timeout_s: float = IDLE_WAIT_S) -> TandemSnapshot | None:
+    """Scrape until nothing is in flight, no block is held and every counter has stayed the same for
+    ``SETTLE_S`` (each worker reports with its own heartbeat, so one may be idle while another's last
+    bytes are still to be reported), or until ``timeout_s``; the last scrape."""
+    deadline = time.monotonic() + timeout_s
+    snapshot = scrape(base_url, headers)
+    settled_since = time.monotonic()
+    while snapshot is not None and time.monotonic() < deadline:
+        if snapshot.is_idle and time.monotonic() - settled_since >= SETTLE_S:
+            break
+        time.sleep(0.25)
+        previous, snapshot = snapshot, scrape(base_url, headers)
+        if snapshot != previous:
+            settled_since = time.monotonic()
+    return snapshot
+
+
+def run_report(before: TandemSnapshot, after: TandemSnapshot, num_completed: int) -> dict:
+    """The server's side of one run: its request counts and transfer costs, and the leak check."""
+    outcomes = {k: after.requests_by_outcome.get(k, 0.0) - before.requests_by_outcome.get(k, 0.0)
+                for k in after.requests_by_outcome}
+
+    def per_request(totals_after: dict, totals_before: dict, role: str, scale: float = 1.0) -> float:
+        delta = totals_after.get(role, 0.0) - totals_before.get(role, 0.0)
+        return delta * scale / num_completed if num_completed else 0.0
+
+    return {
+        "requests_by_outcome": {k: int(v) for k, v in outcomes.items()},
+        "kv_bytes_received_per_request": per_request(after.transfer_bytes_by_role, before.transfer_bytes_by_role,
+                                                     "DecodeOnly"),
+        "kv_bytes_sent_per_request": per_request(after.transfer_bytes_by_role, before.transfer_bytes_by_role,
+                                                 "PrefillOnly"),
+        "kv_transfer_ms_per_request": per_request(after.transfer_seconds_by_role, before.transfer_seconds_by_role,
+                                                  "DecodeOnly", scale=1000.0),
+        "kv_blocks_used_after": int(after.kv_blocks_used),
+        "leak_check": "pass" if after.is_idle else "fail",
+    }
