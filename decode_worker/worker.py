@@ -78,7 +78,8 @@ class DecodeWorker(WorkerBase):
                 kv_layout(self.engine.kv_cache, self.model_fingerprint, config.transfer.transport),
                 # Per incarnation (pid): a prefill worker must handshake anew with a restarted decode
                 # worker (a new cache), never write into its predecessor's mapping.
-                worker_bind_endpoint(config.zmq_endpoint_base, worker_id, f"kv-{os.getpid()}"),
+                worker_bind_endpoint(config.zmq_endpoint_base, worker_id, f"kv-{os.getpid()}",
+                                     host=config.resolved_bind_host()),
                 kernel_backend=config.kernel_backend,
             )
             self.prefill_links = PrefillLinks(self.ctx, worker_id)
@@ -111,6 +112,9 @@ class DecodeWorker(WorkerBase):
         outputs.extend(self._expire_deadlines())
         self.link.send_outputs(outputs)
         self.tick()
+
+    def listen_endpoints(self) -> list[str]:
+        return [self.receiver.endpoint] if self.receiver is not None else []
 
     def sockets(self) -> list[zmq.Socket]:
         extra = self.prefill_links.sockets() if self.prefill_links else []

@@ -81,7 +81,7 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    logger.warning("worker %s (%s) serving; router at %s", worker_id, config.pipeline_role.value,
-                   config.zmq_endpoint_base)
+    logger.warning("worker %s (%s) serving; router at %s; listening on %s", worker_id, config.pipeline_role.value,
+                   config.zmq_endpoint_base, ", ".join(worker.listen_endpoints()) or "no socket of its own")
     worker.run(stop)
     return 0

@@ -107,6 +107,9 @@ class PipelineConfig(_Section):
     pipeline_role: PipelineRole = Field(
         PipelineRole.PrefillAndDecode, description="PrefillAndDecode (colocated), PrefillOnly or DecodeOnly")
     zmq_endpoint_base: str = Field("ipc:///tmp/tandem", description="every socket address derives from it")
+    bind_host: str | None = Field(
+        None, description="tcp bases: the address a worker binds its own sockets (prefill requests, KV) on, which "
+        "peers on other hosts connect to; None = this machine's address on the route to the router")
     max_length: int | None = Field(None, ge=2, description="max prompt + output tokens; None = model's limit")
     max_batch_size: int = Field(64, ge=1, description="max requests in one decode batch")
     max_batch_input_tokens: int = Field(
@@ -143,6 +146,19 @@ class PipelineConfig(_Section):
         from pipeline.endpoints import validate_endpoint_base
 
         return validate_endpoint_base(value)
+
+    @field_validator("bind_host")
+    @classmethod
+    def _check_bind_host(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or value.strip("[]") in ("*", "0.0.0.0", "::")):
+            raise ValueError(f"must be an address peers can connect to, not a wildcard or empty (got {value!r})")
+        return value
+
+    def resolved_bind_host(self) -> str | None:
+        """``bind_host``, or this machine's address on the route to the router (tcp; None for ipc)."""
+        from pipeline.endpoints import default_bind_host
+
+        return self.bind_host or default_bind_host(self.zmq_endpoint_base)
 
     @field_validator("cpu_cores", mode="before")
     @classmethod

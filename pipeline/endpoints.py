@@ -11,8 +11,9 @@ Two functions give every address a process needs:
   ipc: ``{base}-router``; tcp: the base itself.
 * ``worker_bind_endpoint(base, worker_id, name)``: where a worker binds one of its own listening
   sockets (``name`` says which: ``"prefill"`` for a PrefillOnly worker's request socket, ``"kv"`` for
-  the transfer service, ...). ipc: a path unique to (base, worker_id, name). tcp: the base's host (or
-  ``host`` when the worker runs elsewhere) with port ``*``, so the OS picks a free one; the worker reads
+  the transfer service, ...). ipc: a path unique to (base, worker_id, name). tcp: ``host`` (a
+  worker's ``bind_host``; by default ``default_bind_host``, this machine's address on the route to the
+  router) with port ``*``, so the OS picks a free one; the worker reads
   the real address back from the socket (``zmq.LAST_ENDPOINT``) and reports that string to its peers
   (``RegisterWorker.prefill_endpoint``, ``PrefillRequest.transfer_endpoint``).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import socket
 
 # sun_path is 108 bytes on Linux (104 on macOS) including the NUL; stay under both.
 MAX_IPC_PATH_BYTES = 100
@@ -98,6 +100,24 @@ def worker_bind_endpoint(base: str, worker_id: str, name: str, host: str | None 
         if len(endpoint[len("ipc://"):].encode()) > MAX_IPC_PATH_BYTES:
             raise EndpointError(f"ipc path for {name!r} too long for a Unix socket: {endpoint!r}")
     return endpoint
+
+
+def default_bind_host(base: str) -> str | None:
+    """The address a worker on this machine binds on for a tcp base: the local address its traffic to
+    the router leaves from (the kernel's route, asked with an unsent UDP "connect"), so peers on
+    other hosts can reach it; the router's own host gives the router's address. None for ipc."""
+    validate_endpoint_base(base)
+    if not base.startswith("tcp://"):
+        return None
+    host, port = _split_tcp(base)
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))  # no packet is sent: this only picks the route
+            return probe.getsockname()[0]
+    except OSError as exc:
+        raise EndpointError(f"zmq_endpoint_base: no route from this machine to the router at {base!r} ({exc})") from None
 
 
 def _split_tcp(base: str) -> tuple[str, int]:

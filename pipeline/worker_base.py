@@ -112,6 +112,10 @@ class WorkerBase:
     def sockets(self) -> list[zmq.Socket]:
         return [self.link.socket]
 
+    def listen_endpoints(self) -> list[str]:
+        """Where peers reach this worker's own listening sockets (for the log); none by default."""
+        return []
+
     def transfer_counters(self) -> dict:
         """Cumulative transfer and bad-frame counters for the load report."""
         return {"num_bad_frames": self.link.num_bad_frames}

@@ -66,13 +66,15 @@ def test_tandem_up_serves_and_stops_every_process_on_sigterm(tiny_checkpoint, tm
 
 
 def test_one_process_per_role_over_tcp(tiny_checkpoint, tmp_path):
+    """Each worker binds its own sockets on its own address (127.0.0.2 and 127.0.0.3 stand for two
+    other hosts' addresses) and peers reach it there; by default, the address on the route to the router."""
     base = f"tcp://127.0.0.1:{free_port()}"
     port = free_port()
     common = ["--model", tiny_checkpoint("llama"), "--zmq-endpoint-base", base, "--kv-cache-num-blocks", "128"]
     commands = [
         ["router", "--port", str(port), *common],
-        ["prefill", "--worker-id", "p0", *common],
-        ["decode", "--worker-id", "d0", "--transfer-transport", "zmq", *common],
+        ["prefill", "--worker-id", "p0", "--bind-host", "127.0.0.2", *common],
+        ["decode", "--worker-id", "d0", "--transfer-transport", "zmq", "--bind-host", "127.0.0.3", *common],
     ]
     procs = [subprocess.Popen([*TANDEM, *c], stdout=open(tmp_path / f"{c[0]}.log", "w"), stderr=subprocess.STDOUT,
                               start_new_session=True) for c in commands]
@@ -83,6 +85,8 @@ def test_one_process_per_role_over_tcp(tiny_checkpoint, tmp_path):
                                "ignore_eos": True}, timeout=60)
         assert out.status_code == 200, out.text
         assert out.json()["usage"]["completion_tokens"] == 5
+        assert "listening on tcp://127.0.0.2:" in (tmp_path / "prefill.log").read_text()
+        assert "listening on tcp://127.0.0.3:" in (tmp_path / "decode.log").read_text()
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -99,6 +103,7 @@ def test_one_process_per_role_over_tcp(tiny_checkpoint, tmp_path):
     [
         (["decode", "--max-batch-size", "-1"], "max_batch_size: Input should be greater than or equal to 1"),
         (["prefill", "--zmq-endpoint-base", "http://nope"], "zmq_endpoint_base"),
+        (["decode", "--bind-host", "0.0.0.0"], "bind_host: must be an address peers can connect to"),
         (["worker", "--role", "PrefillOnly", "--config", "/nonexistent.yaml"], "config_file: no such file"),
         (["up", "--kv-cache-page-size", "0"], "kv_cache.page_size"),
         (["up", "--model", "/nonexistent/dir"], "checkpoint directory /nonexistent/dir does not exist"),

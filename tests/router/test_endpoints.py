@@ -89,3 +89,15 @@ def test_derived_addresses_bind_and_connect():
         server.close(0)
     finally:
         ctx.term()
+
+
+def test_workers_bind_on_their_address_on_the_route_to_the_router():
+    from pipeline.config import PipelineConfig
+    from pipeline.endpoints import default_bind_host
+
+    assert default_bind_host("tcp://127.0.0.1:25000") == "127.0.0.1"
+    assert default_bind_host("ipc:///tmp/tandem") is None
+    config = PipelineConfig(zmq_endpoint_base="tcp://127.0.0.1:25000")
+    assert config.resolved_bind_host() == "127.0.0.1"
+    assert PipelineConfig(zmq_endpoint_base="tcp://127.0.0.1:25000", bind_host="10.1.2.3").resolved_bind_host() == "10.1.2.3"
+    assert worker_bind_endpoint("tcp://127.0.0.1:25000", "w", "kv", host=config.resolved_bind_host()) == "tcp://127.0.0.1:*"
