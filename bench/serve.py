@@ -2,8 +2,8 @@
 of vLLM's ``bench serve`` and SGLang's ``bench_serving``.
 
 Open-loop arrivals precomputed from a seed (Poisson, or gamma with ``--burstiness``), optionally
-capped by ``--max-concurrency``; warm-up requests excluded; the same prompts at every rate of a
-``--request-rate`` sweep. Workloads: ``random`` (fixed input/output lengths) and ``mixed`` (a fraction
+capped by ``--max-concurrency``; warm-up requests excluded; a ``--request-rate`` sweep replays the
+same arrival pattern with fresh prompts of the same shapes at every rate. Workloads: ``random`` (fixed input/output lengths) and ``mixed`` (a fraction
 of long-prompt/short-output requests among short-prompt/long-output ones: the case disaggregation is
 for), prompts built from the server's tokenizer so lengths are exact. Metrics use vLLM's key names
 (``bench/serve_metrics.py``), per request group too; against a Tandem router the report adds the
@@ -28,65 +28,14 @@ from pathlib import Path
 import httpx
 
 from bench import tandem_scrape
+from bench.serve_cli import add_arguments, parse_rates
 from bench.serve_client import ClientSettings, run_requests
 from bench.serve_metrics import errors_seen, goodput_rate, parse_goodput, summarize, summarize_by_group
-from bench.serve_workload import WorkloadSpec, build_workload, scheduled
+from bench.serve_workload import CHAT_ENDPOINT, PromptBuilder, WorkloadSpec, build_workload, scheduled
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 IDLE_GAP_S = 2.0  # between the runs of a sweep, for a server whose idleness cannot be read
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    server = parser.add_argument_group("server")
-    server.add_argument("--base-url", default="http://127.0.0.1:8000")
-    server.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
-    server.add_argument("--model", default=None, help="the request's model (default: the server's first model)")
-    server.add_argument("--tokenizer", default=None,
-                        help="tokenizer directory (default: the model if it is a directory, else its /v1/models root)")
-    server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    server.add_argument("--label", default=None, help="name of the system under test, for the report")
-    work = parser.add_argument_group("workload")
-    work.add_argument("--dataset", default="random", choices=["random", "mixed"])
-    work.add_argument("--num-prompts", type=int, default=100)
-    work.add_argument("--random-input-len", type=int, default=128)
-    work.add_argument("--random-output-len", type=int, default=128)
-    add_mixed_arguments(work)
-    work.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (a vLLM/Tandem extension)")
-    work.add_argument("--seed", type=int, default=0)
-    load = parser.add_argument_group("load")
-    load.add_argument("--request-rate", "--rate", default="inf",
-                      help="requests/s; a comma list runs a sweep (default inf: all at once)")
-    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
-    load.add_argument("--max-concurrency", type=int, default=None)
-    load.add_argument("--num-warmups", type=int, default=2, help="requests sent before the measurement")
-    load.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                      help="SLOs for request_goodput, e.g. ttft:2000 tpot:100 (names: ttft, tpot, e2el)")
-    load.add_argument("--attainment-target", type=float, default=0.9,
-                      help="goodput_rate: the highest rate whose SLO attainment reaches this (default 0.9)")
-    out = parser.add_argument_group("output")
-    out.add_argument("--out", type=Path, default=None, help="JSON report (PNG plots are written beside it)")
-    out.add_argument("--no-plot", action="store_true")
-    out.add_argument("--no-progress", action="store_true")
-
-
-def add_mixed_arguments(group) -> None:
-    """The ``mixed`` workload's shape (also ``bench/serve_compare.py``'s)."""
-    group.add_argument("--mixed-long-fraction", type=float, default=0.2, help="share of long requests")
-    group.add_argument("--mixed-long-input-len", type=int, default=1536)
-    group.add_argument("--mixed-long-output-len", type=int, default=8)
-    group.add_argument("--mixed-short-input-len", type=int, default=64)
-    group.add_argument("--mixed-short-output-len", type=int, default=128)
-
-
-def parse_rates(text: str) -> list[float]:
-    try:
-        rates = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--request-rate takes numbers or inf, comma-separated (got {text!r})") from None
-    if not rates or any(r <= 0 for r in rates):
-        raise ValueError(f"--request-rate: every rate must be > 0 (got {text!r})")
-    return rates
 
 
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
@@ -126,14 +75,15 @@ def benchmark(client: ClientSettings, spec: WorkloadSpec, rates: list[float], *,
     slos = slos or {}
     headers = {"Authorization": f"Bearer {client.api_key}"} if client.api_key else {}
     count_tokens = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    prompts = PromptBuilder(tokenizer, is_chat=client.endpoint == CHAT_ENDPOINT)
     if num_warmups:
-        warmups = build_workload(replace(spec, num_prompts=num_warmups), tokenizer, client.endpoint, salt=-1)
+        warmups = build_workload(replace(spec, num_prompts=num_warmups), prompts, salt=-1)
         asyncio.run(run_requests(replace(client, max_concurrency=1), warmups, count_tokens))
     runs = []
+    before = tandem_scrape.wait_until_idle(client.base_url, headers)  # each run's "after" is the next one's "before"
     for index, rate in enumerate(rates):
         # fresh prompts for every run (no prefix-cache hits on an earlier run's), the same for every system
-        requests = build_workload(spec, tokenizer, client.endpoint, salt=index)
-        before = tandem_scrape.wait_until_idle(client.base_url, headers)
+        requests = build_workload(spec, prompts, salt=index)
         if before is None:
             time.sleep(IDLE_GAP_S)
         timed = scheduled(requests, rate, burstiness, spec.seed)
@@ -149,6 +99,7 @@ def benchmark(client: ClientSettings, spec: WorkloadSpec, rates: list[float], *,
         if before is not None:
             after = tandem_scrape.wait_until_idle(client.base_url, headers)
             run["tandem"] = tandem_scrape.run_report(before, after, run["completed"])
+            before = after
         runs.append(run)
     report = {
         "benchmark": "serve", "label": label, "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -22,12 +22,13 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import sys
 import time
 from pathlib import Path
 
-from bench.serve import add_mixed_arguments, benchmark, parse_rates
+from bench.peer_transformers import TransformersServe, free_port, make_eos_unreachable
+from bench.serve import benchmark
+from bench.serve_cli import add_mixed_arguments, parse_rates
 from bench.serve_client import ClientSettings
 from bench.serve_metrics import parse_goodput
 from bench.serve_workload import CHAT_ENDPOINT, WorkloadSpec
@@ -35,12 +36,6 @@ from bench.serve_workload import CHAT_ENDPOINT, WorkloadSpec
 SYSTEMS = ("tandem-1p1d", "tandem-colocated", "transformers-serve")
 PEER_ARGS = ("--cb-num-blocks", "256", "--cb-max-batch-tokens", "512")  # 256-token blocks: 1 GiB of KV here
 TANDEM_SHAPES = {"tandem-1p1d": (1, 1, 0), "tandem-colocated": (0, 0, 1)}  # (prefill, decode, colocated)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cpu_model() -> str:
@@ -57,7 +52,6 @@ def cpu_model() -> str:
 def benchmark_checkpoint(size: str) -> Path:
     """The benchmark's checkpoint (built once, cached under ``$TANDEM_HOME``): EOS is unreachable."""
     from bench.offline_throughput import MODEL_SIZES
-    from bench.peer_transformers import make_eos_unreachable
     from pipeline.builtin_model import build_checkpoint
 
     home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
@@ -100,11 +94,8 @@ def client_on(cores: list[int]):
 
 
 def run_transformers(checkpoint: Path, cores: list[int], run) -> tuple[dict, str]:
-    from bench.peer_transformers import TransformersServe
-
     # its KV pool and per-step token budget sized like Tandem's defaults (1 GiB of KV; 512 tokens a step)
-    server = TransformersServe(checkpoint, cores=cores, num_threads=len(cores), port=free_port(),
-                               extra_args=PEER_ARGS)
+    server = TransformersServe(checkpoint, cores=cores, num_threads=len(cores), extra_args=PEER_ARGS)
     with server, client_on(cores):
         report = run(server.url, server.model_name)
     return report, " ".join(server.command)

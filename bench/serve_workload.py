@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -89,7 +89,7 @@ class PromptBuilder:
         self._ordinary_ids = [i for i in range(len(tokenizer)) if i not in special
                               and "\ufffd" not in (piece := tokenizer.decode([i]))
                               and tokenizer.encode(piece, add_special_tokens=False) == [i]]
-        self.template_overhead = self.encoded_len("") if is_chat else 0
+        self.overhead = self.encoded_len("")  # the chat template's tokens, or the tokenizer's BOS
 
     def encoded_len(self, text: str) -> int:
         if self.is_chat:
@@ -98,10 +98,10 @@ class PromptBuilder:
 
     def build(self, length: int, rng: random.Random) -> tuple[str, int]:
         """A prompt that encodes to ``length`` tokens (or as close as the tokenizer allows) and its length."""
-        target = length - self.template_overhead - self._added_special_tokens()
+        target = length - self.overhead
         if target < 1:
-            raise ValueError(f"a prompt of {length} tokens cannot hold any text after the chat template "
-                             f"({self.template_overhead} tokens)")
+            raise ValueError(f"a prompt of {length} tokens cannot hold any text after the chat template or "
+                             f"special tokens ({self.overhead} tokens)")
         ids = [rng.choice(self._ordinary_ids) for _ in range(target)]
         text = self.tokenizer.decode(ids)
         for _ in range(64):  # decode/encode is not a bijection: cut or extend by the difference, recheck
@@ -113,14 +113,10 @@ class PromptBuilder:
             text = self.tokenizer.decode(ids)
         return text, self.encoded_len(text)
 
-    def _added_special_tokens(self) -> int:
-        return 0 if self.is_chat else len(self.tokenizer.encode("", add_special_tokens=True))
 
-
-def build_workload(spec: WorkloadSpec, tokenizer, endpoint: str, salt: int = 0) -> list[BenchRequest]:
+def build_workload(spec: WorkloadSpec, builder: PromptBuilder, salt: int = 0) -> list[BenchRequest]:
     """The requests of ``spec``, all arriving at 0 (``scheduled`` gives a run's own times). Each
     ``salt`` draws other prompts of the same shapes (a sweep's runs must not hit each other's prefix cache)."""
-    builder = PromptBuilder(tokenizer, is_chat=endpoint == CHAT_ENDPOINT)
     rng = random.Random(f"{spec.seed}/{salt}")
     requests = []
     for group, input_len, output_len in spec.shapes():
@@ -132,4 +128,4 @@ def build_workload(spec: WorkloadSpec, tokenizer, endpoint: str, salt: int = 0) 
 def scheduled(requests: list[BenchRequest], rate: float, burstiness: float, seed: int) -> list[BenchRequest]:
     """The same requests with the arrival times of one run at ``rate`` requests/s."""
     offsets = arrival_offsets(len(requests), rate, burstiness, seed)
-    return [BenchRequest(r.prompt, r.prompt_len, r.output_len, r.group, t) for r, t in zip(requests, offsets)]
+    return [replace(r, arrival_s=t) for r, t in zip(requests, offsets)]

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from bench.serve_cli import add_arguments  # the flags only: the benchmark itself loads when it runs
+
 
 def register(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     serve = kinds.add_parser("serve", help="serving benchmark: latency, throughput and goodput under open-loop load",
                              description="Serving benchmark (vLLM bench serve conventions); see bench/serve.py.")
-    from bench.serve import add_arguments
-
     add_arguments(serve)
     serve.set_defaults(handler=run_serve)
 

@@ -40,8 +40,13 @@ def router_cores(plan: dict[str, list[int]]) -> list[int]:
     decode cores leaves those to decode steps, whose latency every stream sees, while a prefill step
     only shifts first tokens a little."""
     everything = sorted({c for cores in plan.values() for c in cores})
-    prefill = sorted({c for name, cores in plan.items() if name.startswith("prefill-") for c in cores})
+    prefill = sorted(_cores_of(plan, is_prefill=True))
     return prefill if prefill and len(prefill) < len(everything) else everything
+
+
+def _cores_of(plan: dict[str, list[int]], is_prefill: bool) -> set[int]:
+    """The cores of the plan's prefill workers (or of every other worker)."""
+    return {c for name, cores in plan.items() if name.startswith("prefill-") == is_prefill for c in cores}
 
 
 def _split(cores: list[int], names: list[str]) -> dict[str, list[int]]:
@@ -65,9 +70,7 @@ def describe_plan(plan: dict[str, list[int]], num_threads: int | None = None) ->
         threads = num_threads or len(cores)
         parts.append(f"{name}: cores {format_core_list(cores)} ({threads} thread{'s' if threads != 1 else ''})")
     text = " | ".join(parts)
-    prefill_cores = {c for name, cores in plan.items() if name.startswith("prefill-") for c in cores}
-    decode_cores = {c for name, cores in plan.items() if not name.startswith("prefill-") for c in cores}
-    shared = prefill_cores & decode_cores
+    shared = _cores_of(plan, is_prefill=True) & _cores_of(plan, is_prefill=False)
     if shared:
         text += (f" (warning: prefill and decode workers share core{'s' if len(shared) > 1 else ''} "
                  f"{format_core_list(shared)}; a prefill step delays decode steps there)")

@@ -109,8 +109,9 @@ class LocalCluster:
     def start(self, timeout_s: float = 180.0) -> "LocalCluster":
         if self.num_decode + self.num_colocated == 0:
             raise ClusterError("a cluster needs at least one decode or colocated worker")
-        if self.cpu_plan is not None and set(self.worker_names) - set(self.cpu_plan):
-            raise ClusterError(f"cpu_plan has no cores for {sorted(set(self.worker_names) - set(self.cpu_plan))}")
+        unplanned = sorted(set(self.worker_names) - set(self.cpu_plan)) if self.cpu_plan is not None else []
+        if unplanned:
+            raise ClusterError(f"cpu_plan has no cores for {unplanned}")
         if self.num_decode and not self.num_prefill:
             logger.warning("decode workers without prefill workers prefill locally (colocated fallback)")
         if self.config.get("model", {}).get("model_path") is None:

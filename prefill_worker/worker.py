@@ -70,7 +70,7 @@ class PrefillWorker(WorkerBase):
         self.requests.setsockopt(zmq.LINGER, 0)
         # Per incarnation (pid): a restarted worker must not receive what decode workers queued for its predecessor.
         self.requests.bind(worker_bind_endpoint(config.zmq_endpoint_base, worker_id, f"prefill-{os.getpid()}",
-                                 host=config.resolved_bind_host()))
+                                                host=config.resolved_bind_host()))
         self.endpoint = self.requests.getsockopt(zmq.LAST_ENDPOINT).decode()
         layout = kv_layout(self.engine.kv_cache, self.model_fingerprint, config.transfer.transport)
         self.sender = KVSender(self.engine.kv_cache, layout, kernel_backend=config.kernel_backend)

@@ -23,7 +23,6 @@ from router.policy import WorkerView
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class WorkerInfo:
     worker_id: str

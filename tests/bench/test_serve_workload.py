@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from bench.serve_workload import (CHAT_ENDPOINT, PromptBuilder, WorkloadSpec, arrival_offsets, build_workload,
+from bench.serve_workload import (PromptBuilder, WorkloadSpec, arrival_offsets, build_workload,
                                   scheduled)
 
 
@@ -55,10 +55,11 @@ def test_prompts_encode_to_exactly_the_length_asked_for(tokenizer, is_chat):
 def test_mixed_workload_has_its_fraction_of_long_requests_and_fresh_prompts_per_salt(tokenizer):
     spec = WorkloadSpec(dataset="mixed", num_prompts=20, long_fraction=0.25, long_input_len=120, long_output_len=2,
                         short_input_len=16, short_output_len=9, seed=5)
-    first = build_workload(spec, tokenizer, CHAT_ENDPOINT, salt=0)
+    builder = PromptBuilder(tokenizer, is_chat=True)
+    first = build_workload(spec, builder, salt=0)
     assert [r.group for r in first].count("long") == 5
     assert all((r.prompt_len, r.output_len) == ((120, 2) if r.group == "long" else (16, 9)) for r in first)
-    again, other = build_workload(spec, tokenizer, CHAT_ENDPOINT, salt=0), build_workload(spec, tokenizer, CHAT_ENDPOINT, salt=1)
+    again, other = build_workload(spec, builder, salt=0), build_workload(spec, builder, salt=1)
     assert [r.prompt for r in again] == [r.prompt for r in first]
     assert [r.group for r in other] == [r.group for r in first]  # same shapes, other text
     assert not {r.prompt for r in other} & {r.prompt for r in first}
