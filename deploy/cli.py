@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from deploy import bench_cmd, generate_cmd, launch_cmd, serve_cmds
+from deploy import bench_cmd, generate_cmd, launch_cmd, ray_cmd, serve_cmds
+from deploy.parent_guard import die_with_parent_if_asked
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
 
@@ -19,10 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmds.register(sub)
     launch_cmd.register(sub)
     bench_cmd.register(sub)
+    ray_cmd.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_if_asked()  # before anything else: a supervised process must not outlive its supervisor
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

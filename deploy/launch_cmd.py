@@ -30,13 +30,17 @@ def register(sub) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--log-dir", default=None, help="where each process logs (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
-    parser.add_argument("--max-restarts", type=int, default=5,
-                        help="restart a process that exits up to N times in a row, with backoff; 0: never (default 5)")
-    parser.add_argument("--share-cores", action="store_true",
-                        help="let every worker use every core of the pool (default: prefill and decode workers "
-                             "get disjoint cores; the pool is --cpu-cores, else every core this process may use)")
+    add_supervision_flags(parser, share_cores_help="let every worker use every core of the pool (default: prefill and "
+                          "decode workers get disjoint cores; the pool is --cpu-cores, else every core this process may use)")
     add_config_flags(parser)
     parser.set_defaults(handler=run)
+
+
+def add_supervision_flags(parser: argparse.ArgumentParser, share_cores_help: str) -> None:
+    """``--max-restarts`` and ``--share-cores``, shared by ``tandem up`` and ``tandem ray up``."""
+    parser.add_argument("--max-restarts", type=int, default=5,
+                        help="restart a process that exits up to N times in a row, with backoff; 0: never (default 5)")
+    parser.add_argument("--share-cores", action="store_true", help=share_cores_help)
 
 
 def run(args: argparse.Namespace) -> int:

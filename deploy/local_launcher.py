@@ -283,7 +283,7 @@ def _terminate(processes: dict[str, subprocess.Popen], timeout_s: float, is_forc
     """SIGTERM every process group, wait up to ``timeout_s`` in all (less once ``is_forced`` is set),
     SIGKILL what is still running."""
     for proc in processes.values():
-        _signal_group(proc, signal.SIGTERM)
+        signal_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not is_forced.is_set():
         if all(proc.poll() is not None for proc in processes.values()):
@@ -293,11 +293,12 @@ def _terminate(processes: dict[str, subprocess.Popen], timeout_s: float, is_forc
         if proc.poll() is None:
             if not is_forced.is_set():
                 logger.warning("%s did not stop in %.0fs; killing it", name, timeout_s)
-            _signal_group(proc, signal.SIGKILL)
+            signal_group(proc, signal.SIGKILL)
             proc.wait(5)
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal ``proc``'s process group (it was started with ``start_new_session``), unless it has exited."""
     if proc.poll() is not None:
         return
     try:

@@ -1,0 +1,302 @@
+"""The driver side of ``tandem ray``: bring a deployment up on a running Ray cluster, report it, take it down.
+
+``up`` creates one detached supervisor actor per process (``deploy.ray_cluster.process_actor``), waits
+until Ray has placed them all, splits each CPU node's cores, starts the router and then the workers,
+and waits until the router reports every worker alive. Anything that goes wrong on the way stops
+what was started, so a failed ``up`` leaves nothing behind. The actors are detached: they outlive
+the driver, and ``down`` (from any machine that reaches the cluster) finds them by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from deploy.ray_cluster import spec as specs
+from deploy.ray_cluster.process_actor import ProcessSupervisor
+from deploy.ray_cluster.spec import NAMESPACE, ROUTER, ProcessSpec
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_POLL_S = 0.5
+STATUS_TIMEOUT_S = 10.0
+
+
+class DeployError(RuntimeError):
+    """``tandem ray`` could not do what was asked; the message says why and what to look at."""
+
+
+@dataclass
+class UpOptions:
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_colocated: int = 0
+    deployment: str = "tandem"
+    config: dict = field(default_factory=dict)  # PipelineConfig overrides for every process
+    http_port: int = 8000
+    http_host: str | None = None  # None: the router node's address
+    zmq_port: int = 25000
+    api_key: str | None = None
+    log_dir: str = "/tmp/tandem-ray"
+    max_restarts: int = 5
+    ready_timeout_s: float = 300.0
+    router_node: str | None = None  # a node address; None: the head node
+    gpus_per_worker: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    prefill_resources: dict = field(default_factory=dict)
+    decode_resources: dict = field(default_factory=dict)
+    share_cores: bool = False
+    cpu_pool: list[int] | None = None  # the user's cpu_cores, applied on every node
+
+
+def connect(address: str | None) -> None:
+    """Join the Ray cluster at ``address`` (default: ``RAY_ADDRESS``, else the cluster on this node)."""
+    try:
+        import ray
+    except ImportError:
+        raise DeployError("Ray is not installed: pip install 'tandem[ray]'") from None
+
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    _check_reachable(address)
+    try:
+        ray.init(address=address, namespace=NAMESPACE,
+                 log_to_driver=False, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise DeployError(f"cannot connect to a Ray cluster at {address or 'auto'}: {exc}. Start one with "
+                          "`ray start --head` or `ray up`, and pass its address with --address HOST:PORT") from None
+
+
+def _check_reachable(address: str) -> None:
+    """Fail in seconds on a HOST:PORT nobody listens on (``ray.init`` would retry for minutes)."""
+    host, sep, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5.0).close()
+    except OSError as exc:
+        raise DeployError(f"no Ray cluster at {address} ({exc}); start one with `ray start --head` or `ray up`, "
+                          "and pass its head's HOST:PORT with --address") from None
+
+
+# ------------------------------------------------------------------- up
+def up(options: UpOptions, say: Callable[[str], None] = print) -> str:
+    """Deploy; returns the router's URL once every worker is alive."""
+    import ray
+
+    existing = deployment_actors(options.deployment)
+    if existing:
+        raise DeployError(f"deployment {options.deployment!r} is already running ({', '.join(sorted(existing))}); "
+                          f"`tandem ray down --name {options.deployment}` first, or choose another --name")
+    router_ip = _router_node_ip(options.router_node)
+    gpus = options.gpus_per_worker
+    if gpus is None:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    config = {**options.config, "zmq_endpoint_base": options.config.get("zmq_endpoint_base")
+              or f"tcp://{router_ip}:{options.zmq_port}"}
+    env = {"TANDEM_API_KEY": options.api_key} if options.api_key else {}
+    log_dir = os.path.join(options.log_dir, options.deployment)
+    actors = {}
+    where: dict[str, dict] = {}  # filled as Ray places the actors
+    remote_cls = ray.remote(ProcessSupervisor)
+    try:
+        for name in specs.process_names(options.num_prefill, options.num_decode, options.num_colocated):
+            spec = ProcessSpec(options.deployment, name, config, log_dir, options.max_restarts,
+                               http_port=options.http_port, http_host=options.http_host, env=env)
+            if name == ROUTER:
+                placement = specs.actor_options({}, pin_to=specs.router_pin(options.router_node))
+            else:
+                resources = specs.worker_resources(name, gpus, options.prefill_resources, options.decode_resources)
+                placement = specs.actor_options(resources, spread=not resources)
+            actors[name] = remote_cls.options(
+                name=spec.actor_name, namespace=NAMESPACE, lifetime="detached", max_restarts=options.max_restarts,
+                max_concurrency=4, **placement).remote(spec)
+        say(f"placing {len(actors)} supervisor actors ({_describe_resources(gpus, options)})")
+        _wait_placed(actors, where, options.ready_timeout_s)
+        cores = {} if gpus else specs.plan_node_cores(
+            where, share=options.share_cores, pool_limit=options.cpu_pool)
+        for name, info in where.items():
+            bound = f", cores {_fmt(cores[name])}" if name in cores else ""
+            say(f"  {name}: node {info['node_ip']}{bound}")
+        ray.get(actors[ROUTER].start.remote(cores.get(ROUTER)))
+        ray.get([actor.start.remote(cores.get(name)) for name, actor in actors.items() if name != ROUTER])
+        url = ray.get(actors[ROUTER].status.remote())["url"]
+        _wait_ready(actors, options.ready_timeout_s)
+        return url
+    except BaseException:  # stop what started (an actor Ray never placed has nothing to stop), kill every actor
+        _stop_and_kill({specs.actor_name(options.deployment, name): actor for name, actor in actors.items()},
+                       placed={specs.actor_name(options.deployment, name) for name in where})
+        raise
+
+
+def _router_node_ip(router_node: str | None) -> str:
+    """The router's node address: the head node's, or ``router_node`` checked against the cluster."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if router_node is not None:
+        if not any(n["NodeManagerAddress"] == router_node for n in nodes):
+            raise DeployError(f"--router-node {router_node}: no live Ray node has that address "
+                              f"(nodes: {', '.join(sorted(n['NodeManagerAddress'] for n in nodes))})")
+        return router_node
+    heads = [n["NodeManagerAddress"] for n in nodes if "node:__internal_head__" in n.get("Resources", {})]
+    if not heads:
+        raise DeployError("the Ray cluster reports no head node; name the router's node with --router-node ADDRESS")
+    return heads[0]
+
+
+def _wait_placed(actors: dict, where: dict[str, dict], timeout_s: float) -> None:
+    """Fill ``where`` with {name: where()} as Ray places the actors; an error naming the ones it could
+    not place within ``timeout_s``."""
+    import ray
+
+    pending = {actor.where.remote(): name for name, actor in actors.items()}
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=PLACEMENT_POLL_S)
+        for ref in done:
+            where[pending.pop(ref)] = ray.get(ref)
+    if pending:
+        unplaced = sorted(pending.values())
+        raise DeployError(f"Ray could not place {', '.join(unplaced)} within {timeout_s:g} s: no node has the "
+                          f"resources they ask for (cluster: {ray.available_resources()}); see `ray status`")
+
+
+def _wait_ready(actors: dict, timeout_s: float) -> None:
+    """Until the router is ready with every worker alive; fails fast on a process given up."""
+    import ray
+
+    expected = set(actors) - {ROUTER}
+    deadline = time.monotonic() + timeout_s
+    body: dict = {}
+    while time.monotonic() < deadline:
+        for name, status in zip(actors, ray.get([a.status.remote() for a in actors.values()])):
+            if status["state"] in ("given_up", "failed"):
+                tail = ray.get(actors[name].log_tail.remote())
+                raise DeployError(f"{name} on {status['node_ip']} keeps exiting ({status['last_event']}); "
+                                  f"log {status['log']}:\n{tail}")
+        body = ray.get(actors[ROUTER].router_ready.remote())
+        alive = {w["worker_id"] for w in body.get("workers", []) if w.get("alive")}
+        if body.get("ready") and expected <= alive:
+            return
+        time.sleep(0.5)
+    raise DeployError(f"not ready after {timeout_s:g} s (router says: {body}); `tandem ray status` shows each "
+                      "process and its log")
+
+
+# ------------------------------------------------------- status, down
+def deployment_actors(deployment: str | None = None) -> dict[str, tuple[str, str]]:
+    """{actor name: (deployment, process)} of Tandem's actors (one deployment's, or all)."""
+    import ray
+
+    found = {}
+    for name in ray.util.list_named_actors(all_namespaces=False):
+        parts = specs.split_actor_name(name)
+        if parts is not None and (deployment is None or parts[0] == deployment):
+            found[name] = parts
+    return found
+
+
+def status(deployment: str | None = None) -> list[dict]:
+    """One row per process: its actor's ``status()`` plus ``ready`` (router: /ready; workers: alive
+    in the router's view); an actor that does not answer shows as "unreachable"."""
+    import ray
+
+    rows = []
+    found = deployment_actors(deployment)
+    for actor_name in sorted(found, key=lambda n: (found[n][0], found[n][1] != ROUTER, found[n][1])):
+        dep, process = found[actor_name]
+        try:
+            row = ray.get(ray.get_actor(actor_name).status.remote(), timeout=STATUS_TIMEOUT_S)
+        except (ray.exceptions.RayError, ValueError) as exc:
+            row = {"deployment": dep, "name": process, "state": "unreachable", "last_event": str(exc).splitlines()[0]}
+        rows.append(row)
+    for dep in {row["deployment"] for row in rows}:
+        _add_readiness([row for row in rows if row["deployment"] == dep])
+    return rows
+
+
+def _add_readiness(rows: list[dict]) -> None:
+    import ray
+
+    router = next((row for row in rows if row["name"] == ROUTER and row["state"] == "running"), None)
+    body = {}
+    if router is not None:
+        try:
+            body = ray.get(ray.get_actor(specs.actor_name(router["deployment"], ROUTER)).router_ready.remote(),
+                           timeout=STATUS_TIMEOUT_S)
+        except ray.exceptions.RayError:
+            body = {}
+    alive = {w["worker_id"] for w in body.get("workers", []) if w.get("alive")}
+    for row in rows:
+        row["ready"] = bool(body.get("ready")) if row["name"] == ROUTER else row["name"] in alive
+
+
+def down(deployment: str | None = None, say: Callable[[str], None] = print) -> list[str]:
+    """Stop every process of the deployment(s) (routers first, so requests in flight drain) and kill
+    their actors; returns the actor names removed."""
+    import ray
+
+    names = deployment_actors(deployment)
+    actors = {actor_name: ray.get_actor(actor_name) for actor_name in names}
+    answering = _answering(actors)  # an actor Ray never placed (or lost) has no process to stop
+    routers = {n: a for n, a in actors.items() if names[n][1] == ROUTER}
+    if routers:
+        say(f"stopping {', '.join(sorted(routers))} (requests in flight drain first)")
+    _stop_and_kill(routers, placed=answering)
+    workers = {n: a for n, a in actors.items() if n not in routers}
+    if workers:
+        say(f"stopping {len(workers)} workers")
+    _stop_and_kill(workers, placed=answering)
+    return sorted(actors)
+
+
+def _answering(actors: dict) -> set[str]:
+    """The names of the actors that answer a status call within ``STATUS_TIMEOUT_S``."""
+    import ray
+
+    refs = {actor.status.remote(): name for name, actor in actors.items()}
+    if not refs:
+        return set()
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=STATUS_TIMEOUT_S)
+    return {refs[ref] for ref in done}
+
+
+def _stop_and_kill(actors: dict, placed: set[str] | None = None) -> None:
+    """Ask every actor ({actor name: handle}; only those in ``placed`` when given) to stop its process,
+    in parallel, then kill the actors; an actor that does not answer is killed anyway, and its process
+    dies with it (``deploy.parent_guard``)."""
+    import ray
+
+    refs = [actor.stop.remote() for name, actor in actors.items() if placed is None or name in placed]
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=60.0)
+    for actor in actors.values():
+        try:
+            ray.kill(actor, no_restart=True)
+        except (ray.exceptions.RayError, ValueError):
+            pass
+    deadline = time.monotonic() + 30.0  # ray.kill returns at once: wait until the names are gone
+    while actors and time.monotonic() < deadline:
+        if not set(ray.util.list_named_actors()) & set(actors):
+            return
+        time.sleep(0.2)
+
+
+def _describe_resources(gpus: float, options: UpOptions) -> str:
+    parts = [f"router on {options.router_node or 'the head node'}", f"{gpus:g} GPU per worker"]
+    if options.prefill_resources:
+        parts.append(f"prefill {options.prefill_resources}")
+    if options.decode_resources:
+        parts.append(f"decode {options.decode_resources}")
+    if not gpus:
+        parts.append("cores split per node" + (" (shared)" if options.share_cores else ""))
+    return ", ".join(parts)
+
+
+def _fmt(cores: list[int]) -> str:
+    from pipeline.cpu_placement import format_core_list
+
+    return format_core_list(cores)

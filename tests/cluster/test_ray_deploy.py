@@ -1,0 +1,172 @@
+"""`tandem ray up|status|down` on a real Ray head (loopback, private temp dir, stopped by pid).
+
+One deployment of 1 prefill + 2 decode workers serves the official openai client with transformers'
+exact greedy text; a SIGKILLed worker is restarted by its supervisor actor; a SIGKILLed supervisor
+actor takes its process down with it (no orphan) and Ray restarts it; `tandem ray down` leaves no
+Tandem process and no named actor; a deployment Ray cannot place fails and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.cluster.conftest import CLUSTER_CONFIG, wait_for_idle_blocks
+from tests.deploy.conftest import is_alive
+from tests.ray_support import RayHead, free_ports, processes_mentioning
+
+pytest.importorskip("ray")
+
+TANDEM = str(Path(sys.executable).with_name("tandem"))
+PROMPTS = ["Hello there, how are you?", "The quick brown fox", "Paged attention keeps"]
+WORKERS = ["prefill-0", "decode-0", "decode-1"]
+CONFIG_FLAGS = ["--kv-cache-page-size", str(CLUSTER_CONFIG["kv_cache"]["page_size"]),
+                "--kv-cache-num-blocks", str(CLUSTER_CONFIG["kv_cache"]["num_blocks"]),
+                "--max-batch-input-tokens", str(CLUSTER_CONFIG["max_batch_input_tokens"]),
+                "--router-max-local-prefill-length", "0"]  # every request goes through the prefill worker
+
+
+@pytest.fixture(scope="module")
+def head():
+    with RayHead() as ray_head:
+        yield ray_head
+    assert not processes_mentioning(ray_head.temp_dir), "a Ray process of the test head survived its stop"
+
+
+@pytest.fixture(scope="module")
+def deployment(head, tiny_checkpoint, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("ray-logs")
+    http_port, zmq_port = free_ports(2)
+    result = head.run(TANDEM, "ray", "up", "--prefill", "1", "--decode", "2", "--model", tiny_checkpoint("llama"),
+                      "--port", str(http_port), "--zmq-port", str(zmq_port), "--log-dir", str(log_dir),
+                      "--max-restarts", "3", "--ready-timeout", "240", *CONFIG_FLAGS, timeout_s=300)
+    info = {"url": f"http://127.0.0.1:{http_port}", "log_dir": str(log_dir), "up": result, "pids": set()}
+    try:
+        yield info
+    finally:
+        head.run(TANDEM, "ray", "down", timeout_s=120)  # idempotent: the last test has already done it
+        leftovers = processes_mentioning(str(log_dir))
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+        assert not leftovers, f"Tandem processes outlived tandem ray down: {leftovers}"
+
+
+def status(head, name: str | None = None) -> dict[str, dict]:
+    result = head.run(TANDEM, "ray", "status", "--json", *(["--name", name] if name else []), timeout_s=60)
+    assert result.returncode == 0, result.stderr
+    return {row["name"]: row for row in json.loads(result.stdout)}
+
+
+def wait_for(head, predicate, timeout_s: float, what: str) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout_s
+    rows = {}
+    while time.monotonic() < deadline:
+        rows = status(head)
+        if predicate(rows):
+            return rows
+        time.sleep(0.5)
+    raise AssertionError(f"{what} within {timeout_s:g} s; status: {json.dumps(rows, indent=1)}")
+
+
+def all_ready(rows: dict[str, dict]) -> bool:
+    return set(rows) == {"router", *WORKERS} and all(r["state"] == "running" and r["ready"] for r in rows.values())
+
+
+def assert_serves_exactly(url: str, tokenizer, reference_text) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    name = client.models.list().data[0].id
+    for prompt in PROMPTS:
+        want_ids, want_text = reference_text(tokenizer(prompt)["input_ids"], 12)
+        out = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
+        assert out.choices[0].text == want_text and out.usage.completion_tokens == len(want_ids)
+    stream = client.chat.completions.create(model=name, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                            max_tokens=8, temperature=0, stream=True)
+    assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content) > 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint, hf_reference):
+    return hf_reference(tiny_checkpoint("llama"))[1]
+
+
+def test_up_serves_transformers_exact_text(head, deployment, tokenizer, reference_text):
+    up = deployment["up"]
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert f"Tandem is ready at {deployment['url']}/v1" in up.stdout
+    assert_serves_exactly(deployment["url"], tokenizer, reference_text)
+
+
+def test_status_shows_each_process_on_its_node_and_cores(head, deployment):
+    rows = status(head)
+    assert all_ready(rows), rows
+    for name, row in rows.items():
+        assert row["node_ip"] == "127.0.0.1" and row["restarts"] == 0 and is_alive(row["pid"])
+        assert row["log"] == f"{deployment['log_dir']}/tandem/{name}.log"
+        deployment["pids"].add(row["pid"])
+    # one node, two cores: the prefill worker and the decode workers on different cores (as tandem up)
+    allowed = {name: Path(f"/proc/{row['pid']}/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
+               for name, row in rows.items()}
+    assert allowed["prefill-0"] == rows["prefill-0"]["cores"] and allowed["decode-0"] == rows["decode-0"]["cores"]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert allowed["prefill-0"] != allowed["decode-0"]
+    # a worker binds its own sockets on its node's address (Ray's node IP), where peers on other nodes reach it
+    for name in WORKERS:
+        assert "listening on tcp://127.0.0.1:" in Path(rows[name]["log"]).read_text(), name
+    table = head.run(TANDEM, "ray", "status", timeout_s=60).stdout
+    assert "decode-1" in table and f"{deployment['url']}/v1" in table
+
+
+def test_up_refuses_a_second_deployment_of_the_same_name(head, deployment):
+    result = head.run(TANDEM, "ray", "up", "--port", str(free_ports(1)[0]), "--log-dir", deployment["log_dir"],
+                      timeout_s=120)
+    assert result.returncode == 1 and "already running" in result.stderr, result.stderr
+
+
+def test_killed_worker_is_restarted_by_its_supervisor(head, deployment, tokenizer, reference_text):
+    old_pid = status(head)["decode-0"]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    rows = wait_for(head, lambda r: all_ready(r) and r["decode-0"]["pid"] not in (None, old_pid), 60,
+                    "decode-0 was not restarted and ready")
+    assert rows["decode-0"]["restarts"] == 1
+    assert any("killed by signal SIGKILL; restarting in" in e for e in rows["decode-0"]["events"]), rows["decode-0"]
+    deployment["pids"].add(rows["decode-0"]["pid"])
+    assert_serves_exactly(deployment["url"], tokenizer, reference_text)
+
+
+def test_killed_supervisor_takes_its_process_down_and_ray_restarts_both(head, deployment, tokenizer,
+                                                                        reference_text):
+    before = status(head)["prefill-0"]
+    os.kill(before["actor_pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while is_alive(before["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not is_alive(before["pid"]), "the worker outlived its supervisor actor"
+    rows = wait_for(head, lambda r: all_ready(r) and r["prefill-0"]["actor_pid"] != before["actor_pid"], 90,
+                    "Ray did not restart the prefill-0 supervisor and its worker")
+    assert any("Ray restarted this supervisor" in e for e in rows["prefill-0"]["events"]), rows["prefill-0"]
+    deployment["pids"].add(rows["prefill-0"]["pid"])
+    assert_serves_exactly(deployment["url"], tokenizer, reference_text)
+    wait_for_idle_blocks(deployment["url"], WORKERS, CLUSTER_CONFIG["kv_cache"]["num_blocks"])
+
+
+def test_unplaceable_deployment_fails_and_leaves_nothing(head, deployment):
+    result = head.run(TANDEM, "ray", "up", "--name", "nowhere", "--decode-resources", '{"decode-node": 1}',
+                      "--port", str(free_ports(1)[0]), "--log-dir", deployment["log_dir"], "--ready-timeout", "3",
+                      timeout_s=120)
+    assert result.returncode == 1 and "could not place decode-0" in result.stderr, result.stderr
+    assert status(head, "nowhere") == {}
+
+
+def test_down_stops_every_process_and_actor(head, deployment):
+    result = head.run(TANDEM, "ray", "down", "--name", "tandem", timeout_s=120)
+    assert result.returncode == 0 and "4 processes" in result.stdout, result.stdout + result.stderr
+    assert status(head) == {}
+    assert not [pid for pid in deployment["pids"] if is_alive(pid)]
+    assert not processes_mentioning(deployment["log_dir"])
