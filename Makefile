@@ -23,6 +23,8 @@ bench: $(STAMP)
 	$(PY) -m bench.transfer_bench --out bench/results/transfer_bench.json
 	$(PY) -m bench.plot bench/results/offline_throughput.json
 	$(PY) -m bench.plot bench/results/transfer_bench.json
+	$(PY) -m bench.overlap_bench --out bench/results/overlap_bench.json
+	$(PY) -m bench.plot bench/results/overlap_bench.json
 
 # P/D vs colocated vs `transformers serve --continuous-batching` (docs/benchmarks.md); about 40 minutes
 bench-serve: $(STAMP)

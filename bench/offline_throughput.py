@@ -305,11 +305,16 @@ def main(argv=None) -> dict:
         report["requests_token_identical"] = sum(a == b for a, b in zip(tandem_tokens, hf_tokens))
         print(f"Tandem / transformers output tokens/s: {report['ratio_output_tokens_per_s']:.2f}x", file=sys.stderr)
 
-    out = Path(args.out)
+    write_report(report, args.out)
+    return report
+
+
+def write_report(report: dict, path: str | Path) -> None:
+    """A benchmark's JSON report, indented, at ``path`` (its folder made if missing)."""
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}", file=sys.stderr)
-    return report
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@
 
 Knows the reports of ``bench/``: ``offline_throughput`` (tok/s per system, every repeat shown),
 ``transfer`` (GB/s per transport and baseline, every repeat shown, targets drawn), ``kernels``
-(achieved bandwidth against the peak), and the serving reports ``serve`` / ``serve_compare``
-(``bench/serve_plot.py``: ``NAME_latency.png`` and ``NAME_slo.png``). Needs matplotlib (``pip install -e '.[bench]'``).
+(achieved bandwidth against the peak), ``overlap`` (tok/s with the overlap scheduler off and on per
+batch size, every repeat shown, beside each batch size's step split into host and compute), and the
+serving reports ``serve`` / ``serve_compare`` (``bench/serve_plot.py``: ``NAME_latency.png`` and
+``NAME_slo.png``). Needs matplotlib (``pip install -e '.[bench]'``).
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def kind_of(report: dict) -> str:
-    if report.get("benchmark") in ("offline_throughput", "transfer"):
+    if report.get("benchmark") in ("offline_throughput", "transfer", "overlap"):
         return report["benchmark"]
     if "results" in report and "peak_gbps" in report:
         return "kernels"
-    raise ValueError("not a bench/ report: expected offline_throughput, transfer or kernel_bench JSON")
+    raise ValueError("not a bench/ report: expected offline_throughput, transfer, overlap or kernel_bench JSON")
 
 
 def _bar(ax, y: int, median: float, repeats: list[float]) -> None:
@@ -79,15 +81,68 @@ def plot_kernels(report: dict, ax) -> str:
     return f"Triton kernels on {report['device']} ({report['dtype']}): median {median:.0f}% of peak"
 
 
-PLOTTERS = {"offline_throughput": plot_offline, "transfer": plot_transfer, "kernels": plot_kernels}
+OVERLAP_MODES = {"off": "tab:gray", "on": "tab:blue"}
+STEP_PARTS = {"host": "tab:orange", "compute": "tab:blue"}
+
+
+def plot_overlap(report: dict, axes) -> str:
+    """Left: tok/s per batch size, overlap off and on (dots: each repeat). Right: an overlap-off step's
+    time split into host and compute, the most overlap could hide."""
+    throughput, split = axes
+    results = report["results"]
+    labels = [f"batch {r['batch_size']}" for r in results]
+    width = 0.38
+    for offset, (mode, color) in zip((-width / 2, width / 2), OVERLAP_MODES.items()):
+        xs = [i + offset for i in range(len(results))]
+        medians = [r[mode]["median_output_tokens_per_s"] for r in results]
+        throughput.bar(xs, medians, width, color=color, label=f"overlap {mode}")
+        for x, r, median in zip(xs, results, medians):
+            repeats = [run["output_tokens_per_s"] for run in r[mode]["runs"]]
+            throughput.scatter([x] * len(repeats), repeats, s=10, color="black", alpha=0.5, zorder=3)
+            top = max([median, *repeats])
+            throughput.text(x, top, f"{median:,.0f}", ha="center", va="bottom", fontsize="small")
+    throughput.set_xticks(range(len(results)), labels)
+    rates = [r[m]["median_output_tokens_per_s"] for r in results for m in OVERLAP_MODES]
+    if max(rates) > 5 * min(rates):  # batch 1 would be a sliver beside batch 64
+        throughput.set_yscale("log")
+        throughput.set_ylim(bottom=min(rates) / 4)
+    throughput.set_ylabel("output tokens / s (median; dots: each repeat)")
+    throughput.legend(loc="upper left", fontsize="small")
+    profiles = [r["profile_overlap_off"] for r in results]
+    bottom = [0.0] * len(results)
+    for part, color in STEP_PARTS.items():
+        values = [p.get(f"{part}_us_per_step", 0.0) / 1e3 for p in profiles]
+        split.bar(labels, values, bottom=bottom, color=color, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for i, p in enumerate(profiles):
+        if "host_share" in p:
+            split.text(i, bottom[i], f"host {p['host_share']:.0%}", ha="center", va="bottom", fontsize="small")
+    split.set_ylabel("ms per step, overlap off")
+    split.legend(loc="upper left", fontsize="small")
+    ratios = ", ".join(f"batch {r['batch_size']} {r['ratio_on_off']:.2f}x" for r in results)
+    identical = "identical" if report["outputs_identical"] else "DIFFERENT"
+    return (f"Overlap scheduler, {report['settings']['threads']} thread(s): on / off = {ratios}; "
+            f"tokens {identical}")
+
+
+PLOTTERS = {"offline_throughput": plot_offline, "transfer": plot_transfer, "kernels": plot_kernels,
+            "overlap": plot_overlap}
+PANELS = {"overlap": 2}  # kinds drawn on more than one axis (their plotter takes them all)
 
 
 def render(report: dict, out: Path) -> Path:
     """Write the plot of ``report`` to ``out`` (PNG) and return it."""
-    rows = len(report.get("results", [])) or sum(isinstance(v, dict) and "gb_per_s" in v for v in report.values()) or 2
-    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.35 * rows))
+    kind = kind_of(report)
+    num_panels = PANELS.get(kind, 1)
+    if num_panels > 1:
+        fig, axes = plt.subplots(1, num_panels, figsize=(12, 4.5))
+    else:  # one horizontal bar per row
+        rows = (len(report.get("results", []))
+                or sum(isinstance(v, dict) and "gb_per_s" in v for v in report.values()) or 2)
+        fig, axes = plt.subplots(figsize=(10, 1.6 + 0.35 * rows))
     try:
-        ax.set_title(PLOTTERS[kind_of(report)](report, ax), fontsize="medium")
+        title = PLOTTERS[kind](report, axes)
+        (fig.suptitle if num_panels > 1 else axes.set_title)(title, fontsize="medium")
         fig.tight_layout()
         fig.savefig(out, dpi=110)
     finally:

@@ -121,7 +121,9 @@ class PipelineConfig(_Section):
     kvcache_ce_watermark: float = Field(
         0.95, gt=0.0, le=1.0, description="admit a prefill only while KV use stays under this fraction"
     )
-    enable_overlap_scheduler: bool = Field(False, description="not supported yet: must be false")
+    enable_overlap_scheduler: bool = Field(
+        False, description="launch each engine step before reading the previous one's tokens, so the host "
+        "schedules and prepares while the model computes (MAX's overlap scheduler; docs/overlap.md)")
     max_queue_size_tg: int | None = Field(None, ge=1, description="max requests waiting for admission")
     drain_timeout_s: float = Field(
         30.0, ge=0.0, description="on SIGTERM a router or worker stops admitting and gives in-flight requests this long")
@@ -173,10 +175,6 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "PipelineConfig":
-        if self.enable_overlap_scheduler:
-            raise ValueError(
-                "enable_overlap_scheduler: not supported yet (the step loop runs synchronously); set it to false"
-            )
         if not self.enable_chunked_prefill and self.max_length is not None:
             if self.max_batch_input_tokens < self.max_length:
                 raise ValueError(

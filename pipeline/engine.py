@@ -16,14 +16,16 @@ from kernels import load_kernels
 from pipeline.builtin_model import BUILTIN_NOTICE, builtin_model_path
 from pipeline.config import PipelineConfig
 from pipeline.kv_cache import KVCacheManager
+from pipeline.execution_stream import ExecutionStream
 from pipeline.model_runner import TORCH_DTYPES, ModelRunner, determine_num_blocks, kv_cache_shape
 from pipeline.output_processor import OutputProcessor
+from pipeline.overlap import InFlightStep, needs_host_tokens
 from pipeline.protocol import CompletionOutput, FinishReason, SamplingParams
 from pipeline.protocol.cluster import WorkerLoad
 from pipeline.request_validation import RequestError, resolve_bad_words, validate_request
 from pipeline.sampler import Sampler, SequenceSamplingState
 from pipeline.scheduler import Scheduler
-from pipeline.sequence import Sequence
+from pipeline.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from pipeline.tokenizer import eos_token_ids, load_tokenizer
 from pipeline.weights import load_model
 
@@ -91,11 +93,17 @@ class LLMEngine:
         )
         self.kernels = load_kernels(config.kernel_backend, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kernels, Sampler(self.vocab_size, config.model.seed),
-                                  self.device)
+                                  self.device, max_num_reqs=config.max_batch_size, max_model_len=self.max_length)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self._sequences: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}  # finished prefill-only requests whose blocks are not shipped yet
-        self.last_plan = None
+        self.last_plan = None  # the plan of the step whose outputs the last step() returned
+        # Overlap pipeline (pipeline/overlap.py): steps run on the execution stream, read one step late.
+        self.stream = ExecutionStream(self.device) if config.enable_overlap_scheduler else None
+        if self.stream is not None and not str(self.device).startswith("cuda"):
+            logger.warning("enable_overlap_scheduler on CPU: measured slower than off here (the host's work and the "
+                           "model's Python share one interpreter lock); see docs/overlap.md")
+        self._in_flight: InFlightStep | None = None
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, kernels=%s",
             model_path, self.device, self.dtype, num_blocks, page_size, self.kernels.name,
@@ -143,6 +151,7 @@ class LLMEngine:
         seq = self._sequences.pop(request_id, None)
         if seq is None:
             return False
+        self.runner.forget(request_id)
         self.scheduler.finish(seq, FinishReason.ABORT.value, keep_blocks=keep_blocks)
         if keep_blocks:
             self._held[request_id] = seq
@@ -179,24 +188,49 @@ class LLMEngine:
         )
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
+
+    def has_pending_outputs(self) -> bool:
+        """Whether a launched step has not been read yet (overlap pipeline); ``step()`` reads it."""
+        return self._in_flight is not None
 
     def get_sequence(self, request_id: str) -> Sequence | None:
         return self._sequences.get(request_id)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:
-        """Run one scheduled batch; what each request produced. ``last_plan`` keeps the chunks run."""
+        """Run one scheduled batch; what each request produced. ``last_plan`` keeps the chunks run.
+
+        Overlap on: launch this step and return the previous one's outputs (the first call returns
+        nothing; a call with nothing to schedule drains the step in flight)."""
+        if self.stream is None:
+            return self._step_at_once()
+        outputs: list[StepOutput] = []
+        if self._in_flight is not None and self._in_flight.needs_host_tokens:
+            outputs += self._read(self._take_in_flight())  # the next batch reads these tokens on the host
+        plan = self._schedule()
+        previous = self._take_in_flight()
+        if not plan.is_empty:
+            self._in_flight = self._launch(plan)
+        if previous is not None:
+            outputs += self._read(previous)
+        elif not outputs:
+            self.last_plan = None
+        return outputs
+
+    def _schedule(self):
         plan = self.scheduler.schedule()
+        for seq in plan.preempted:  # readmitted later with new blocks: a new row of the persistent batch
+            self.runner.forget(seq.request_id)
+        return plan
+
+    def _step_at_once(self) -> list[StepOutput]:
+        plan = self._schedule()
         self.last_plan = plan
         if plan.is_empty:
             return []
-        for chunk in plan.chunks:
-            state = chunk.seq.sampling_state
-            if chunk.is_sampling and state.generator is not None:
-                # A seed and the output position fix each draw: the same tokens alone or batched,
-                # after preemption, or when another worker sampled the first token.
-                state.generator.manual_seed(step_seed(chunk.seq.params.seed, chunk.seq.num_output_tokens))
+        for generator, seed in self._seeds(plan):
+            generator.manual_seed(seed)
         sampled = self.runner.execute(plan.chunks, self.kv_manager.block_table)
         token_ids = sampled.token_ids if sampled is not None else []
         advanced = self.scheduler.update(plan, token_ids)
@@ -206,19 +240,61 @@ class LLMEngine:
             outputs.append(self._emit(seq, token_ids[i], logprobs))
         return outputs
 
-    def _emit(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> StepOutput:
+    @staticmethod
+    def _seeds(plan) -> list[tuple[torch.Generator, int]]:
+        """A seed and the output position fix each draw of a seeded request: the same tokens alone or
+        batched, after preemption, with overlap on or off, or when another worker sampled the first token."""
+        seeds = []
+        for chunk in plan.chunks:
+            state = chunk.seq.sampling_state
+            if chunk.is_sampling and state.generator is not None:
+                seeds.append((state.generator, step_seed(chunk.seq.params.seed, chunk.seq.num_output_tokens)))
+        return seeds
+
+    def _launch(self, plan) -> InFlightStep:
+        """Queue ``plan`` on the execution stream; lengths advance now, token values come with ``_read``."""
+        seeds = self._seeds(plan)  # is_sampling and output positions are read before the lengths advance
+        future = self.runner.launch(plan.chunks, self.kv_manager.block_table, self.stream, seeds)
+        sampled_chunks = [chunk for chunk in plan.chunks if chunk.is_sampling]
+        sampled = self.scheduler.update(plan, [PLACEHOLDER_TOKEN_ID] * len(sampled_chunks), register=False)
+        return InFlightStep(plan, future, sampled, [seq.num_tokens - 1 for seq in sampled],
+                            needs_host_tokens=any(needs_host_tokens(seq) for seq in sampled))
+
+    def _take_in_flight(self) -> InFlightStep | None:
+        step, self._in_flight = self._in_flight, None
+        return step
+
+    def _read(self, step: InFlightStep) -> list[StepOutput]:
+        """Wait for ``step``, fill its placeholders, publish its blocks, and run stop checks one step late."""
+        result = step.future.result()
+        self.last_plan = step.plan
+        self.scheduler.register(step.plan)
+        outputs: list[StepOutput] = []
+        for row, (seq, position) in enumerate(zip(step.sampled, step.positions)):
+            if seq.is_finished or self._sequences.get(seq.request_id) is not seq:
+                continue  # aborted while in flight: its blocks are already free, its token is dropped
+            token_id = result.token_ids[row]
+            seq.fill_token(position, token_id)
+            logprobs = result.logprobs[row] if result.logprobs is not None else None
+            outputs.append(self._emit(seq, token_id, logprobs, num_tokens=position + 1))
+        return outputs
+
+    def _emit(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,
+              num_tokens: int | None = None) -> StepOutput:
         out = StepOutput(seq.request_id, [token_id], num_prompt_tokens=seq.num_prompt_tokens,
                          num_cached_tokens=seq.num_cached_tokens, num_top_logprobs=seq.params.logprobs or 0)
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
             out.new_logprobs = [logprobs]
-        stop = self.output_processor.check_stop(seq, token_id)
+        stop = self.output_processor.check_stop(seq, token_id, num_tokens)
         if stop is not None:
             out.finish_reason, out.stop_reason = stop
             self._finish(seq, *stop)
         return out
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
+        seq.drop_placeholders()  # overlap: the step launched after this token sampled one too many
+        self.runner.forget(seq.request_id)
         self.scheduler.finish(seq, reason, stop_reason, keep_blocks=seq.is_prefill_only)
         if seq.is_prefill_only:
             self._held[seq.request_id] = seq

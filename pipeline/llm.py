@@ -80,6 +80,8 @@ class LLM:
                         pending.discard(out.request_id)
                         if on_finished is not None:
                             on_finished(LLMEngine.completion_output(sequences[out.request_id]))
+            while self.engine.has_pending_outputs():  # overlap: a step launched for requests that ended
+                self.engine.step()
         finally:
             for request_id in request_ids:  # on any error (or Ctrl-C) nothing stays queued or holds blocks
                 self.engine.abort_request(request_id)

@@ -6,14 +6,19 @@ and the sampler, and returns the sampled tokens. It makes no scheduling decision
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Callable
 
+import numpy as np
 import torch
 
 from kernels import Kernels
+from pipeline.execution_stream import ExecutionStream
 from pipeline.forward_batch import ForwardBatch
 from pipeline.sampler import Sampler, SamplerOutput
 from pipeline.scheduler import ScheduledChunk
+from pipeline.sequence import PLACEHOLDER_TOKEN_ID
+from pipeline.sequence_buffer import GatheredInputs, SequenceBuffer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,6 +61,8 @@ class ModelRunner:
         kernels: Kernels,
         sampler: Sampler,
         device: str,
+        max_num_reqs: int = 64,
+        max_model_len: int = 4096,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -63,47 +70,100 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(device)
         self.page_size = kv_cache.shape[3]
+        self.buffer = SequenceBuffer(max_num_reqs, max_model_len, self.page_size, sampler.vocab_size)  # persistent batch
+        # Overlap pipeline: the rows of the last launched step's sampled tokens, by request (host), and
+        # those tokens on the device (written and read on the execution stream only).
+        self._launched_rows: dict[str, int] = {}
+        self._last_sampled: torch.Tensor | None = None
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], block_table: Callable[[str], list[int]]) -> SamplerOutput | None:
         """Run one step over ``chunks``; returns one sample per chunk that reached its last token."""
         batch = self.prepare(chunks, block_table)
+        sampling, plan = self._sampling_plan(chunks)
         hidden = self.model(batch, self.kv_cache, self.kernels)  # [num_tokens, hidden]
         if batch.logits_indices.numel() == 0:
             return None
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab] fp32
-        states = [c.seq.sampling_state for c in chunks if c.is_sampling]
-        return self.sampler(logits, states)
+        return self.sampler.sample(logits, plan)
+
+    def _sampling_plan(self, chunks: list[ScheduledChunk]):
+        """(the sampling chunks, their SamplingPlan): dense parameters from the persistent batch's rows."""
+        sampling = [c for c in chunks if c.is_sampling]
+
+        def arrays():
+            return self.buffer.sampling_arrays([self.buffer.row_of(c.seq.request_id) for c in sampling])
+
+        return sampling, self.sampler.plan([c.seq.sampling_state for c in sampling], self.device, arrays)
+
+    def launch(self, chunks: list[ScheduledChunk], block_table: Callable[[str], list[int]],
+               stream: ExecutionStream, seeds: list[tuple[torch.Generator, int]]) -> Future:
+        """Queue one step on ``stream`` and return at once; the Future gives its ``SamplerOutput`` (or None).
+
+        Everything read from the requests (token ids, block tables, sampling parameters) is read here,
+        on the host, before this returns. An input token that is still a placeholder is the token the
+        previous launched step sampled for that request: it is copied on the device, on the stream,
+        after that step has run, so it never travels through the host. ``seeds``: (generator, seed)
+        pairs applied on the stream just before sampling (the host may seed the next step meanwhile).
+        """
+        gathered = self.gather(chunks, block_table)
+        batch = self.to_batch(gathered, chunks)
+        targets = np.flatnonzero(gathered.input_ids == PLACEHOLDER_TOKEN_ID).tolist()
+        sources = [self._launched_rows[chunks[i].seq.request_id] for i in gathered.token_chunk[targets].tolist()]
+        sampling, plan = self._sampling_plan(chunks)
+        self._launched_rows = {c.seq.request_id: row for row, c in enumerate(sampling)}
+        if targets:
+            targets_t = torch.tensor(targets, dtype=torch.long, device=self.device)
+            sources_t = torch.tensor(sources, dtype=torch.long, device=self.device)
+            batch.input_ids[targets_t] = 0  # never an out-of-range id, even for a moment
+
+        def run() -> SamplerOutput | None:
+            if targets:
+                batch.input_ids[targets_t] = self._last_sampled[sources_t]
+            hidden = self.model(batch, self.kv_cache, self.kernels)  # [num_tokens, hidden]
+            if batch.logits_indices.numel() == 0:
+                self._last_sampled = None
+                return None
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab] fp32
+            for generator, seed in seeds:
+                generator.manual_seed(seed)
+            out = self.sampler.sample(logits, plan)
+            self._last_sampled = out.token_tensor
+            return out
+
+        return stream.submit(run)
 
     def prepare(self, chunks: list[ScheduledChunk], block_table: Callable[[str], list[int]]) -> ForwardBatch:
-        page_size = self.page_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        cu_seqlens = [0]
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits_indices: list[int] = []
-        for chunk in chunks:
-            start, end = chunk.start, chunk.start + chunk.num_tokens
-            table = block_table(chunk.seq.request_id)
-            input_ids.extend(chunk.seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slot_mapping.extend(table[p // page_size] * page_size + p % page_size for p in range(start, end))
-            cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
-            context_lens.append(end)
-            tables.append(table)
-            if chunk.is_sampling:
-                logits_indices.append(cu_seqlens[-1] - 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        """The step's ``ForwardBatch`` from the persistent batch (each request's row brought up to date)."""
+        return self.to_batch(self.gather(chunks, block_table), chunks)
+
+    def gather(self, chunks: list[ScheduledChunk], block_table: Callable[[str], list[int]]) -> GatheredInputs:
+        buffer = self.buffer
+        rows = buffer.sync_all([chunk.seq for chunk in chunks], [block_table(chunk.seq.request_id) for chunk in chunks])
+        return buffer.gather(rows, [chunk.start for chunk in chunks], [chunk.num_tokens for chunk in chunks])
+
+    def to_batch(self, gathered: GatheredInputs, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        ends = gathered.cu_seqlens.tolist()
+        logits_indices = np.array([ends[i + 1] - 1 for i, chunk in enumerate(chunks) if chunk.is_sampling],
+                                  dtype=np.int64)
         device = self.device
+
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            host = torch.from_numpy(array)  # every gathered array is a fresh, contiguous copy
+            return host if device.type == "cpu" else host.to(device)
+
         return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+            input_ids=tensor(gathered.input_ids),
+            positions=tensor(gathered.positions),
+            cu_seqlens_q=tensor(gathered.cu_seqlens),
+            context_lens=tensor(gathered.context_lens),
+            slot_mapping=tensor(gathered.slot_mapping),
+            block_tables=tensor(gathered.block_tables),
+            logits_indices=tensor(logits_indices),
         )
+
+    def forget(self, request_id: str) -> None:
+        """A request left the batch (finished, aborted or preempted): free its row of the persistent batch."""
+        row = self.buffer.remove_request(request_id)
+        if row is not None:
+            self.buffer.condense([row])

@@ -29,10 +29,15 @@ class OutputProcessor:
                 StopStringMatcher(seq.params.stop, seq.params.include_stop_str_in_output),
             )
 
-    def check_stop(self, seq: Sequence, token_id: int) -> tuple[str, str | int | None] | None:
-        """After ``token_id`` was appended to ``seq``: (finish_reason, stop_reason) if it must end now."""
+    def check_stop(self, seq: Sequence, token_id: int,
+                   num_tokens: int | None = None) -> tuple[str, str | int | None] | None:
+        """After ``token_id`` was appended to ``seq``: (finish_reason, stop_reason) if it must end now.
+
+        ``num_tokens``: the sequence's length up to and including ``token_id`` (default: its length now;
+        the overlap pipeline checks a token one step late, when a placeholder may already follow it)."""
         params = seq.params
-        num_output = seq.num_output_tokens
+        num_tokens = seq.num_tokens if num_tokens is None else num_tokens
+        num_output = num_tokens - seq.num_prompt_tokens
         if num_output >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return FinishReason.STOP.value, None
@@ -47,7 +52,7 @@ class OutputProcessor:
                     return FinishReason.STOP.value, match[1]
         elif seq.request_id in self._text:
             self._text[seq.request_id].detokenizer.add([token_id])
-        if seq.num_tokens >= seq.max_total_tokens:
+        if num_tokens >= seq.max_total_tokens:
             return FinishReason.LENGTH.value, None
         return None
 

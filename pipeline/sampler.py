@@ -32,12 +32,14 @@ rows share the sampler's global generator. Stop strings are the detokenizer's jo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from pipeline.sampling_metadata import SamplingMetadata, SequenceSamplingState, build_sampling_metadata
+from pipeline.sampling_metadata import (SamplingArrays, SamplingMetadata, SequenceSamplingState,
+                                        build_sampling_metadata)
 
-__all__ = ["Sampler", "SamplerOutput", "SequenceSamplingState"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingPlan", "SequenceSamplingState"]
 
 
 @dataclass
@@ -48,6 +50,17 @@ class SamplerOutput:
     # Per row: {token id: logprob} holding the sampled token + top-N (N + 1 entries when the sampled
     # token is not among the top N), or None for rows that did not ask. None when no row asked.
     logprobs: list[dict[int, float] | None] | None
+    token_tensor: torch.Tensor | None = None  # [num_rows] int64 on the logits' device: the next step's inputs
+
+
+@dataclass
+class SamplingPlan:
+    """One step's sampling inputs, snapshotted from the requests' states: ``metadata`` is None when
+    every row is plain greedy (the raw argmax is the answer)."""
+
+    num_rows: int
+    metadata: SamplingMetadata | None
+    num_logprobs: list[int | None]
 
 
 class Sampler:
@@ -63,29 +76,36 @@ class Sampler:
 
         ``states[i]`` describes row ``i``. The input tensor is never modified.
         """
+        return self.sample(logits, self.plan(states, logits.device))
+
+    def plan(self, states: list[SequenceSamplingState], device: torch.device,
+             arrays: Callable[[], SamplingArrays] | None = None) -> SamplingPlan:
+        """What a step's sampling needs from the requests' states, read now (the overlap pipeline reads
+        them on the host at launch; the sampling itself may run later, on the execution stream).
+        ``arrays()``: the rows' dense parameters from the persistent batch, asked only when needed."""
+        if all(s.is_plain_greedy for s in states):
+            return SamplingPlan(len(states), None, [s.params.logprobs for s in states])  # no metadata to build
+        metadata = build_sampling_metadata(states, self.vocab_size, device, arrays() if arrays else None)
+        return SamplingPlan(len(states), metadata, metadata.num_logprobs)
+
+    def sample(self, logits: torch.Tensor, plan: SamplingPlan) -> SamplerOutput:
+        """Sample ``plan``'s rows from ``logits`` [num_rows, vocab]."""
         num_rows, vocab_size = logits.shape
-        if num_rows != len(states):
-            raise ValueError(f"got {num_rows} logits rows for {len(states)} sampling states")
+        if num_rows != plan.num_rows:
+            raise ValueError(f"got {num_rows} logits rows for {plan.num_rows} sampling states")
         if vocab_size != self.vocab_size:
             raise ValueError(f"logits have vocab {vocab_size}, sampler expects {self.vocab_size}")
         if num_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=None)
         raw_logits = logits.float()  # [num_rows, vocab]
-        if all(s.is_plain_greedy for s in states):
-            # Fast path: no per-step metadata to build (the common greedy batch).
-            token_ids = raw_logits.argmax(dim=-1)  # [num_rows]
-            logprobs = gather_logprobs(raw_logits, token_ids, [s.params.logprobs for s in states])
-            return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
-        metadata = build_sampling_metadata(states, vocab_size, logits.device)
-
-        if metadata.is_all_greedy and not metadata.needs_processing:
+        metadata = plan.metadata
+        if metadata is None or (metadata.is_all_greedy and not metadata.needs_processing):
             token_ids = raw_logits.argmax(dim=-1)  # [num_rows]
         else:
             processed = apply_logits_processing(raw_logits, metadata)  # [num_rows, vocab]
             token_ids = self._sample(processed, metadata)  # [num_rows]
-
-        logprobs = gather_logprobs(raw_logits, token_ids, metadata.num_logprobs)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+        logprobs = gather_logprobs(raw_logits, token_ids, plan.num_logprobs)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, token_tensor=token_ids)
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """[num_rows, vocab] processed logits -> [num_rows] int64 token ids."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pipeline.protocol.requests import SamplingParams
@@ -61,6 +62,38 @@ class SequenceSamplingState:
 
 
 @dataclass
+class SamplingArrays:
+    """The dense per-row sampling parameters of one step's rows: gathered from the persistent batch
+    (``pipeline/sequence_buffer.py``, written once per request), or built from the states."""
+
+    is_greedy: np.ndarray  # [num_rows] bool
+    temperature: np.ndarray  # [num_rows] float32
+    top_k: np.ndarray  # [num_rows] int64, vocab_size where disabled
+    top_p: np.ndarray  # [num_rows] float32
+    min_p: np.ndarray  # [num_rows] float32
+    repetition_penalty: np.ndarray  # [num_rows] float32
+    frequency_penalty: np.ndarray  # [num_rows] float32
+    presence_penalty: np.ndarray  # [num_rows] float32
+
+    FIELDS = ("is_greedy", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+              "presence_penalty")
+
+    @staticmethod
+    def row_values(state: SequenceSamplingState, vocab_size: int) -> tuple:
+        """One request's values, in ``FIELDS`` order (top_k <= 0 or >= vocab both mean "off": vocab_size)."""
+        p = state.params
+        top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+        return (state.is_greedy, p.temperature, top_k, p.top_p, p.min_p, p.repetition_penalty,
+                p.frequency_penalty, p.presence_penalty)
+
+    @classmethod
+    def from_states(cls, states: list[SequenceSamplingState], vocab_size: int) -> "SamplingArrays":
+        columns = list(zip(*(cls.row_values(s, vocab_size) for s in states))) or [()] * len(cls.FIELDS)
+        dtypes = (bool, np.float32, np.int64, np.float32, np.float32, np.float32, np.float32, np.float32)
+        return cls(*(np.asarray(column, dtype=dtype) for column, dtype in zip(columns, dtypes)))
+
+
+@dataclass
 class SamplingMetadata:
     """One step's sampling inputs for a batch of ``num_rows`` rows, as tensors on the logits' device.
 
@@ -105,39 +138,37 @@ class SamplingMetadata:
 
 
 def build_sampling_metadata(
-    states: list[SequenceSamplingState], vocab_size: int, device: torch.device
+    states: list[SequenceSamplingState], vocab_size: int, device: torch.device,
+    arrays: SamplingArrays | None = None,
 ) -> SamplingMetadata:
-    """Translate per-request states into one step's batch tensors; token ids outside the vocab are ignored."""
-    num_rows = len(states)
+    """Translate per-request states into one step's batch tensors; token ids outside the vocab are ignored.
+
+    ``arrays``: the rows' dense parameters from the persistent batch (default: read from ``states``)."""
+    if arrays is None:
+        arrays = SamplingArrays.from_states(states, vocab_size)
     params = [s.params for s in states]
-    random_rows = [row for row, s in enumerate(states) if not s.is_greedy]
-    random_params = [params[row] for row in random_rows]
+    random_rows = np.flatnonzero(~arrays.is_greedy)
+    top_ks = arrays.top_k[random_rows]
+    top_ps = arrays.top_p[random_rows]
+    min_ps = arrays.min_p[random_rows]
 
-    # top_k <= 0 and top_k >= vocab both mean "keep everything"; vocab_size is the neutral value.
-    top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in random_params]
-    top_ps = [p.top_p for p in random_params]
-    min_ps = [p.min_p for p in random_params]
-
-    def floats(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
-
-    def longs(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+    def tensor(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values)).to(device)
 
     return SamplingMetadata(
-        num_rows=num_rows,
-        is_all_greedy=not random_rows,
-        random_rows=longs(random_rows),
-        random_generators=[states[row].generator for row in random_rows],
-        temperature=floats([p.temperature for p in random_params]),
-        top_k=longs(top_ks) if any(k < vocab_size for k in top_ks) else None,
-        max_top_k=max(top_ks, default=vocab_size),
-        top_p=floats(top_ps) if any(p < 1.0 for p in top_ps) else None,
-        min_p=floats(min_ps) if any(p > 0.0 for p in min_ps) else None,
+        num_rows=len(states),
+        is_all_greedy=random_rows.size == 0,
+        random_rows=tensor(random_rows.astype(np.int64)),
+        random_generators=[states[row].generator for row in random_rows.tolist()],
+        temperature=tensor(arrays.temperature[random_rows]),
+        top_k=tensor(top_ks) if (top_ks < vocab_size).any() else None,
+        max_top_k=int(top_ks.max()) if top_ks.size else vocab_size,
+        top_p=tensor(top_ps) if (top_ps < 1.0).any() else None,
+        min_p=tensor(min_ps) if (min_ps > 0.0).any() else None,
         logit_bias=_logit_bias(params, vocab_size, device),
         **_allowed_tokens(params, vocab_size, device),
         banned_tokens=_banned_tokens(states, vocab_size, device),
-        **_penalties(states, vocab_size, device),
+        **_penalties(states, arrays, vocab_size, device),
         num_logprobs=[p.logprobs for p in params],
     )
 
@@ -205,21 +236,19 @@ def _banned_tokens(
     )
 
 
-def _penalties(states: list[SequenceSamplingState], vocab_size: int, device: torch.device) -> dict:
-    params = [s.params for s in states]
-    repetition = [p.repetition_penalty for p in params]
-    frequency = [p.frequency_penalty for p in params]
-    presence = [p.presence_penalty for p in params]
-    repetition_rows = [row for row, r in enumerate(repetition) if r != 1.0]
-    penalty_rows = [row for row in range(len(states)) if repetition[row] != 1.0 or frequency[row] or presence[row]]
+def _penalties(states: list[SequenceSamplingState], arrays: SamplingArrays, vocab_size: int,
+               device: torch.device) -> dict:
+    repetition, frequency, presence = arrays.repetition_penalty, arrays.frequency_penalty, arrays.presence_penalty
+    repetition_rows = np.flatnonzero(repetition != 1.0).tolist()
+    penalty_rows = np.flatnonzero((repetition != 1.0) | (frequency != 0.0) | (presence != 0.0)).tolist()
 
-    def column(values: list[float], is_used: bool) -> torch.Tensor | None:
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None] if is_used else None
+    def column(values: np.ndarray, is_used: bool) -> torch.Tensor | None:
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(device)[:, None] if is_used else None
 
     return dict(
         repetition_penalty=column(repetition, bool(repetition_rows)),
-        frequency_penalty=column(frequency, any(frequency)),
-        presence_penalty=column(presence, any(presence)),
+        frequency_penalty=column(frequency, bool((frequency != 0.0).any())),
+        presence_penalty=column(presence, bool((presence != 0.0).any())),
         output_tokens=_flat_tokens(states, penalty_rows, "output_token_ids", vocab_size, device),
         prompt_tokens=_flat_tokens(states, repetition_rows, "prompt_token_ids", vocab_size, device),
     )

@@ -159,7 +159,10 @@ class Scheduler:
         budget = self.max_batch_input_tokens
         # Decode-first: every running sequence that needs one token runs before any prefill chunk, so
         # a long prompt is spread over steps beside the decodes instead of stalling them.
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        # A sequence at its length limit is not run again: its last token (still being read, overlap
+        # pipeline) finishes it.
+        decoding = [s for s in self.running
+                    if s.num_tokens - s.num_computed_tokens == 1 and s.num_tokens < s.max_total_tokens]
         for seq in decoding:
             if budget <= 0:
                 break
@@ -240,10 +243,11 @@ class Scheduler:
         return budget
 
     # ---------------------------------------------------------------- results
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int], register: bool = True) -> list[Sequence]:
         """Advance the step's sequences; returns the sequences that got a new token, in chunk order.
 
-        ``sampled_token_ids`` has one entry per sampling chunk, in chunk order.
+        ``sampled_token_ids`` has one entry per sampling chunk, in chunk order (placeholders when the
+        overlap pipeline advances lengths at launch; it then calls ``register`` once the values are known).
         """
         sampled = iter(sampled_token_ids)
         advanced: list[Sequence] = []
@@ -251,8 +255,17 @@ class Scheduler:
             seq = chunk.seq
             is_sampling = chunk.is_sampling  # read before the token is appended
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.kv.register_computed(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             if is_sampling:
                 seq.append_token(next(sampled))
                 advanced.append(seq)
+        if register:
+            self.register(out)
         return advanced
+
+    def register(self, out: SchedulerOutput) -> None:
+        """Publish the blocks the step filled to the prefix cache (its input tokens must all be known);
+        sequences preempted or finished since hold no blocks to publish."""
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.status is SequenceStatus.RUNNING:
+                self.kv.register_computed(seq.request_id, seq.token_ids, chunk.start + chunk.num_tokens)

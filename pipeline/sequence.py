@@ -8,6 +8,11 @@ from typing import Any
 
 from pipeline.protocol import SamplingParams
 
+# The overlap pipeline appends this for a token the model has sampled but the host has not read yet
+# (host lengths advance at launch; the value is filled one step late). Never a valid token id: the
+# model's input for it is taken from the previous step's sampled tokens on the device.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued for admission (new or preempted)
@@ -63,3 +68,16 @@ class Sequence:
         self.token_ids.append(token_id)
         if self.sampling_state is not None:
             self.sampling_state.output_token_ids.append(token_id)
+
+    def fill_token(self, position: int, token_id: int) -> None:
+        """The overlap pipeline read the token sampled for ``position``: replace its placeholder."""
+        self.token_ids[position] = token_id
+        if self.sampling_state is not None:
+            self.sampling_state.output_token_ids[position - self.num_prompt_tokens] = token_id
+
+    def drop_placeholders(self) -> None:
+        """Remove tokens still unread at the end (a finished request's one step too many)."""
+        while self.token_ids and self.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            self.token_ids.pop()
+            if self.sampling_state is not None:
+                self.sampling_state.output_token_ids.pop()

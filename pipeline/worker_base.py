@@ -107,7 +107,7 @@ class WorkerBase:
 
     def is_busy(self) -> bool:
         """Whether the engine has runnable work (so the loop must not sleep on its sockets)."""
-        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
+        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting or self.engine.has_pending_outputs())
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.link.socket]

@@ -160,7 +160,7 @@ class PrefillWorker(WorkerBase):
                 job.deadline = now + job.request.ttl_s
                 self.requests.send_multipart([job.decode_identity,
                                               encode(PrefillStarted(request_id=job.request.request_id))])
-            self._send_blocks(job, chunk.seq.num_computed_tokens // page_size)
+            self._send_blocks(job, (chunk.start + chunk.num_tokens) // page_size)  # what that step wrote
 
     def _send_blocks(self, job: PrefillJob, upto: int) -> None:
         rid = job.request.request_id

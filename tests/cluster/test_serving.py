@@ -1,7 +1,8 @@
 """The product as a user meets it: the official openai client against real clusters on loopback.
 
-Each cluster shape (1 prefill + 1 decode over shared memory, 2 + 2 over ZMQ, colocated) must return
-exactly transformers' greedy text; afterwards every worker's KV blocks are back to the start value.
+Each cluster shape (1 prefill + 1 decode over shared memory, 2 + 2 over ZMQ, colocated, and 1P1D and
+colocated with the overlap pipeline) must return exactly transformers' greedy text; afterwards every
+worker's KV blocks are back to the start value.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ SHAPES = {
     "1p1d-shm": dict(num_prefill=1, num_decode=1, config={"transfer": {"transport": "shm"}}),
     "2p2d-zmq": dict(num_prefill=2, num_decode=2, config={"transfer": {"transport": "zmq"}}),
     "colocated": dict(num_prefill=0, num_decode=0, num_colocated=1),
+    # the overlap pipeline on every role: steps launched before the previous one's tokens are read
+    "1p1d-overlap": dict(num_prefill=1, num_decode=1, config={"enable_overlap_scheduler": True}),
+    "colocated-overlap": dict(num_prefill=0, num_decode=0, num_colocated=1, config={"enable_overlap_scheduler": True}),
 }
 PROMPTS = ["Hello there, how are you?", "The quick brown fox", "Paged attention keeps", "def main():\n"]
 NUM_BLOCKS = CLUSTER_CONFIG["kv_cache"]["num_blocks"]
