@@ -25,6 +25,8 @@ bench: $(STAMP)
 	$(PY) -m bench.plot bench/results/transfer_bench.json
 	$(PY) -m bench.overlap_bench --out bench/results/overlap_bench.json
 	$(PY) -m bench.plot bench/results/overlap_bench.json
+	$(PY) -m bench.structured_output_bench --out bench/results/structured_output_bench.json
+	$(PY) -m bench.plot bench/results/structured_output_bench.json
 
 # P/D vs colocated vs `transformers serve --continuous-batching` (docs/benchmarks.md); about 40 minutes
 bench-serve: $(STAMP)

@@ -5,9 +5,10 @@
 Knows the reports of ``bench/``: ``offline_throughput`` (tok/s per system, every repeat shown),
 ``transfer`` (GB/s per transport and baseline, every repeat shown, targets drawn), ``kernels``
 (achieved bandwidth against the peak), ``overlap`` (tok/s with the overlap scheduler off and on per
-batch size, every repeat shown, beside each batch size's step split into host and compute), and the
-serving reports ``serve`` / ``serve_compare`` (``bench/serve_plot.py``: ``NAME_latency.png`` and
-``NAME_slo.png``). Needs matplotlib (``pip install -e '.[bench]'``).
+batch size, every repeat shown, beside each batch size's step split into host and compute),
+``structured_output`` (µs per decode step of mask fill, accept and apply per grammar backend and batch
+size, p90 whiskers), and the serving reports ``serve`` / ``serve_compare`` (``bench/serve_plot.py``:
+``NAME_latency.png`` and ``NAME_slo.png``). Needs matplotlib (``pip install -e '.[bench]'``).
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def kind_of(report: dict) -> str:
-    if report.get("benchmark") in ("offline_throughput", "transfer", "overlap"):
+    if report.get("benchmark") in ("offline_throughput", "transfer", "overlap", "structured_output"):
         return report["benchmark"]
     if "results" in report and "peak_gbps" in report:
         return "kernels"
-    raise ValueError("not a bench/ report: expected offline_throughput, transfer, overlap or kernel_bench JSON")
+    raise ValueError("not a bench/ report: expected offline_throughput, transfer, overlap, structured_output "
+                     "or kernel_bench JSON")
 
 
 def _bar(ax, y: int, median: float, repeats: list[float]) -> None:
@@ -125,9 +127,51 @@ def plot_overlap(report: dict, axes) -> str:
             f"tokens {identical}")
 
 
+STRUCTURED_PARTS = {"fill": "tab:orange", "accept": "tab:green", "apply": "tab:blue",
+                    "apply_llguidance": "tab:gray"}
+STRUCTURED_LABELS = {"apply": "apply (pipeline.sampler)", "apply_llguidance": "apply (llguidance, compiled)"}
+
+
+def plot_structured_output(report: dict, ax) -> str:
+    """Grouped bars, one group per backend and batch size: median µs per step of each part (whisker: p90)."""
+    results = report["results"]
+    parts = [p for p in STRUCTURED_PARTS if any(p in r for r in results)]
+    width = 0.8 / max(len(parts), 1)
+    for k, part in enumerate(parts):
+        xs = [i + (k - (len(parts) - 1) / 2) * width for i in range(len(results))]
+        stats = [r.get(part, {"median_us": 0.0, "p90_us": 0.0}) for r in results]
+        medians = [s["median_us"] for s in stats]
+        ax.bar(xs, medians, width, color=STRUCTURED_PARTS[part], label=STRUCTURED_LABELS.get(part, part))
+        p90s = [s["p90_us"] for s in stats]
+        ax.vlines(xs, medians, p90s, color="black", linewidth=1)
+        for x, median, p90 in zip(xs, medians, p90s):
+            if median > 0:
+                ax.text(x, max(median, p90), f"{median:,.0f}", ha="center", va="bottom", fontsize="x-small")
+    ax.set_xticks(range(len(results)), [f"{r['backend']}\nbatch {r['batch_size']}" for r in results])
+    values = [r[p]["median_us"] for r in results for p in parts if p in r and r[p]["median_us"] > 0]
+    if values and max(values) > 20 * min(values):  # batch 1's accept would vanish beside batch 64's fill
+        ax.set_yscale("log")
+    ax.set_ylabel("µs per step, whole batch (median; whisker: p90)")
+    ax.legend(loc="upper left", fontsize="small")
+    settings = report["settings"]
+    title = f"Structured output per decode step, vocab {settings['vocab_size']:,}, {settings['threads']} thread(s)"
+    missing = [name for name, b in report.get("backends", {}).items() if not b.get("available", True)]
+    if missing:
+        title += f" ({', '.join(missing)} unavailable, not measured)"
+    shares = [f"{r['backend']} {r['fill_share_of_reference_step']:.0%}" for r in results
+              if "fill_share_of_reference_step" in r]
+    if shares:
+        reference = report["reference"]
+        title += (f"\nmask fill at batch {reference['batch_size']} / the overlap bench's overlap-off step "
+                  f"({reference['step_us'] / 1e3:.1f} ms): " + ", ".join(shares))
+    checked = "all masks allow the document" if report["masks_allow_document"] else "A MASK REJECTED THE DOCUMENT"
+    return f"{title}; {checked}"
+
+
 PLOTTERS = {"offline_throughput": plot_offline, "transfer": plot_transfer, "kernels": plot_kernels,
-            "overlap": plot_overlap}
+            "overlap": plot_overlap, "structured_output": plot_structured_output}
 PANELS = {"overlap": 2}  # kinds drawn on more than one axis (their plotter takes them all)
+FIGSIZES = {"structured_output": (10, 5)}  # one-axis kinds drawn as vertical bars, not one bar per row
 
 
 def render(report: dict, out: Path) -> Path:
@@ -136,6 +180,8 @@ def render(report: dict, out: Path) -> Path:
     num_panels = PANELS.get(kind, 1)
     if num_panels > 1:
         fig, axes = plt.subplots(1, num_panels, figsize=(12, 4.5))
+    elif kind in FIGSIZES:
+        fig, axes = plt.subplots(figsize=FIGSIZES[kind])
     else:  # one horizontal bar per row
         rows = (len(report.get("results", []))
                 or sum(isinstance(v, dict) and "gb_per_s" in v for v in report.values()) or 2)

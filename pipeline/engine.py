@@ -51,6 +51,8 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_top_logprobs: int = 0  # the request's ``logprobs`` (top-N asked for)
+    # the last token ended the request as EOS or a stop token id: it is not part of the text
+    is_stop_token: bool = False
 
 
 class LLMEngine:
@@ -95,6 +97,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.kernels, Sampler(self.vocab_size, config.model.seed),
                                   self.device, max_num_reqs=config.max_batch_size, max_model_len=self.max_length)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self._grammars = None  # pipeline/structured_output BackendSet, built on the first structured request
         self._sequences: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}  # finished prefill-only requests whose blocks are not shipped yet
         self.last_plan = None  # the plan of the step whose outputs the last step() returned
@@ -128,6 +131,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, max_total_tokens=max_total,
                        is_prefill_only=prefill_only)
         generator = torch.Generator(device=self.device) if params.seed is not None else None
+        grammar = self._grammar_matcher(params) if params.structured_output is not None else None
         seq.sampling_state = SequenceSamplingState(
             params=params,
             prompt_token_ids=seq.prompt_token_ids,
@@ -135,11 +139,24 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             bad_words_token_ids=resolve_bad_words(self.tokenizer, params.bad_words),
             generator=generator,
+            grammar=grammar,
         )
         # May raise QueueFullError before anything is recorded.
         (self.scheduler.add_remote if remote_prefill else self.scheduler.add)(seq)
         self._sequences[request_id] = seq
         self.output_processor.add(seq)
+
+    def _grammar_matcher(self, params: SamplingParams):
+        """A matcher for the request's constraint (compiled once per distinct constraint); a bad one is a RequestError."""
+        from pipeline.structured_output.backend import BackendSet, StructuredOutputError
+
+        try:
+            if self._grammars is None:
+                self._grammars = BackendSet(self.tokenizer, self.vocab_size,
+                                            self.config.sampling.structured_output_backend)
+            return self._grammars.matcher(params.structured_output)
+        except StructuredOutputError as exc:
+            raise RequestError(str(exc)) from None
 
     def abort_request(self, request_id: str, keep_blocks: bool = False) -> bool:
         """End a request wherever it is (queued, reserved, running or held) and free its blocks
@@ -287,6 +304,12 @@ class LLMEngine:
             seq.logprobs.append(logprobs)
             out.new_logprobs = [logprobs]
         stop = self.output_processor.check_stop(seq, token_id, num_tokens)
+        out.is_stop_token = stop is not None and stop[0] == FinishReason.STOP.value and not isinstance(stop[1], str)
+        grammar = seq.sampling_state.grammar
+        if grammar is not None:
+            grammar.accept(token_id)
+            if stop is None and grammar.is_finished:  # the constraint is complete: this token is its last text
+                stop = (FinishReason.STOP.value, None)
         if stop is not None:
             out.finish_reason, out.stop_reason = stop
             self._finish(seq, *stop)

@@ -18,7 +18,8 @@ What changes for a request while its step is in flight:
   is dropped, and its blocks were freed once, when it finished; an abort frees them at once, and the
   step's output for it is ignored;
 * a request whose next step needs its previous token values on the host (penalties and bad words
-  read the output so far) makes the engine read the step in flight before scheduling the next one.
+  read the output so far; a grammar's mask follows the tokens accepted) makes the engine read the
+  step in flight before scheduling the next one.
 """
 
 from __future__ import annotations
@@ -47,4 +48,4 @@ def needs_host_tokens(seq: Sequence) -> bool:
     params = seq.params
     state = seq.sampling_state
     return bool(params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
-                or (state is not None and state.bad_words_token_ids))
+                or (state is not None and (state.bad_words_token_ids or state.grammar is not None)))

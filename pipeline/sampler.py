@@ -17,6 +17,8 @@ Order of operations for each row, vectorized over the batch:
       ``logit -= frequency * count + presence * (count > 0)``.
    If a row's constraints mask every token, that row falls back to its raw logits rather than
    producing a meaningless token.
+   g. structured output, last and never undone: tokens the row's grammar does not allow next get -inf
+      (a packed int32 bitmask filled on the host from the request's matcher).
 3. Greedy rows (``temperature == 0`` or ``top_k == 1``) take the argmax of the processed logits. Fast
    path: when every row is greedy and nothing needs processing, the raw logits' argmax is used (checked
    on the states first, so such a batch never builds the per-step metadata).
@@ -31,9 +33,11 @@ rows share the sampler's global generator. Stop strings are the detokenizer's jo
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from pipeline.sampling_metadata import (SamplingArrays, SamplingMetadata, SequenceSamplingState,
@@ -189,7 +193,25 @@ def apply_logits_processing(logits: torch.Tensor, metadata: SamplingMetadata) ->
     # Conflicting constraints (e.g. every allowed token is also a bad word) would leave no candidate;
     # the model's own distribution is a better answer than an arbitrary token 0.
     is_all_masked = torch.isneginf(logits).all(dim=-1, keepdim=True)  # [num_rows, 1]
-    return torch.where(is_all_masked, raw_logits, logits)
+    logits = torch.where(is_all_masked, raw_logits, logits)
+    if metadata.grammar_bitmask is not None:  # last, and never undone: a grammar's mask is a hard constraint
+        rows, bitmask = metadata.grammar_bitmask
+        logits[rows] = apply_bitmask(logits[rows], bitmask)
+    return logits
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where the packed int32 ``bitmask`` [rows, ceil(vocab / 32)] has bit ``t % 32`` of word ``t // 32`` clear."""
+    vocab_size = logits.shape[-1]
+    if logits.device.type == "cpu" and sys.byteorder == "little":
+        # NumPy unpacks the bits in C: an int32's byte k holds bits 8k..8k+7, low bit first ("little")
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
+        is_blocked = torch.from_numpy(bits[:, :vocab_size] == 0)  # [rows, vocab]
+    else:
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
+        bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]: token t = word t // 32, bit t % 32
+        is_blocked = bits.flatten(1)[:, :vocab_size] == 0  # [rows, vocab]
+    return logits.masked_fill(is_blocked, float("-inf"))
 
 
 def apply_top_k_top_p(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +38,8 @@ class SequenceSamplingState:
     # bad_words already tokenized by the engine (each word with and without a leading space)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # structured output: the request's GrammarMatcher (pipeline/structured_output), advanced by the engine
+    grammar: Any = None
 
     @property
     def is_greedy(self) -> bool:
@@ -58,6 +61,7 @@ class SequenceSamplingState:
             and p.repetition_penalty == 1.0
             and not p.frequency_penalty
             and not p.presence_penalty
+            and self.grammar is None
         )
 
 
@@ -120,13 +124,16 @@ class SamplingMetadata:
     output_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) [num_output_tokens], penalty rows only
     prompt_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, ids) [num_prompt_tokens], repetition rows only
     num_logprobs: list[int | None]  # [num_rows], None = this row did not ask for logprobs
+    # structured output: (rows, packed int32 bitmask [num_grammar_rows, ceil(vocab / 32)]) filled on the host
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def needs_processing(self) -> bool:
-        """Whether any logits processor (bias, masks, bans, penalties) applies to this batch."""
+        """Whether any logits processor (bias, masks, bans, penalties, grammars) applies to this batch."""
         return any(
             x is not None
             for x in (
+                self.grammar_bitmask,
                 self.logit_bias,
                 self.allowed_rows,
                 self.banned_tokens,
@@ -170,7 +177,21 @@ def build_sampling_metadata(
         banned_tokens=_banned_tokens(states, vocab_size, device),
         **_penalties(states, arrays, vocab_size, device),
         num_logprobs=[p.logprobs for p in params],
+        grammar_bitmask=_grammar_bitmask(states, vocab_size, device),
     )
+
+
+def _grammar_bitmask(states: list[SequenceSamplingState], vocab_size: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each constrained row's allowed next tokens, from its matcher (the padded vocabulary tail is never allowed)."""
+    rows = [row for row, s in enumerate(states) if s.grammar is not None]
+    if not rows:
+        return None
+    from pipeline.structured_output.backend import fill_bitmasks
+
+    bitmask = torch.zeros(len(rows), -(-vocab_size // 32), dtype=torch.int32)
+    fill_bitmasks([states[row].grammar for row in rows], bitmask)
+    return torch.tensor(rows, dtype=torch.int64, device=device), bitmask.to(device)
 
 
 def _logit_bias(

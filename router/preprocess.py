@@ -13,6 +13,7 @@ from pipeline.tokenizer import TokenizerError, apply_chat_template, encode_promp
 from router.errors import APIError, bad_request, from_value_error
 from router.openai_schema import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from router.served_model import ServedModel
+from router.structured_output import check_structured_output, structured_output_from
 
 
 @dataclass
@@ -98,6 +99,9 @@ def _sampling_params(
             f"{num_prompt_tokens} tokens; reduce the {prompt_param} to at most {model.max_length - 1} tokens.",
             param=prompt_param, code="context_length_exceeded",
         )
+    structured = structured_output_from(body)
+    if structured is not None:
+        check_structured_output(structured, model, defaults.structured_output_backend)
     explicit = max_tokens is not None
     if not explicit:
         max_tokens = defaults.max_tokens if room is None else min(defaults.max_tokens, room)
@@ -120,6 +124,7 @@ def _sampling_params(
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logit_bias=logit_bias,
             skip_special_tokens=body.skip_special_tokens,
+            structured_output=structured,
         )
     except ValueError as exc:
         error = from_value_error(exc)

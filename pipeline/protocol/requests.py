@@ -14,6 +14,26 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the request failed (worker died, transfer failed, ...)
 
 
+class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A constraint on the output's text (OpenAI ``response_format`` and vLLM's extension fields).
+
+    ``kind``: "json" (``value`` is a JSON schema, as JSON text), "json_object" (any JSON object),
+    "regex", "choice" (``choices``: the output is exactly one of them) or "grammar" (Lark; llguidance
+    also takes its GBNF dialect). ``backend``: "llguidance" (default) or "xgrammar"."""
+
+    kind: str
+    value: str = ""
+    choices: list[str] = msgspec.field(default_factory=list)
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = ("json", "json_object", "regex", "choice", "grammar")
+        _check(self.kind in kinds, "structured_output.kind", f"must be one of {', '.join(kinds)}", self.kind)
+        _check(self.kind != "choice" or bool(self.choices), "choice", "must be a non-empty list of strings", self.choices)
+        _check(self.kind not in ("json", "regex", "grammar") or bool(self.value), self.kind, "must not be empty",
+               self.value)
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Per-request sampling parameters, named as in vLLM / the OpenAI API.
 
@@ -40,6 +60,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = msgspec.field(default_factory=list)
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

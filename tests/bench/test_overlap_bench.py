@@ -3,23 +3,15 @@ its profiler, which must survive a renamed method and leave the engine as it fou
 
 from __future__ import annotations
 
-import json
-
-import torch
-
 from bench import overlap_bench, plot
+from tests.bench.quick_run import quick_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def test_quick_run_reports_both_modes_identical_tokens_and_plots(tmp_path):
-    threads = torch.get_num_threads()
     out = tmp_path / "overlap.json"
-    report = overlap_bench.main(["--quick", "--out", str(out)])
-
-    assert json.loads(out.read_text()) == report
-    assert torch.get_num_threads() == threads  # the caller's threads are given back
-    assert report["benchmark"] == "overlap"
+    report = quick_report(overlap_bench, out, "overlap")
     assert report["outputs_identical"] is True  # the overlap pipeline changed no token
     assert report["model"]["hidden_size"] == 64 and report["model"]["num_hidden_layers"] == 2
     assert {"threads", "date", "repeats"} <= report["settings"].keys()

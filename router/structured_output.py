@@ -1,0 +1,106 @@
+"""Structured-output fields of a request body -> a validated ``StructuredOutput``, or a 400 naming the problem.
+
+Accepted, as OpenAI and vLLM clients send them:
+
+* ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``, or
+  ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``;
+* vLLM's ``structured_outputs``: ``{"json": schema | str, "regex": str, "choice": [str], "grammar": str,
+  "json_object": true, "backend": "llguidance"}`` (exactly one constraint), and the older
+  ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` fields.
+
+The constraint is compiled here, once per distinct constraint (the grammar backend caches it), so a bad
+schema or grammar never reaches a worker.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pipeline.protocol import StructuredOutput
+from router.errors import bad_request
+from router.served_model import ServedModel
+
+_BACKENDS: dict[int, Any] = {}  # id(ServedModel) -> its grammar BackendSet (the tokenizer is wrapped once)
+
+
+def structured_output_from(body: Any) -> StructuredOutput | None:
+    """The body's one constraint (None when it has none); 400 for a malformed or doubled one."""
+    found: list[tuple[str, StructuredOutput]] = []
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None:
+        spec = _from_response_format(response_format)
+        if spec is not None:
+            found.append(("response_format", spec))
+    extension = dict(getattr(body, "structured_outputs", None) or {})
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{name}", None)
+        if value is not None:
+            extension.setdefault(name, value)
+    backend = extension.pop("backend", None)
+    for key, value in extension.items():
+        found.append((f"structured_outputs.{key}", _from_extension(key, value, backend)))
+    if len(found) > 1:
+        raise bad_request(f"give one output constraint, not {len(found)} ({', '.join(n for n, _ in found)})",
+                          param=found[1][0])
+    return found[0][1] if found else None
+
+
+def _from_response_format(value: Any) -> StructuredOutput | None:
+    if not isinstance(value, dict) or "type" not in value:
+        raise bad_request("response_format: must be an object with a 'type'", param="response_format")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(kind="json_object")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise bad_request("response_format.json_schema: must be an object with a 'schema'",
+                              param="response_format.json_schema")
+        return StructuredOutput(kind="json", value=json.dumps(spec["schema"]))
+    raise bad_request(f"response_format.type: must be 'text', 'json_object' or 'json_schema' (got {kind!r})",
+                      param="response_format.type")
+
+
+def _from_extension(key: str, value: Any, backend: Any) -> StructuredOutput:
+    param = f"structured_outputs.{key}"
+    if backend is not None and not isinstance(backend, str):
+        raise bad_request("structured_outputs.backend: must be a string", param="structured_outputs.backend")
+    try:
+        if key == "json":
+            return StructuredOutput(kind="json", value=value if isinstance(value, str) else json.dumps(value),
+                                    backend=backend)
+        if key == "json_object":
+            return StructuredOutput(kind="json_object", backend=backend)
+        if key == "choice":
+            if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+                raise bad_request(f"{param}: must be a list of strings", param=param)
+            return StructuredOutput(kind="choice", choices=value, backend=backend)
+        if key in ("regex", "grammar"):
+            if not isinstance(value, str):
+                raise bad_request(f"{param}: must be a string", param=param)
+            return StructuredOutput(kind=key, value=value, backend=backend)
+    except ValueError as exc:
+        raise bad_request(f"{param}: {exc}", param=param) from None
+    raise bad_request(f"structured_outputs: unknown constraint {key!r} (json, json_object, regex, choice, grammar)",
+                      param="structured_outputs")
+
+
+def check_structured_output(spec: StructuredOutput, model: ServedModel, default_backend: str | None,
+                            param: str = "response_format") -> StructuredOutput:
+    """Compile ``spec`` against the served model's tokenizer with its backend (the configured default when
+    it names none, which is then written into it, so every worker uses the backend that validated it);
+    a 400 naming the problem if it cannot be used."""
+    from pipeline.structured_output.backend import BackendSet, StructuredOutputError
+
+    try:
+        backends = _BACKENDS.get(id(model))
+        if backends is None:
+            backends = _BACKENDS[id(model)] = BackendSet(model.tokenizer, model.vocab_size, default_backend)
+        spec.backend = spec.backend or backends.default
+        backends.validate(spec)
+    except StructuredOutputError as exc:
+        raise bad_request(f"{param}: {exc}", param=param) from None
+    return spec

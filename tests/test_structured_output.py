@@ -1,0 +1,124 @@
+"""Structured output in the engine, fuzzed with a random-weight model: its logits are near uniform, so the
+grammar does all the work. Every output must parse strictly and validate against its schema."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from pipeline import LLM, SamplingParams
+from pipeline.protocol import StructuredOutput
+from pipeline.request_validation import RequestError
+
+pytest.importorskip("llguidance")
+BACKENDS = ["llguidance"]  # a second backend joins these parametrizations
+GRAMMARS = {"llguidance": 'start: "a" ("b" | "c")+ "d"\n'}
+
+SCHEMAS = {
+    "nested": {"type": "object", "additionalProperties": False, "required": ["user", "ok"], "properties": {
+        "user": {"type": "object", "additionalProperties": False, "required": ["name", "age"], "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
+        "ok": {"type": "boolean"}}},
+    "array_enum": {"type": "object", "additionalProperties": False, "required": ["tags"], "properties": {
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 4}}},
+    "numbers_optional": {"type": "object", "additionalProperties": False, "required": ["x"], "properties": {
+        # a free "number" may take digits forever under a random model; these are bounded
+        "x": {"type": "integer", "minimum": -5, "maximum": 5}, "ratio": {"type": "number", "enum": [0.5, 1.25]},
+        "note": {"type": "string", "maxLength": 5},
+        "count": {"type": "integer", "minimum": 1, "maximum": 9}}},
+    "ref": {"type": "object", "additionalProperties": False, "required": ["a", "b"], "$defs": {
+        "point": {"type": "object", "additionalProperties": False, "required": ["x", "y"], "properties": {
+            "x": {"type": "integer", "minimum": 0, "maximum": 99}, "y": {"type": "integer", "minimum": 0, "maximum": 99}}}},
+        "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}}},
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(model=tiny_checkpoint("llama"), kv_cache={"page_size": 4, "num_blocks": 512})
+
+
+def constrained(spec: StructuredOutput, temperature: float, seed: int | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=300, temperature=temperature, seed=seed, structured_output=spec)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(SCHEMAS))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_output_parses_and_validates(llm, name, temperature, backend):
+    schema = SCHEMAS[name]
+    spec = StructuredOutput(kind="json", value=json.dumps(schema), backend=backend)
+    prompts = ["Tell me", "A", "{", "The quick brown fox"]
+    outputs = llm.generate(prompts, [constrained(spec, temperature, seed=i) for i in range(len(prompts))])
+    for out in outputs:
+        assert out.finish_reason == "stop", (out.text, out.finish_reason)
+        jsonschema.validate(json.loads(out.text), schema)  # strict json.loads: no trailing text allowed
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_total_blocks
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_regex_choice_and_grammar(llm, backend):
+    outputs = llm.generate(["x"] * 4, [
+        constrained(StructuredOutput(kind="regex", value=r"[0-9]{3}-[a-z]{2,4}", backend=backend), 1.0, seed=2),
+        constrained(StructuredOutput(kind="choice", choices=["yes", "no", "not sure"], backend=backend), 1.0, seed=3),
+        constrained(StructuredOutput(kind="choice", choices=["yes", "no", "not sure"], backend=backend), 0.0),
+        constrained(StructuredOutput(kind="grammar", value=GRAMMARS[backend], backend=backend), 0.0),
+    ])
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", outputs[0].text)
+    assert outputs[1].text in ("yes", "no", "not sure") and outputs[2].text in ("yes", "no", "not sure")
+    assert re.fullmatch(r"a[bc]+d", outputs[3].text) or outputs[3].finish_reason == "length"
+    assert all(o.finish_reason == "stop" for o in outputs[:3])
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_conforming_document_is_allowed_token_by_token(llm, backend_name):
+    """No false rejections: every token of a valid document is in the mask when it comes."""
+    from pipeline.structured_output.backend import make_backend
+
+    engine = llm.engine
+    schema = SCHEMAS["nested"]
+    document = json.dumps({"user": {"name": "ab", "age": 42}, "ok": True}, separators=(",", ":"))
+    backend = make_backend(backend_name, engine.tokenizer, engine.vocab_size)
+    matcher = backend.matcher(StructuredOutput(kind="json", value=json.dumps(schema)))
+    bitmask = torch.zeros(1, -(-engine.vocab_size // 32), dtype=torch.int32)
+    for token in engine.tokenizer.encode(document, add_special_tokens=False):
+        matcher.fill_bitmask(bitmask, 0)
+        assert (int(bitmask[0, token // 32]) >> (token % 32)) & 1, f"token {token} rejected"
+        assert matcher.accept(token)
+    matcher.fill_bitmask(bitmask, 0)
+    assert any(int(bitmask[0, t // 32]) >> (t % 32) & 1 for t in engine.eos_token_ids) or matcher.is_finished
+    # any JSON object, for {"type": "json_object"}
+    matcher = backend.matcher(StructuredOutput(kind="json_object"))
+    for token in engine.tokenizer.encode('{"a":[1,2.5,{"b":null}],"c":"d"}', add_special_tokens=False):
+        matcher.fill_bitmask(bitmask, 0)
+        assert (int(bitmask[0, token // 32]) >> (token % 32)) & 1 and matcher.accept(token)
+
+
+def test_seeded_constrained_request_is_the_same_alone_batched_and_with_overlap(tiny_checkpoint, llm):
+    spec = StructuredOutput(kind="json", value=json.dumps(SCHEMAS["array_enum"]))
+    alone = llm.generate(["Tell me"], constrained(spec, 1.0, seed=7))[0]
+    batched = llm.generate(["other", "Tell me", "more"], constrained(spec, 1.0, seed=7))[1]
+    overlap = LLM(model=tiny_checkpoint("llama"), kv_cache={"page_size": 4, "num_blocks": 512},
+                  enable_overlap_scheduler=True)
+    overlapped = overlap.generate(["Tell me"], constrained(spec, 1.0, seed=7))[0]
+    assert alone.token_ids == batched.token_ids == overlapped.token_ids
+
+
+@pytest.mark.parametrize("spec, message", [
+    (StructuredOutput(kind="json", value="{not json"), "not valid JSON"),
+    (StructuredOutput(kind="regex", value="[a-z"), "regex"),
+    (StructuredOutput(kind="grammar", value="start: undefined_rule"), "undefined_rule"),
+    (StructuredOutput(kind="json", value='{"type": "object"}', backend="nope"), "unknown backend"),
+    (StructuredOutput(kind="json", value='{"type": "object", "not": {"required": ["a"]}}'), "Unimplemented keys"),
+    (StructuredOutput(kind="json", value='{"type": "object"}', backend="xgrammar"), "unknown backend"),
+])
+def test_bad_constraints_are_request_errors_and_nothing_leaks(llm, spec, message):
+    free = llm.engine.kv_manager.num_free_blocks
+    with pytest.raises(RequestError, match=message):
+        llm.generate(["x"], constrained(spec, 0.0))
+    assert llm.engine.kv_manager.num_free_blocks == free and not llm.engine.has_unfinished_requests()
