@@ -6,7 +6,7 @@ and the sampler, and returns the sampled tokens. It makes no scheduling decision
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -75,12 +75,14 @@ class ModelRunner:
         # those tokens on the device (written and read on the execution stream only).
         self._launched_rows: dict[str, int] = {}
         self._last_sampled: torch.Tensor | None = None
+        # structured output: grammar masks are filled on this thread while the forward runs (made on first use)
+        self._mask_filler: ThreadPoolExecutor | None = None
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], block_table: Callable[[str], list[int]]) -> SamplerOutput | None:
         """Run one step over ``chunks``; returns one sample per chunk that reached its last token."""
         batch = self.prepare(chunks, block_table)
-        sampling, plan = self._sampling_plan(chunks)
+        sampling, plan = self._sampling_plan(chunks)  # grammar masks start filling beside the forward
         hidden = self.model(batch, self.kv_cache, self.kernels)  # [num_tokens, hidden]
         if batch.logits_indices.numel() == 0:
             return None
@@ -94,7 +96,10 @@ class ModelRunner:
         def arrays():
             return self.buffer.sampling_arrays([self.buffer.row_of(c.seq.request_id) for c in sampling])
 
-        return sampling, self.sampler.plan([c.seq.sampling_state for c in sampling], self.device, arrays)
+        states = [c.seq.sampling_state for c in sampling]
+        if self._mask_filler is None and any(s.grammar is not None for s in states):
+            self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-grammar-masks")
+        return sampling, self.sampler.plan(states, self.device, arrays, self._mask_filler)
 
     def launch(self, chunks: list[ScheduledChunk], block_table: Callable[[str], list[int]],
                stream: ExecutionStream, seeds: list[tuple[torch.Generator, int]]) -> Future:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from concurrent.futures import Executor
 from typing import Callable
 
 import numpy as np
@@ -83,13 +84,15 @@ class Sampler:
         return self.sample(logits, self.plan(states, logits.device))
 
     def plan(self, states: list[SequenceSamplingState], device: torch.device,
-             arrays: Callable[[], SamplingArrays] | None = None) -> SamplingPlan:
+             arrays: Callable[[], SamplingArrays] | None = None, mask_filler: Executor | None = None) -> SamplingPlan:
         """What a step's sampling needs from the requests' states, read now (the overlap pipeline reads
         them on the host at launch; the sampling itself may run later, on the execution stream).
-        ``arrays()``: the rows' dense parameters from the persistent batch, asked only when needed."""
+        ``arrays()``: the rows' dense parameters from the persistent batch, asked only when needed;
+        ``mask_filler``: where grammar masks are filled while the model runs."""
         if all(s.is_plain_greedy for s in states):
             return SamplingPlan(len(states), None, [s.params.logprobs for s in states])  # no metadata to build
-        metadata = build_sampling_metadata(states, self.vocab_size, device, arrays() if arrays else None)
+        metadata = build_sampling_metadata(states, self.vocab_size, device, arrays() if arrays else None,
+                                           mask_filler)
         return SamplingPlan(len(states), metadata, metadata.num_logprobs)
 
     def sample(self, logits: torch.Tensor, plan: SamplingPlan) -> SamplerOutput:
@@ -194,8 +197,9 @@ def apply_logits_processing(logits: torch.Tensor, metadata: SamplingMetadata) ->
     # the model's own distribution is a better answer than an arbitrary token 0.
     is_all_masked = torch.isneginf(logits).all(dim=-1, keepdim=True)  # [num_rows, 1]
     logits = torch.where(is_all_masked, raw_logits, logits)
-    if metadata.grammar_bitmask is not None:  # last, and never undone: a grammar's mask is a hard constraint
-        rows, bitmask = metadata.grammar_bitmask
+    masks = metadata.grammar_masks()
+    if masks is not None:  # last, and never undone: a grammar's mask is a hard constraint
+        rows, bitmask = masks
         logits[rows] = apply_bitmask(logits[rows], bitmask)
     return logits
 

@@ -9,6 +9,7 @@ Field names follow vLLM's / EasyDeL eSurge's sampling metadata vocabulary.
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,8 +125,15 @@ class SamplingMetadata:
     output_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) [num_output_tokens], penalty rows only
     prompt_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, ids) [num_prompt_tokens], repetition rows only
     num_logprobs: list[int | None]  # [num_rows], None = this row did not ask for logprobs
-    # structured output: (rows, packed int32 bitmask [num_grammar_rows, ceil(vocab / 32)]) filled on the host
-    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # structured output: (rows, packed int32 bitmask [num_grammar_rows, ceil(vocab / 32)]), the bitmask
+    # possibly still being filled beside the forward (a Future: ``grammar_masks`` waits for it)
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor | Future] | None = None
+
+    def grammar_masks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.grammar_bitmask is None:
+            return None
+        rows, bitmask = self.grammar_bitmask
+        return rows, bitmask.result() if isinstance(bitmask, Future) else bitmask
 
     @property
     def needs_processing(self) -> bool:
@@ -146,11 +154,12 @@ class SamplingMetadata:
 
 def build_sampling_metadata(
     states: list[SequenceSamplingState], vocab_size: int, device: torch.device,
-    arrays: SamplingArrays | None = None,
+    arrays: SamplingArrays | None = None, mask_filler: Executor | None = None,
 ) -> SamplingMetadata:
     """Translate per-request states into one step's batch tensors; token ids outside the vocab are ignored.
 
-    ``arrays``: the rows' dense parameters from the persistent batch (default: read from ``states``)."""
+    ``arrays``: the rows' dense parameters from the persistent batch (default: read from ``states``).
+    ``mask_filler``: where grammar masks are filled (beside the forward); default: here, now."""
     if arrays is None:
         arrays = SamplingArrays.from_states(states, vocab_size)
     params = [s.params for s in states]
@@ -177,21 +186,29 @@ def build_sampling_metadata(
         banned_tokens=_banned_tokens(states, vocab_size, device),
         **_penalties(states, arrays, vocab_size, device),
         num_logprobs=[p.logprobs for p in params],
-        grammar_bitmask=_grammar_bitmask(states, vocab_size, device),
+        grammar_bitmask=_grammar_bitmask(states, vocab_size, device, mask_filler),
     )
 
 
-def _grammar_bitmask(states: list[SequenceSamplingState], vocab_size: int,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Each constrained row's allowed next tokens, from its matcher (the padded vocabulary tail is never allowed)."""
+def _grammar_bitmask(states: list[SequenceSamplingState], vocab_size: int, device: torch.device,
+                     mask_filler: Executor | None) -> tuple[torch.Tensor, torch.Tensor | Future] | None:
+    """Each constrained row's allowed next tokens, from its matcher (the padded vocabulary tail is never
+    allowed). With ``mask_filler`` the masks are filled there while the model runs: llguidance fills
+    them without holding the interpreter lock, so on CPU they cost nothing beside the forward."""
     rows = [row for row, s in enumerate(states) if s.grammar is not None]
     if not rows:
         return None
     from pipeline.structured_output.backend import fill_bitmasks
 
-    bitmask = torch.zeros(len(rows), -(-vocab_size // 32), dtype=torch.int32)
-    fill_bitmasks([states[row].grammar for row in rows], bitmask)
-    return torch.tensor(rows, dtype=torch.int64, device=device), bitmask.to(device)
+    matchers = [states[row].grammar for row in rows]
+
+    def fill() -> torch.Tensor:
+        bitmask = torch.zeros(len(rows), -(-vocab_size // 32), dtype=torch.int32)
+        fill_bitmasks(matchers, bitmask)
+        return bitmask.to(device)
+
+    row_ids = torch.tensor(rows, dtype=torch.int64, device=device)
+    return row_ids, (mask_filler.submit(fill) if mask_filler is not None else fill())
 
 
 def _logit_bias(
