@@ -77,7 +77,7 @@ class SamplingConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="default nucleus threshold")
     top_k: int = Field(-1, ge=-1, description="default top-k (-1 = off)")
     max_tokens: int = Field(256, ge=1, description="default output length of the offline API")
-    structured_output_backend: Literal["llguidance"] = Field(
+    structured_output_backend: Literal["llguidance", "xgrammar"] = Field(
         "llguidance", description="grammar backend of structured output requests that name none")
 
 

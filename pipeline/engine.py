@@ -8,6 +8,7 @@ The offline ``LLM`` and the decode worker both drive it.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -227,12 +228,16 @@ class LLMEngine:
             outputs += self._read(self._take_in_flight())  # the next batch reads these tokens on the host
         plan = self._schedule()
         previous = self._take_in_flight()
-        if not plan.is_empty:
-            self._in_flight = self._launch(plan)
-        if previous is not None:
-            outputs += self._read(previous)
-        elif not outputs:
-            self.last_plan = None
+        previous_read = Future()  # grammar masks of this step wait for it: their matchers take the previous tokens
+        try:
+            if not plan.is_empty:
+                self._in_flight = self._launch(plan, previous_read)
+            if previous is not None:
+                outputs += self._read(previous)
+            elif not outputs:
+                self.last_plan = None
+        finally:
+            previous_read.set_result(None)  # also on an error: the execution stream must never wait forever
         return outputs
 
     def _schedule(self):
@@ -268,10 +273,11 @@ class LLMEngine:
                 seeds.append((state.generator, step_seed(chunk.seq.params.seed, chunk.seq.num_output_tokens)))
         return seeds
 
-    def _launch(self, plan) -> InFlightStep:
+    def _launch(self, plan, previous_read: Future) -> InFlightStep:
         """Queue ``plan`` on the execution stream; lengths advance now, token values come with ``_read``."""
         seeds = self._seeds(plan)  # is_sampling and output positions are read before the lengths advance
-        future = self.runner.launch(plan.chunks, self.kv_manager.block_table, self.stream, seeds)
+        future = self.runner.launch(plan.chunks, self.kv_manager.block_table, self.stream, seeds,
+                                    masks_after=previous_read)
         sampled_chunks = [chunk for chunk in plan.chunks if chunk.is_sampling]
         sampled = self.scheduler.update(plan, [PLACEHOLDER_TOKEN_ID] * len(sampled_chunks), register=False)
         return InFlightStep(plan, future, sampled, [seq.num_tokens - 1 for seq in sampled],

@@ -89,7 +89,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab] fp32
         return self.sampler.sample(logits, plan)
 
-    def _sampling_plan(self, chunks: list[ScheduledChunk]):
+    def _sampling_plan(self, chunks: list[ScheduledChunk], masks_after: Future | None = None):
         """(the sampling chunks, their SamplingPlan): dense parameters from the persistent batch's rows."""
         sampling = [c for c in chunks if c.is_sampling]
 
@@ -99,10 +99,11 @@ class ModelRunner:
         states = [c.seq.sampling_state for c in sampling]
         if self._mask_filler is None and any(s.grammar is not None for s in states):
             self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-grammar-masks")
-        return sampling, self.sampler.plan(states, self.device, arrays, self._mask_filler)
+        return sampling, self.sampler.plan(states, self.device, arrays, self._mask_filler, masks_after)
 
     def launch(self, chunks: list[ScheduledChunk], block_table: Callable[[str], list[int]],
-               stream: ExecutionStream, seeds: list[tuple[torch.Generator, int]]) -> Future:
+               stream: ExecutionStream, seeds: list[tuple[torch.Generator, int]],
+               masks_after: Future | None = None) -> Future:
         """Queue one step on ``stream`` and return at once; the Future gives its ``SamplerOutput`` (or None).
 
         Everything read from the requests (token ids, block tables, sampling parameters) is read here,
@@ -110,12 +111,14 @@ class ModelRunner:
         previous launched step sampled for that request: it is copied on the device, on the stream,
         after that step has run, so it never travels through the host. ``seeds``: (generator, seed)
         pairs applied on the stream just before sampling (the host may seed the next step meanwhile).
+        ``masks_after``: grammar masks are filled once it is done (the host sets it after reading the
+        previous step, whose tokens the grammars must take first); sampling waits for the masks.
         """
         gathered = self.gather(chunks, block_table)
         batch = self.to_batch(gathered, chunks)
         targets = np.flatnonzero(gathered.input_ids == PLACEHOLDER_TOKEN_ID).tolist()
         sources = [self._launched_rows[chunks[i].seq.request_id] for i in gathered.token_chunk[targets].tolist()]
-        sampling, plan = self._sampling_plan(chunks)
+        sampling, plan = self._sampling_plan(chunks, masks_after)
         self._launched_rows = {c.seq.request_id: row for row, c in enumerate(sampling)}
         if targets:
             targets_t = torch.tensor(targets, dtype=torch.long, device=self.device)

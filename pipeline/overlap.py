@@ -18,8 +18,10 @@ What changes for a request while its step is in flight:
   is dropped, and its blocks were freed once, when it finished; an abort frees them at once, and the
   step's output for it is ignored;
 * a request whose next step needs its previous token values on the host (penalties and bad words
-  read the output so far; a grammar's mask follows the tokens accepted) makes the engine read the
-  step in flight before scheduling the next one.
+  read the output so far) makes the engine read the step in flight before scheduling the next one;
+* structured output keeps overlapping: step N+1 is launched, step N's tokens are read and each
+  grammar's matcher advances, and only then are step N+1's masks filled (beside its forward, on the
+  mask thread); its sampling waits for them.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ class InFlightStep:
 
 def needs_host_tokens(seq: Sequence) -> bool:
     """Whether ``seq``'s next step reads its output token values on the host: repetition, frequency and
-    presence penalties and bad words do (logit bias, allowed tokens, min_tokens and seeds need lengths only)."""
+    presence penalties and bad words do (logit bias, allowed tokens, min_tokens and seeds need lengths
+    only; grammar masks are filled after the step in flight is read: ``LLMEngine.step``)."""
     params = seq.params
     state = seq.sampling_state
     return bool(params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
-                or (state is not None and (state.bad_words_token_ids or state.grammar is not None)))
+                or (state is not None and state.bad_words_token_ids))

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Callable
 
 import numpy as np
@@ -84,15 +84,16 @@ class Sampler:
         return self.sample(logits, self.plan(states, logits.device))
 
     def plan(self, states: list[SequenceSamplingState], device: torch.device,
-             arrays: Callable[[], SamplingArrays] | None = None, mask_filler: Executor | None = None) -> SamplingPlan:
+             arrays: Callable[[], SamplingArrays] | None = None, mask_filler: Executor | None = None,
+             masks_after: Future | None = None) -> SamplingPlan:
         """What a step's sampling needs from the requests' states, read now (the overlap pipeline reads
         them on the host at launch; the sampling itself may run later, on the execution stream).
         ``arrays()``: the rows' dense parameters from the persistent batch, asked only when needed;
-        ``mask_filler``: where grammar masks are filled while the model runs."""
+        ``mask_filler``: where grammar masks are filled while the model runs, once ``masks_after`` is done."""
         if all(s.is_plain_greedy for s in states):
             return SamplingPlan(len(states), None, [s.params.logprobs for s in states])  # no metadata to build
         metadata = build_sampling_metadata(states, self.vocab_size, device, arrays() if arrays else None,
-                                           mask_filler)
+                                           mask_filler, masks_after)
         return SamplingPlan(len(states), metadata, metadata.num_logprobs)
 
     def sample(self, logits: torch.Tensor, plan: SamplingPlan) -> SamplerOutput:

@@ -154,12 +154,13 @@ class SamplingMetadata:
 
 def build_sampling_metadata(
     states: list[SequenceSamplingState], vocab_size: int, device: torch.device,
-    arrays: SamplingArrays | None = None, mask_filler: Executor | None = None,
+    arrays: SamplingArrays | None = None, mask_filler: Executor | None = None, masks_after: Future | None = None,
 ) -> SamplingMetadata:
     """Translate per-request states into one step's batch tensors; token ids outside the vocab are ignored.
 
     ``arrays``: the rows' dense parameters from the persistent batch (default: read from ``states``).
-    ``mask_filler``: where grammar masks are filled (beside the forward); default: here, now."""
+    ``mask_filler``: where grammar masks are filled (beside the forward); default: here, now.
+    ``masks_after``: the fill waits for it (overlap: until the previous step's tokens are accepted)."""
     if arrays is None:
         arrays = SamplingArrays.from_states(states, vocab_size)
     params = [s.params for s in states]
@@ -186,12 +187,13 @@ def build_sampling_metadata(
         banned_tokens=_banned_tokens(states, vocab_size, device),
         **_penalties(states, arrays, vocab_size, device),
         num_logprobs=[p.logprobs for p in params],
-        grammar_bitmask=_grammar_bitmask(states, vocab_size, device, mask_filler),
+        grammar_bitmask=_grammar_bitmask(states, vocab_size, device, mask_filler, masks_after),
     )
 
 
 def _grammar_bitmask(states: list[SequenceSamplingState], vocab_size: int, device: torch.device,
-                     mask_filler: Executor | None) -> tuple[torch.Tensor, torch.Tensor | Future] | None:
+                     mask_filler: Executor | None,
+                     masks_after: Future | None = None) -> tuple[torch.Tensor, torch.Tensor | Future] | None:
     """Each constrained row's allowed next tokens, from its matcher (the padded vocabulary tail is never
     allowed). With ``mask_filler`` the masks are filled there while the model runs: llguidance fills
     them without holding the interpreter lock, so on CPU they cost nothing beside the forward."""
@@ -203,11 +205,15 @@ def _grammar_bitmask(states: list[SequenceSamplingState], vocab_size: int, devic
     matchers = [states[row].grammar for row in rows]
 
     def fill() -> torch.Tensor:
+        if masks_after is not None:
+            masks_after.result()  # the matchers have taken the previous step's tokens
         bitmask = torch.zeros(len(rows), -(-vocab_size // 32), dtype=torch.int32)
         fill_bitmasks(matchers, bitmask)
         return bitmask.to(device)
 
     row_ids = torch.tensor(rows, dtype=torch.int64, device=device)
+    if mask_filler is None and masks_after is not None:
+        raise ValueError("masks_after needs a mask_filler to wait on")
     return row_ids, (mask_filler.submit(fill) if mask_filler is not None else fill())
 
 

@@ -15,6 +15,7 @@ schema or grammar never reaches a worker.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from pipeline.protocol import StructuredOutput
@@ -93,14 +94,34 @@ def check_structured_output(spec: StructuredOutput, model: ServedModel, default_
     """Compile ``spec`` against the served model's tokenizer with its backend (the configured default when
     it names none, which is then written into it, so every worker uses the backend that validated it);
     a 400 naming the problem if it cannot be used."""
-    from pipeline.structured_output.backend import BackendSet, StructuredOutputError
+    from pipeline.structured_output.backend import BackendSet, StructuredOutputError, check_backend_name
 
     try:
         backends = _BACKENDS.get(id(model))
         if backends is None:
             backends = _BACKENDS[id(model)] = BackendSet(model.tokenizer, model.vocab_size, default_backend)
-        spec.backend = spec.backend or backends.default
-        backends.validate(spec)
+        spec.backend = check_backend_name(spec.backend or backends.default)
+        if spec.backend == "xgrammar" and sys.modules.get("torch", 0) is None:
+            _check_without_torch(spec, backends)
+        else:
+            backends.validate(spec)
     except StructuredOutputError as exc:
         raise bad_request(f"{param}: {exc}", param=param) from None
     return spec
+
+
+def _check_without_torch(spec: StructuredOutput, backends) -> None:
+    """xgrammar needs torch, which the router keeps out of its process: check the constraint with
+    llguidance's compiler instead (a GBNF grammar translated to Lark). That is the stricter of the
+    two (xgrammar ignores schema keywords llguidance refuses); the worker compiles it with xgrammar."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    from pipeline.structured_output.backend import StructuredOutputError
+
+    check = spec
+    if spec.kind == "grammar":
+        try:
+            check = StructuredOutput(kind="grammar", value=gbnf_to_lark(spec.value))
+        except Exception as exc:  # noqa: BLE001 - the translator's own errors name the bad rule
+            raise StructuredOutputError(f"grammar: {str(exc).strip() or exc!r}") from None
+    backends.get("llguidance").validate(check)

@@ -3,6 +3,7 @@ grammar does all the work. Every output must parse strictly and validate against
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 
@@ -15,8 +16,9 @@ from pipeline.protocol import StructuredOutput
 from pipeline.request_validation import RequestError
 
 pytest.importorskip("llguidance")
-BACKENDS = ["llguidance"]  # a second backend joins these parametrizations
-GRAMMARS = {"llguidance": 'start: "a" ("b" | "c")+ "d"\n'}
+BACKENDS = ["llguidance", pytest.param("xgrammar", marks=pytest.mark.skipif(
+    importlib.util.find_spec("xgrammar") is None, reason="pip install 'tandem[xgrammar]'"))]
+GRAMMARS = {"llguidance": 'start: "a" ("b" | "c")+ "d"\n', "xgrammar": 'root ::= "a" ("b" | "c")+ "d"'}
 
 SCHEMAS = {
     "nested": {"type": "object", "additionalProperties": False, "required": ["user", "ok"], "properties": {
@@ -115,10 +117,31 @@ def test_seeded_constrained_request_is_the_same_alone_batched_and_with_overlap(t
     (StructuredOutput(kind="grammar", value="start: undefined_rule"), "undefined_rule"),
     (StructuredOutput(kind="json", value='{"type": "object"}', backend="nope"), "unknown backend"),
     (StructuredOutput(kind="json", value='{"type": "object", "not": {"required": ["a"]}}'), "Unimplemented keys"),
-    (StructuredOutput(kind="json", value='{"type": "object"}', backend="xgrammar"), "unknown backend"),
+    (StructuredOutput(kind="grammar", value="root ::= undefined", backend="xgrammar"), "undefined"),
+    (StructuredOutput(kind="json", value='{"type": "bogus"}', backend="xgrammar"), "bogus"),
 ])
 def test_bad_constraints_are_request_errors_and_nothing_leaks(llm, spec, message):
     free = llm.engine.kv_manager.num_free_blocks
     with pytest.raises(RequestError, match=message):
         llm.generate(["x"], constrained(spec, 0.0))
     assert llm.engine.kv_manager.num_free_blocks == free and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overlap_keeps_constrained_batches_overlapping_and_identical(tiny_checkpoint, llm, backend):
+    """With overlap on, a constrained step is launched before the previous one is read; its masks are
+    filled after the grammars take those tokens. Same tokens as overlap off, every output valid."""
+    overlap = LLM(model=tiny_checkpoint("llama"), kv_cache={"page_size": 4, "num_blocks": 512},
+                  enable_overlap_scheduler=True)
+    drained = []
+    original = overlap.engine._read
+    overlap.engine._read = lambda step: (drained.append(step.needs_host_tokens), original(step))[1]
+    prompts = ["Tell me", "A", "{", "The quick brown fox"]
+    for name, schema in SCHEMAS.items():
+        params = [constrained(StructuredOutput(kind="json", value=json.dumps(schema), backend=backend), 1.0, seed=i)
+                  for i in range(len(prompts))]
+        on, off = overlap.generate(prompts, params), llm.generate(prompts, params)
+        assert [o.token_ids for o in on] == [o.token_ids for o in off], name
+        for out in on:
+            jsonschema.validate(json.loads(out.text), schema)
+    assert drained and not any(drained)  # no step had to be read before the next was launched

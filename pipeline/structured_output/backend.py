@@ -2,10 +2,12 @@
 
 The interface is what the engine and the router need: ``validate`` (a clear error before any worker
 is touched) and ``matcher`` (per request: ``fill_bitmask`` for the next token, ``accept`` a token,
-``is_finished``). ``llguidance`` implements it: no compile stall, per-step mask cost flat in
-vocabulary size, grammars in Lark (or its GBNF dialect). A second backend subclasses
-``GrammarBackend`` and registers in ``_BACKEND_CLASSES`` (xgrammar was tried and left out for now:
-docs/structured-output.md says why).
+``is_finished``). Two backends implement it:
+
+* ``llguidance`` (default): no compile stall, per-step mask cost flat in vocabulary size; grammars in
+  Lark (or its GBNF dialect); unsupported schema keywords are errors;
+* ``xgrammar``: grammars compiled ahead (masks precomputed per state); grammars in EBNF/GBNF; it
+  ignores schema keywords it does not support (``not``, ``if``/``then``, ...).
 
 Each backend wraps the model's tokenizer once, with the model's vocabulary size, so the padded tail of
 the vocabulary is never allowed. Compiled grammars are cached per backend by their constraint. The
@@ -25,7 +27,7 @@ if TYPE_CHECKING:  # the router validates constraints too, and never imports tor
     import torch
 
 DEFAULT_BACKEND = "llguidance"
-BACKENDS = ("llguidance",)
+BACKENDS = ("llguidance", "xgrammar")
 _CACHE_SIZE = 1024
 
 
@@ -161,7 +163,80 @@ class _LLGuidanceMatcher(GrammarMatcher):
         return bool(self._matcher.is_stopped())
 
 
-_BACKEND_CLASSES = {"llguidance": LLGuidanceBackend}
+# ------------------------------------------------------------------- xgrammar
+class XGrammarBackend(GrammarBackend):
+    """xgrammar: grammars compiled ahead of use (token masks precomputed per state); EBNF/GBNF grammars.
+
+    JSON constraints are compact (no whitespace between tokens, as llguidance's). xgrammar's JSON
+    strings accept some raw control characters (0x01-0x1f other than tab and newline) that strict JSON
+    forbids; in compact JSON no such character may appear outside a string either, so for JSON
+    constraints every token holding one is masked out as well."""
+
+    name = "xgrammar"
+
+    def __init__(self, hf_tokenizer, vocab_size: int) -> None:
+        import xgrammar
+
+        super().__init__(vocab_size)
+        info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
+        self._compiler = xgrammar.GrammarCompiler(info)
+        self._control_tokens = _control_character_tokens(hf_tokenizer, vocab_size)
+
+    def _compile(self, spec: StructuredOutput) -> Any:
+        compact = {"any_whitespace": False, "separators": (",", ":")}  # as llguidance: compact JSON
+        if spec.kind == "json":
+            return self._compiler.compile_json_schema(_schema_text(spec), **compact), True
+        if spec.kind == "json_object":
+            # not compile_json_schema({"type": "object"}): its strict mode would allow only "{}"
+            return self._compiler.compile_builtin_json_grammar(), True
+        if spec.kind == "regex":
+            return self._compiler.compile_regex(spec.value), False
+        if spec.kind == "choice":
+            return self._compiler.compile_regex(_choice_regex(spec.choices)), False
+        return self._compiler.compile_grammar(spec.value), False
+
+    def _new_matcher(self, compiled: Any) -> GrammarMatcher:
+        import xgrammar
+
+        grammar, is_json = compiled
+        return _XGrammarMatcher(xgrammar.GrammarMatcher(grammar), self._control_tokens if is_json else None)
+
+
+class _XGrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher, blocked_tokens) -> None:
+        self._matcher = matcher
+        self._blocked = blocked_tokens  # token ids never allowed (JSON: raw control characters), or None
+
+    def fill_bitmask(self, bitmask: "torch.Tensor", row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._blocked is not None:
+            words, bits = self._blocked
+            bitmask[row, words] &= bits
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))
+
+    @property
+    def is_finished(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+def _control_character_tokens(hf_tokenizer, vocab_size: int):
+    """(word indices, AND masks) clearing the bits of tokens whose text holds a character below 0x20."""
+    import torch
+
+    blocked: dict[int, int] = {}
+    for token_id in range(min(vocab_size, len(hf_tokenizer))):
+        text = hf_tokenizer.decode([token_id], skip_special_tokens=True)
+        if any(ord(ch) < 0x20 for ch in text):
+            blocked[token_id // 32] = blocked.get(token_id // 32, 0) | (1 << (token_id % 32))
+    words = sorted(blocked)
+    keep = [~blocked[w] & 0xFFFFFFFF for w in words]
+    keep = [k - (1 << 32) if k >= 1 << 31 else k for k in keep]  # as int32
+    return torch.tensor(words, dtype=torch.long), torch.tensor(keep, dtype=torch.int32)
+
+
+_BACKEND_CLASSES = {"llguidance": LLGuidanceBackend, "xgrammar": XGrammarBackend}
 
 
 def fill_bitmasks(matchers: list[GrammarMatcher], bitmask: "torch.Tensor") -> None:
@@ -170,6 +245,11 @@ def fill_bitmasks(matchers: list[GrammarMatcher], bitmask: "torch.Tensor") -> No
     llguidance can also fill a batch on its own thread pool (``fill_next_token_bitmask_par``); on this
     2-core machine that measured slower at batch 64 (4.0 vs 3.2 ms), so one loop it is."""
     for row, matcher in enumerate(matchers):
+        if matcher.is_finished:
+            # overlap: the request ended on the token just read, and this step's token for it is
+            # dropped; a finished matcher has no next mask (xgrammar refuses to compute one)
+            bitmask[row] = -1
+            continue
         matcher.fill_bitmask(bitmask, row)
 
 

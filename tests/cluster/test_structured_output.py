@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 from pipeline import LLM, SamplingParams
 from pipeline.protocol import StructuredOutput
 from tests.cluster.conftest import CLUSTER_CONFIG, start_cluster, wait_for_idle_blocks
-from tests.test_structured_output import SCHEMAS
+from tests.test_structured_output import BACKENDS, SCHEMAS
 
 pytest.importorskip("llguidance")
 
@@ -23,7 +23,8 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", 
     "city": {"type": "string", "maxLength": 8}, "rank": {"type": "integer", "minimum": 1, "maximum": 50},
     "tags": {"type": "array", "items": {"enum": ["old", "new"]}, "maxItems": 2}}}
 SHAPES = {"colocated": dict(num_prefill=0, num_decode=0, num_colocated=1),
-          "1p1d": dict(num_prefill=1, num_decode=1)}
+          "1p1d": dict(num_prefill=1, num_decode=1),
+          "1p1d-overlap": dict(num_prefill=1, num_decode=1, config={"enable_overlap_scheduler": True})}
 
 
 class Answer(BaseModel):
@@ -63,10 +64,11 @@ def test_json_schema_outputs_validate_greedy_and_sampled(cluster, client):
     wait_for_idle_blocks(cluster.url, [n for n in cluster.worker_names], CLUSTER_CONFIG["kv_cache"]["num_blocks"])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(SCHEMAS))
-def test_every_fuzzed_schema_greedy_and_sampled(client, name):
+def test_every_fuzzed_schema_greedy_and_sampled(client, name, backend):
     model = client.models.list().data[0].id
-    extra = {"structured_outputs": {"json": SCHEMAS[name]}}
+    extra = {"structured_outputs": {"json": SCHEMAS[name], "backend": backend}}
     for seed, temperature in [(None, 0.0), (11, 1.0)]:
         out = client.completions.create(model=model, prompt="Tell me", max_tokens=300, temperature=temperature,
                                         seed=seed, extra_body=extra)
@@ -99,6 +101,7 @@ def test_the_openai_parse_helper_with_a_pydantic_model(client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, ""),
     ({"structured_outputs": {"regex": "[a-z"}}, "regex"),
     ({"structured_outputs": {"json": {"type": "object"}, "backend": "nope"}}, "unknown backend"),
+    ({"structured_outputs": {"grammar": "root ::= undefined", "backend": "xgrammar"}}, "undefined"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "one output constraint"),
 ])
