@@ -47,7 +47,6 @@ import os
 import random
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
@@ -58,148 +57,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-from pipeline.structured_output.backend import fill_bitmasks
-
+from bench.local_tokenizer import build_local_tokenizer
 from bench.offline_throughput import _loadavg, machine_info, write_report
+from bench.structured_output_documents import SCHEMA, make_documents
+from pipeline.structured_output.backend import fill_bitmasks
 
 QUICK = dict(vocab_size=2000, batch_sizes="1,4", steps=5, warmup=1, backends="llguidance", corpus_mb=1.0,
              llguidance_apply=False)
 REFERENCE_REPORT = Path(__file__).parent / "results" / "overlap_bench.json"
 REFERENCE_BATCH = 64
-
-COUNTRIES = ["DE", "FR", "GB", "JP", "US", "BR", "IN", "NG"]
-STATUSES = ["active", "suspended", "pending_review", "closed"]
-ROLES = ["admin", "editor", "viewer", "billing"]
-
-# A user record as an API might ask a model for: required keys in schema order, no extra keys.
-SCHEMA: dict = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer", "minimum": 1},
-        "name": {"type": "string", "minLength": 1, "maxLength": 64},
-        "status": {"enum": STATUSES},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "verified": {"type": "boolean"},
-        "address": {
-            "type": "object",
-            "properties": {
-                "street": {"type": "string"},
-                "city": {"type": "string"},
-                "postcode": {"type": "string", "maxLength": 10},
-                "country": {"enum": COUNTRIES},
-            },
-            "required": ["street", "city", "postcode", "country"],
-            "additionalProperties": False,
-        },
-        "roles": {"type": "array", "items": {"enum": ROLES}, "minItems": 1, "maxItems": 4},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 32}, "maxItems": 8},
-        "orders": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {
-                    "sku": {"type": "string"},
-                    "quantity": {"type": "integer", "minimum": 1},
-                    "unit_price_cents": {"type": "integer", "minimum": 0},
-                    "note": {"type": "string"},
-                },
-                "required": ["sku", "quantity", "unit_price_cents", "note"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    "required": ["id", "name", "status", "age", "verified", "address", "roles", "tags", "orders"],
-    "additionalProperties": False,
-}
-
-WORDS = ("alpha river stone garden quiet market north harbor yellow window engine paper silver "
-         "forest winter summer orange bridge castle meadow copper signal little bright").split()
-
-
-# --------------------------------------------------------------------------------------- tokenizer
-def read_corpus(max_bytes: int) -> tuple[list[str], dict]:
-    """The standard library's .py/.txt files, in a fixed order, up to ``max_bytes`` of text.
-
-    A large local corpus, so a 32k-token BPE learns long tokens (identifiers, words, indentation
-    runs) as a real model's tokenizer does; site-packages is skipped so the corpus does not depend
-    on what is installed."""
-    root = sysconfig.get_paths()["stdlib"]
-    texts, total = [], 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
-        for name in sorted(filenames):
-            if not name.endswith((".py", ".txt")):
-                continue
-            try:
-                text = Path(dirpath, name).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError):
-                continue
-            texts.append(text)
-            total += len(text.encode())
-            if total >= max_bytes:
-                return texts, dict(source=root, files=len(texts), bytes=total)
-    return texts, dict(source=root, files=len(texts), bytes=total)
-
-
-def build_tokenizer(vocab_size: int, corpus_mb: float, directory: Path):
-    """Train a byte-level BPE of ``vocab_size`` tokens on the corpus, save it under ``directory`` and load it
-    back as a ``PreTrainedTokenizerFast`` (the way the engine loads a checkpoint's tokenizer).
-
-    Special tokens and chat template are the built-in model's, so EOS/BOS are where Tandem expects them."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    from pipeline.builtin_model import CHAT_TEMPLATE, SPECIAL_TOKENS
-
-    texts, corpus = read_corpus(int(corpus_mb * 2**20))
-    start = time.perf_counter()
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    core.train_from_iterator(texts, trainer=trainer)
-    PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                            chat_template=CHAT_TEMPLATE).save_pretrained(directory)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    info = dict(requested_vocab_size=vocab_size, vocab_size=len(tokenizer), train_s=time.perf_counter() - start,
-                corpus=corpus, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    return tokenizer, info
-
-
-# ---------------------------------------------------------------------------------------- documents
-def make_document(rng: random.Random) -> dict:
-    """One valid instance of ``SCHEMA``, keys in schema order (the grammar asks for that order)."""
-    def text(lo: int, hi: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))).capitalize()
-
-    return {
-        "id": rng.randint(1, 10**6),
-        "name": text(2, 3),
-        "status": rng.choice(STATUSES),
-        "age": rng.randint(18, 90),
-        "verified": rng.random() < 0.5,
-        "address": {"street": f"{rng.randint(1, 300)} {text(1, 2)} Street", "city": text(1, 2),
-                    "postcode": f"{rng.randint(10000, 99999)}", "country": rng.choice(COUNTRIES)},
-        "roles": rng.sample(ROLES, rng.randint(1, 3)),
-        "tags": [rng.choice(WORDS) for _ in range(rng.randint(0, 4))],
-        "orders": [{"sku": f"SKU-{rng.randint(1000, 9999)}", "quantity": rng.randint(1, 12),
-                    "unit_price_cents": rng.randint(99, 99999), "note": text(0, 6)}
-                   for _ in range(rng.randint(1, 3))],
-    }
-
-
-def make_documents(tokenizer, num_documents: int, seed: int) -> list[list[int]]:
-    """Token ids of seeded documents, compact JSON (the grammar's whitespace is not flexible), EOS last.
-
-    Tokenized the way a model would most likely emit them; any tokenization of valid text must pass."""
-    rng = random.Random(seed)
-    documents = []
-    for _ in range(num_documents):
-        text = json.dumps(make_document(rng), separators=(",", ":"))
-        documents.append(tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id])
-    return documents
-
 
 # ----------------------------------------------------------------------------------------- backends
 def spec_for_schema():
@@ -468,7 +334,7 @@ def main(argv=None) -> dict:
     loadavg_start = _loadavg()
     try:
         with tempfile.TemporaryDirectory(prefix="tandem-so-bench-") as tmp:
-            tokenizer, tokenizer_info = build_tokenizer(args.vocab_size, args.corpus_mb, Path(tmp))
+            tokenizer, tokenizer_info = build_local_tokenizer(args.vocab_size, args.corpus_mb, Path(tmp))
             vocab_size = len(tokenizer)  # the model's vocabulary: no padded tail here
             documents = make_documents(tokenizer, args.documents, args.seed)
             llg_apply = llguidance_apply() if args.llguidance_apply else None

@@ -106,11 +106,12 @@ def _up_options(args: argparse.Namespace):
     if (args.decode or 0) + args.colocated == 0:
         raise ValueError("a deployment needs at least one decode or colocated worker")
     config = config_from_args(args)  # every flag and the file section validated before anything starts
-    if config.zmq_endpoint_base.startswith("ipc://") and "zmq_endpoint_base" in _given_config(args):
+    given = config.model_fields_set  # set by a flag, the config file or a TANDEM_* variable
+    if config.zmq_endpoint_base.startswith("ipc://") and "zmq_endpoint_base" in given:
         raise ValueError("zmq_endpoint_base: a Ray deployment spans nodes, so it needs tcp://HOST:PORT "
                          "(or leave it unset: tcp://ROUTER_NODE:--zmq-port)")
     overrides = config.model_dump(mode="json", exclude={"config_file", "section_name", "pipeline_role"})
-    if "zmq_endpoint_base" not in _given_config(args):
+    if "zmq_endpoint_base" not in given:
         overrides.pop("zmq_endpoint_base")
     if overrides.get("bind_host") is None:
         overrides.pop("bind_host", None)  # each worker binds on its own node's address
@@ -124,19 +125,6 @@ def _up_options(args: argparse.Namespace):
         share_cores=args.share_cores,
         cpu_pool=parse_core_list(config.cpu_cores) if config.cpu_cores else None,
     )
-
-
-def _given_config(args: argparse.Namespace) -> set[str]:
-    """Top-level config fields set on the command line, in the config file or the environment."""
-    import os
-
-    from deploy.config_flags import config_overrides
-    from pipeline.config import env_overrides, read_config_section
-
-    given = set(config_overrides(args)) | set(env_overrides(os.environ))
-    if args.config_file:
-        given |= set(read_config_section(args.config_file, args.section_name))
-    return given
 
 
 @_on_ray

@@ -60,8 +60,9 @@ BUILTIN_CONFIG: dict[str, Any] = dict(
 )
 
 
-def build_tokenizer(vocab_size: int = 512):
-    """Train a byte-level BPE tokenizer on a small built-in corpus; returns a PreTrainedTokenizerFast."""
+def build_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
+    """Train a byte-level BPE tokenizer on ``corpus`` (default: a small built-in one); returns a
+    PreTrainedTokenizerFast with Tandem's special tokens and chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -74,7 +75,7 @@ def build_tokenizer(vocab_size: int = 512):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    core.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    core.train_from_iterator([_CORPUS] * 4 if corpus is None else corpus, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token="<s>",
