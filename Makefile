@@ -27,6 +27,11 @@ bench: $(STAMP)
 	$(PY) -m bench.plot bench/results/overlap_bench.json
 	$(PY) -m bench.structured_output_bench --out bench/results/structured_output_bench.json
 	$(PY) -m bench.plot bench/results/structured_output_bench.json
+	$(PY) -m bench.speculative_bench --threads 1 --repeats 5 --out bench/results/speculative_bench.json
+	$(PY) -m bench.plot bench/results/speculative_bench.json
+	$(PY) -m bench.speculative_bench --threads 1 --repeats 5 --late-layer-scale 0.01 \
+		--out bench/results/speculative_bench_high_acceptance.json
+	$(PY) -m bench.plot bench/results/speculative_bench_high_acceptance.json
 
 # P/D vs colocated vs `transformers serve --continuous-batching` (docs/benchmarks.md); about 40 minutes
 bench-serve: $(STAMP)

@@ -7,8 +7,10 @@ Knows the reports of ``bench/``: ``offline_throughput`` (tok/s per system, every
 (achieved bandwidth against the peak), ``overlap`` (tok/s with the overlap scheduler off and on per
 batch size, every repeat shown, beside each batch size's step split into host and compute),
 ``structured_output`` (µs per decode step of mask fill, accept and apply per grammar backend and batch
-size, p90 whiskers), and the serving reports ``serve`` / ``serve_compare`` (``bench/serve_plot.py``:
-``NAME_latency.png`` and ``NAME_slo.png``). Needs matplotlib (``pip install -e '.[bench]'``).
+size, p90 whiskers), ``speculative`` (tok/s with speculation off and per K for each batch size,
+acceptance per draft position, measured speedup beside the cost model's), and the serving reports
+``serve`` / ``serve_compare`` (``bench/serve_plot.py``: ``NAME_latency.png`` and ``NAME_slo.png``).
+Needs matplotlib (``pip install -e '.[bench]'``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def kind_of(report: dict) -> str:
-    if report.get("benchmark") in ("offline_throughput", "transfer", "overlap", "structured_output"):
+    if report.get("benchmark") in ("offline_throughput", "transfer", "overlap", "structured_output", "speculative"):
         return report["benchmark"]
     if "results" in report and "peak_gbps" in report:
         return "kernels"
-    raise ValueError("not a bench/ report: expected offline_throughput, transfer, overlap, structured_output "
-                     "or kernel_bench JSON")
+    raise ValueError("not a bench/ report: expected offline_throughput, transfer, overlap, structured_output, "
+                     "speculative or kernel_bench JSON")
 
 
 def _bar(ax, y: int, median: float, repeats: list[float]) -> None:
@@ -168,10 +170,67 @@ def plot_structured_output(report: dict, ax) -> str:
     return f"{title}; {checked}"
 
 
+SPEC_COLORS = ["tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red"]
+
+
+def plot_speculative(report: dict, axes) -> str:
+    """Left: tok/s per batch size, speculation off and per K (dots: each repeat). Middle: the share of
+    verifies that accepted each draft position. Right: measured speedup on / off beside the cost model's."""
+    throughput, accepted, speedup = axes
+    results = report["results"]
+    modes = ["off", *(f"k{k}" for k in report["settings"]["num_speculative_tokens"])]
+    width = 0.8 / len(modes)
+    for m, (mode, color) in enumerate(zip(modes, SPEC_COLORS)):
+        xs = [i + (m - (len(modes) - 1) / 2) * width for i in range(len(results))]
+        medians = [r[mode]["median_output_tokens_per_s"] for r in results]
+        throughput.bar(xs, medians, width, color=color, label="speculation off" if mode == "off" else f"K = {mode[1:]}")
+        for x, r, median in zip(xs, results, medians):
+            repeats = [run["output_tokens_per_s"] for run in r[mode]["runs"]]
+            throughput.scatter([x] * len(repeats), repeats, s=10, color="black", alpha=0.5, zorder=3)
+            throughput.text(x, max([median, *repeats]), f"{median:,.0f}", ha="center", va="bottom", fontsize="small")
+    throughput.set_xticks(range(len(results)), [f"batch {r['batch_size']}" for r in results])
+    throughput.set_ylabel("output tokens / s (median; dots: each repeat)")
+    throughput.legend(loc="upper left", fontsize="small")
+    labels, measured, predicted = [], [], []
+    for r in results:
+        for s, color in zip(r["speculative"], SPEC_COLORS[1:]):
+            k, rates = s["num_speculative_tokens"], s["acceptance"]["acceptance_per_position"]
+            style = "-" if r is results[0] else "--"
+            length = s["acceptance"]["mean_acceptance_length"]
+            accepted.plot(range(1, len(rates) + 1), rates, style, marker="o", color=color,
+                          label=f"K={k} batch {r['batch_size']} ({length:.2f} tokens / verify)")
+            labels.append(f"b{r['batch_size']} K={k}\nverify {s['verify_cost_ratio']:.2f}")
+            measured.append(s["measured_speedup"])
+            predicted.append(s["predicted_speedup"])
+    accepted.set_ylim(0, 1.05)
+    accepted.set_xticks(range(1, max(report["settings"]["num_speculative_tokens"]) + 1))
+    accepted.set_xlabel("draft position")
+    accepted.set_ylabel("share of verifies accepting it")
+    accepted.legend(loc="lower left", fontsize="x-small")
+    xs = range(len(labels))
+    speedup.bar([x - 0.2 for x in xs], measured, 0.4, color="tab:blue", label="measured (tok/s on / off)")
+    speedup.bar([x + 0.2 for x in xs], predicted, 0.4, color="tab:gray",
+                label="model: tokens per verify / (K x draft + verify)")
+    for x, value in zip(xs, measured):
+        speedup.text(x - 0.2, value, f"{value:.2f}", ha="center", va="bottom", fontsize="x-small")
+    speedup.axhline(1.0, color="black", linewidth=0.8)
+    speedup.set_ylim(0, 1.35 * max([1.0, *measured, *predicted]))  # room for the legend above the bars
+    speedup.set_xticks(list(xs), labels, fontsize="small")
+    speedup.set_ylabel("speedup over speculation off (verify: its cost in decode steps)")
+    speedup.legend(loc="upper left", fontsize="x-small")
+    settings = report["settings"]
+    ratios = ", ".join(f"batch {r['batch_size']} K={s['num_speculative_tokens']} {s['ratio_on_off']:.2f}x"
+                       for r in results for s in r["speculative"])
+    identical = "identical" if report["outputs_identical"] else "DIFFERENT"
+    return (f"Speculative decoding, {report['model']['draft']['num_hidden_layers']}-layer draft, "
+            f"{settings['threads']} thread(s): on / off = {ratios}; tokens {identical}")
+
+
 PLOTTERS = {"offline_throughput": plot_offline, "transfer": plot_transfer, "kernels": plot_kernels,
-            "overlap": plot_overlap, "structured_output": plot_structured_output}
-PANELS = {"overlap": 2}  # kinds drawn on more than one axis (their plotter takes them all)
-FIGSIZES = {"structured_output": (10, 5)}  # one-axis kinds drawn as vertical bars, not one bar per row
+            "overlap": plot_overlap, "structured_output": plot_structured_output, "speculative": plot_speculative}
+PANELS = {"overlap": 2, "speculative": 3}  # kinds drawn on more than one axis (their plotter takes them all)
+FIGSIZES = {"structured_output": (10, 5),  # one-axis kinds drawn as vertical bars, not one bar per row
+            "speculative": (17, 5)}
 
 
 def render(report: dict, out: Path) -> Path:
@@ -179,7 +238,7 @@ def render(report: dict, out: Path) -> Path:
     kind = kind_of(report)
     num_panels = PANELS.get(kind, 1)
     if num_panels > 1:
-        fig, axes = plt.subplots(1, num_panels, figsize=(12, 4.5))
+        fig, axes = plt.subplots(1, num_panels, figsize=FIGSIZES.get(kind, (12, 4.5)))
     elif kind in FIGSIZES:
         fig, axes = plt.subplots(figsize=FIGSIZES[kind])
     else:  # one horizontal bar per row

@@ -1,7 +1,8 @@
 """What the benchmark reads from a Tandem router's ``/metrics`` before and after a run.
 
 Request outcomes (to check the client's counts against the server's), KV bytes and transfer time
-per request (received by DecodeOnly workers, sent by PrefillOnly workers), and the leak check: once
+per request (received by DecodeOnly workers, sent by PrefillOnly workers), speculative decoding's
+acceptance over the run (when workers speculate), and the leak check: once
 the run is over and the workers have reported in, no KV block may still be held
 (``tandem_kv_blocks_used`` summed over live workers back to 0). Any other server has no
 ``tandem_requests_total`` and is simply not scraped.
@@ -27,6 +28,11 @@ class TandemSnapshot:
     kv_blocks_used: float = 0.0
     requests_in_flight: float = 0.0
     running_requests: float = 0.0
+    # speculative decoding, summed over workers: drafts, draft tokens, accepted tokens, accepted per position
+    spec_drafts: float = 0.0
+    spec_draft_tokens: float = 0.0
+    spec_accepted_tokens: float = 0.0
+    spec_accepted_per_position: dict[int, float] = field(default_factory=dict)
 
     @property
     def is_idle(self) -> bool:
@@ -57,6 +63,14 @@ def scrape(base_url: str, headers: dict[str, str] | None = None) -> TandemSnapsh
                 snapshot.requests_in_flight = value
             elif sample.name == "tandem_worker_running_requests":
                 snapshot.running_requests += value
+            elif sample.name == "tandem_spec_decode_num_drafts_total":
+                snapshot.spec_drafts += value
+            elif sample.name == "tandem_spec_decode_num_draft_tokens_total":
+                snapshot.spec_draft_tokens += value
+            elif sample.name == "tandem_spec_decode_num_accepted_tokens_total":
+                snapshot.spec_accepted_tokens += value
+            elif sample.name == "tandem_spec_decode_num_accepted_tokens_per_pos_total":
+                _add(snapshot.spec_accepted_per_position, int(labels["position"]), value)
     return snapshot
 
 
@@ -91,7 +105,7 @@ def run_report(before: TandemSnapshot, after: TandemSnapshot, num_completed: int
         delta = totals_after.get(role, 0.0) - totals_before.get(role, 0.0)
         return delta * scale / num_completed if num_completed else 0.0
 
-    return {
+    report = {
         "requests_by_outcome": {k: int(v) for k, v in outcomes.items()},
         "kv_bytes_received_per_request": per_request(after.transfer_bytes_by_role, before.transfer_bytes_by_role,
                                                      "DecodeOnly"),
@@ -101,4 +115,25 @@ def run_report(before: TandemSnapshot, after: TandemSnapshot, num_completed: int
                                                   "DecodeOnly", scale=1000.0),
         "kv_blocks_used_after": int(after.kv_blocks_used),
         "leak_check": "pass" if after.is_idle else "fail",
+    }
+    if after.spec_draft_tokens > before.spec_draft_tokens:
+        report["speculative_decoding"] = spec_report(before, after)
+    return report
+
+
+def spec_report(before: TandemSnapshot, after: TandemSnapshot) -> dict:
+    """Acceptance over the run: rate (accepted / drafted), mean acceptance length (tokens per verify of
+    one request, 1 + accepted / drafts) and the acceptance rate at each draft position."""
+    drafts = after.spec_drafts - before.spec_drafts
+    draft_tokens = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    per_position = {position: value - before.spec_accepted_per_position.get(position, 0.0)
+                    for position, value in sorted(after.spec_accepted_per_position.items())}
+    return {
+        "num_drafts": int(drafts),
+        "num_draft_tokens": int(draft_tokens),
+        "num_accepted_tokens": int(accepted),
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+        "acceptance_rate_per_position": [value / drafts if drafts else 0.0 for value in per_position.values()],
     }

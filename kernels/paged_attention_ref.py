@@ -35,8 +35,15 @@ def paged_attention_ref(
         out[tokens] = _decode_batched(
             query[tokens], k_cache, v_cache, context_lens[seqs], block_tables[seqs], scale, sliding_window
         )
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    short_seqs = [i for i, n in enumerate(q_lens) if 1 < n <= SHORT_QUERY_MAX_LEN]
+    if len(short_seqs) > 1:  # e.g. speculative verify steps: a few query tokens each, batched too
+        _short_queries_batched(out, query, k_cache, v_cache, starts, q_lens, short_seqs, context_lens, block_tables,
+                               scale, sliding_window)
+    else:
+        short_seqs = []
     for i, kv_len in enumerate(kv_lens):
-        if is_decode[i]:
+        if is_decode[i] or (short_seqs and 1 < q_lens[i] <= SHORT_QUERY_MAX_LEN):
             continue
         q = query[starts[i] : starts[i + 1]]  # [q_len, num_q_heads, head_dim]
         k, v = _gather_kv(k_cache, v_cache, block_tables[i], kv_len)  # [kv_len, num_kv_heads, head_dim]
@@ -52,6 +59,58 @@ def paged_attention_ref(
 # Decode pads each sequence's K/V to the longest context of its bucket; buckets of sequences sorted by
 # context length keep the padding (gathered, copied and multiplied for nothing) small in mixed batches.
 DECODE_BUCKET_SIZE = 16
+
+
+# Sequences with at most this many query tokens (and more than one) are padded to their bucket's longest
+# query and attended in one call, like decodes, instead of one call each.
+SHORT_QUERY_MAX_LEN = 16
+
+
+def _short_queries_batched(out, query, k_cache, v_cache, starts, q_lens, seqs, context_lens, block_tables, scale,
+                           sliding_window) -> None:
+    """Write into ``out`` the attention of the sequences ``seqs`` (each 2..SHORT_QUERY_MAX_LEN query tokens)."""
+    device = query.device
+    seqs_t = torch.tensor(seqs, device=device)
+    for rows in torch.argsort(context_lens[seqs_t], stable=True).split(DECODE_BUCKET_SIZE):
+        bucket = seqs_t[rows]
+        bucket_list = bucket.tolist()
+        max_q = max(q_lens[i] for i in bucket_list)
+        # [n, max_q] flat token index of each (sequence, query slot); padding slots repeat the last token
+        offsets = torch.arange(max_q, device=device)
+        lens = torch.tensor([q_lens[i] for i in bucket_list], device=device)
+        first = torch.tensor([starts[i] for i in bucket_list], device=device)
+        slots = first[:, None] + torch.minimum(offsets[None, :], lens[:, None] - 1)
+        is_real = offsets[None, :] < lens[:, None]  # [n, max_q]
+        result = _multi_query_padded(query[slots], k_cache, v_cache, lens, context_lens[bucket], block_tables[bucket],
+                                     scale, sliding_window)  # [n, max_q, num_q_heads, head_dim]
+        out[slots[is_real]] = result[is_real]
+
+
+def _multi_query_padded(query, k_cache, v_cache, q_lens, context_lens, block_tables, scale, sliding_window):
+    # query [n, max_q, num_q_heads, head_dim]: sequence i's last q_lens[i] positions end at context_lens[i] - 1
+    # (padding slots repeat the last query) -> [n, max_q, num_q_heads, head_dim]
+    page_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_seqs, max_q = query.shape[:2]
+    num_blocks = -(-int(context_lens.max()) // page_size)
+    blocks = block_tables[:, :num_blocks].reshape(-1).long()
+    padded_len = num_blocks * page_size
+    k = k_cache.index_select(0, blocks).view(num_seqs, padded_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, blocks).view(num_seqs, padded_len, num_kv_heads, head_dim).transpose(1, 2)
+    k_pos = torch.arange(padded_len, device=query.device)  # [padded_len]
+    offsets = torch.minimum(torch.arange(max_q, device=query.device)[None, :], q_lens[:, None].long() - 1)
+    q_pos = (context_lens.long() - q_lens.long())[:, None] + offsets  # [n, max_q]
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [n, max_q, padded_len]
+    if sliding_window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    group = query.shape[2] // num_kv_heads
+    # [n, kv_heads, group * max_q, head_dim]: a kv head's query heads and slots attend as one block
+    q = query.reshape(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)
+    mask = mask[:, None, None].expand(num_seqs, 1, group, max_q, padded_len).reshape(num_seqs, 1, group * max_q,
+                                                                                      padded_len)
+    attended = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    attended = attended.reshape(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    return attended.reshape(num_seqs, max_q, num_kv_heads * group, head_dim)
 
 
 def _decode_batched(query, k_cache, v_cache, context_lens, block_tables, scale, sliding_window):

@@ -58,6 +58,21 @@ class ModelConfig(_Section):
         return "float32" if self.resolved_device() == "cpu" else "bfloat16"
 
 
+class DraftModelConfig(_Section):
+    """The draft model of speculative decoding (MAX's ``draft_model``); it runs in the target's dtype and device."""
+
+    model_path: str | None = Field(
+        None, description="the draft's Hugging Face checkpoint directory (any supported architecture, the target's "
+        "tokenizer); None = the target itself")
+
+
+class SpeculativeConfig(_Section):
+    """Speculative decoding: the draft proposes tokens, one target forward checks them all (docs/speculative.md)."""
+
+    num_speculative_tokens: int = Field(
+        0, ge=0, le=16, description="tokens the draft model proposes per step (K, vLLM's name); 0 = off")
+
+
 class KVCacheConfig(_Section):
     """The paged KV cache: block size and how many blocks to allocate."""
 
@@ -143,6 +158,8 @@ class PipelineConfig(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
+    draft_model: DraftModelConfig = Field(default_factory=DraftModelConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
 
     @field_validator("zmq_endpoint_base")
     @classmethod
@@ -183,7 +200,18 @@ class PipelineConfig(_Section):
                     "max_batch_input_tokens: must be >= max_length when enable_chunked_prefill is false "
                     f"(got {self.max_batch_input_tokens} < {self.max_length})"
                 )
+        if self.speculative.num_speculative_tokens and self.enable_overlap_scheduler:
+            raise ValueError("speculative.num_speculative_tokens: speculative decoding does not run with "
+                             "enable_overlap_scheduler yet; turn one of them off")
+        if self.speculative.num_speculative_tokens >= self.max_batch_input_tokens:
+            raise ValueError("speculative.num_speculative_tokens: must be < max_batch_input_tokens (a verify step "
+                             f"runs K + 1 tokens per request; got {self.speculative.num_speculative_tokens} >= "
+                             f"{self.max_batch_input_tokens})")
         return self
+
+    @property
+    def is_speculative(self) -> bool:
+        return self.speculative.num_speculative_tokens > 0
 
     @classmethod
     def load(

@@ -18,13 +18,13 @@ from pipeline.builtin_model import BUILTIN_NOTICE, builtin_model_path
 from pipeline.config import PipelineConfig
 from pipeline.kv_cache import KVCacheManager
 from pipeline.execution_stream import ExecutionStream
-from pipeline.model_runner import TORCH_DTYPES, ModelRunner, determine_num_blocks, kv_cache_shape
+from pipeline.model_runner import TORCH_DTYPES, ModelRunner, bytes_per_block, determine_num_blocks, kv_cache_shape
 from pipeline.output_processor import OutputProcessor
 from pipeline.overlap import InFlightStep, needs_host_tokens
 from pipeline.protocol import CompletionOutput, FinishReason, SamplingParams
 from pipeline.protocol.cluster import WorkerLoad
 from pipeline.request_validation import RequestError, resolve_bad_words, validate_request
-from pipeline.sampler import Sampler, SequenceSamplingState
+from pipeline.sampler import Sampler, SequenceSamplingState, step_seed
 from pipeline.scheduler import Scheduler
 from pipeline.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from pipeline.tokenizer import eos_token_ids, load_tokenizer
@@ -33,11 +33,6 @@ from pipeline.weights import load_model
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "StepOutput", "RequestError"]
-
-
-def step_seed(seed: int, position: int) -> int:
-    """Seed of the draw for output token ``position`` of a request seeded with ``seed``."""
-    return (seed * 1_000_003 + position * 7_919 + 17) % (2**63 - 1)
 
 
 @dataclass
@@ -76,15 +71,15 @@ class LLMEngine:
         self.max_length = min(config.max_length or 10**9, self.hf_config.max_position_embeddings)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.hf_config)
 
+        self.draft = self._load_draft() if config.is_speculative else None
+        num_lookahead = config.speculative.num_speculative_tokens
         page_size = config.kv_cache.page_size
-        max_useful = config.max_batch_size * -(-self.max_length // page_size) + 1
-        num_blocks = determine_num_blocks(config.kv_cache, self.hf_config, self.dtype, self.device, max_useful)
+        max_useful = config.max_batch_size * -(-(self.max_length + num_lookahead) // page_size) + 1
+        draft_bytes = bytes_per_block(self.draft.hf_config, page_size, self.dtype) if self.draft else 0
+        num_blocks = determine_num_blocks(config.kv_cache, self.hf_config, self.dtype, self.device, max_useful,
+                                          extra_bytes_per_block=draft_bytes)
         self.kv_manager = KVCacheManager(num_blocks, page_size, config.kv_cache.enable_prefix_caching)
-        shape = kv_cache_shape(self.hf_config, num_blocks, page_size)
-        if kv_cache_allocator is None:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        else:
-            self.kv_cache = kv_cache_allocator(shape, self.dtype, self.device)
+        self.kv_cache, self.draft_kv_cache = self._allocate_kv_caches(num_blocks, page_size, kv_cache_allocator)
         self.scheduler = Scheduler(
             self.kv_manager,
             max_batch_size=config.max_batch_size,
@@ -93,11 +88,17 @@ class LLMEngine:
             kvcache_ce_watermark=config.kvcache_ce_watermark,
             max_queue_size=config.max_queue_size_tg,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            num_lookahead_tokens=num_lookahead,
         )
         self.kernels = load_kernels(config.kernel_backend, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kernels, Sampler(self.vocab_size, config.model.seed),
                                   self.device, max_num_reqs=config.max_batch_size, max_model_len=self.max_length)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.speculator = None  # pipeline/speculative: the draft proposes, one target forward verifies
+        if self.draft is not None:
+            from pipeline.speculative.decoder import SpeculativeDecoder
+
+            self.speculator = SpeculativeDecoder(self.runner, self.draft, self.draft_kv_cache, num_lookahead)
         self._grammars = None  # pipeline/structured_output BackendSet, built on the first structured request
         self._sequences: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}  # finished prefill-only requests whose blocks are not shipped yet
@@ -112,6 +113,34 @@ class LLMEngine:
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, kernels=%s",
             model_path, self.device, self.dtype, num_blocks, page_size, self.kernels.name,
         )
+
+    def _load_draft(self):
+        from pipeline.speculative.draft import load_draft_model
+
+        return load_draft_model(self.config.draft_model.model_path, self.model_path, self.model, self.hf_config,
+                                self.tokenizer, self.dtype, self.device)
+
+    def _allocate_kv_caches(self, num_blocks: int, page_size: int, allocator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the KV cache, the draft's KV cache or None); ``allocator`` places the one a transfer reads."""
+        def allocate(shape):
+            if allocator is None:
+                return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return allocator(shape, self.dtype, self.device)
+
+        shape = kv_cache_shape(self.hf_config, num_blocks, page_size)
+        if self.draft is None:
+            return allocate(shape), None
+        from pipeline.speculative.draft import allocate_kv_caches
+
+        return allocate_kv_caches(shape, kv_cache_shape(self.draft.hf_config, num_blocks, page_size), allocate,
+                                  self.config.pipeline_role)
+
+    def model_fingerprint(self) -> str:
+        """Which weights this worker's KV comes from (target, and draft when speculating): P/D peers must agree."""
+        from pipeline.weights import checkpoint_fingerprint
+
+        fingerprint = checkpoint_fingerprint(self.model_path)
+        return fingerprint if self.draft is None else f"{fingerprint}+draft:{self.draft.fingerprint()}"
 
     # -------------------------------------------------------------- requests
     def add_request(
@@ -131,6 +160,8 @@ class LLMEngine:
             max_total = len(prompt_token_ids) + 1
         seq = Sequence(request_id, list(prompt_token_ids), params, max_total_tokens=max_total,
                        is_prefill_only=prefill_only)
+        # grammar-constrained requests decode one token a step (their matcher cannot take drafts back)
+        seq.speculates = self.speculator is not None and params.structured_output is None and not prefill_only
         generator = torch.Generator(device=self.device) if params.seed is not None else None
         grammar = self._grammar_matcher(params) if params.structured_output is not None else None
         seq.sampling_state = SequenceSamplingState(
@@ -203,7 +234,16 @@ class LLMEngine:
             num_used_blocks=self.kv_manager.num_used_blocks,
             num_total_blocks=self.kv_manager.num_total_blocks,
             **transfer_counters,
+            **self._spec_counters(),
         )
+
+    def _spec_counters(self) -> dict:
+        if self.speculator is None:
+            return {}
+        stats = self.speculator.stats
+        return dict(spec_num_drafts=stats.num_drafts, spec_num_draft_tokens=stats.num_draft_tokens,
+                    spec_num_accepted_tokens=stats.num_accepted_tokens,
+                    spec_accepted_per_position=list(stats.accepted_per_position))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._in_flight is not None
@@ -253,6 +293,8 @@ class LLMEngine:
             return []
         for generator, seed in self._seeds(plan):
             generator.manual_seed(seed)
+        if self.speculator is not None:
+            return self._run_speculative(plan)
         sampled = self.runner.execute(plan.chunks, self.kv_manager.block_table)
         token_ids = sampled.token_ids if sampled is not None else []
         advanced = self.scheduler.update(plan, token_ids)
@@ -261,6 +303,41 @@ class LLMEngine:
             logprobs = sampled.logprobs[i] if sampled.logprobs is not None else None
             outputs.append(self._emit(seq, token_ids[i], logprobs))
         return outputs
+
+    def _run_speculative(self, plan) -> list[StepOutput]:
+        """Run ``plan`` through ``pipeline/speculative``: a request may emit several tokens."""
+        results = self.speculator.run(plan.chunks, self.kv_manager.block_table)
+        outputs: list[StepOutput] = []
+        for chunk, result in zip(plan.chunks, results):
+            seq = chunk.seq
+            seq.num_computed_tokens = result.num_computed_tokens
+            seq.num_draft_computed_tokens = result.num_draft_computed_tokens
+            if result.token_ids:
+                outputs.append(self._emit_tokens(seq, result.token_ids, result.logprobs))
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if not seq.is_finished:  # a block is cached only once both models' KV of it is written
+                self.kv_manager.register_computed(seq.request_id, seq.token_ids,
+                                                  min(seq.num_computed_tokens, seq.num_draft_computed_tokens))
+        return outputs
+
+    def _emit_tokens(self, seq: Sequence, token_ids: list[int],
+                     logprobs: list[dict[int, float]] | None) -> StepOutput:
+        """Append and emit several tokens of one request as one output; a stop drops the ones after it."""
+        out = None
+        for i, token_id in enumerate(token_ids):
+            seq.append_token(token_id)
+            one = self._emit(seq, token_id, logprobs[i] if logprobs is not None else None)
+            if out is None:
+                out = one
+            else:
+                out.new_token_ids += one.new_token_ids
+                if one.new_logprobs is not None:
+                    out.new_logprobs = (out.new_logprobs or []) + one.new_logprobs
+                out.finish_reason, out.stop_reason, out.is_stop_token = one.finish_reason, one.stop_reason, one.is_stop_token
+            if one.finish_reason is not None:
+                break
+        return out
 
     @staticmethod
     def _seeds(plan) -> list[tuple[torch.Generator, int]]:

@@ -36,7 +36,8 @@ def bytes_per_block(hf_config, page_size: int, dtype: torch.dtype) -> int:
     return int(torch.tensor(shape).prod().item()) * torch.empty((), dtype=dtype).element_size()
 
 
-def determine_num_blocks(kv_config, hf_config, dtype: torch.dtype, device: str, max_useful_blocks: int) -> int:
+def determine_num_blocks(kv_config, hf_config, dtype: torch.dtype, device: str, max_useful_blocks: int,
+                         extra_bytes_per_block: int = 0) -> int:
     """Explicit ``num_blocks``, else a share of device memory (GPU) or ``cpu_kv_cache_gib`` (CPU).
 
     Never more than ``max_useful_blocks`` (every running sequence at full length): memory beyond
@@ -44,7 +45,7 @@ def determine_num_blocks(kv_config, hf_config, dtype: torch.dtype, device: str, 
     """
     if kv_config.num_blocks is not None:
         return kv_config.num_blocks
-    per_block = bytes_per_block(hf_config, kv_config.page_size, dtype)
+    per_block = bytes_per_block(hf_config, kv_config.page_size, dtype) + extra_bytes_per_block  # + a draft's KV
     if str(device).startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         budget = free * kv_config.device_memory_utilization

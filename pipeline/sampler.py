@@ -44,7 +44,12 @@ import torch
 from pipeline.sampling_metadata import (SamplingArrays, SamplingMetadata, SequenceSamplingState,
                                         build_sampling_metadata)
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingPlan", "SequenceSamplingState"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingPlan", "SequenceSamplingState", "sampling_probs", "step_seed"]
+
+
+def step_seed(seed: int, position: int) -> int:
+    """Seed of the draw for output token ``position`` of a request seeded with ``seed``."""
+    return (seed * 1_000_003 + position * 7_919 + 17) % (2**63 - 1)
 
 
 @dataclass
@@ -121,13 +126,7 @@ class Sampler:
         if metadata.is_all_greedy:
             return token_ids
         rows = metadata.random_rows
-        scaled = logits[rows] / metadata.temperature[:, None]  # [num_random, vocab]
-        if metadata.top_k is not None or metadata.top_p is not None:
-            scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p, metadata.max_top_k)
-        probs = scaled.softmax(dim=-1)  # [num_random, vocab]
-        if metadata.min_p is not None:
-            max_probs = probs.amax(dim=-1, keepdim=True)  # [num_random, 1]
-            probs = probs.masked_fill(probs < metadata.min_p[:, None] * max_probs, 0.0)
+        probs = sampling_probs(logits, metadata)  # [num_random, vocab]
         noise = self._exponential_noise(metadata.random_generators, probs.shape[-1], probs.device)
         # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i
         # (no renormalization needed), and the draw depends only on the row's own generator.
@@ -141,10 +140,10 @@ class Sampler:
         noise = torch.empty(len(generators), vocab_size, device=device)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if len(unseeded) == len(generators):
-            noise.exponential_(generator=self._global_generator(device))
+            noise.exponential_(generator=self.global_generator(device))
         elif unseeded:
             draw = torch.empty(len(unseeded), vocab_size, device=device)
-            noise[unseeded] = draw.exponential_(generator=self._global_generator(device))
+            noise[unseeded] = draw.exponential_(generator=self.global_generator(device))
         for i, generator in enumerate(generators):
             if generator is not None:
                 # A fresh [vocab] tensor on the generator's own device keeps the draw identical no
@@ -154,7 +153,7 @@ class Sampler:
         # Exp(1) can return exactly 0; a tiny floor avoids 0/0 on masked tokens.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
-    def _global_generator(self, device: torch.device) -> torch.Generator:
+    def global_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._global_generators:
             self._global_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._global_generators[device]
@@ -203,6 +202,28 @@ def apply_logits_processing(logits: torch.Tensor, metadata: SamplingMetadata) ->
         rows, bitmask = masks
         logits[rows] = apply_bitmask(logits[rows], bitmask)
     return logits
+
+
+def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution each random row draws from (module docstring, step 4, before the draw):
+    [num_rows, vocab] processed logits -> [num_random, vocab] probabilities of ``metadata.random_rows``
+    (unnormalized where min_p removed mass: the exponential race does not need it normalized)."""
+    return distribution(logits[metadata.random_rows], metadata.temperature, metadata.top_k, metadata.top_p,
+                        metadata.min_p, metadata.max_top_k)
+
+
+def distribution(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                 top_p: torch.Tensor | None, min_p: torch.Tensor | None, max_top_k: int) -> torch.Tensor:
+    """[rows, vocab] logits -> [rows, vocab] probabilities after temperature [rows], top-k, top-p and min-p
+    (each [rows] or None when no row uses it)."""
+    scaled = logits / temperature[:, None]  # [rows, vocab]
+    if top_k is not None or top_p is not None:
+        scaled = apply_top_k_top_p(scaled, top_k, top_p, max_top_k)
+    probs = scaled.softmax(dim=-1)  # [rows, vocab]
+    if min_p is not None:
+        max_probs = probs.amax(dim=-1, keepdim=True)  # [rows, 1]
+        probs = probs.masked_fill(probs < min_p[:, None] * max_probs, 0.0)
+    return probs
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,9 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first token position computed in this step
     num_tokens: int
+    # speculative decoding: draft tokens a decode chunk verifies after its one known token (its KV
+    # blocks are reserved for them; the step computes 1 + num_lookahead tokens)
+    num_lookahead: int = 0
 
     @property
     def is_sampling(self) -> bool:
@@ -73,6 +76,7 @@ class Scheduler:
         kvcache_ce_watermark: float = 1.0,
         max_queue_size: int | None = None,
         long_prefill_token_threshold: int | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.kv = kv_manager
         self.max_batch_size = max_batch_size
@@ -81,6 +85,7 @@ class Scheduler:
         self.kvcache_ce_watermark = kvcache_ce_watermark
         self.max_queue_size = max_queue_size
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.num_lookahead_tokens = num_lookahead_tokens  # speculative decoding's K
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.waiting_remote: deque[Sequence] = deque()
@@ -143,7 +148,7 @@ class Scheduler:
     def activate_remote(self, seq: Sequence, first_token_id: int) -> None:
         """The prompt's KV has landed in the reserved blocks: decode from here on."""
         del self.reserved[seq.request_id]
-        seq.num_computed_tokens = seq.num_tokens
+        seq.num_computed_tokens = seq.num_draft_computed_tokens = seq.num_tokens  # the draft's KV came too
         self.kv.register_computed(seq.request_id, seq.token_ids, seq.num_computed_tokens)
         seq.append_token(first_token_id)
         seq.status = SequenceStatus.RUNNING
@@ -168,10 +173,11 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted by an earlier sequence of this step
-            if not self._reserve(seq, seq.num_computed_tokens + 1, out):
+            lookahead = self._lookahead(seq, budget)
+            if not self._reserve(seq, seq.num_computed_tokens + 1 + lookahead, out):
                 break  # ``seq`` itself was preempted: nothing after it can run either
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
-            budget -= 1
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1, lookahead))
+            budget -= 1 + lookahead
         # Then prompts already in progress, oldest first (their blocks were reserved at admission),
         # then admissions. While prompts wait, each chunk takes at most ``long_prefill_token_threshold``
         # tokens, so a short prompt behind a long one shares the step instead of waiting out the long
@@ -199,6 +205,13 @@ class Scheduler:
             budget -= extra
         return out
 
+    def _lookahead(self, seq: Sequence, budget: int) -> int:
+        """Draft tokens ``seq`` verifies this step: K, fewer near its length limit (a step emits at most
+        lookahead + 1 tokens) or when the step's budget is short; none for requests that do not speculate."""
+        if not self.num_lookahead_tokens or not seq.speculates:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, seq.max_total_tokens - seq.num_tokens - 1, budget - 1))
+
     def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Grow ``seq``'s blocks to ``num_tokens``, preempting from the back of the running list."""
         while not self.kv.ensure_capacity(seq.request_id, num_tokens):
@@ -212,6 +225,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq.request_id)
         seq.num_computed_tokens = 0
+        seq.num_draft_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -234,7 +248,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
-            seq.num_computed_tokens = num_cached
+            seq.num_computed_tokens = seq.num_draft_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             num_new = min(num_new, budget, cap)

@@ -31,6 +31,10 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt followed by output
     num_computed_tokens: int = 0  # leading tokens whose KV is written in this worker's cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
+    # speculative decoding: leading tokens whose draft-model KV is written (trails num_computed_tokens
+    # by at most two tokens after a verify step), and whether this request speculates at all
+    num_draft_computed_tokens: int = 0
+    speculates: bool = False
     num_preemptions: int = 0
     is_prefill_only: bool = False  # PrefillOnly role: stop after the first token, keep blocks until shipped
     status: SequenceStatus = SequenceStatus.WAITING

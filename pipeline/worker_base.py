@@ -20,7 +20,6 @@ from pipeline.engine import LLMEngine, StepOutput
 from pipeline.protocol import TokenLogprob
 from pipeline.protocol.cluster import FinishCode, RegisterWorker, TokenDelta, WorkerRole, served_model_name
 from pipeline.router_link import RouterLink
-from pipeline.weights import checkpoint_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +33,7 @@ class WorkerBase:
         self.config = config
         self.worker_id = worker_id
         self.engine = LLMEngine(config, kv_cache_allocator=kv_cache_allocator)
-        self.model_fingerprint = checkpoint_fingerprint(self.engine.model_path)
+        self.model_fingerprint = self.engine.model_fingerprint()
         self.ctx = zmq.Context()
         self.link: RouterLink | None = None
         self.is_draining = False  # SIGTERM: new work is refused (retryable), work in flight finishes

@@ -13,6 +13,9 @@ reported:
 * ``tandem_worker_bad_frames_total`` (reported) and ``tandem_worker_up`` (1 alive, 0 declared dead).
 * ``tandem_worker_busy_in_step_seconds`` (how long the current step has run: busy, not dead),
   ``tandem_worker_max_step_seconds``, ``tandem_worker_steps_total`` and ``tandem_worker_draining``.
+* Speculating workers: ``tandem_spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
+  ``..._num_accepted_tokens_total`` and ``..._num_accepted_tokens_per_pos_total{position}`` (vLLM's
+  names): acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts.
 """
 
 from __future__ import annotations
@@ -116,6 +119,15 @@ class WorkerCollector(Collector):
             "steps": CounterMetricFamily("tandem_worker_steps", "Engine steps the worker completed", labels=labels),
             "draining": GaugeMetricFamily(
                 "tandem_worker_draining", "1 while the worker shuts down (takes no new requests)", labels=labels),
+            "spec_drafts": CounterMetricFamily(
+                "tandem_spec_decode_num_drafts", "Verify steps of one request that checked draft tokens", labels=labels),
+            "spec_draft_tokens": CounterMetricFamily(
+                "tandem_spec_decode_num_draft_tokens", "Draft tokens proposed", labels=labels),
+            "spec_accepted": CounterMetricFamily(
+                "tandem_spec_decode_num_accepted_tokens", "Draft tokens accepted", labels=labels),
+            "spec_per_position": CounterMetricFamily(
+                "tandem_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position",
+                labels=[*labels, "position"]),
         }
         for w in self._workers.all_workers():
             values = [w.worker_id, w.role.value]
@@ -136,4 +148,10 @@ class WorkerCollector(Collector):
             families["max_step"].add_metric(values, load.max_step_s)
             families["steps"].add_metric(values, load.num_steps)
             families["draining"].add_metric(values, 1.0 if load.is_draining else 0.0)
+            if load.spec_accepted_per_position:  # a speculating worker
+                families["spec_drafts"].add_metric(values, load.spec_num_drafts)
+                families["spec_draft_tokens"].add_metric(values, load.spec_num_draft_tokens)
+                families["spec_accepted"].add_metric(values, load.spec_num_accepted_tokens)
+                for position, count in enumerate(load.spec_accepted_per_position):
+                    families["spec_per_position"].add_metric([*values, str(position)], count)
         yield from families.values()

@@ -71,6 +71,40 @@ def hf_reference():
     return load
 
 
+def small_draft_config(arch: str) -> dict:
+    """A one-layer model half the target's width with the target's KV layout (kv heads x head dim) and
+    another padded vocabulary size (llama: smaller, qwen2: larger; the tokenizer is the same)."""
+    target = TINY_CONFIGS[arch]
+    head_dim = target.get("head_dim") or target["hidden_size"] // target["num_attention_heads"]
+    extra_vocab = {"llama": 2, "qwen2": 6}.get(arch, target["extra_vocab"])
+    return {**target, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "head_dim": head_dim, "extra_vocab": extra_vocab}
+
+
+@pytest.fixture(scope="session")
+def drafts(tiny_checkpoint, tmp_path_factory):
+    from bench.draft_checkpoint import always_wrong_copy, truncated_copy
+
+    """``drafts(arch, kind)`` -> draft model_path: "self" (None), "small" (independent), "wrong", "truncated"."""
+    cache: dict[tuple[str, str], str | None] = {}
+
+    def get(arch: str, kind: str) -> str | None:
+        if kind == "self":
+            return None
+        if (arch, kind) not in cache:
+            path = tmp_path_factory.mktemp(f"draft-{kind}-{arch}")
+            if kind == "small":
+                build_checkpoint(path, arch, seed=1, **small_draft_config(arch))
+            elif kind == "wrong":
+                always_wrong_copy(tiny_checkpoint(arch), path)
+            else:
+                truncated_copy(tiny_checkpoint(arch), path, 1)
+            cache[arch, kind] = str(path)
+        return cache[arch, kind]
+
+    return get
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = True) -> list[int]:
     """transformers' own greedy generate() for one unpadded prompt (EOS ignored unless asked)."""
     with torch.no_grad():

@@ -151,3 +151,28 @@ def test_waiting_long_prompts_share_the_step_and_lose_no_budget():
     plans = run_to_completion(scheduler, seqs)
     assert all(sum(c.num_tokens for c in p.chunks) <= 64 for p in plans)
     assert all(s.num_output_tokens == 2 for s in seqs) and kv.num_free_blocks == 256
+
+
+def test_speculative_lookahead_reserves_blocks_and_respects_limits():
+    """A decoding request that speculates gets K lookahead slots (blocks reserved, budget charged), fewer
+    near its length limit or when the budget is short; one that does not speculate gets none."""
+    kv = KVCacheManager(64, 4)
+    scheduler = Scheduler(kv, max_batch_size=8, max_batch_input_tokens=18, num_lookahead_tokens=3)
+    fast, near_end, plain = make_seq("fast", 6, 20), make_seq("near", 6, 3), make_seq("plain", 6, 20)
+    fast.speculates = near_end.speculates = True
+    for seq in (fast, near_end, plain):
+        scheduler.add(seq)
+    scheduler.update(scheduler.schedule(), [7, 7, 7])  # three prompts, one token each
+    scheduler.max_batch_input_tokens = 9
+    plan = scheduler.schedule()
+    lookahead = {c.seq.request_id: c.num_lookahead for c in plan.chunks}
+    # fast: 3; near: 6 + 3 tokens max, has 7, so one draft at most (it emits up to 2); plain: 0
+    assert lookahead == {"fast": 3, "near": 1, "plain": 0}
+    assert sum(1 + c.num_lookahead for c in plan.chunks) <= 9
+    assert len(kv.block_table("fast")) == kv.num_blocks_for(6 + 1 + 3)
+    short = Scheduler(KVCacheManager(64, 4), max_batch_size=8, max_batch_input_tokens=3, num_lookahead_tokens=3)
+    seq = make_seq("short", 2, 20)
+    seq.speculates = True
+    short.add(seq)
+    short.update(short.schedule(), [7])
+    assert [c.num_lookahead for c in short.schedule().chunks] == [2]  # the budget of 3 allows 1 + 2

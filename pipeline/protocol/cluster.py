@@ -123,6 +123,11 @@ class WorkerLoad(msgspec.Struct, **_HOT):
     num_steps: int = 0  # engine steps completed since start
     max_step_s: float = 0.0  # the longest engine step so far
     is_draining: bool = False  # shutting down: route nothing new here
+    # speculative decoding, cumulative (vLLM's spec_decode counters); empty per-position list when off
+    spec_num_drafts: int = 0  # verify steps of one request with at least one draft token
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
 
 
 class Heartbeat(msgspec.Struct, tag=True, **_HOT):

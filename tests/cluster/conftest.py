@@ -42,6 +42,34 @@ def kv_gauges(url: str) -> dict[tuple[str, str], float]:
     return gauges
 
 
+def check_concurrent_greedy_streams(url: str, reference_text, num_requests: int, seed: int = 0) -> None:
+    """``num_requests`` greedy streams at once (random prompts of 1-39 tokens, 1-23 new tokens), each
+    checked against transformers' text."""
+    import asyncio
+
+    import openai
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 300, (int(n),), generator=generator).tolist()
+               for n in torch.randint(1, 40, (num_requests,), generator=generator)]
+    lengths = [int(n) for n in torch.randint(1, 24, (num_requests,), generator=generator)]
+
+    async def stream_text(client, name, prompt, max_tokens):
+        stream = await client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                 stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+            name = (await client.models.list()).data[0].id
+            return await asyncio.gather(*[stream_text(client, name, p, n) for p, n in zip(prompts, lengths)])
+
+    texts = asyncio.run(run_all())
+    for prompt, max_tokens, text in zip(prompts, lengths, texts):
+        assert text == reference_text(prompt, max_tokens)[1]
+
+
 def wait_for_idle_blocks(url: str, workers: list[str], num_blocks: int, timeout_s: float = 10.0) -> dict:
     """Wait until every worker reports 0 used and ``num_blocks`` free blocks (heartbeats lag ~0.5 s)."""
     deadline = time.monotonic() + timeout_s

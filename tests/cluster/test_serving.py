@@ -7,14 +7,13 @@ worker's KV blocks are back to the start value.
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import openai
 import pytest
 import torch
 
-from tests.cluster.conftest import CLUSTER_CONFIG, start_cluster, wait_for_idle_blocks
+from tests.cluster.conftest import CLUSTER_CONFIG, check_concurrent_greedy_streams, start_cluster, wait_for_idle_blocks
 from tests.conftest import hf_logprobs
 
 SHAPES = {
@@ -122,24 +121,7 @@ def test_seeded_sampling_is_reproducible_across_requests(cluster, client):
 
 
 def test_64_concurrent_streams_then_no_block_held(cluster, tokenizer, reference_text):
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 300, (int(n),), generator=generator).tolist()
-               for n in torch.randint(1, 40, (64,), generator=generator)]
-    lengths = [int(n) for n in torch.randint(1, 24, (64,), generator=generator)]
-
-    async def stream_text(client, name, prompt, max_tokens):
-        stream = await client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                 stream=True)
-        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
-
-    async def run_all():
-        async with openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=120) as c:
-            name = (await c.models.list()).data[0].id
-            return await asyncio.gather(*[stream_text(c, name, p, n) for p, n in zip(prompts, lengths)])
-
-    texts = asyncio.run(run_all())
-    for prompt, max_tokens, text in zip(prompts, lengths, texts):
-        assert text == reference_text(prompt, max_tokens)[1]
+    check_concurrent_greedy_streams(cluster.url, reference_text, 64, seed=0)
     wait_for_idle_blocks(cluster.url, cluster.worker_names, NUM_BLOCKS)
 
 

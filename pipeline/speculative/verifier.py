@@ -1,0 +1,97 @@
+"""The target's side of a speculative step: from the logits of each speculating request's k + 1 verify
+rows to the tokens it emits, with every logits processor applied exactly as without speculation.
+
+Row j of a request is processed as the request would be after its first j drafts were accepted:
+penalties count them, bad words and min_tokens see them (each row gets the state it would have had).
+The draft's distribution q only shapes what is proposed, never what is emitted (rejection sampling),
+so it carries temperature / top-k / top-p / min-p but no other processor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.sampler import apply_logits_processing, gather_logprobs, sampling_probs
+from pipeline.sampling_metadata import SequenceSamplingState, build_sampling_metadata
+from pipeline.scheduler import ScheduledChunk
+from pipeline.speculative.proposer import DraftProposal
+from pipeline.speculative.rejection_sampler import rejection_sample
+from pipeline.speculative.seeds import VERIFY_STREAM, position_generator
+
+
+@dataclass
+class VerifiedTokens:
+    token_ids: list[int]  # accepted drafts, then one target token
+    logprobs: list[dict[int, float]] | None  # one entry per token (raw target logits), or None when not asked
+
+
+def verify(logits: torch.Tensor, chunks: list[ScheduledChunk], proposal: DraftProposal, vocab_size: int,
+           global_generator: torch.Generator) -> list[VerifiedTokens]:
+    """``logits``: [sum(k_i + 1), vocab] raw target logits of the speculating ``chunks``' verify rows."""
+    device = logits.device
+    states = [_state_after(chunk.seq.sampling_state, drafts[:j])
+              for chunk, drafts in zip(chunks, proposal.token_ids) for j in range(len(drafts) + 1)]
+    metadata = None
+    processed = logits
+    if not all(s.is_plain_greedy for s in states):
+        metadata = build_sampling_metadata(states, vocab_size, device)
+        if metadata.needs_processing:
+            processed = apply_logits_processing(logits, metadata)  # [rows, vocab]
+    target_probs = torch.zeros(1, vocab_size, device=device).expand(len(states), vocab_size)
+    if metadata is not None and not metadata.is_all_greedy:
+        probs = sampling_probs(processed, metadata)  # [num_random, vocab]
+        target_probs = torch.zeros(len(states), vocab_size, device=device)
+        target_probs[metadata.random_rows] = probs / probs.sum(dim=-1, keepdim=True)
+    num_drafts = [len(drafts) for drafts in proposal.token_ids]
+    draft_probs = proposal.probs
+    if draft_probs is None:
+        draft_probs = torch.zeros(1, vocab_size, device=device).expand(sum(num_drafts), vocab_size)
+    emitted = rejection_sample(
+        target_probs, processed.argmax(dim=-1), draft_probs,
+        torch.tensor([t for drafts in proposal.token_ids for t in drafts], dtype=torch.int64, device=device),
+        num_drafts, [chunk.seq.sampling_state.is_greedy for chunk in chunks],
+        _generators(chunks, num_drafts, device), global_generator,
+    )
+    return _with_logprobs(logits, chunks, num_drafts, emitted)
+
+
+def _state_after(state: SequenceSamplingState, drafts: list[int]) -> SequenceSamplingState:
+    """``state`` as it would be once ``drafts`` were emitted (no generator or grammar: speculating
+    requests have no grammar, and their draws come from per-position generators)."""
+    return dataclasses.replace(state, output_token_ids=state.output_token_ids + drafts, generator=None, grammar=None)
+
+
+def _generators(chunks: list[ScheduledChunk], num_drafts: list[int],
+                device: torch.device) -> list[torch.Generator | None]:
+    """One per verify row: seeded requests draw by output position, the others from the global generator."""
+    generators: list[torch.Generator | None] = []
+    for chunk, k in zip(chunks, num_drafts):
+        seq = chunk.seq
+        seed = seq.params.seed
+        for j in range(k + 1):
+            is_seeded = seed is not None and not seq.sampling_state.is_greedy
+            generators.append(position_generator(seed, seq.num_output_tokens + j, VERIFY_STREAM, device)
+                              if is_seeded else None)
+    return generators
+
+
+def _with_logprobs(logits: torch.Tensor, chunks: list[ScheduledChunk], num_drafts: list[int],
+                   emitted: list[list[int]]) -> list[VerifiedTokens]:
+    """Each emitted token's logprobs from the raw logits of the row that decided it."""
+    rows, tokens, nums = [], [], []
+    first_row = 0
+    for chunk, k, token_ids in zip(chunks, num_drafts, emitted):
+        num = chunk.seq.params.logprobs
+        if num is not None:
+            rows += range(first_row, first_row + len(token_ids))
+            tokens += token_ids
+            nums += [num] * len(token_ids)
+        first_row += k + 1
+    entries = iter(gather_logprobs(logits[rows], torch.tensor(tokens, dtype=torch.int64, device=logits.device),
+                                   nums) or ()) if rows else iter(())
+    return [VerifiedTokens(token_ids, [next(entries) for _ in token_ids] if chunk.seq.params.logprobs is not None
+                           else None)
+            for chunk, token_ids in zip(chunks, emitted)]

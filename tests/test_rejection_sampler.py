@@ -1,0 +1,438 @@
+"""Speculative-decoding verification: greedy rules, exact target distribution (one and two tokens), seeded
+reproducibility by output position, and the q(d) = 0 / p(d) = 0 / p == q edge cases.
+
+The statistical tests use fixed seeds (so they are deterministic) and chi-square tests at the 0.001 level
+with enough trials that the plausible bugs (always accepting, recovering from p instead of the residual,
+min(1, q/p), reading the wrong row) push the statistic far past the critical value.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.speculative.rejection_sampler import _accept, rejection_sample
+
+# Chi-square critical values at significance 0.001, by degrees of freedom.
+CHI2_CRITICAL_0001 = {
+    1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322, 8: 26.124, 9: 27.877,
+    10: 29.588, 11: 31.264, 12: 32.909, 13: 34.528, 14: 36.123, 15: 37.697, 16: 39.252, 17: 40.790,
+    18: 42.312, 19: 43.820, 20: 45.315, 21: 46.797, 22: 48.268, 23: 49.728, 24: 51.179,
+}
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def row_generators(seed: int, num_rows: int) -> list[torch.Generator]:
+    """One generator per target row, seeded from (request seed, output position) as the caller does."""
+    return [seeded(seed * 1000 + position) for position in range(num_rows)]
+
+
+def chi_square_goodness_of_fit(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson statistic and degrees of freedom of ``counts`` [cells] against ``probs`` [cells].
+
+    Cells the model rules out must be empty (asserted). Cells expected to hold fewer than 5 are pooled
+    into one bin, merged into the smallest other bin if the pool is itself under 5.
+    """
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    assert counts[probs == 0].sum() == 0, f"impossible cells were hit: {counts[probs == 0]}"
+    expected = probs * counts.sum()
+    small = (expected > 0) & (expected < 5)
+    observed_bins = counts[expected >= 5].tolist()
+    expected_bins = expected[expected >= 5].tolist()
+    if small.any():
+        pooled_observed, pooled_expected = counts[small].sum().item(), expected[small].sum().item()
+        if pooled_expected < 5:
+            smallest = min(range(len(expected_bins)), key=expected_bins.__getitem__)
+            observed_bins[smallest] += pooled_observed
+            expected_bins[smallest] += pooled_expected
+        else:
+            observed_bins.append(pooled_observed)
+            expected_bins.append(pooled_expected)
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed_bins, expected_bins))
+    return statistic, len(observed_bins) - 1
+
+
+def chi_square_homogeneity(counts_a: torch.Tensor, counts_b: torch.Tensor) -> tuple[float, int]:
+    """Two-sample Pearson statistic (are both count vectors from the same distribution?) and its df."""
+    table = torch.stack([counts_a.double().flatten(), counts_b.double().flatten()])  # [2, cells]
+    table = table[:, table.sum(dim=0) > 0]
+    expected = table.sum(dim=1, keepdim=True) * table.sum(dim=0, keepdim=True) / table.sum()  # [2, cells]
+    statistic = ((table - expected) ** 2 / expected).sum().item()
+    return statistic, table.shape[1] - 1
+
+
+def assert_matches(counts: torch.Tensor, probs: torch.Tensor) -> None:
+    statistic, df = chi_square_goodness_of_fit(counts, probs)
+    assert statistic < CHI2_CRITICAL_0001[df], f"chi2 = {statistic:.1f} >= {CHI2_CRITICAL_0001[df]} (df {df})"
+
+
+def token_counts(tokens: list[int], vocab: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(tokens, dtype=torch.int64), minlength=vocab)  # [vocab]
+
+
+def random_probs(num_rows: int, vocab: int, seed: int, scale: float = 2.0) -> torch.Tensor:
+    return (torch.randn(num_rows, vocab, generator=seeded(seed)) * scale).softmax(dim=-1)  # [num_rows, vocab]
+
+
+# ---------------------------------------------------------------------------------------------- greedy
+
+def greedy_call(target_argmax: list[int], drafts: list[int], num_draft_tokens: list[int]) -> list[list[int]]:
+    """Greedy requests only: the probability rows are not read, so they are zeros here."""
+    vocab = 16
+    return rejection_sample(
+        target_probs=torch.zeros(len(target_argmax), vocab),
+        target_argmax=torch.tensor(target_argmax, dtype=torch.int64),
+        draft_probs=torch.zeros(len(drafts), vocab),
+        draft_token_ids=torch.tensor(drafts, dtype=torch.int64),
+        num_draft_tokens=num_draft_tokens,
+        is_greedy=[True] * len(num_draft_tokens),
+        generators=[None] * len(target_argmax),
+    )
+
+
+def test_greedy_all_accepted_ends_with_bonus_argmax():
+    assert greedy_call([3, 5, 7, 9], [3, 5, 7], [3]) == [[3, 5, 7, 9]]
+
+
+def test_greedy_first_mismatch_emits_target_token_and_stops():
+    assert greedy_call([3, 5, 7, 9], [3, 6, 7], [3]) == [[3, 5]]
+    assert greedy_call([3, 5, 7, 9], [4, 5, 7], [3]) == [[3]]
+    assert greedy_call([3, 5, 7, 9], [3, 5, 8], [3]) == [[3, 5, 7]]
+
+
+def test_greedy_without_drafts_emits_argmax():
+    assert greedy_call([11], [], [0]) == [[11]]
+
+
+def test_greedy_several_requests_with_different_k():
+    # Requests: k=2 all match; k=0; k=3 mismatch at 1; k=1 mismatch at 0 (emits the target's 9).
+    target_argmax = [1, 2, 3] + [4] + [5, 6, 7, 8] + [9, 10]
+    drafts = [1, 2] + [] + [5, 0, 7] + [1]
+    assert greedy_call(target_argmax, drafts, [2, 0, 3, 1]) == [[1, 2, 3], [4], [5, 6], [9]]
+
+
+def test_greedy_and_sampling_requests_mixed():
+    vocab = 4
+    p = torch.tensor([0.0, 1.0, 0.0, 0.0])  # the sampling request's target is a point mass: always token 1
+    target_probs = torch.stack([torch.zeros(vocab), torch.zeros(vocab), p, p])  # greedy k=1 rows, then sampled k=1
+    draft_probs = torch.stack([torch.zeros(vocab), torch.tensor([0.5, 0.5, 0.0, 0.0])])
+    out = rejection_sample(target_probs, torch.tensor([2, 3, 1, 1]), draft_probs, torch.tensor([2, 0]),
+                           [1, 1], [True, False], [None] * 4, seeded(0))
+    assert out == [[2, 3], [1]]  # greedy: accepted + bonus; sampled: draft 0 has p = 0, recovery is token 1
+
+
+# ------------------------------------------------------------------------------- one-token exactness
+
+# Target p and draft q over 5 tokens: q puts mass on token 4 where p has none, p puts mass on token 2
+# where q has none, and they disagree elsewhere (token 0: 0.30 vs 0.05).
+P_TARGET = torch.tensor([0.30, 0.25, 0.20, 0.25, 0.00])
+Q_DRAFT = torch.tensor([0.05, 0.40, 0.00, 0.25, 0.30])
+
+
+def speculate_one(p: torch.Tensor, q: torch.Tensor, p_bonus: torch.Tensor, num_trials: int,
+                  seed: int) -> list[list[int]]:
+    """``num_trials`` requests in one call, each with one draft sampled from ``q`` and target rows
+    (p, p_bonus)."""
+    drafts = torch.multinomial(q, num_trials, replacement=True, generator=seeded(seed))  # [num_trials]
+    target_probs = torch.stack([p, p_bonus]).repeat(num_trials, 1)  # [2 * num_trials, vocab]
+    return rejection_sample(
+        target_probs=target_probs,
+        target_argmax=target_probs.argmax(dim=-1),
+        draft_probs=q.expand(num_trials, -1),
+        draft_token_ids=drafts,
+        num_draft_tokens=[1] * num_trials,
+        is_greedy=[False] * num_trials,
+        generators=[None] * (2 * num_trials),
+        global_generator=seeded(seed + 1),
+    )
+
+
+def test_first_token_is_distributed_as_target():
+    num_trials = 40_000
+    p_bonus = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.6])
+    outputs = speculate_one(P_TARGET, Q_DRAFT, p_bonus, num_trials, seed=1)
+    first = token_counts([out[0] for out in outputs], vocab=5)
+    assert_matches(first, P_TARGET)  # also asserts token 4 (p = 0) never appears
+    # The acceptance rate is sum(min(p, q)) = 0.05 + 0.25 + 0 + 0.25 + 0 = 0.55.
+    accepted = sum(len(out) == 2 for out in outputs) / num_trials
+    assert abs(accepted - 0.55) < 0.02
+    # After an accepted draft, the bonus token is a plain sample from the bonus row.
+    bonus = token_counts([out[1] for out in outputs if len(out) == 2], vocab=5)
+    assert_matches(bonus, p_bonus)
+
+
+def test_no_drafts_samples_from_target():
+    vocab, num_requests = 5, 10_000
+    target_probs = P_TARGET.expand(num_requests, -1)
+    outputs = rejection_sample(target_probs, target_probs.argmax(dim=-1), torch.zeros(0, vocab),
+                               torch.zeros(0, dtype=torch.int64), [0] * num_requests, [False] * num_requests,
+                               [None] * num_requests, seeded(3))
+    assert all(len(out) == 1 for out in outputs)
+    assert_matches(token_counts([out[0] for out in outputs], vocab), P_TARGET)
+
+
+# ----------------------------------------------------------------------------- multi-token exactness
+
+# A toy language model over 5 tokens: row = previous token, column = next token. The sequences start
+# from token 0. The draft disagrees with the target everywhere, including zeros on both sides.
+P_MARKOV = torch.tensor([
+    [0.10, 0.40, 0.30, 0.20, 0.00],
+    [0.30, 0.00, 0.30, 0.20, 0.20],
+    [0.25, 0.25, 0.25, 0.00, 0.25],
+    [0.00, 0.50, 0.10, 0.20, 0.20],
+    [0.40, 0.10, 0.10, 0.10, 0.30],
+])
+Q_MARKOV = torch.tensor([
+    [0.40, 0.10, 0.00, 0.20, 0.30],
+    [0.10, 0.50, 0.10, 0.20, 0.10],
+    [0.05, 0.05, 0.60, 0.20, 0.10],
+    [0.30, 0.00, 0.30, 0.20, 0.20],
+    [0.10, 0.40, 0.10, 0.30, 0.10],
+])
+START = 0
+
+
+def speculative_prefixes(num_trials: int, num_tokens: int, k: int, seed: int) -> torch.Tensor:
+    """Run speculative decoding of ``P_MARKOV`` with drafts from ``Q_MARKOV`` (``k`` per step), all trials
+    batched in one call per step, until each has ``num_tokens`` tokens. Returns [num_trials, num_tokens]."""
+    draft_gen, verify_gen = seeded(seed), seeded(seed + 1)
+    outputs: list[list[int]] = [[] for _ in range(num_trials)]
+    active = list(range(num_trials))
+    while active:
+        last = torch.tensor([outputs[i][-1] if outputs[i] else START for i in active])  # [n]
+        # Draft k tokens autoregressively from q; q_j is the draft's distribution given the prefix.
+        contexts, drafts = [last], []
+        for _ in range(k):
+            drafts.append(torch.multinomial(Q_MARKOV[contexts[-1]], 1, generator=draft_gen).squeeze(1))
+            contexts.append(drafts[-1])
+        # Per request: target rows p(.|last), p(.|d_0), .., p(.|d_{k-1}) (the last one is the bonus row).
+        target_probs = torch.stack([P_MARKOV[c] for c in contexts], dim=1).reshape(-1, 5)  # [n * (k + 1), 5]
+        draft_probs = torch.stack([Q_MARKOV[c] for c in contexts[:k]], dim=1).reshape(-1, 5)  # [n * k, 5]
+        draft_ids = torch.stack(drafts, dim=1).reshape(-1)  # [n * k]
+        emitted = rejection_sample(target_probs, target_probs.argmax(dim=-1), draft_probs, draft_ids,
+                                   [k] * len(active), [False] * len(active), [None] * len(target_probs),
+                                   verify_gen)
+        for i, tokens in zip(active, emitted):
+            outputs[i].extend(tokens)
+        active = [i for i in active if len(outputs[i]) < num_tokens]
+    return torch.tensor([out[:num_tokens] for out in outputs])
+
+
+def direct_prefixes(num_trials: int, seed: int) -> torch.Tensor:
+    """Plain ancestral sampling of two tokens from the target. Returns [num_trials, 2]."""
+    gen = seeded(seed)
+    first = torch.multinomial(P_MARKOV[START], num_trials, replacement=True, generator=gen)  # [num_trials]
+    second = torch.multinomial(P_MARKOV[first], 1, generator=gen).squeeze(1)  # [num_trials]
+    return torch.stack([first, second], dim=1)
+
+
+def pair_counts(pairs: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(pairs[:, 0] * 5 + pairs[:, 1], minlength=25)  # [25], cell = (t1, t2)
+
+
+@pytest.mark.parametrize("k", [1, 3])  # k = 1: token 2 is often the bonus; k = 3: often a second draft
+def test_two_token_joint_distribution_is_exact(k: int):
+    num_trials = 20_000
+    speculative = pair_counts(speculative_prefixes(num_trials, num_tokens=2, k=k, seed=5))
+    direct = pair_counts(direct_prefixes(num_trials, seed=6))
+    exact = (P_MARKOV[START][:, None] * P_MARKOV).flatten()  # [25]: p(t1 | start) * p(t2 | t1)
+    assert_matches(speculative, exact)
+    assert_matches(direct, exact)  # the harness itself is sound
+    statistic, df = chi_square_homogeneity(speculative, direct)
+    assert statistic < CHI2_CRITICAL_0001[df], f"speculative vs direct: chi2 = {statistic:.1f} (df {df})"
+
+
+# ---------------------------------------------------------------------------------- reproducibility
+
+VOCAB = 32
+
+
+def request_tensors(seed: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sampling request's (target rows [k + 1, V], draft rows [k, V], drafts [k]); drafts come from q."""
+    p = random_probs(k + 1, VOCAB, seed)
+    # A draft close enough to p that some requests accept several tokens, far enough that some reject.
+    q = (0.5 * p[:k] + 0.5 * random_probs(k, VOCAB, seed + 10_000))
+    drafts = torch.multinomial(q, 1, generator=seeded(seed + 20_000)).squeeze(1)
+    return p, q, drafts
+
+
+def run_requests(requests: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]],
+                 global_seed: int = 99) -> list[list[int]]:
+    """``requests``: (target rows, draft rows, drafts, per-row generators) each, verified in one call."""
+    target_probs = torch.cat([r[0] for r in requests])
+    return rejection_sample(
+        target_probs=target_probs,
+        target_argmax=target_probs.argmax(dim=-1),
+        draft_probs=torch.cat([r[1] for r in requests]),
+        draft_token_ids=torch.cat([r[2] for r in requests]),
+        num_draft_tokens=[len(r[2]) for r in requests],
+        is_greedy=[False] * len(requests),
+        generators=[g for r in requests for g in r[3]],
+        global_generator=seeded(global_seed),
+    )
+
+
+def test_seeded_request_is_reproducible_alone_or_batched():
+    k = 4
+    lengths = set()
+    for seed in range(40):
+        p, q, drafts = request_tensors(seed, k)
+        b_p, b_q, b_drafts = request_tensors(seed + 500, 2)
+        alone = run_requests([(p, q, drafts, row_generators(seed, k + 1))])[0]
+        assert run_requests([(p, q, drafts, row_generators(seed, k + 1))])[0] == alone
+        # Another request before it (seeded or not) shifts its rows but changes nothing.
+        assert run_requests([(b_p, b_q, b_drafts, row_generators(seed + 500, 3)),
+                             (p, q, drafts, row_generators(seed, k + 1))])[1] == alone
+        assert run_requests([(b_p, b_q, b_drafts, [None] * 3),
+                             (p, q, drafts, row_generators(seed, k + 1))])[1] == alone
+        lengths.add(len(alone))
+    assert len(lengths) >= 3, f"the seeds should cover early rejections and full acceptance: {lengths}"
+
+
+def test_unseeded_request_is_unaffected_by_seeded_neighbours():
+    k = 3
+    for seed in range(10):
+        p, q, drafts = request_tensors(seed, k)
+        a_p, a_q, a_drafts = request_tensors(seed + 500, k)
+        alone = run_requests([(p, q, drafts, [None] * (k + 1))], global_seed=seed)[0]
+        batched = run_requests([(a_p, a_q, a_drafts, row_generators(seed, k + 1)),
+                                (p, q, drafts, [None] * (k + 1))], global_seed=seed)[1]
+        assert batched == alone
+
+
+def test_different_seeds_give_different_samples():
+    p, q, drafts = request_tensors(0, 3)
+    outputs = {tuple(run_requests([(p, q, drafts, row_generators(seed, 4))])[0]) for seed in range(30)}
+    assert len(outputs) > 5
+
+
+def test_rows_after_the_rejection_do_not_matter():
+    """The output is reproducible by position: generators of rows past the emitted token are irrelevant."""
+    k = 4
+    checked = 0
+    for seed in range(40):
+        p, q, drafts = request_tensors(seed, k)
+        out = run_requests([(p, q, drafts, row_generators(seed, k + 1))])[0]
+        if len(out) == k + 1:
+            continue
+        used = len(out)  # rows 0 .. len(out) - 1 decided the output
+        generators = row_generators(seed, k + 1)[:used] + row_generators(seed + 777, k + 1)[used:]
+        assert run_requests([(p, q, drafts, generators)])[0] == out
+        checked += 1
+    assert checked >= 5
+
+
+def test_draw_order_per_row():
+    """Row j's generator gives first the uniform (drafted rows), then the [vocab] exponential noise."""
+    vocab = 8
+    tiny = torch.finfo(torch.float32).tiny
+    # Recovery at row 0: p(d) = 0 forces the rejection; the token is the race over max(0, p - q).
+    p = random_probs(2, vocab, seed=1)
+    p[0, 3] = 0.0
+    p[0] /= p[0].sum()
+    q = random_probs(1, vocab, seed=2)
+    for seed in range(20):
+        out = run_requests([(p, q, torch.tensor([3]), [seeded(seed), seeded(seed + 100)])])[0]
+        replay = seeded(seed)
+        torch.rand((), generator=replay)  # the uniform comes first
+        noise = torch.empty(vocab).exponential_(generator=replay).clamp_min(tiny)
+        assert out == [int(((p[0] - q[0]).clamp_min(0) / noise).argmax())]
+    # Bonus at row 2 (p == q: both drafts accepted): the bonus row draws no uniform, only the noise.
+    p = random_probs(3, vocab, seed=3)
+    for seed in range(20):
+        drafts = torch.multinomial(p[:2], 1, generator=seeded(seed)).squeeze(1)
+        out = run_requests([(p, p[:2].clone(), drafts, row_generators(seed, 3))])[0]
+        noise = torch.empty(vocab).exponential_(generator=row_generators(seed, 3)[2]).clamp_min(tiny)
+        assert out == drafts.tolist() + [int((p[2] / noise).argmax())]
+
+
+def replay(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generators: list[torch.Generator]) -> list[int]:
+    """The documented contract, one scalar step at a time: row j's generator gives u_j, then, on the row
+    that emits a sampled token, the [vocab] Exp(1) noise for the race."""
+    tiny = torch.finfo(torch.float32).tiny
+    for j, draft in enumerate(drafts):
+        u = torch.rand((), generator=generators[j]).item()
+        if not (p[j, draft] > 0 and u * q[j, draft] <= p[j, draft]):
+            residual = (p[j] - q[j]).clamp_min(0)
+            noise = torch.empty(p.shape[1]).exponential_(generator=generators[j]).clamp_min(tiny)
+            return drafts[:j] + [int((residual / noise).argmax())]
+    noise = torch.empty(p.shape[1]).exponential_(generator=generators[len(drafts)]).clamp_min(tiny)
+    return drafts + [int((p[len(drafts)] / noise).argmax())]
+
+
+def test_every_row_draws_from_its_own_generator():
+    k = 3
+    lengths = set()
+    for seed in range(60):
+        p, q, drafts = request_tensors(seed, k)
+        out = run_requests([(p, q, drafts, row_generators(seed, k + 1))])[0]
+        assert out == replay(p, q, drafts.tolist(), row_generators(seed, k + 1))
+        lengths.add(len(out))
+    assert lengths == {1, 2, 3, 4}, f"the seeds should reach every row: {lengths}"
+
+
+# ------------------------------------------------------------------------------------------ edge cases
+
+def one_draft_many_times(p: torch.Tensor, q: torch.Tensor, draft: int, num_trials: int,
+                         seed: int) -> list[list[int]]:
+    """``num_trials`` identical requests (target rows (p, p), draft row q, the given draft), one call."""
+    target_probs = p.expand(2 * num_trials, -1)
+    return rejection_sample(target_probs, target_probs.argmax(dim=-1), q.expand(num_trials, -1),
+                            torch.full((num_trials,), draft, dtype=torch.int64), [1] * num_trials,
+                            [False] * num_trials, [None] * (2 * num_trials), seeded(seed))
+
+
+def test_draft_with_zero_draft_probability_is_accepted():
+    p = torch.tensor([0.1, 0.6, 0.3, 0.0])
+    q = torch.tensor([0.0, 0.2, 0.3, 0.5])  # q(0) = 0 < p(0)
+    outputs = one_draft_many_times(p, q, draft=0, num_trials=2000, seed=0)
+    assert all(len(out) == 2 and out[0] == 0 for out in outputs)
+
+
+def test_draft_the_target_rules_out_is_always_rejected():
+    p = torch.tensor([0.0, 0.5, 0.5, 0.0])
+    q = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    outputs = one_draft_many_times(p, q, draft=0, num_trials=2000, seed=0)
+    # Residual max(0, p - q) = (0, 0, 0.5, 0): the recovery token is always 2, never the draft.
+    assert outputs == [[2]] * 2000
+    # Even a uniform of exactly 0 does not accept a token with p = 0; q = 0 with p > 0 does accept.
+    accepted = _accept(torch.tensor([0.0, 0.0, 0.999]), torch.tensor([0.0, 0.3, 0.3]), torch.tensor([0.4, 0.0, 0.0]))
+    assert accepted.tolist() == [False, True, True]
+
+
+def test_identical_draft_and_target_always_accept():
+    k, num_requests = 3, 300
+    p = random_probs(num_requests * (k + 1), VOCAB, seed=4)  # [num_requests * (k + 1), V]
+    drafted_rows = p.reshape(num_requests, k + 1, VOCAB)[:, :k].reshape(-1, VOCAB)  # [num_requests * k, V]
+    drafts = torch.multinomial(drafted_rows, 1, generator=seeded(5)).squeeze(1)
+    outputs = rejection_sample(p, p.argmax(dim=-1), drafted_rows.clone(), drafts, [k] * num_requests,
+                               [False] * num_requests, [None] * len(p), seeded(6))
+    assert [out[:k] for out in outputs] == drafts.reshape(num_requests, k).tolist()
+    assert all(len(out) == k + 1 for out in outputs)
+
+
+def test_identical_draft_and_target_rejection_falls_back_to_target():
+    # p == q and the draft has p(d) = q(d) = 0: rejected, the residual is all zero, so the recovery token
+    # is sampled from p itself.
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    outputs = one_draft_many_times(p, p, draft=3, num_trials=10_000, seed=7)
+    assert all(len(out) == 1 for out in outputs)
+    assert_matches(token_counts([out[0] for out in outputs], vocab=4), p)
+
+
+def test_shape_mismatches_are_rejected():
+    p = torch.full((2, 4), 0.25)
+    args = dict(target_probs=p, target_argmax=torch.zeros(2, dtype=torch.int64), draft_probs=p[:1],
+                draft_token_ids=torch.zeros(1, dtype=torch.int64), num_draft_tokens=[1], is_greedy=[False],
+                generators=[None, None])
+    assert rejection_sample(**args)  # consistent: fine
+    for key, bad in [("num_draft_tokens", [2]), ("is_greedy", [False, True]), ("generators", [None]),
+                     ("draft_probs", p), ("draft_token_ids", torch.zeros(2, dtype=torch.int64)),
+                     ("target_argmax", torch.zeros(3, dtype=torch.int64))]:
+        with pytest.raises(ValueError):
+            rejection_sample(**{**args, key: bad})
