@@ -79,3 +79,19 @@ def test_configuration_page_is_current():
 
     page = Path(__file__).parent.parent / "docs" / "configuration.md"
     assert page.read_text() == render(), "regenerate: python -m deploy.config_docs > docs/configuration.md"
+
+
+def test_speculative_sections_from_file_env_and_flags(tmp_path):
+    from deploy.cli import build_parser
+    from deploy.config_flags import config_overrides
+
+    path = tmp_path / "tandem.yaml"
+    path.write_text("decode:\n  draft_model:\n    model_path: /ckpt/draft\n  speculative:\n    num_speculative_tokens: 2\n")
+    config = PipelineConfig.load(path, "decode", environ={"TANDEM_SPECULATIVE__NUM_SPECULATIVE_TOKENS": "4"})
+    assert config.draft_model.model_path == "/ckpt/draft" and config.speculative.num_speculative_tokens == 4
+    assert config.is_speculative and not PipelineConfig().is_speculative
+    with pytest.raises(ConfigError, match="speculative.num_speculative_tokens"):
+        build_config({"speculative": {"num_speculative_tokens": 8}, "max_batch_input_tokens": 8})
+    args = build_parser().parse_args(["worker", "--role", "DecodeOnly", "--draft-model-model-path", "/d",
+                                      "--speculative-num-speculative-tokens", "3"])
+    assert config_overrides(args) == {"draft_model": {"model_path": "/d"}, "speculative": {"num_speculative_tokens": 3}}

@@ -221,7 +221,8 @@ def pd_engines(arch: str, path: str, draft: str | None, decode_blocks: int):
     return engine("PrefillOnly", 256, 9), engine("DecodeOnly", decode_blocks, 11)
 
 
-@pytest.mark.parametrize("arch, kind", [(arch, "self") for arch in ARCHITECTURES] + [("llama", "small")])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("kind", ["self", "small", "wrong"])
 def test_prefill_ships_draft_kv_and_decode_speculates_exactly(arch, kind, tiny_checkpoint, drafts, references):
     """P/D in one process: a prefill engine prefills target and draft in chunks, its blocks (every layer of
     the one cache tensor) are copied into the decode engine's reserved blocks, and the decode engine
@@ -229,8 +230,9 @@ def test_prefill_ships_draft_kv_and_decode_speculates_exactly(arch, kind, tiny_c
     target drafting for itself accepts every draft only if the draft's KV of each prompt arrived."""
     prompts, expected = references(arch)
     prefill, decode = pd_engines(arch, tiny_checkpoint(arch), drafts(arch, kind), decode_blocks=56)
-    num_layers = prefill.hf_config.num_hidden_layers
-    assert prefill.kv_cache.shape[0] == decode.kv_cache.shape[0] == num_layers + (num_layers if kind == "self" else 1)
+    # one tensor: the target's layers, then the draft's (what the transfer ships)
+    num_layers = prefill.hf_config.num_hidden_layers + prefill.draft.num_layers
+    assert prefill.kv_cache.shape[0] == decode.kv_cache.shape[0] == num_layers
     preempted = record_preemptions(SimpleNamespace(engine=decode))
     free_at_start = (prefill.kv_manager.num_free_blocks, decode.kv_manager.num_free_blocks)
     first_tokens = {}
