@@ -160,8 +160,7 @@ class LLMEngine:
             max_total = len(prompt_token_ids) + 1
         seq = Sequence(request_id, list(prompt_token_ids), params, max_total_tokens=max_total,
                        is_prefill_only=prefill_only)
-        # grammar-constrained requests decode one token a step (their matcher cannot take drafts back)
-        seq.speculates = self.speculator is not None and params.structured_output is None and not prefill_only
+        seq.speculates = self.speculator is not None and not prefill_only
         generator = torch.Generator(device=self.device) if params.seed is not None else None
         grammar = self._grammar_matcher(params) if params.structured_output is not None else None
         seq.sampling_state = SequenceSamplingState(

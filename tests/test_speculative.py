@@ -162,23 +162,41 @@ def test_draft_with_another_kv_layout_runs_colocated_and_is_refused_for_pd(tiny_
             LLMEngine(config)
 
 
-def test_structured_output_requests_decode_without_drafts_beside_speculating_ones(tiny_checkpoint, drafts):
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_structured_output_speculates_within_the_grammar(backend, tiny_checkpoint, drafts):
+    """Constrained requests speculate too: drafts walk the grammar (matchers rolled back after), verify rows
+    carry the mask after their drafts, and the output is the one without speculation, valid to the schema."""
     import json
+
+    import jsonschema
 
     from pipeline.protocol.requests import StructuredOutput
 
     path = tiny_checkpoint("llama")
-    llm = speculative_llm(path, drafts("llama", "self"))
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}
-    constrained = SamplingParams(max_tokens=40, temperature=0.0,
-                                 structured_output=StructuredOutput(kind="json", value=json.dumps(schema)))
-    prompts = make_prompts(300, [6, 9], seed=8)
-    outputs = llm.generate(prompts, [constrained, greedy(30)])
-    assert json.loads(outputs[0].text) in ({"ok": True}, {"ok": False})
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]},
+                                                        "maxItems": 3},
+                                               "ok": {"type": "boolean"}},
+              "required": ["name", "tags", "ok"], "additionalProperties": False}
+    constraint = StructuredOutput(kind="json", value=json.dumps(schema), backend=backend)
+    greedy_json = SamplingParams(max_tokens=60, temperature=0.0, structured_output=constraint)
+    sampled_json = SamplingParams(max_tokens=60, temperature=0.8, seed=3, structured_output=constraint)
+    prompts = make_prompts(300, [6, 9, 4], seed=8)
+    params = [greedy_json, sampled_json, greedy(30)]
     plain = LLM(model=path, kv_cache={"page_size": 4, "num_blocks": 256})
-    assert outputs[1].token_ids == plain.generate(prompts[1:], greedy(30))[0].token_ids
-    assert llm.engine.speculator.stats.num_drafts > 0
+    want = plain.generate(prompts, params)
+    for kind in ("self", "truncated"):
+        llm = speculative_llm(path, drafts("llama", kind))
+        got = llm.generate(prompts, params)
+        assert [o.token_ids for o in got[::2]] == [o.token_ids for o in want[::2]]  # greedy rows: identical
+        for out in got[:2]:
+            jsonschema.validate(json.loads(out.text), schema)
+        stats = llm.engine.speculator.stats
+        assert stats.num_drafts > 0 and (kind != "self" or stats.acceptance_rate > 0.5)
+        assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_total_blocks
+        drafts_before = stats.num_draft_tokens
+        assert llm.generate(prompts[:1], greedy_json)[0].token_ids == want[0].token_ids
+        assert stats.num_draft_tokens > drafts_before  # the constrained request alone speculated
 
 
 def test_sampled_tokens_are_distributed_as_without_speculation(tiny_checkpoint, drafts):

@@ -15,11 +15,12 @@ from typing import Callable
 import torch
 
 from kernels import Kernels
-from pipeline.sampler import Sampler, distribution
+from pipeline.sampler import Sampler, apply_bitmask, distribution
 from pipeline.sampling_metadata import SamplingArrays
 from pipeline.scheduler import ScheduledChunk
 from pipeline.speculative.draft import DraftModel
 from pipeline.speculative.flat_batch import TokenRun, build_forward_batch
+from pipeline.speculative.grammar import DraftWalk
 from pipeline.speculative.seeds import DRAFT_STREAM, position_generator
 
 
@@ -71,14 +72,24 @@ class DraftProposer:
         prob_rows: list[list[torch.Tensor | None]] = [[] for _ in speculating]
         logits = self._catch_up(chunks, block_table)  # [len(speculating), vocab]
         active = list(range(len(speculating)))
-        for j in range(max((c.num_lookahead for c in speculating), default=0)):
-            if j > 0:
-                active = [i for i in active if speculating[i].num_lookahead > j]
-                logits = self._feed_back(speculating, active, drafts, block_table)
-            tokens, probs = self._draw(logits, speculating, active, rows, position=j)
-            for local, i in enumerate(active):
-                drafts[i].append(tokens[local])
-                prob_rows[i].append(None if probs is None else probs[local])
+        # structured output: drafts follow the grammar (its matchers walk along and are rolled back)
+        walk = DraftWalk([c.seq.sampling_state.grammar for c in speculating], self.sampler.vocab_size)
+        try:
+            for j in range(max((c.num_lookahead for c in speculating), default=0)):
+                if j > 0:
+                    active = [i for i in active if speculating[i].num_lookahead > j]
+                    logits = self._feed_back(speculating, active, drafts, block_table)
+                masks = walk.mask(active)
+                if masks is not None:
+                    live, bitmask = masks
+                    logits[live] = apply_bitmask(logits[live], bitmask.to(logits.device))
+                tokens, probs = self._draw(logits, speculating, active, rows, position=j)
+                for local, i in enumerate(active):
+                    drafts[i].append(tokens[local])
+                    prob_rows[i].append(None if probs is None else probs[local])
+                    walk.advance(i, tokens[local])
+        finally:
+            walk.rollback()
         probs = None
         if rows is not None and not all(rows.is_greedy):
             zeros = torch.zeros(self.sampler.vocab_size, device=self.device)

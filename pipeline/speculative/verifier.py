@@ -3,8 +3,9 @@ rows to the tokens it emits, with every logits processor applied exactly as with
 
 Row j of a request is processed as the request would be after its first j drafts were accepted:
 penalties count them, bad words and min_tokens see them (each row gets the state it would have had).
-The draft's distribution q only shapes what is proposed, never what is emitted (rejection sampling),
-so it carries temperature / top-k / top-p / min-p but no other processor.
+A grammar-constrained request's row j is masked by what its grammar allows after those drafts. The
+draft's distribution q only shapes what is proposed, never what is emitted (rejection sampling), so it
+carries temperature / top-k / top-p / min-p and the grammar's mask but no other processor.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.sampler import apply_logits_processing, gather_logprobs, sampling_probs
+from pipeline.sampler import apply_bitmask, apply_logits_processing, gather_logprobs, sampling_probs
 from pipeline.sampling_metadata import SequenceSamplingState, build_sampling_metadata
 from pipeline.scheduler import ScheduledChunk
+from pipeline.speculative.grammar import masks_along
 from pipeline.speculative.proposer import DraftProposal
 from pipeline.speculative.rejection_sampler import rejection_sample
 from pipeline.speculative.seeds import VERIFY_STREAM, position_generator
@@ -40,6 +42,7 @@ def verify(logits: torch.Tensor, chunks: list[ScheduledChunk], proposal: DraftPr
         metadata = build_sampling_metadata(states, vocab_size, device)
         if metadata.needs_processing:
             processed = apply_logits_processing(logits, metadata)  # [rows, vocab]
+    processed = _apply_grammars(processed, logits, chunks, proposal, vocab_size)
     target_probs = torch.zeros(1, vocab_size, device=device).expand(len(states), vocab_size)
     if metadata is not None and not metadata.is_all_greedy:
         probs = sampling_probs(processed, metadata)  # [num_random, vocab]
@@ -58,9 +61,25 @@ def verify(logits: torch.Tensor, chunks: list[ScheduledChunk], proposal: DraftPr
     return _with_logprobs(logits, chunks, num_drafts, emitted)
 
 
+def _apply_grammars(processed: torch.Tensor, logits: torch.Tensor, chunks: list[ScheduledChunk],
+                    proposal: DraftProposal, vocab_size: int) -> torch.Tensor:
+    """Grammar masks last, as the sampler applies them: row j of a constrained request allows what its
+    grammar allows after its first j drafts."""
+    first_row = 0
+    for chunk, drafts in zip(chunks, proposal.token_ids):
+        matcher = chunk.seq.sampling_state.grammar
+        if matcher is not None:
+            if processed is logits:
+                processed = logits.clone()  # the raw logits still give the logprobs
+            rows = slice(first_row, first_row + len(drafts) + 1)
+            processed[rows] = apply_bitmask(processed[rows], masks_along(matcher, drafts, vocab_size).to(logits.device))
+        first_row += len(drafts) + 1
+    return processed
+
+
 def _state_after(state: SequenceSamplingState, drafts: list[int]) -> SequenceSamplingState:
-    """``state`` as it would be once ``drafts`` were emitted (no generator or grammar: speculating
-    requests have no grammar, and their draws come from per-position generators)."""
+    """``state`` as it would be once ``drafts`` were emitted (no generator: the draws come from
+    per-position generators; no grammar: its masks are applied by ``_apply_grammars``)."""
     return dataclasses.replace(state, output_token_ids=state.output_token_ids + drafts, generator=None, grammar=None)
 
 

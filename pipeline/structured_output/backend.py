@@ -105,6 +105,15 @@ class GrammarMatcher:
         """Advance by ``token_id``; False if the grammar does not allow it."""
         raise NotImplementedError
 
+    def try_accept(self, token_id: int) -> bool:  # pragma: no cover - abstract
+        """Advance by ``token_id`` if the grammar allows it; otherwise change nothing and return False
+        (speculative decoding walks drafts that may break the grammar)."""
+        raise NotImplementedError
+
+    def rollback(self, num_tokens: int) -> None:  # pragma: no cover - abstract
+        """Undo the last ``num_tokens`` accepted tokens."""
+        raise NotImplementedError
+
     @property
     def is_finished(self) -> bool:  # pragma: no cover - abstract
         """The grammar is complete and allows nothing more (the request stops here)."""
@@ -157,6 +166,12 @@ class _LLGuidanceMatcher(GrammarMatcher):
 
     def accept(self, token_id: int) -> bool:
         return bool(self._matcher.consume_token(token_id))
+
+    def try_accept(self, token_id: int) -> bool:
+        return self._matcher.try_consume_tokens([token_id]) == 1  # consume_token would enter an error state
+
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
 
     @property
     def is_finished(self) -> bool:
@@ -215,6 +230,12 @@ class _XGrammarMatcher(GrammarMatcher):
 
     def accept(self, token_id: int) -> bool:
         return bool(self._matcher.accept_token(token_id))
+
+    def try_accept(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))  # a refused token leaves the state as it was
+
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
 
     @property
     def is_finished(self) -> bool:

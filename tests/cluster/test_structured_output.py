@@ -1,6 +1,7 @@
 """Structured output through the cluster with the official openai client: response_format (and its
-pydantic `parse` helper) on colocated and 1P1D, where the prefill worker samples the first token
-under the mask and the decode worker continues the same grammar; bad constraints are 400s."""
+pydantic `parse` helper) on colocated and 1P1D (also with overlap, and speculating), where the prefill
+worker samples the first token under the mask and the decode worker continues the same grammar; bad
+constraints are 400s."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", 
     "tags": {"type": "array", "items": {"enum": ["old", "new"]}, "maxItems": 2}}}
 SHAPES = {"colocated": dict(num_prefill=0, num_decode=0, num_colocated=1),
           "1p1d": dict(num_prefill=1, num_decode=1),
-          "1p1d-overlap": dict(num_prefill=1, num_decode=1, config={"enable_overlap_scheduler": True})}
+          "1p1d-overlap": dict(num_prefill=1, num_decode=1, config={"enable_overlap_scheduler": True}),
+          # constrained requests speculate: the target drafts for itself within the grammar
+          "1p1d-speculative": dict(num_prefill=1, num_decode=1, config={"speculative": {"num_speculative_tokens": 3}})}
 
 
 class Answer(BaseModel):
@@ -35,6 +38,7 @@ class Answer(BaseModel):
 @pytest.fixture(scope="module", params=list(SHAPES))
 def cluster(request, tiny_checkpoint, tmp_path_factory):
     c = start_cluster(tiny_checkpoint("llama"), tmp_path_factory.mktemp(f"so-{request.param}"), **SHAPES[request.param])
+    c.engine_config = SHAPES[request.param].get("config", {})  # what an offline engine must match
     try:
         yield c
     finally:
@@ -76,12 +80,14 @@ def test_every_fuzzed_schema_greedy_and_sampled(client, name, backend):
         jsonschema.validate(json.loads(out.choices[0].text), SCHEMAS[name])
 
 
-def test_a_seeded_constrained_request_matches_the_offline_engine(client, tiny_checkpoint, hf_reference):
-    """The same tokens whether one process decodes it or a prefill worker samples the first token."""
+def test_a_seeded_constrained_request_matches_the_offline_engine(cluster, client, tiny_checkpoint, hf_reference):
+    """The same tokens whether one process decodes it or a prefill worker samples the first token (an
+    engine configured alike: speculation draws its samples differently, from the same distribution)."""
     tokenizer = hf_reference(tiny_checkpoint("llama"))[1]
     prompt_ids = tokenizer("Tell me")["input_ids"]
     spec = StructuredOutput(kind="json", value=json.dumps(SCHEMAS["array_enum"]))
-    offline = LLM(model=tiny_checkpoint("llama"), kv_cache={"page_size": 4, "num_blocks": 128}).generate(
+    offline = LLM(model=tiny_checkpoint("llama"), kv_cache={"page_size": 4, "num_blocks": 128},
+                  **cluster.engine_config).generate(
         [prompt_ids], SamplingParams(max_tokens=200, temperature=1.0, seed=21, structured_output=spec))[0]
     model = client.models.list().data[0].id
     out = client.completions.create(model=model, prompt=prompt_ids, max_tokens=200, temperature=1.0, seed=21,
