@@ -104,7 +104,7 @@ def test_the_openai_parse_helper_with_a_pydantic_model(client):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, ""),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, "Invalid type: bogus"),
     ({"structured_outputs": {"regex": "[a-z"}}, "regex"),
     ({"structured_outputs": {"json": {"type": "object"}, "backend": "nope"}}, "unknown backend"),
     ({"structured_outputs": {"grammar": "root ::= undefined", "backend": "xgrammar"}}, "undefined"),
