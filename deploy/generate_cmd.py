@@ -77,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         with tqdm(total=len(prompts), desc="generate", unit="req", disable=args.no_progress, file=sys.stderr) as bar:
             results = llm.generate(prompts, params_list, on_finished=lambda _: bar.update(1))
+        if llm.engine.speculator is not None:
+            stats = llm.engine.speculator.stats
+            print(f"speculative decoding: {stats.num_accepted_tokens} of {stats.num_draft_tokens} draft tokens "
+                  f"accepted ({stats.acceptance_rate:.0%}), {stats.mean_acceptance_length:.2f} tokens per verify",
+                  file=sys.stderr)
         for item, result in zip(requests, results):
             record = {"prompt": item.get("prompt"), "text": result.text, "token_ids": result.token_ids,
                       "finish_reason": result.finish_reason}

@@ -157,6 +157,17 @@ def test_cli_generate_jsonl_roundtrip(tmp_path, tiny_checkpoint):
     assert rows[0]["finish_reason"] == "length"
 
 
+def test_cli_generate_with_a_draft_model_reports_acceptance(tmp_path, tiny_checkpoint):
+    plain = run_cli("generate", "--model", tiny_checkpoint("llama"), "Hello", "--max-tokens", "12", "--temperature",
+                    "0", "--ignore-eos", "--kv-cache-num-blocks", "64", "--no-progress")
+    speculative = run_cli("generate", "--model", tiny_checkpoint("llama"), "Hello", "--max-tokens", "12",
+                          "--temperature", "0", "--ignore-eos", "--kv-cache-num-blocks", "64", "--no-progress",
+                          "--speculative-num-speculative-tokens", "3")  # no draft path: the target drafts for itself
+    assert plain.returncode == speculative.returncode == 0, speculative.stderr
+    assert json.loads(speculative.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    assert "draft tokens accepted (100%)" in speculative.stderr and "speculative" not in plain.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
