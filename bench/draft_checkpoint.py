@@ -1,5 +1,6 @@
 """Draft checkpoints made from a target checkpoint: its first N layers (a truncated-layer copy, which
-agrees with the target often: the benchmark's high-acceptance pair) or an always-wrong copy."""
+agrees with the target often: the benchmark's high-acceptance pair) or an always-wrong copy; and the
+benchmark's way to make a random target refine in its late layers (``scale_late_layers``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from safetensors.torch import save_file
 from pipeline.weights import iter_safetensors, load_hf_config
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_RESIDUAL_OUT = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn\.o_proj|mlp\.down_proj)\.weight$")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
@@ -35,6 +37,24 @@ def always_wrong_copy(target: str | Path, draft: str | Path) -> Path:
     weights = {name: (torch.zeros_like(tensor) if "embed_tokens" in name or "lm_head" in name else tensor).contiguous()
                for name, tensor in iter_safetensors(target)}
     return _write(target, draft, weights)
+
+
+def scale_late_layers(path: Path, scale: float, first_scaled: int = 1) -> int:
+    """Multiply the residual-stream outputs (o_proj, down_proj) of layers >= ``first_scaled`` by ``scale``
+    in place; returns how many tensors changed."""
+    from pipeline.weights import weight_files
+
+    files = weight_files(path)
+    if len(files) != 1:
+        raise SystemExit(f"{path}: expected one safetensors file, found {len(files)}")
+    weights, num_scaled = {}, 0
+    for name, tensor in iter_safetensors(path):
+        match = _RESIDUAL_OUT.search(name)
+        if match is not None and int(match.group(1)) >= first_scaled:
+            tensor, num_scaled = tensor * scale, num_scaled + 1
+        weights[name] = tensor.contiguous()
+    save_file(weights, str(files[0]), metadata={"format": "pt"})
+    return num_scaled
 
 
 def _write(target: str | Path, draft: str | Path, weights: dict[str, torch.Tensor], **config_changes) -> Path:

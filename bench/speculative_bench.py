@@ -69,7 +69,6 @@ import argparse
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -81,6 +80,7 @@ import torch
 
 from bench.offline_throughput import _loadavg, machine_info, write_report
 from bench.overlap_bench import timed_methods
+from bench.speculative_costs import add_predictions, measure_costs, ordinary_tokens
 
 PAGE_SIZE = 16
 DRAFT_LAYERS = 1  # measured against 2 on the default target: see the docstring
@@ -92,7 +92,6 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 # Timed inside each run: the whole step, and in a speculative step the draft's proposal and the target's verify.
 STEP_PATHS = {"step": "engine.step"}
 SPEC_PATHS = {"propose": "engine.speculator.proposer.propose", "verify_forward": "engine.speculator._verify_forward"}
-_RESIDUAL_OUT = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn\.o_proj|mlp\.down_proj)\.weight$")
 
 
 def mode_name(k: int) -> str:
@@ -111,29 +110,9 @@ def model_config(args) -> dict:
     )
 
 
-def scale_late_layers(path: Path, scale: float, first_scaled: int = 1) -> int:
-    """Multiply the residual-stream outputs (o_proj, down_proj) of layers >= ``first_scaled`` by ``scale``
-    in place; returns how many tensors changed."""
-    from safetensors.torch import save_file
-
-    from pipeline.weights import iter_safetensors, weight_files
-
-    files = weight_files(path)
-    if len(files) != 1:
-        raise SystemExit(f"{path}: expected one safetensors file, found {len(files)}")
-    weights, num_scaled = {}, 0
-    for name, tensor in iter_safetensors(path):
-        match = _RESIDUAL_OUT.search(name)
-        if match is not None and int(match.group(1)) >= first_scaled:
-            tensor, num_scaled = tensor * scale, num_scaled + 1
-        weights[name] = tensor.contiguous()
-    save_file(weights, str(files[0]), metadata={"format": "pt"})
-    return num_scaled
-
-
 def build_models(args, tmp: Path) -> tuple[str, str, dict]:
     """(target path, draft path, how they were made)."""
-    from bench.draft_checkpoint import truncated_copy
+    from bench.draft_checkpoint import scale_late_layers, truncated_copy
 
     info = dict(late_layer_scale=None, scaled_tensors=0)
     target = args.model
@@ -159,11 +138,6 @@ def make_llm(target: str, draft: str, k: int, args):
     return LLM(model=target, model_config={"dtype": "float32", "device": "cpu"}, kernel_backend="torch",
                max_batch_size=batch, max_batch_input_tokens=args.max_batch_input_tokens,
                kv_cache={"page_size": PAGE_SIZE, "num_blocks": batch * -(-tokens // PAGE_SIZE) + 2}, **speculative)
-
-
-def ordinary_tokens(llm) -> list[int]:
-    specials = set(llm.tokenizer.all_special_ids)
-    return [t for t in range(llm.engine.vocab_size) if t not in specials]
 
 
 def make_prompts(llm, batch_size: int, args) -> list[list[int]]:
@@ -291,82 +265,6 @@ def measure_throughput(llms: dict[int, object], batch_size: int, args) -> dict:
     result.update(speculative=speculative, outputs_identical=num_identical == num_runs,
                   num_runs_identical=num_identical, num_runs=num_runs)
     return result
-
-
-# -------------------------------------------------------------------------------------------- costs
-def _forward(model, kv_cache, kernels, batch) -> torch.Tensor:
-    hidden = model(batch, kv_cache, kernels)  # [num_tokens, hidden]
-    return model.compute_logits(hidden[batch.logits_indices]).float()  # [rows, vocab]
-
-
-@torch.inference_mode()
-def measure_costs(llm, batch_size: int, args) -> dict:
-    """Median ms of one target forward with 1 and K + 1 tokens per sequence, and of one 1-token draft forward,
-    for ``batch_size`` sequences after a prefilled ``--cost-context-len``-token context (``llm`` speculates)."""
-    from pipeline.speculative.flat_batch import TokenRun, build_forward_batch
-
-    engine = llm.engine
-    runner, proposer = engine.runner, engine.speculator.proposer
-    models = {"target": (runner.model, runner.kv_cache), "draft": (proposer.draft.model, proposer.kv_cache)}
-    rng = random.Random(args.seed + 1000 + batch_size)
-    ordinary = ordinary_tokens(llm)
-    context = args.cost_context_len
-    ids = [f"spec-bench-cost-{i}" for i in range(batch_size)]
-    engine.kv_manager.reset_prefix_cache()
-    try:
-        tables = []
-        for seq_id in ids:
-            if engine.kv_manager.allocate(seq_id, [], context + max(args.ks) + 1) is None:
-                raise RuntimeError("the KV pool cannot hold the cost measurement's sequences")
-            tables.append(engine.kv_manager.block_table(seq_id))
-        contexts = [[rng.choice(ordinary) for _ in range(context)] for _ in ids]
-        for model, kv_cache in models.values():  # both models' KV of the context, as after a prefill
-            runs = [TokenRun(c, 0, table) for c, table in zip(contexts, tables)]
-            _forward(model, kv_cache, runner.kernels,
-                     build_forward_batch(runs, [context * (i + 1) - 1 for i in range(len(runs))], runner.page_size,
-                                         runner.device))
-
-        def batch_of(num_tokens: int):
-            runs = [TokenRun([rng.choice(ordinary) for _ in range(num_tokens)], context, table) for table in tables]
-            return build_forward_batch(runs, list(range(batch_size * num_tokens)), runner.page_size, runner.device)
-
-        calls = {"target_1": ("target", batch_of(1)), "draft_1": ("draft", batch_of(1))}
-        for k in args.ks:
-            calls[f"target_{k + 1}"] = ("target", batch_of(k + 1))
-        samples = {name: [] for name in calls}
-        names = list(calls)
-        for rep in range(2 + args.cost_reps):  # two untimed rounds first
-            for name in (names if rep % 2 == 0 else list(reversed(names))):
-                model, kv_cache = models[calls[name][0]]
-                start = time.perf_counter()
-                _forward(model, kv_cache, runner.kernels, calls[name][1])
-                if rep >= 2:
-                    samples[name].append(1e3 * (time.perf_counter() - start))
-    finally:
-        for seq_id in ids:
-            engine.kv_manager.free(seq_id)
-    ms = {name: statistics.median(values) for name, values in samples.items()}
-    return dict(
-        context_len=context, reps=args.cost_reps, median_ms=ms,
-        p90_ms={name: _p90(values) for name, values in samples.items()},
-        draft_step_ratio=ms["draft_1"] / ms["target_1"],
-        verify_cost_ratio={str(k): ms[f"target_{k + 1}"] / ms["target_1"] for k in args.ks},
-    )
-
-
-def _p90(values: list[float]) -> float:
-    return statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0]
-
-
-def add_predictions(result: dict) -> None:
-    """The simple model's speedup beside the measured one, for each K of ``result``."""
-    costs = result["costs"]
-    for spec in result["speculative"]:
-        k = spec["num_speculative_tokens"]
-        step_cost = k * costs["draft_step_ratio"] + costs["verify_cost_ratio"][str(k)]  # in target decode steps
-        spec.update(verify_cost_ratio=costs["verify_cost_ratio"][str(k)], predicted_step_cost=step_cost,
-                    predicted_speedup=spec["acceptance"]["mean_acceptance_length"] / step_cost,
-                    measured_speedup=spec["ratio_on_off"])
 
 
 # ------------------------------------------------------------------------------------------- report

@@ -16,9 +16,9 @@ import torch
 from kernels import load_kernels
 from pipeline.builtin_model import BUILTIN_NOTICE, builtin_model_path
 from pipeline.config import PipelineConfig
-from pipeline.kv_cache import KVCacheManager
 from pipeline.execution_stream import ExecutionStream
-from pipeline.model_runner import TORCH_DTYPES, ModelRunner, bytes_per_block, determine_num_blocks, kv_cache_shape
+from pipeline.kv_pool import build_kv_pool
+from pipeline.model_runner import TORCH_DTYPES, ModelRunner
 from pipeline.output_processor import OutputProcessor
 from pipeline.overlap import InFlightStep, needs_host_tokens
 from pipeline.protocol import CompletionOutput, FinishReason, SamplingParams
@@ -73,13 +73,9 @@ class LLMEngine:
 
         self.draft = self._load_draft() if config.is_speculative else None
         num_lookahead = config.speculative.num_speculative_tokens
-        page_size = config.kv_cache.page_size
-        max_useful = config.max_batch_size * -(-(self.max_length + num_lookahead) // page_size) + 1
-        draft_bytes = bytes_per_block(self.draft.hf_config, page_size, self.dtype) if self.draft else 0
-        num_blocks = determine_num_blocks(config.kv_cache, self.hf_config, self.dtype, self.device, max_useful,
-                                          extra_bytes_per_block=draft_bytes)
-        self.kv_manager = KVCacheManager(num_blocks, page_size, config.kv_cache.enable_prefix_caching)
-        self.kv_cache, self.draft_kv_cache = self._allocate_kv_caches(num_blocks, page_size, kv_cache_allocator)
+        pool = build_kv_pool(config, self.hf_config, self.draft, self.max_length, self.dtype, self.device,
+                             kv_cache_allocator)
+        self.kv_manager, self.kv_cache, self.draft_kv_cache = pool.manager, pool.kv_cache, pool.draft_kv_cache
         self.scheduler = Scheduler(
             self.kv_manager,
             max_batch_size=config.max_batch_size,
@@ -111,7 +107,7 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, kernels=%s",
-            model_path, self.device, self.dtype, num_blocks, page_size, self.kernels.name,
+            model_path, self.device, self.dtype, pool.num_blocks, config.kv_cache.page_size, self.kernels.name,
         )
 
     def _load_draft(self):
@@ -119,21 +115,6 @@ class LLMEngine:
 
         return load_draft_model(self.config.draft_model.model_path, self.model_path, self.model, self.hf_config,
                                 self.tokenizer, self.dtype, self.device)
-
-    def _allocate_kv_caches(self, num_blocks: int, page_size: int, allocator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the KV cache, the draft's KV cache or None); ``allocator`` places the one a transfer reads."""
-        def allocate(shape):
-            if allocator is None:
-                return torch.zeros(shape, dtype=self.dtype, device=self.device)
-            return allocator(shape, self.dtype, self.device)
-
-        shape = kv_cache_shape(self.hf_config, num_blocks, page_size)
-        if self.draft is None:
-            return allocate(shape), None
-        from pipeline.speculative.draft import allocate_kv_caches
-
-        return allocate_kv_caches(shape, kv_cache_shape(self.draft.hf_config, num_blocks, page_size), allocate,
-                                  self.config.pipeline_role)
 
     def model_fingerprint(self) -> str:
         """Which weights this worker's KV comes from (target, and draft when speculating): P/D peers must agree."""
@@ -233,16 +214,8 @@ class LLMEngine:
             num_used_blocks=self.kv_manager.num_used_blocks,
             num_total_blocks=self.kv_manager.num_total_blocks,
             **transfer_counters,
-            **self._spec_counters(),
+            **(self.speculator.stats.load_fields() if self.speculator is not None else {}),
         )
-
-    def _spec_counters(self) -> dict:
-        if self.speculator is None:
-            return {}
-        stats = self.speculator.stats
-        return dict(spec_num_drafts=stats.num_drafts, spec_num_draft_tokens=stats.num_draft_tokens,
-                    spec_num_accepted_tokens=stats.num_accepted_tokens,
-                    spec_accepted_per_position=list(stats.accepted_per_position))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._in_flight is not None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -29,3 +30,14 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return self.context_lens.numel()
+
+
+def flat_token_layout(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Chunks of ``lengths[i]`` tokens starting at position ``starts[i]`` (int64 arrays), laid out flat:
+    (chunk of each token [num_tokens], position of each token [num_tokens], cu_seqlens [num_chunks + 1]
+    int32, context_lens [num_chunks] int32)."""
+    cu = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    token_chunk = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    positions = starts[token_chunk] + np.arange(cu[-1], dtype=np.int64) - cu[:-1][token_chunk]
+    return token_chunk, positions, cu.astype(np.int32), (starts + lengths).astype(np.int32)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.forward_batch import flat_token_layout
 from pipeline.sampling_metadata import SamplingArrays
 from pipeline.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 
@@ -210,15 +211,9 @@ class SequenceBuffer:
             cu_seqlens = np.arange(num_chunks + 1, dtype=np.int32)
             context_lens = starts_a + 1
         else:
-            lengths_a = np.asarray(lengths, dtype=np.int64)
-            cu = np.zeros(num_chunks + 1, dtype=np.int64)
-            np.cumsum(lengths_a, out=cu[1:])
-            token_chunk = np.repeat(np.arange(num_chunks, dtype=np.int64), lengths_a)
-            # position of each token: its chunk's start plus its offset inside the chunk
-            positions = starts_a[token_chunk] + np.arange(cu[-1], dtype=np.int64) - cu[:-1][token_chunk]
+            token_chunk, positions, cu_seqlens, context_lens = flat_token_layout(
+                starts_a, np.asarray(lengths, dtype=np.int64))
             token_rows = rows_a[token_chunk]
-            cu_seqlens = cu.astype(np.int32)
-            context_lens = starts_a + lengths_a
         page_size = self.page_size
         slot_mapping = self.block_table[token_rows, positions // page_size].astype(np.int64) * page_size \
             + positions % page_size

@@ -7,11 +7,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from pipeline import LLM, SamplingParams
 from pipeline.builtin_model import build_checkpoint
 from pipeline.checkpoint_errors import CheckpointError
 from pipeline.config import ConfigError
+from tests.chi_square import assert_same_distribution
 from tests.conftest import ARCHITECTURES, TINY_CONFIGS, assert_no_leaks
 from tests.test_engine_exactness import NUM_NEW_TOKENS, make_prompts, record_preemptions
 from tests.test_engine_exactness import references  # noqa: F401 (a fixture: transformers' greedy outputs)
@@ -216,13 +218,8 @@ def test_sampled_tokens_are_distributed_as_without_speculation(tiny_checkpoint, 
     stats = llm.engine.speculator.stats
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     cells = [c for c in set(counts[0]) | set(counts[1]) if counts[0][c] + counts[1][c] >= 10]
-    statistic = sum((counts[0][c] - counts[1][c]) ** 2 / (counts[0][c] + counts[1][c]) for c in cells)
-    assert len(cells) >= 5 and statistic < chi_square_critical(len(cells) - 1), (statistic, counts)
-
-
-def chi_square_critical(df: int, z: float = 3.0902) -> float:
-    """The chi-square quantile at 1 - 0.001 (z: the normal's), by Wilson and Hilferty's approximation."""
-    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+    assert len(cells) >= 5
+    assert_same_distribution(*(torch.tensor([float(side[c]) for c in cells]) for side in counts))
 
 
 def pd_engines(arch: str, path: str, draft: str | None, decode_blocks: int):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.forward_batch import ForwardBatch
+from pipeline.forward_batch import ForwardBatch, flat_token_layout
 
 
 @dataclass
@@ -25,17 +25,13 @@ def build_forward_batch(runs: list[TokenRun], logits_rows: list[int], page_size:
     """One flat batch over ``runs`` (each non-empty); ``logits_rows``: flat token indices whose logits are needed."""
     lengths = np.array([len(run.token_ids) for run in runs], dtype=np.int64)  # [num_runs]
     starts = np.array([run.start for run in runs], dtype=np.int64)  # [num_runs]
-    cu = np.zeros(len(runs) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=cu[1:])
-    run_of_token = np.repeat(np.arange(len(runs)), lengths)  # [num_tokens]
-    positions = starts[run_of_token] + np.arange(cu[-1]) - cu[:-1][run_of_token]  # [num_tokens]
-    context_lens = starts + lengths  # [num_runs]
+    run_of_token, positions, cu_seqlens, context_lens = flat_token_layout(starts, lengths)
     width = max(len(run.block_table) for run in runs)
     block_tables = np.zeros((len(runs), width), dtype=np.int32)  # [num_runs, width], padded with 0
     for i, run in enumerate(runs):
         block_tables[i, :len(run.block_table)] = run.block_table
     block_of_token = block_tables[run_of_token, positions // page_size].astype(np.int64)
-    input_ids = np.fromiter((t for run in runs for t in run.token_ids), dtype=np.int64, count=int(cu[-1]))
+    input_ids = np.fromiter((t for run in runs for t in run.token_ids), dtype=np.int64, count=len(positions))
 
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
@@ -43,8 +39,8 @@ def build_forward_batch(runs: list[TokenRun], logits_rows: list[int], page_size:
     return ForwardBatch(
         input_ids=tensor(input_ids),
         positions=tensor(positions),
-        cu_seqlens_q=tensor(cu.astype(np.int32)),
-        context_lens=tensor(context_lens.astype(np.int32)),
+        cu_seqlens_q=tensor(cu_seqlens),
+        context_lens=tensor(context_lens),
         slot_mapping=tensor(block_of_token * page_size + positions % page_size),
         block_tables=tensor(block_tables),
         logits_indices=tensor(np.asarray(logits_rows, dtype=np.int64)),

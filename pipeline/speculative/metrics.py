@@ -36,6 +36,12 @@ class SpecDecodeStats:
         """Tokens emitted per verify step of a request (1 = nothing accepted, K + 1 = everything)."""
         return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    def load_fields(self) -> dict:
+        """The counters as ``WorkerLoad`` fields (the router exports them on /metrics)."""
+        return dict(spec_num_drafts=self.num_drafts, spec_num_draft_tokens=self.num_draft_tokens,
+                    spec_num_accepted_tokens=self.num_accepted_tokens,
+                    spec_accepted_per_position=list(self.accepted_per_position))
+
     def as_dict(self) -> dict:
         return {
             "num_speculative_tokens": self.num_speculative_tokens,

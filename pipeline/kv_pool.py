@@ -1,0 +1,51 @@
+"""An engine's KV pool: how many blocks fit (the draft's KV counted), the block manager, and the cache
+tensor(s), placed by the caller's allocator (e.g. in shared memory for the same-host transfer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pipeline.config import PipelineConfig
+from pipeline.kv_cache import KVCacheManager
+from pipeline.model_runner import bytes_per_block, determine_num_blocks, kv_cache_shape
+
+
+@dataclass
+class KVPool:
+    manager: KVCacheManager
+    kv_cache: torch.Tensor  # [layers, 2, num_blocks, page_size, kv_heads, head_dim] (the draft's layers last)
+    draft_kv_cache: torch.Tensor | None  # the draft's view of ``kv_cache``, a tensor of its own, or None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.manager.num_total_blocks
+
+
+def build_kv_pool(config: PipelineConfig, hf_config, draft, max_length: int, dtype: torch.dtype, device: str,
+                  allocator: Callable | None = None) -> KVPool:
+    """``allocator(shape, dtype, device)`` places the cache a transfer reads; default: a zeroed tensor."""
+    page_size = config.kv_cache.page_size
+    num_lookahead = config.speculative.num_speculative_tokens
+    max_useful = config.max_batch_size * -(-(max_length + num_lookahead) // page_size) + 1
+    draft_bytes = bytes_per_block(draft.hf_config, page_size, dtype) if draft is not None else 0
+    num_blocks = determine_num_blocks(config.kv_cache, hf_config, dtype, device, max_useful,
+                                      extra_bytes_per_block=draft_bytes)
+
+    def allocate(shape):
+        if allocator is None:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return allocator(shape, dtype, device)
+
+    shape = kv_cache_shape(hf_config, num_blocks, page_size)
+    if draft is None:
+        kv_cache, draft_kv_cache = allocate(shape), None
+    else:
+        from pipeline.speculative.draft import allocate_kv_caches
+
+        kv_cache, draft_kv_cache = allocate_kv_caches(shape, kv_cache_shape(draft.hf_config, num_blocks, page_size),
+                                                      allocate, config.pipeline_role)
+    manager = KVCacheManager(num_blocks, page_size, config.kv_cache.enable_prefix_caching)
+    return KVPool(manager, kv_cache, draft_kv_cache)
