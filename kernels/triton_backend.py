@@ -7,6 +7,7 @@ without a GPU the kernels run only under ``TRITON_INTERPRET=1``, set before this
 from __future__ import annotations
 
 from kernels import Kernels
+from kernels.activation_ref import silu_and_mul_ref
 from kernels.triton_kv_pack import pack_kv_blocks_triton, unpack_kv_blocks_triton
 from kernels.triton_kv_store import store_kv_triton
 from kernels.triton_norm_rope import apply_rotary_triton, rms_norm_triton
@@ -20,4 +21,5 @@ TRITON_KERNELS = Kernels(
     apply_rotary=apply_rotary_triton,
     pack_kv_blocks=pack_kv_blocks_triton,
     unpack_kv_blocks=unpack_kv_blocks_triton,
+    silu_and_mul=silu_and_mul_ref,  # one elementwise op torch already runs as one kernel on the GPU
 )

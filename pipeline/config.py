@@ -44,6 +44,9 @@ class ModelConfig(_Section):
         "auto", description="weights and KV cache dtype; auto = float32 on CPU, bfloat16 on GPU")
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")
     seed: int = Field(0, ge=0, description="seed of the global generator (unseeded requests)")
+    cpu_weight_prepack: bool = Field(
+        True, description="CPU: keep a copy of every linear weight packed for oneDNN, used for batches of 2-256 "
+        "rows, where it is faster than the checkpoint layout (doubles the weights' memory)")
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -146,8 +149,9 @@ class PipelineConfig(_Section):
         30.0, ge=0.0, description="on SIGTERM a router or worker stops admitting and gives in-flight requests this long")
     step_stall_timeout_s: float = Field(
         300.0, gt=0.0, description="a worker whose one engine step runs longer exits (its launcher restarts it)")
-    kernel_backend: Literal["torch", "triton", "auto"] = Field(
-        "auto", description="auto = triton on CUDA, torch on CPU (env: TANDEM_KERNEL_BACKEND)")
+    kernel_backend: Literal["torch", "cpu", "triton", "auto"] = Field(
+        "auto", description="auto = triton on CUDA, cpu (the native CPU kernels, torch references where they "
+        "do not apply) on CPU; torch = the references alone (env: TANDEM_KERNEL_BACKEND)")
     cpu_cores: str | None = Field(
         None, description="CPU cores a worker (or the router) may run on, Linux list syntax '0-3,6' (as taskset -c); "
         "None = as started. tandem up: the pool it splits among its workers")

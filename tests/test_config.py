@@ -43,7 +43,7 @@ def test_toml_file(tmp_path):
         ({"kv_cache": {"page_size": -1}}, "kv_cache.page_size: Input should be greater than or equal to 1"),
         ({"max_batch_sise": 3}, "max_batch_sise: unknown field; known fields here:"),
         ({"kv_cache": {"pages": 3}}, "kv_cache.pages: unknown field; known fields here: cpu_kv_cache_gib"),
-        ({"kernel_backend": "cuda"}, "kernel_backend: Input should be 'torch', 'triton' or 'auto'"),
+        ({"kernel_backend": "cuda"}, "kernel_backend: Input should be 'torch', 'cpu', 'triton' or 'auto'"),
     ],
 )
 def test_invalid_values_name_the_field_and_range(data, expected):

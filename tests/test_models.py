@@ -19,7 +19,7 @@ from pipeline.forward_batch import ForwardBatch
 from pipeline.models.registry import SUPPORTED_ARCHITECTURES
 from pipeline.weights import CheckpointError, iter_safetensors, load_model
 
-KERNELS = load_kernels("torch")
+KERNELS = {name: load_kernels(name) for name in ("torch", "cpu")}  # the references, and the native CPU set
 PAGE_SIZE = 4
 ATOL = 1e-4
 
@@ -64,9 +64,9 @@ class PagedSequences:
         )
 
 
-def run_logits(model, paged: PagedSequences, new_tokens: list[list[int]]) -> torch.Tensor:
+def run_logits(model, paged: PagedSequences, new_tokens: list[list[int]], backend: str = "torch") -> torch.Tensor:
     with torch.inference_mode():
-        hidden = model(paged.step(new_tokens), paged.kv_cache, KERNELS)  # [num_tokens, hidden]
+        hidden = model(paged.step(new_tokens), paged.kv_cache, KERNELS[backend])  # [num_tokens, hidden]
         return model.compute_logits(hidden)  # [num_tokens, vocab]
 
 
@@ -81,26 +81,28 @@ def random_tokens(vocab_size: int, n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def loaded(tiny_checkpoint, hf_reference):
-    """``loaded(arch)`` -> (our fp32 model, hf_config, transformers model), cached per architecture."""
-    cache: dict[str, tuple] = {}
+    """``loaded(arch, backend)`` -> (our fp32 model prepared for ``backend``, hf_config, transformers model)."""
+    cache: dict[tuple[str, str], tuple] = {}
 
-    def get(arch: str):
-        if arch not in cache:
+    def get(arch: str, backend: str = "torch"):
+        if (arch, backend) not in cache:
             path = tiny_checkpoint(arch)
             model, hf_config = load_model(path, torch.float32, "cpu")
-            cache[arch] = (model, hf_config, hf_reference(path)[0])
-        return cache[arch]
+            KERNELS[backend].prepare_model(model)
+            cache[arch, backend] = (model, hf_config, hf_reference(path)[0])
+        return cache[arch, backend]
 
     return get
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_single_prefill_matches_transformers(loaded, arch):
-    model, hf_config, hf_model = loaded(arch)
+def test_single_prefill_matches_transformers(loaded, arch, backend):
+    model, hf_config, hf_model = loaded(arch, backend)
     tokens = random_tokens(hf_config.vocab_size, 21, seed=1)
     paged = PagedSequences(model, num_seqs=1, max_len=len(tokens))
 
-    logits = run_logits(model, paged, [tokens])
+    logits = run_logits(model, paged, [tokens], backend)
     expected = hf_logits(hf_model, tokens)
 
     assert logits.dtype == torch.float32 and logits.shape == (21, hf_config.vocab_size)
@@ -108,10 +110,11 @@ def test_single_prefill_matches_transformers(loaded, arch):
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))  # greedy decoding is token-exact
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_batch_over_cached_prefix_matches_transformers(loaded, arch):
+def test_batch_over_cached_prefix_matches_transformers(loaded, arch, backend):
     """Prefill three sequences together, continue them over their cached prefixes, then one decode step."""
-    model, hf_config, hf_model = loaded(arch)
+    model, hf_config, hf_model = loaded(arch, backend)
     prefix_lens, continue_lens = [9, 14, 5], [3, 1, 4]
     full = [random_tokens(hf_config.vocab_size, p + c + 1, seed=10 + i)
             for i, (p, c) in enumerate(zip(prefix_lens, continue_lens))]
@@ -122,7 +125,7 @@ def test_batch_over_cached_prefix_matches_transformers(loaded, arch):
         [seq[p : p + c] for seq, p, c in zip(full, prefix_lens, continue_lens)],
         [seq[-1:] for seq in full],  # decode: one token per sequence
     ]
-    got = [run_logits(model, paged, step) for step in steps]
+    got = [run_logits(model, paged, step, backend) for step in steps]
 
     for i, seq in enumerate(full):
         expected = hf_logits(hf_model, seq)  # [len, vocab]
@@ -141,16 +144,19 @@ def test_batch_over_cached_prefix_matches_transformers(loaded, arch):
         ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1), [None, 5]),
     ],
 )
-def test_sliding_window_matches_transformers(tmp_path, hf_reference, arch, overrides, windows):
+@pytest.mark.parametrize("backend", KERNELS)
+def test_sliding_window_matches_transformers(tmp_path, hf_reference, arch, overrides, windows, backend):
     settings = {**TINY_CONFIGS[arch], **overrides}
     path = str(build_checkpoint(tmp_path / arch, arch, **settings))
     model, hf_config = load_model(path, torch.float32, "cpu")
+    KERNELS[backend].prepare_model(model)
     assert [layer.self_attn.sliding_window for layer in model.model.layers] == windows
     hf_model = hf_reference(path)[0]
     tokens = random_tokens(hf_config.vocab_size, 18, seed=3)
     paged = PagedSequences(model, num_seqs=1, max_len=len(tokens))
 
-    logits = torch.cat([run_logits(model, paged, [tokens[:15]]), run_logits(model, paged, [tokens[15:]])])
+    logits = torch.cat([run_logits(model, paged, [tokens[:15]], backend),
+                        run_logits(model, paged, [tokens[15:]], backend)])
 
     torch.testing.assert_close(logits, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)
 
@@ -185,6 +191,28 @@ def test_bf16_checkpoint_is_cast_to_the_requested_dtype(llama_copy):
     on_disk = dict(iter_safetensors(llama_copy))
     assert on_disk["model.norm.weight"].dtype == torch.bfloat16
     assert torch.equal(model.model.norm.weight, on_disk["model.norm.weight"].float())
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_is_as_close_to_transformers_bf16_as_bf16_is_to_fp32(tiny_checkpoint, hf_reference, arch, backend):
+    """bf16 rounds differently in every implementation; ours must stay within bf16's own noise: no
+    further from transformers' bf16 logits than those are from fp32 (a broken kernel is far off)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint(arch)
+    model, hf_config = load_model(path, torch.bfloat16, "cpu")
+    KERNELS[backend].prepare_model(model)
+    hf_fp32 = hf_reference(path)[0]
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    tokens = random_tokens(hf_config.vocab_size, 23, seed=5)
+    paged = PagedSequences(model, num_seqs=1, max_len=len(tokens))
+    paged.kv_cache = paged.kv_cache.to(torch.bfloat16)
+    ours = torch.cat([run_logits(model, paged, [tokens[:19]], backend), run_logits(model, paged, [tokens[19:]], backend)])
+    theirs, exact = hf_logits(hf_bf16, tokens), hf_logits(hf_fp32, tokens)
+    bf16_noise = (theirs - exact).abs().max().item()
+    assert ours.dtype == torch.float32 and ours.shape == theirs.shape
+    assert (ours - theirs).abs().max().item() <= 2 * bf16_noise + 1e-2
 
 
 # --- checkpoints that cannot be used ---------------------------------------------------------------

@@ -23,7 +23,11 @@ def _empty_parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)``. A fused projection lists its parts in ``shard_sizes`` (rows of W per part)."""
+    """``y = x W^T (+ b)``. A fused projection lists its parts in ``shard_sizes`` (rows of W per part).
+
+    ``gemm``, when a kernel set's ``prepare_model`` sets it (the CPU set: ``kernels.cpu_gemm.CpuLinear``),
+    computes the product instead of ``F.linear``, from its own (packed) copy of the weights.
+    """
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype, device):
         super().__init__()
@@ -31,8 +35,11 @@ class Linear(nn.Module):
         out_features = sum(self.shard_sizes)
         self.weight = _empty_parameter(out_features, in_features, dtype=dtype, device=device)  # [out, in]
         self.bias = _empty_parameter(out_features, dtype=dtype, device=device) if bias else None
+        self.gemm = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
+        if self.gemm is not None:
+            return self.gemm(x)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -107,9 +107,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], has_bias, dtype, device)
         self.down_proj = Linear(intermediate, [hidden], has_bias, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:  # [num_tokens, hidden]
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        return self.down_proj(kernels.silu_and_mul(gate_up))  # silu(gate) * up: [num_tokens, intermediate]
 
 
 class DecoderLayer(nn.Module):
@@ -130,7 +130,7 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, kernels, residual)
         hidden = self.self_attn(hidden, batch, k_cache, v_cache, cos_sin_cache, kernels)
         hidden, residual = self.post_attention_layernorm(hidden, kernels, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, kernels), residual
 
 
 class LlamaModel(nn.Module):
@@ -163,6 +163,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.lm_head = None if self.is_tied else Linear(hf_config.hidden_size, [hf_config.vocab_size], False, dtype, device)
         # fp32 whatever the model dtype: rotary casts it to the activations' dtype as transformers does
         self.register_buffer("cos_sin_cache", build_rope_cache(hf_config, self.head_dim, device), persistent=False)
+        self.logits_gemm = None  # the output projection's GEMM when a kernel set prepared one (see Linear.gemm)
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         """Run every token of ``batch``, writing its K/V into ``kv_cache``; returns ``[num_tokens, hidden]`` after the final norm.
@@ -180,8 +181,13 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> fp32 logits ``[n, vocab]`` (the matmul runs in the model dtype, like transformers)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.logits_gemm is not None:
+            return self.logits_gemm(hidden).float()
+        return F.linear(hidden, self.output_weight()).float()
+
+    def output_weight(self) -> torch.Tensor:
+        """``[vocab, hidden]``: the output projection's weight (the embedding's when tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

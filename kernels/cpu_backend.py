@@ -1,0 +1,40 @@
+"""The CPU kernel set, for ``load_kernels("cpu")`` (and "auto" on a CPU device): the native kernels of
+``kernels/native`` where they apply, the torch references for every other op and wherever a native
+kernel does not take its inputs (so the set is always complete, built or not), and linear layers on
+oneDNN with packed weights (``kernels/cpu_gemm.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from kernels import cpu_native
+from kernels.cpu_gemm import CpuLinear
+from kernels.cpu_elementwise import apply_rotary_cpu, rms_norm_cpu, silu_and_mul_cpu, store_kv_cpu
+from kernels.cpu_paged_attention import paged_attention_cpu
+
+
+def cpu_kernels(torch_kernels):
+    """``torch_kernels`` with the native CPU kernels in their places."""
+    return replace(
+        torch_kernels, name=f"cpu: {cpu_native.describe()}", paged_attention=paged_attention_cpu,
+        rms_norm=rms_norm_cpu, apply_rotary=apply_rotary_cpu, store_kv=store_kv_cpu, silu_and_mul=silu_and_mul_cpu,
+        prepare_model=prepare_model_cpu,
+    )
+
+
+def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> None:
+    """Give every linear layer of a CPU model (and its output projection) a ``CpuLinear``. Idempotent."""
+    if getattr(model, "is_prepared_for_cpu", False):
+        return
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "gemm") and weight is not None and weight.device.type == "cpu":
+            module.gemm = CpuLinear(weight.detach(), None if module.bias is None else module.bias.detach(),
+                                    prepack=prepack_weights)
+    if hasattr(model, "logits_gemm") and hasattr(model, "output_weight"):
+        lm_head = getattr(model, "lm_head", None)
+        model.logits_gemm = lm_head.gemm if lm_head is not None and lm_head.gemm is not None else CpuLinear(
+            model.output_weight().detach(), None, prepack=prepack_weights)
+    model.is_prepared_for_cpu = True

@@ -1,0 +1,68 @@
+"""Linear layers on the CPU: weights packed once for oneDNN, and bf16 models on CPUs without bf16 GEMMs.
+
+``F.linear`` on the CPU hands the weight to MKL in its checkpoint layout on every call, which small
+batches pay for: measured on this project's 2-core machine, oneDNN with the weight packed once is 1.2-1.7x
+faster for 2-64 rows on one thread and 1.6-4.4x on two (decode batches), the same from about 128
+rows, and slower for a single row on one thread (docs/benchmarks.md). So ``CpuLinear`` keeps both forms
+and picks by the number of rows. The packed copy doubles the weights' memory; ``model.cpu_weight_prepack``
+turns it off.
+
+bf16 weights on a CPU whose oneDNN has no bf16 GEMM (no AVX-512 BW/VL/DQ nor AVX-NE-CONVERT, e.g. AMD Zen
+3) would run torch's reference bf16 matmul at a few GFLOP/s. There the weights are widened to fp32 once
+(every bf16 value is exact in fp32), the bf16 activations are widened per call, the product is
+accumulated in fp32 and rounded to bf16: what a bf16 GEMM with fp32 accumulation computes, at fp32 speed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Row counts for which the packed weight is used (others: F.linear, which is faster there); one row on
+# one thread is memory-bound GEMV, where MKL is ahead.
+PACKED_MIN_ROWS = 2
+PACKED_MAX_ROWS = 256
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def bf16_gemm_native() -> bool:
+    """Whether this CPU's oneDNN runs bf16 GEMMs itself (else CpuLinear computes bf16 layers in fp32)."""
+    if not onednn_available():
+        return False
+    try:
+        probe = torch.zeros(8, 8, dtype=torch.bfloat16)
+        torch.ops.mkldnn._reorder_linear_weight(probe, 8)
+        return True
+    except RuntimeError:  # "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+        return False
+
+
+class CpuLinear:
+    """``y = x W^T (+ b)`` for one weight on the CPU, in the weight's dtype, with the fastest GEMM per call."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool = True,
+                 widen_bf16: bool | None = None):
+        self.dtype = weight.dtype
+        if widen_bf16 is None:
+            widen_bf16 = self.dtype == torch.bfloat16 and not bf16_gemm_native()
+        self.compute_dtype = torch.float32 if widen_bf16 else self.dtype
+        self.weight = weight if not widen_bf16 else weight.float()  # [out, in]
+        self.bias = bias if bias is None or not widen_bf16 else bias.float()
+        self.packed = None
+        if prepack and onednn_available() and self.compute_dtype in (torch.float32, torch.bfloat16):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 64)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
+        if x.dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)
+        rows = x.shape[0]
+        use_packed = self.packed is not None and x.dim() == 2 and (
+            PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or (rows == 1 and torch.get_num_threads() > 1))
+        if use_packed:
+            out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        return out if out.dtype == self.dtype else out.to(self.dtype)

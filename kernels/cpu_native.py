@@ -1,0 +1,28 @@
+"""The native CPU kernels module (``kernels._cpu_ops``, built from ``kernels/native/`` by setup.py).
+
+``ops`` is None where it could not be built (no C compiler) or ``TANDEM_NATIVE_KERNELS=0`` turns it
+off; the CPU kernel set then runs the torch references, with the same results. torch is imported
+first on purpose: the module's OpenMP runtime is the ``libgomp.so.1`` torch has already loaded.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch  # noqa: F401  (before the extension: its OpenMP symbols resolve to torch's runtime)
+
+ops = None
+if os.environ.get("TANDEM_NATIVE_KERNELS", "1").lower() not in ("0", "false", "off", "no"):
+    try:
+        from kernels import _cpu_ops as ops
+    except ImportError:  # built without a C compiler
+        ops = None
+
+
+def is_available() -> bool:
+    return ops is not None
+
+
+def describe() -> str:
+    """One line for logs and benchmark reports: which instruction set the native kernels run."""
+    return f"native ({ops.isa()})" if ops is not None else "torch reference (native kernels not built)"

@@ -1,0 +1,565 @@
+/* kernels._cpu_ops: native CPU kernels of the hot path (kernels/cpu_backend.py wraps them), each with
+ * the contract of its torch reference in the kernels/ *_ref.py modules, the oracle it is tested against:
+ *   paged_attention  causal attention of a flat batch of queries (prefill chunks, decodes, short verify
+ *                    queries, mixed) over each sequence's K/V read in place from the paged cache: GQA,
+ *                    sliding windows (paged_attention_isa.h)
+ *   rms_norm         RMSNorm, the residual add fused (elementwise_isa.h)
+ *   rotary           rotate-half rotary embedding of q and k, in place
+ *   store_kv         new K/V rows into their cache slots
+ *   silu_and_mul     SiLU(gate) * up of a fused gate/up projection
+ * all in fp32 or bf16 (fp32 arithmetic inside).
+ *
+ * Each body is compiled once per instruction set and the best one the CPU runs is chosen once, at
+ * import: AVX-512, AVX2 + FMA, 16-byte vectors (SSE2 / NEON), and plain scalar; a row length the chosen
+ * width does not divide takes the widest one that does. Work (attention items: sequence x KV head x
+ * query tile; elementwise ops: token rows) is spread over OpenMP threads. The module is linked
+ * against libgomp.so.1, which torch loads first (it ships one under that name), so these threads are
+ * torch's own pool, not a second one competing for the same cores. Tensors arrive as addresses and
+ * strides from the Python side, which checks them; the GIL is released while the kernel runs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+
+
+
+#define CHUNK 16          /* decode chunks are multiples of this many keys */
+#define COLUMN_CHUNK 32   /* keys per online-softmax step of a prefill tile */
+#define DOT_CHUNK 256     /* ... of a decode, at most (fewer rows: the bookkeeping is amortised over more keys) */
+#define STAGE_BYTES (96 * 1024) /* a decode chunk's K and V staged in fp32 (all heads) fit in this: L2-resident */
+#define MAX_ROWS 64       /* rows (query tokens x group heads) per work item */
+#define MAX_HEAD_DIM 512
+#define PACKED_MIN_ROWS 8 /* more rows per KV head than this: the column layout (queries transposed once) */
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+typedef struct {
+    const void *query, *k_cache, *v_cache;
+    void *out;
+    const int32_t *cu_seqlens_q, *context_lens, *block_tables;
+    int num_q_heads, num_kv_heads, head_dim, page_size, dtype, sliding_window;
+    int64_t q_token_stride, out_token_stride, k_block_stride, k_token_stride, v_block_stride, v_token_stride;
+    int64_t block_table_stride;
+    float scale;
+} attn_args;
+
+typedef struct {
+    int32_t seq, kv_head, num_heads, first_token, num_tokens;
+    int64_t cost; /* rows x keys: heavy items are handed out first */
+} work_item;
+
+typedef struct {
+    float *q, *qt, *acc, *scores, *k_rows, *v_rows, *row_max, *row_sum;
+    int32_t *lo, *hi;
+} scratch;
+
+static inline uint16_t float_to_bf16(float x)
+{
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);      /* round to nearest even, as torch does */
+    return (uint16_t)(bits >> 16);
+}
+
+typedef struct {
+    const void *x, *weight, *residual; /* residual NULL: no residual add */
+    void *residual_out, *out;
+    int64_t x_stride, residual_stride, out_stride; /* elements between rows (residual_out: hidden) */
+    int hidden, dtype;
+    size_t element;
+    float eps;
+} norm_args;
+
+typedef struct {
+    const void *query, *key;
+    void *query_out, *key_out; /* contiguous rows */
+    const int64_t *positions;
+    const float *cos_sin; /* [max_positions][head_dim]: cos | sin halves, fp32 */
+    int64_t q_stride, k_stride;
+    int num_q_heads, num_kv_heads, head_dim, dtype;
+    size_t element;
+} rotary_args;
+
+typedef struct {
+    const void *x;
+    void *out;
+    int64_t x_stride, out_stride;
+    int width, dtype; /* width: of gate (and of up, and of out) */
+    size_t element;
+} silu_args;
+
+/* Keys per decode chunk: as many as fit STAGE_BYTES staged (K and V, every head of the item), in
+ * [CHUNK, DOT_CHUNK], a multiple of CHUNK. */
+static int staged_chunk(int num_heads, int head_dim)
+{
+    int keys = (int)(STAGE_BYTES / (2 * sizeof(float) * (size_t)num_heads * head_dim)) / CHUNK * CHUNK;
+    return keys < CHUNK ? CHUNK : keys > DOT_CHUNK ? DOT_CHUNK : keys;
+}
+
+/* ------------------------------------------------------------------ one body per instruction set */
+#define ISA(name) name##_scalar
+#define VEC_BYTES 4
+#include "vec_isa.h"
+#include "paged_attention_isa.h"
+#include "elementwise_isa.h"
+#include "isa_undef.h"
+
+#define ISA(name) name##_vec128
+#define VEC_BYTES 16
+#include "vec_isa.h"
+#include "paged_attention_isa.h"
+#include "elementwise_isa.h"
+#include "isa_undef.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define ISA(name) name##_avx2
+#define VEC_BYTES 32
+#include "vec_isa.h"
+#include "paged_attention_isa.h"
+#include "elementwise_isa.h"
+#include "isa_undef.h"
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+#define ISA(name) name##_avx512
+#define VEC_BYTES 64
+#include "vec_isa.h"
+#include "paged_attention_isa.h"
+#include "elementwise_isa.h"
+#include "isa_undef.h"
+#pragma GCC pop_options
+#define HAS_X86_VARIANTS 1
+#endif
+
+typedef struct {
+    const char *name;
+    int width; /* floats per vector: row lengths (head_dim, hidden) must be multiples */
+    void (*attend)(const attn_args *, const work_item *, scratch *);
+    void (*rms_norm)(const norm_args *, int64_t, int64_t);
+    void (*rotary)(const rotary_args *, int64_t, int64_t);
+    void (*silu_and_mul)(const silu_args *, int64_t, int64_t);
+} isa_entry;
+
+#define ISA_ENTRY(isa, width) {#isa, width, attend_item_##isa, rms_norm_rows_##isa, rotary_rows_##isa, silu_and_mul_rows_##isa}
+static const isa_entry ISAS[] = {
+#ifdef HAS_X86_VARIANTS
+    ISA_ENTRY(avx512, 16),
+    ISA_ENTRY(avx2, 8),
+#endif
+    ISA_ENTRY(vec128, 4),
+    ISA_ENTRY(scalar, 1),
+};
+#define NUM_ISAS ((int)(sizeof(ISAS) / sizeof(ISAS[0])))
+
+static int isa_supported(const isa_entry *isa)
+{
+#ifdef HAS_X86_VARIANTS
+    __builtin_cpu_init();
+    if (strcmp(isa->name, "avx512") == 0)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
+    if (strcmp(isa->name, "avx2") == 0)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    (void)isa;
+    return 1;
+}
+
+static int selected_isa = -1; /* index into ISAS: the widest the CPU runs, or the one set_isa chose */
+
+/* The selected ISA, or the widest narrower one whose width divides row_length. */
+static const isa_entry *isa_for(int row_length)
+{
+    for (int i = selected_isa; i < NUM_ISAS; i++)
+        if (row_length % ISAS[i].width == 0)
+            return &ISAS[i];
+    return &ISAS[NUM_ISAS - 1];
+}
+
+/* Rows [0, num_rows) of an elementwise op, split into contiguous ranges over the threads when there is
+ * enough work to pay for waking them. */
+#define MIN_ELEMENTS_PER_THREAD 16384
+static void run_rows(void (*fn)(const void *, int64_t, int64_t), const void *args, int64_t num_rows, int64_t row_elements,
+                     int num_threads)
+{
+#ifdef _OPENMP
+    int64_t useful = num_rows * row_elements / MIN_ELEMENTS_PER_THREAD;
+    if (num_threads > useful)
+        num_threads = (int)(useful > 1 ? useful : 1);
+    if (num_threads > num_rows)
+        num_threads = (int)num_rows;
+    if (num_threads > 1) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            int64_t part = omp_get_thread_num(), parts = omp_get_num_threads();
+            fn(args, num_rows * part / parts, num_rows * (part + 1) / parts);
+        }
+        return;
+    }
+#endif
+    (void)row_elements;
+    (void)num_threads;
+    fn(args, 0, num_rows);
+}
+
+/* ------------------------------------------------------------------ scratch and work items */
+/* Rows padded to a multiple of the widest vector, per KV head, in the column layout. */
+#define MAX_ROWS_PADDED (MAX_ROWS + 16)
+
+static int scratch_alloc(scratch *s, int head_dim, int num_kv_heads)
+{
+    size_t rows_x_dim = (size_t)MAX_ROWS * head_dim;
+    size_t padded_x_dim = (size_t)(MAX_ROWS + 16 * (MAX_ROWS / 2)) * head_dim; /* qt: up to 16-row padding per head */
+    size_t scores = (size_t)COLUMN_CHUNK * MAX_ROWS_PADDED > (size_t)PACKED_MIN_ROWS * DOT_CHUNK
+                        ? (size_t)COLUMN_CHUNK * MAX_ROWS_PADDED : (size_t)PACKED_MIN_ROWS * DOT_CHUNK;
+    size_t staged = (size_t)staged_chunk(num_kv_heads, head_dim) * num_kv_heads * head_dim;
+    size_t converted = (size_t)COLUMN_CHUNK * head_dim, rows = MAX_ROWS + 16 * (MAX_ROWS / 2);
+    if (staged > converted)
+        converted = staged;
+    size_t floats = rows_x_dim + padded_x_dim + rows_x_dim + scores + 2 * converted + 2 * rows;
+    float *base = aligned_alloc(64, ((floats * sizeof(float) + 2 * rows * sizeof(int32_t)) + 63) / 64 * 64);
+    if (!base)
+        return -1;
+    s->q = base;
+    s->qt = s->q + rows_x_dim;
+    s->acc = s->qt + padded_x_dim;
+    s->scores = s->acc + rows_x_dim;
+    s->k_rows = s->scores + scores;
+    s->v_rows = s->k_rows + converted;
+    s->row_max = s->v_rows + converted;
+    s->row_sum = s->row_max + rows;
+    s->lo = (int32_t *)(s->row_sum + rows);
+    s->hi = s->lo + rows;
+    return 0;
+}
+
+static int by_cost_descending(const void *x, const void *y)
+{
+    int64_t a = ((const work_item *)x)->cost, b = ((const work_item *)y)->cost;
+    return (a < b) - (a > b);
+}
+
+/* Items: each sequence's query tokens in tiles of at most MAX_ROWS rows. A tile whose rows for every
+ * KV head fit (decodes, short queries) takes all heads at once, reading each page's token rows whole;
+ * longer tiles take one KV head each. With fewer sequences than threads, decodes split by head too. */
+static work_item *make_items(const attn_args *a, int num_seqs, int num_threads, int64_t *num_items)
+{
+    int group = a->num_q_heads / a->num_kv_heads;
+    int tile = MAX_ROWS / group > 0 ? MAX_ROWS / group : 1;
+    int heads_together = a->num_q_heads <= MAX_ROWS && num_seqs >= 2 * num_threads;
+    int64_t count = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        int q_len = a->cu_seqlens_q[s + 1] - a->cu_seqlens_q[s];
+        count += (int64_t)((q_len + tile - 1) / tile) * a->num_kv_heads;
+    }
+    work_item *items = malloc((count > 0 ? count : 1) * sizeof(work_item));
+    if (!items)
+        return NULL;
+    int64_t n = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        int q_len = a->cu_seqlens_q[s + 1] - a->cu_seqlens_q[s];
+        int context_len = a->context_lens[s];
+        int all_heads = heads_together && q_len * a->num_q_heads <= MAX_ROWS;
+        for (int first = 0; first < q_len; first += tile) {
+            int num_tokens = all_heads ? q_len : (q_len - first < tile ? q_len - first : tile);
+            int64_t keys = context_len - q_len + first + num_tokens;
+            if (a->sliding_window > 0 && keys > a->sliding_window + num_tokens)
+                keys = a->sliding_window + num_tokens;
+            if (all_heads) {
+                items[n++] = (work_item){s, 0, a->num_kv_heads, first, num_tokens, keys * num_tokens * a->num_kv_heads};
+                break;
+            }
+            for (int h = 0; h < a->num_kv_heads; h++)
+                items[n++] = (work_item){s, h, 1, first, num_tokens, keys * num_tokens};
+        }
+    }
+    *num_items = n;
+    return items;
+}
+
+static int run_attention(const attn_args *a, int num_seqs, int num_threads)
+{
+    const isa_entry *isa = isa_for(a->head_dim);
+    int64_t num_items = 0;
+    work_item *items = make_items(a, num_seqs, num_threads, &num_items);
+    if (!items)
+        return -1;
+    int failed = 0;
+#ifdef _OPENMP
+    if (num_threads > num_items)
+        num_threads = (int)num_items;
+    if (num_threads > 1) {
+        qsort(items, num_items, sizeof(work_item), by_cost_descending);
+        int64_t next = 0;
+#pragma omp parallel num_threads(num_threads)
+        {
+            scratch s;
+            if (scratch_alloc(&s, a->head_dim, a->num_kv_heads) != 0) {
+#pragma omp atomic write
+                failed = 1;
+            } else {
+                for (;;) {
+                    int64_t i;
+#pragma omp atomic capture
+                    i = next++;
+                    if (i >= num_items)
+                        break;
+                    isa->attend(a, &items[i], &s);
+                }
+                free(s.q);
+            }
+        }
+        free(items);
+        return failed ? -1 : 0;
+    }
+#endif
+    (void)num_threads;
+    scratch s;
+    if (scratch_alloc(&s, a->head_dim, a->num_kv_heads) != 0) {
+        free(items);
+        return -1;
+    }
+    for (int64_t i = 0; i < num_items; i++)
+        isa->attend(a, &items[i], &s);
+    free(s.q);
+    free(items);
+    return failed;
+}
+
+/* ------------------------------------------------------------------ Python bindings */
+static PyObject *py_paged_attention(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long query, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables;
+    int num_seqs, num_threads;
+    attn_args a;
+    long long strides[7];
+    if (!PyArg_ParseTuple(args, "KKKKKKKiiiiiiiLLLLLLLfi", &query, &k_cache, &v_cache, &out, &cu_seqlens_q,
+                          &context_lens, &block_tables, &num_seqs, &a.num_q_heads, &a.num_kv_heads, &a.head_dim,
+                          &a.page_size, &a.dtype, &a.sliding_window, &strides[0], &strides[1], &strides[2],
+                          &strides[3], &strides[4], &strides[5], &strides[6], &a.scale, &num_threads))
+        return NULL;
+    if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || a.num_q_heads / a.num_kv_heads > MAX_ROWS) {
+        PyErr_SetString(PyExc_ValueError, "paged_attention: num_q_heads must be a multiple of num_kv_heads (group <= 64)");
+        return NULL;
+    }
+    if (a.head_dim <= 0 || a.head_dim > MAX_HEAD_DIM || a.page_size <= 0 || (a.dtype != DTYPE_F32 && a.dtype != DTYPE_BF16)) {
+        PyErr_SetString(PyExc_ValueError, "paged_attention: unsupported head_dim, page_size or dtype");
+        return NULL;
+    }
+    a.query = (const void *)(uintptr_t)query;
+    a.k_cache = (const void *)(uintptr_t)k_cache;
+    a.v_cache = (const void *)(uintptr_t)v_cache;
+    a.out = (void *)(uintptr_t)out;
+    a.cu_seqlens_q = (const int32_t *)(uintptr_t)cu_seqlens_q;
+    a.context_lens = (const int32_t *)(uintptr_t)context_lens;
+    a.block_tables = (const int32_t *)(uintptr_t)block_tables;
+    a.q_token_stride = strides[0];
+    a.out_token_stride = strides[1];
+    a.k_block_stride = strides[2];
+    a.k_token_stride = strides[3];
+    a.v_block_stride = strides[4];
+    a.v_token_stride = strides[5];
+    a.block_table_stride = strides[6];
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = run_attention(&a, num_seqs, num_threads);
+    Py_END_ALLOW_THREADS
+    if (status != 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+typedef void (*rows_fn)(const void *, int64_t, int64_t);
+
+static PyObject *py_rms_norm(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long x, weight, residual, residual_out, out;
+    long long num_rows;
+    int num_threads;
+    norm_args a;
+    if (!PyArg_ParseTuple(args, "KKKKKLLLLiifi", &x, &weight, &residual, &residual_out, &out, &num_rows, &a.x_stride,
+                          &a.residual_stride, &a.out_stride, &a.hidden, &a.dtype, &a.eps, &num_threads))
+        return NULL;
+    a.x = (const void *)(uintptr_t)x;
+    a.weight = (const void *)(uintptr_t)weight;
+    a.residual = (const void *)(uintptr_t)residual;
+    a.residual_out = (void *)(uintptr_t)residual_out;
+    a.out = (void *)(uintptr_t)out;
+    a.element = a.dtype == DTYPE_BF16 ? 2 : 4;
+    Py_BEGIN_ALLOW_THREADS
+    run_rows((rows_fn)isa_for(a.hidden)->rms_norm, &a, num_rows, a.hidden, num_threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_rotary(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long query, key, query_out, key_out, positions, cos_sin;
+    long long num_rows;
+    int num_threads;
+    rotary_args a;
+    if (!PyArg_ParseTuple(args, "KKKKKKLLLiiiii", &query, &key, &query_out, &key_out, &positions, &cos_sin, &num_rows,
+                          &a.q_stride, &a.k_stride, &a.num_q_heads, &a.num_kv_heads, &a.head_dim, &a.dtype,
+                          &num_threads))
+        return NULL;
+    a.query = (const void *)(uintptr_t)query;
+    a.key = (const void *)(uintptr_t)key;
+    a.query_out = (void *)(uintptr_t)query_out;
+    a.key_out = (void *)(uintptr_t)key_out;
+    a.positions = (const int64_t *)(uintptr_t)positions;
+    a.cos_sin = (const float *)(uintptr_t)cos_sin;
+    a.element = a.dtype == DTYPE_BF16 ? 2 : 4;
+    Py_BEGIN_ALLOW_THREADS
+    run_rows((rows_fn)isa_for(a.head_dim / 2)->rotary, &a, num_rows, (int64_t)(a.num_q_heads + a.num_kv_heads) * a.head_dim,
+             num_threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_silu_and_mul(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long x, out;
+    long long num_rows;
+    int num_threads;
+    silu_args a;
+    if (!PyArg_ParseTuple(args, "KKLLLiii", &x, &out, &num_rows, &a.x_stride, &a.out_stride, &a.width, &a.dtype,
+                          &num_threads))
+        return NULL;
+    a.x = (const void *)(uintptr_t)x;
+    a.out = (void *)(uintptr_t)out;
+    a.element = a.dtype == DTYPE_BF16 ? 2 : 4;
+    Py_BEGIN_ALLOW_THREADS
+    run_rows((rows_fn)isa_for(a.width)->silu_and_mul, &a, num_rows, 3 * (int64_t)a.width, num_threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* K/V rows (num_kv_heads * head_dim contiguous elements each) into their slots; slot < 0 is skipped. */
+static PyObject *py_store_kv(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long key, value, k_cache, v_cache, slots;
+    long long num_rows, k_stride, v_stride, k_block_stride, k_slot_stride, v_block_stride, v_slot_stride;
+    int page_size, row_bytes;
+    if (!PyArg_ParseTuple(args, "KKKKKLLLLLLLii", &key, &value, &k_cache, &v_cache, &slots, &num_rows, &k_stride,
+                          &v_stride, &k_block_stride, &k_slot_stride, &v_block_stride, &v_slot_stride, &page_size,
+                          &row_bytes))
+        return NULL;
+    const int64_t *slot = (const int64_t *)(uintptr_t)slots;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t t = 0; t < num_rows; t++) {
+        if (slot[t] < 0)
+            continue;
+        int64_t block = slot[t] / page_size, offset = slot[t] % page_size;
+        memcpy((char *)(uintptr_t)k_cache + block * k_block_stride + offset * k_slot_stride,
+               (const char *)(uintptr_t)key + t * k_stride, row_bytes);
+        memcpy((char *)(uintptr_t)v_cache + block * v_block_stride + offset * v_slot_stride,
+               (const char *)(uintptr_t)value + t * v_stride, row_bytes);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_isa(PyObject *self, PyObject *args)
+{
+    (void)self;
+    (void)args;
+    return PyUnicode_FromString(ISAS[selected_isa].name);
+}
+
+static PyObject *py_supported_isas(PyObject *self, PyObject *args)
+{
+    (void)self;
+    (void)args;
+    PyObject *names = PyList_New(0);
+    for (int i = 0; names && i < NUM_ISAS; i++) {
+        if (!isa_supported(&ISAS[i]))
+            continue;
+        PyObject *name = PyUnicode_FromString(ISAS[i].name);
+        if (!name || PyList_Append(names, name) != 0) {
+            Py_XDECREF(name);
+            Py_DECREF(names);
+            return NULL;
+        }
+        Py_DECREF(name);
+    }
+    return names;
+}
+
+static PyObject *py_set_isa(PyObject *self, PyObject *args)
+{
+    (void)self;
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name))
+        return NULL;
+    for (int i = 0; i < NUM_ISAS; i++) {
+        if (strcmp(ISAS[i].name, name) == 0) {
+            if (!isa_supported(&ISAS[i])) {
+                PyErr_Format(PyExc_ValueError, "this CPU does not run %s", name);
+                return NULL;
+            }
+            selected_isa = i;
+            Py_RETURN_NONE;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "unknown instruction set %s", name);
+    return NULL;
+}
+
+static PyMethodDef METHODS[] = {
+    {"paged_attention", py_paged_attention, METH_VARARGS,
+     "paged_attention(query, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables (addresses), "
+     "num_seqs, num_q_heads, num_kv_heads, head_dim, page_size, dtype (0 fp32, 1 bf16), sliding_window (0 none), "
+     "q_token_stride, out_token_stride, k_block_stride, k_token_stride, v_block_stride, v_token_stride, "
+     "block_table_stride (elements), scale, num_threads)"},
+    {"rms_norm", py_rms_norm, METH_VARARGS,
+     "rms_norm(x, weight, residual (0: none), residual_out, out (addresses), num_rows, x_stride, residual_stride, "
+     "out_stride, hidden, dtype, eps, num_threads): residual_out = x + residual when given (contiguous rows); "
+     "out = RMSNorm(residual_out or x)"},
+    {"rotary", py_rotary, METH_VARARGS,
+     "rotary(query, key, query_out, key_out, positions (int64), cos_sin (fp32) (addresses), num_rows, q_stride, "
+     "k_stride, num_q_heads, num_kv_heads, head_dim, dtype, num_threads): rotate-half rotary embedding into the "
+     "(contiguous) outputs"},
+    {"silu_and_mul", py_silu_and_mul, METH_VARARGS,
+     "silu_and_mul(x, out (addresses), num_rows, x_stride, out_stride, width, dtype, num_threads): "
+     "out = silu(x[:, :width]) * x[:, width:]"},
+    {"store_kv", py_store_kv, METH_VARARGS,
+     "store_kv(key, value, k_cache, v_cache, slot_mapping (int64) (addresses), num_rows, key_stride, value_stride, "
+     "k_block_stride, k_slot_stride, v_block_stride, v_slot_stride (bytes), page_size, row_bytes)"},
+    {"isa", py_isa, METH_NOARGS, "The instruction set the kernels run (the widest this CPU has, unless set_isa chose)."},
+    {"supported_isas", py_supported_isas, METH_NOARGS, "Every instruction set this CPU runs, widest first."},
+    {"set_isa", py_set_isa, METH_VARARGS, "Run the kernels with this instruction set (tests compare them)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_cpu_ops", "Native CPU kernels (see cpu_ops.c).", -1, METHODS};
+
+PyMODINIT_FUNC PyInit__cpu_ops(void)
+{
+    for (int i = 0; i < NUM_ISAS; i++) {
+        if (isa_supported(&ISAS[i])) {
+            selected_isa = i;
+            break;
+        }
+    }
+    return PyModule_Create(&MODULE);
+}

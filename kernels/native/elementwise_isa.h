@@ -1,0 +1,114 @@
+/* The elementwise ops of a layer for one instruction set (included by cpu_ops.c after vec_isa.h):
+ * RMSNorm with the residual add fused, rotary embedding, and SiLU(gate) * up (the KV store is a
+ * plain copy, in cpu_ops.c). Each rounds where torch rounds (every op's result to the model dtype,
+ * products not fused into sums), so fp32 results equal transformers' bit for bit except where a
+ * reduction's order or exp's last bit differs (the norm's mean of squares, SiLU).
+ *
+ * Rows are tokens; a row's elements are contiguous, rows may be strided (views of a fused projection).
+ * Row lengths are multiples of W (the dispatcher picks a narrower ISA otherwise).
+ */
+
+static inline vf ISA(load_any)(const void *p, size_t i, int is_bf16)
+{
+    return is_bf16 ? ISA(load_bf16)((const uint16_t *)p + i) : ISA(load)((const float *)p + i);
+}
+
+static inline void ISA(store_any)(void *p, size_t i, vf x, int is_bf16)
+{
+    if (is_bf16)
+        ISA(store_bf16)((uint16_t *)p + i, x);
+    else
+        ISA(store)((float *)p + i, x);
+}
+
+/* Row t: sum = x + residual (rounded to the dtype) is stored into residual_out when given; out =
+ * weight * dtype(sum * rsqrt(mean(sum^2) + eps)), as transformers' LlamaRMSNorm computes it. */
+static void ISA(rms_norm_rows)(const norm_args *a, int64_t first, int64_t last)
+{
+    const int n = a->hidden, is_bf16 = a->dtype == DTYPE_BF16;
+    for (int64_t t = first; t < last; t++) {
+        const char *x = (const char *)a->x + (size_t)t * a->x_stride * a->element;
+        const char *res = a->residual ? (const char *)a->residual + (size_t)t * a->residual_stride * a->element : NULL;
+        char *sum = a->residual ? (char *)a->residual_out + (size_t)t * n * a->element : NULL;
+        char *out = (char *)a->out + (size_t)t * a->out_stride * a->element;
+        vf squares = {0};
+        for (int i = 0; i < n; i += W) {
+            vf v = ISA(load_any)(x, i, is_bf16);
+            if (res) {
+                v = v + ISA(load_any)(res, i, is_bf16);
+                if (is_bf16)
+                    v = ISA(round_bf16)(v);
+                ISA(store_any)(sum, i, v, is_bf16);
+            }
+            squares += v * v;
+        }
+        float inv_rms = 1.0f / sqrtf(ISA(hsum)(squares) / (float)n + a->eps);
+        const void *src = res ? (const void *)sum : (const void *)x;
+        for (int i = 0; i < n; i += W) {
+            vf normed = ROUNDED(ISA(load_any)(src, i, is_bf16) * inv_rms);
+            if (is_bf16)
+                normed = ISA(round_bf16)(normed);
+            ISA(store_any)(out, i, ISA(load_any)(a->weight, i, is_bf16) * normed, is_bf16);
+        }
+    }
+}
+
+/* Rotate-half rotary embedding of `num_heads` heads of head_dim, src row -> dst row:
+ * first half: x1 * cos - x2 * sin; second half: x2 * cos + x1 * sin (each product rounded). */
+static void ISA(rotate_heads)(const char *src, char *dst, int num_heads, int head_dim, const float *cos_sin,
+                              int is_bf16, size_t element)
+{
+    const int half = head_dim / 2;
+    for (int h = 0; h < num_heads; h++) {
+        const char *head = src + (size_t)h * head_dim * element;
+        char *out = dst + (size_t)h * head_dim * element;
+        for (int i = 0; i < half; i += W) {
+            vf c = ISA(load)(cos_sin + i), s = ISA(load)(cos_sin + half + i);
+            if (is_bf16) {
+                c = ISA(round_bf16)(c);
+                s = ISA(round_bf16)(s);
+            }
+            vf x1 = ISA(load_any)(head, i, is_bf16), x2 = ISA(load_any)(head, half + i, is_bf16);
+            vf a1 = ROUNDED(x1 * c), b1 = ROUNDED(x2 * s), a2 = ROUNDED(x2 * c), b2 = ROUNDED(x1 * s);
+            if (is_bf16) {
+                a1 = ISA(round_bf16)(a1); b1 = ISA(round_bf16)(b1);
+                a2 = ISA(round_bf16)(a2); b2 = ISA(round_bf16)(b2);
+            }
+            ISA(store_any)(out, i, a1 - b1, is_bf16);
+            ISA(store_any)(out, half + i, a2 + b2, is_bf16);
+        }
+    }
+}
+
+static void ISA(rotary_rows)(const rotary_args *a, int64_t first, int64_t last)
+{
+    const int is_bf16 = a->dtype == DTYPE_BF16;
+    for (int64_t t = first; t < last; t++) {
+        const float *cos_sin = a->cos_sin + (size_t)a->positions[t] * a->head_dim;
+        ISA(rotate_heads)((const char *)a->query + (size_t)t * a->q_stride * a->element,
+                          (char *)a->query_out + (size_t)t * a->num_q_heads * a->head_dim * a->element,
+                          a->num_q_heads, a->head_dim, cos_sin, is_bf16, a->element);
+        ISA(rotate_heads)((const char *)a->key + (size_t)t * a->k_stride * a->element,
+                          (char *)a->key_out + (size_t)t * a->num_kv_heads * a->head_dim * a->element,
+                          a->num_kv_heads, a->head_dim, cos_sin, is_bf16, a->element);
+    }
+}
+
+/* out[t] = silu(gate[t]) * up[t], gate and up the two halves of row t of x. */
+static void ISA(silu_and_mul_rows)(const silu_args *a, int64_t first, int64_t last)
+{
+    const int n = a->width, is_bf16 = a->dtype == DTYPE_BF16;
+    for (int64_t t = first; t < last; t++) {
+        const char *x = (const char *)a->x + (size_t)t * a->x_stride * a->element;
+        const char *up = x + (size_t)n * a->element;
+        char *out = (char *)a->out + (size_t)t * a->out_stride * a->element;
+        for (int i = 0; i < n; i += W) {
+            vf g = ISA(load_any)(x, i, is_bf16);
+            vf e = ISA(vexp)(-g);
+            vf silu = g / (e + 1.0f);
+            if (is_bf16)
+                silu = ISA(round_bf16)(silu);
+            ISA(store_any)(out, i, silu * ISA(load_any)(up, i, is_bf16), is_bf16);
+        }
+    }
+}

@@ -1,0 +1,442 @@
+/* Paged attention for one instruction set: included by cpu_ops.c once per ISA, after vec_isa.h.
+ *
+ * One work item = one sequence, one KV head (or all of them, for decodes), a tile of that sequence's
+ * query tokens. Its "rows" are (query token, query head of the KV head's group) pairs: a decode has G
+ * rows per KV head (the GQA group), a prefill tile up to MAX_ROWS. Keys are visited in chunks, read in
+ * place from their pages through the block table (no gathered copy), with an online softmax (running
+ * max and sum per row) and the output accumulated in fp32. Two shapes:
+ *   - few rows per KV head (decodes, short queries): each chunk's keys and values first staged head-major
+ *     (see attend_item), then dot products of each row with each key row, over long chunks (up to
+ *     DOT_CHUNK keys), so the softmax bookkeeping is paid rarely;
+ *   - many rows (prefill tiles): the tile's queries transposed once to [head_dim][rows], then each
+ *     chunk's scores computed transposed, [keys][rows], as register-blocked outer products straight
+ *     from the cache (each key element serves a vector of rows), and the online softmax vectorized
+ *     across rows.
+ * Row-layout scores are [rows][stride]; column-layout scores [keys][rows_pad].
+ */
+
+/* scores[r][j] = q[r] . keys[j] for the chunk's nk keys, two rows and four keys at a time. */
+static void ISA(scores_dot)(const float *q, int num_rows, int head_dim, const float *const *keys, int nk,
+                            float *scores, int stride)
+{
+    for (int j = 0; j < nk; j += 4) {
+        const float *k0 = keys[j], *k1 = keys[j + 1 < nk ? j + 1 : j], *k2 = keys[j + 2 < nk ? j + 2 : j],
+                    *k3 = keys[j + 3 < nk ? j + 3 : j];
+        for (int r = 0; r < num_rows; r += 2) {
+            const float *q0 = q + (size_t)r * head_dim;
+            const float *q1 = r + 1 < num_rows ? q0 + head_dim : q0;
+            vf a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
+#pragma GCC unroll 4
+            for (int d = 0; d < head_dim; d += W) {
+                vf x0 = ISA(load)(q0 + d), x1 = ISA(load)(q1 + d);
+                vf y0 = ISA(load)(k0 + d), y1 = ISA(load)(k1 + d), y2 = ISA(load)(k2 + d), y3 = ISA(load)(k3 + d);
+                a00 += x0 * y0; a01 += x0 * y1; a02 += x0 * y2; a03 += x0 * y3;
+                a10 += x1 * y0; a11 += x1 * y1; a12 += x1 * y2; a13 += x1 * y3;
+            }
+            float *s0 = scores + (size_t)r * stride + j, sums[8];
+            ISA(hsum8)(a00, a01, a02, a03, a10, a11, a12, a13, sums);
+            for (int t = 0; t < 4 && j + t < nk; t++) {
+                s0[t] = sums[t];
+                if (r + 1 < num_rows)
+                    s0[stride + t] = sums[4 + t];
+            }
+        }
+    }
+}
+
+/* qt[d][r] = q[r][d] for rows [0, num_rows), zero for the padding rows up to rows_pad. */
+static void ISA(transpose_rows)(const float *q, int num_rows, int rows_pad, int head_dim, float *qt)
+{
+    for (int d = 0; d < head_dim; d++) {
+        float *column = qt + (size_t)d * rows_pad;
+        for (int r = 0; r < num_rows; r++)
+            column[r] = q[(size_t)r * head_dim + d];
+        for (int r = num_rows; r < rows_pad; r++)
+            column[r] = 0.0f;
+    }
+}
+
+/* st[j][r : r + RV * W] = keys[j] . q[r ...] for KB keys from j: KB x RV accumulators in registers,
+ * each key element broadcast once per RV row vectors (callers pass constants, so the loops unroll). */
+static inline __attribute__((always_inline)) void ISA(column_block)(const float *qt, int rows_pad, int head_dim,
+                                                                    const float *const *keys, int nk, int j, int r,
+                                                                    float *st, const int KB, const int RV)
+{
+    const float *key[4];
+    for (int t = 0; t < KB; t++)
+        key[t] = keys[j + t < nk ? j + t : j];  /* past the chunk: computed, never stored */
+    vf acc[4][4];
+    for (int t = 0; t < KB; t++)
+        for (int v = 0; v < RV; v++)
+            acc[t][v] = (vf){0};
+    const float *column = qt + r;
+#pragma GCC unroll 4
+    for (int d = 0; d < head_dim; d++, column += rows_pad) {
+        vf q[4];
+        for (int v = 0; v < RV; v++)
+            q[v] = ISA(load)(column + v * W);
+        for (int t = 0; t < KB; t++) {
+            vf k = ISA(splat)(key[t][d]);
+            for (int v = 0; v < RV; v++)
+                acc[t][v] += k * q[v];
+        }
+    }
+    for (int t = 0; t < KB && j + t < nk; t++)
+        for (int v = 0; v < RV; v++)
+            ISA(store)(st + (size_t)(j + t) * rows_pad + r + v * W, acc[t][v]);
+}
+
+/* st[j][r] = keys[j] . q[r] from qt [head_dim][rows_pad] (a multiple of W): four keys by two row
+ * vectors at a time (8 accumulators: with the loads, what AVX2's 16 registers hold without spilling). */
+static void ISA(scores_columns)(const float *qt, int rows_pad, int head_dim, const float *const *keys, int nk,
+                                float *st)
+{
+    for (int j = 0; j < nk; j += 4) {
+        int r = 0;
+        for (; r + 2 * W <= rows_pad; r += 2 * W)
+            ISA(column_block)(qt, rows_pad, head_dim, keys, nk, j, r, st, 4, 2);
+        for (; r < rows_pad; r += W)
+            ISA(column_block)(qt, rows_pad, head_dim, keys, nk, j, r, st, 4, 1);
+    }
+}
+
+/* The online softmax of a column-layout chunk (st [nk][rows_pad]), a vector of rows at a time: row r
+ * sees keys [lo[r], hi[r]) of the chunk (padding rows see none). Leaves unnormalised probabilities. */
+static void ISA(softmax_columns)(float *st, int num_rows, int rows_pad, int nk, const int32_t *lo, const int32_t *hi,
+                                 float *row_max, float *row_sum, float *acc, int head_dim)
+{
+    const vf minus_inf = ISA(splat)(-INFINITY);
+    for (int r = 0; r < rows_pad; r += W) {
+        vi first = *(const vi *)(lo + r), end = *(const vi *)(hi + r);
+        vf vmax = minus_inf;
+        for (int j = 0; j < nk; j++) {
+            float *x = st + (size_t)j * rows_pad + r;
+            vi index = (vi){0} + j;
+            vi is_visible = (index >= first) & (index < end);
+            vf v = (vf)(((vi)ISA(load)(x) & is_visible) | ((vi)minus_inf & ~is_visible));
+            ISA(store)(x, v);
+            vi is_greater = v > vmax;
+            vmax = (vf)(((vi)v & is_greater) | ((vi)vmax & ~is_greater));
+        }
+        vf old_max = ISA(load)(row_max + r);
+        vi is_greater = vmax > old_max;
+        vf new_max = (vf)(((vi)vmax & is_greater) | ((vi)old_max & ~is_greater));
+        vi has_seen = new_max != minus_inf;
+        vf shift = (vf)((vi)new_max & has_seen);  /* rows that saw nothing yet: 0, their exps are masked anyway */
+        vf sum = {0};
+        for (int j = 0; j < nk; j++) {
+            float *x = st + (size_t)j * rows_pad + r;
+            vf v = ISA(load)(x);
+            vf p = (vf)((vi)ISA(vexp)(v - shift) & (v != minus_inf));
+            ISA(store)(x, p);
+            sum += p;
+        }
+        vf correction = (vf)((vi)ISA(vexp)(old_max - shift) & (old_max != minus_inf));
+        ISA(store)(row_sum + r, ISA(load)(row_sum + r) * correction + sum);
+        ISA(store)(row_max + r, new_max);
+        for (int i = 0; i < W && r + i < num_rows; i++) {  /* padding rows own no accumulator */
+            if (correction[i] == 1.0f)
+                continue;
+            float *o = acc + (size_t)(r + i) * head_dim;
+            for (int d = 0; d < head_dim; d += W)
+                ISA(store)(o + d, ISA(load)(o + d) * correction[i]);
+        }
+    }
+}
+
+/* o[r][d : d + DB * W] += sum_j p[r][j] * values[j][d : ...] for RB rows, p[r][j] at p[r * r_stride +
+ * j * j_stride]: RB x DB accumulators held in registers across the chunk's keys (the callers pass
+ * constants, so the loops unroll). */
+static inline __attribute__((always_inline)) void ISA(pv_block)(float *o, int head_dim, const float *p, int r_stride,
+                                                                int j_stride, const float *const *values, int nk,
+                                                                int d, const int RB, const int DB)
+{
+    vf acc[4][8];
+    for (int r = 0; r < RB; r++)
+        for (int v = 0; v < DB; v++)
+            acc[r][v] = ISA(load)(o + (size_t)r * head_dim + d + v * W);
+#pragma GCC unroll 4
+    for (int j = 0; j < nk; j++) {
+        vf row[8];
+        for (int v = 0; v < DB; v++)
+            row[v] = ISA(load)(values[j] + d + v * W);
+        for (int r = 0; r < RB; r++) {
+            vf weight = ISA(splat)(p[(size_t)r * r_stride + (size_t)j * j_stride]);
+            for (int v = 0; v < DB; v++)
+                acc[r][v] += weight * row[v];
+        }
+    }
+    for (int r = 0; r < RB; r++)
+        for (int v = 0; v < DB; v++)
+            ISA(store)(o + (size_t)r * head_dim + d + v * W, acc[r][v]);
+}
+
+/* acc[r] += sum_j probs[r][j] * values[j] over rows r and the chunk's nk value rows, probs[r][j] at
+ * probs[r * r_stride + j * j_stride] (8 accumulators: 4 rows x 2 vectors, 2 x 4, or 1 x 8, by how many
+ * rows are left). */
+static void ISA(accumulate_values)(float *acc, int num_rows, int head_dim, const float *probs, int r_stride,
+                                   int j_stride, const float *const *values, int nk)
+{
+    int r = 0;
+    for (; r + 4 <= num_rows; r += 4) {
+        float *o = acc + (size_t)r * head_dim;
+        const float *p = probs + (size_t)r * r_stride;
+        int d = 0;
+        for (; d + 2 * W <= head_dim; d += 2 * W)
+            ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, 4, 2);
+        for (; d < head_dim; d += W)
+            ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, 4, 1);
+    }
+    for (; r + 2 <= num_rows; r += 2) {
+        float *o = acc + (size_t)r * head_dim;
+        const float *p = probs + (size_t)r * r_stride;
+        int d = 0;
+        for (; d + 4 * W <= head_dim; d += 4 * W)
+            ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, 2, 4);
+        for (; d < head_dim; d += W)
+            ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, 2, 1);
+    }
+    for (; r < num_rows; r++) {
+        float *o = acc + (size_t)r * head_dim;
+        const float *p = probs + (size_t)r * r_stride;
+        int d = 0;
+        for (; d + 8 * W <= head_dim; d += 8 * W)
+            ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, 1, 8);
+        for (; d < head_dim; d += W)
+            ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, 1, 1);
+    }
+}
+
+/* Online softmax over one chunk of scores (nk keys, rows of `stride`): rescales each row's accumulator
+ * and running sum to the new running max and turns its scores into unnormalised probabilities, zero
+ * where not visible. Row r belongs to token r / group, whose visible columns are [lo, hi). */
+static void ISA(softmax_chunk)(float *scores, int num_rows, int group, int stride, int nk, int head_dim,
+                               const int32_t *lo, const int32_t *hi, float *row_max, float *row_sum, float *acc)
+{
+    const int nv = (nk + W - 1) / W;
+    for (int r = 0; r < num_rows; r++) {
+        float *s = scores + (size_t)r * stride;
+        int32_t first = lo[r / group], end = hi[r / group];
+        if (first >= end) {  /* nothing visible in this chunk */
+            for (int v = 0; v < nv; v++)
+                ISA(store)(s + v * W, (vf){0});
+            continue;
+        }
+        for (int j = 0; j < first; j++)
+            s[j] = -INFINITY;
+        for (int j = end; j < nv * W; j++)
+            s[j] = -INFINITY;
+        vf vmax = ISA(load)(s);
+        for (int v = 1; v < nv; v++) {
+            vf x = ISA(load)(s + v * W);
+            vi is_greater = x > vmax;
+            vmax = (vf)(((vi)x & is_greater) | ((vi)vmax & ~is_greater));
+        }
+        float chunk_max = vmax[0];
+        for (int i = 1; i < W; i++)
+            chunk_max = vmax[i] > chunk_max ? vmax[i] : chunk_max;
+        float new_max = chunk_max > row_max[r] ? chunk_max : row_max[r];
+        vf sum = {0};
+        for (int v = 0; v < nv; v++) {
+            vf x = ISA(load)(s + v * W);
+            vi is_visible = x != -INFINITY;
+            vf p = (vf)((vi)ISA(vexp)(x - new_max) & is_visible);
+            ISA(store)(s + v * W, p);
+            sum += p;
+        }
+        float chunk_sum = ISA(hsum)(sum);
+        if (new_max != row_max[r]) {
+            float correction = row_max[r] == -INFINITY ? 0.0f : ISA(vexp)(ISA(splat)(row_max[r] - new_max))[0];
+            float *o = acc + (size_t)r * head_dim;
+            for (int d = 0; d < head_dim; d += W)
+                ISA(store)(o + d, ISA(load)(o + d) * correction);
+            row_sum[r] *= correction;
+            row_max[r] = new_max;
+        }
+        row_sum[r] += chunk_sum;
+    }
+}
+
+static void ISA(bf16_to_float)(float *dst, const uint16_t *src, int n)
+{
+    for (int i = 0; i < n; i += W)
+        ISA(store)(dst + i, ISA(load_bf16)(src + i));
+}
+
+/* The token rows (every head) of key positions [start, start + nk). */
+static void ISA(chunk_rows)(const attn_args *a, const int32_t *table, int32_t start, int nk, size_t element,
+                            const char **k_tokens, const char **v_tokens)
+{
+    int32_t page = start / a->page_size, slot = start % a->page_size;
+    for (int j = 0; j < nk; j++, slot++) {
+        if (slot == a->page_size) {
+            slot = 0;
+            page++;
+        }
+        size_t block = (size_t)table[page];
+        k_tokens[j] = (const char *)a->k_cache + (block * a->k_block_stride + (size_t)slot * a->k_token_stride) * element;
+        v_tokens[j] = (const char *)a->v_cache + (block * a->v_block_stride + (size_t)slot * a->v_token_stride) * element;
+    }
+}
+
+/* Stage nk token rows' heads [first head, + num_heads) into dst [head][chunk][head_dim] fp32, for K and V. */
+static void ISA(stage_chunk)(const char *const *k_tokens, const char *const *v_tokens, int nk, size_t first_head,
+                             int num_heads, int head_dim, int chunk, int is_bf16, float *k_dst, float *v_dst)
+{
+    for (int j = 0; j < nk; j++) {
+        for (int h = 0; h < num_heads; h++) {
+            float *k_row = k_dst + ((size_t)h * chunk + j) * head_dim, *v_row = v_dst + ((size_t)h * chunk + j) * head_dim;
+            if (is_bf16) {
+                const uint16_t *k_src = (const uint16_t *)(k_tokens[j] + first_head) + (size_t)h * head_dim;
+                const uint16_t *v_src = (const uint16_t *)(v_tokens[j] + first_head) + (size_t)h * head_dim;
+                ISA(bf16_to_float)(k_row, k_src, head_dim);
+                ISA(bf16_to_float)(v_row, v_src, head_dim);
+            } else {
+                const float *k_src = (const float *)(k_tokens[j] + first_head) + (size_t)h * head_dim;
+                const float *v_src = (const float *)(v_tokens[j] + first_head) + (size_t)h * head_dim;
+                for (int d = 0; d < head_dim; d += W) {
+                    ISA(store)(k_row + d, ISA(load)(k_src + d));
+                    ISA(store)(v_row + d, ISA(load)(v_src + d));
+                }
+            }
+        }
+    }
+}
+
+/* One work item, using the calling thread's scratch. Rows are head-major: the rows of KV head
+ * kv_head + h are [h * rows_per_head, (h + 1) * rows_per_head), token-major within (token i, member g). */
+static void ISA(attend_item)(const attn_args *a, const work_item *item, scratch *s)
+{
+    const int head_dim = a->head_dim, group = a->num_q_heads / a->num_kv_heads;
+    const int num_tokens = item->num_tokens, num_heads = item->num_heads;
+    const int rows_per_head = num_tokens * group, num_rows = rows_per_head * num_heads;
+    const int32_t q_first = a->cu_seqlens_q[item->seq], q_len = a->cu_seqlens_q[item->seq + 1] - q_first;
+    const int32_t context_len = a->context_lens[item->seq];
+    const int32_t first_pos = context_len - q_len + item->first_token;  /* key position of the tile's first token */
+    const int32_t *table = a->block_tables + (size_t)item->seq * a->block_table_stride;
+    const int is_bf16 = a->dtype == DTYPE_BF16;
+    const size_t element = is_bf16 ? 2 : 4;
+    /* many rows per head: the column layout (queries transposed once, scores [keys][rows]) */
+    const int is_columns = rows_per_head > PACKED_MIN_ROWS;
+    const int rows_pad = (rows_per_head + W - 1) / W * W;
+
+    for (int h = 0; h < num_heads; h++) {
+        for (int i = 0; i < num_tokens; i++) {
+            size_t token = (size_t)(q_first + item->first_token + i);
+            for (int g = 0; g < group; g++) {
+                size_t offset = token * a->q_token_stride + (size_t)((item->kv_head + h) * group + g) * head_dim;
+                float *row = s->q + (size_t)(h * rows_per_head + i * group + g) * head_dim;
+                if (is_bf16)
+                    ISA(bf16_to_float)(row, (const uint16_t *)a->query + offset, head_dim);
+                else
+                    for (int d = 0; d < head_dim; d++)
+                        row[d] = ((const float *)a->query)[offset + d];
+                for (int d = 0; d < head_dim; d++)
+                    row[d] *= a->scale;
+            }
+        }
+        if (is_columns)
+            ISA(transpose_rows)(s->q + (size_t)h * rows_per_head * head_dim, rows_per_head, rows_pad, head_dim,
+                                s->qt + (size_t)h * rows_pad * head_dim);
+    }
+    for (int r = 0; r < num_heads * rows_pad; r++) {  /* padded per head in the column layout */
+        s->row_max[r] = -INFINITY;
+        s->row_sum[r] = 0.0f;
+    }
+    for (size_t i = 0; i < (size_t)num_rows * head_dim; i++)
+        s->acc[i] = 0.0f;
+
+    const int32_t key_end = first_pos + num_tokens;  /* one past the last token's position */
+    int32_t key_begin = 0;
+    if (a->sliding_window > 0 && first_pos - a->sliding_window + 1 > 0)
+        key_begin = first_pos - a->sliding_window + 1;
+    /* decodes: each chunk's K/V rows are first staged, head-major and in fp32, reading every token's
+     * row whole (all heads at once): a page-sized stretch the hardware prefetcher streams, where visiting
+     * the heads one by one would read each token row in strided pieces at a third of the bandwidth */
+    const int chunk = is_columns ? COLUMN_CHUNK : staged_chunk(num_heads, head_dim);
+    const char *k_tokens[DOT_CHUNK], *v_tokens[DOT_CHUNK];  /* each key position's token row (all heads) */
+    const float *keys[DOT_CHUNK], *values[DOT_CHUNK];
+    for (int32_t start = key_begin; start < key_end; start += chunk) {
+        int nk = key_end - start < chunk ? key_end - start : chunk;
+        ISA(chunk_rows)(a, table, start, nk, element, k_tokens, v_tokens);
+        /* visible columns [lo, hi) of each token: causal, inside the window, inside the chunk */
+        for (int i = 0; i < num_tokens; i++) {
+            int32_t pos = first_pos + i;
+            int32_t lo = 0, hi = pos + 1 - start;
+            if (hi > nk)
+                hi = nk;
+            if (a->sliding_window > 0 && pos - a->sliding_window + 1 - start > 0)
+                lo = pos - a->sliding_window + 1 - start;
+            if (is_columns) {  /* per row, padding rows seeing nothing */
+                for (int g = 0; g < group; g++) {
+                    s->lo[i * group + g] = lo;
+                    s->hi[i * group + g] = hi;
+                }
+            } else {
+                s->lo[i] = lo;
+                s->hi[i] = hi;
+            }
+        }
+        if (is_columns)
+            for (int r = rows_per_head; r < rows_pad; r++)
+                s->lo[r] = s->hi[r] = 0;
+        else
+            ISA(stage_chunk)(k_tokens, v_tokens, nk, (size_t)item->kv_head * head_dim * element, num_heads, head_dim,
+                             chunk, is_bf16, s->k_rows, s->v_rows);
+        for (int h = 0; h < num_heads; h++) {
+            size_t head_offset = (size_t)(item->kv_head + h) * head_dim * element;
+            for (int j = 0; j < nk; j++) {
+                if (!is_columns) {
+                    keys[j] = s->k_rows + ((size_t)h * chunk + j) * head_dim;
+                    values[j] = s->v_rows + ((size_t)h * chunk + j) * head_dim;
+                } else if (is_bf16) {
+                    float *k_row = s->k_rows + (size_t)j * head_dim, *v_row = s->v_rows + (size_t)j * head_dim;
+                    ISA(bf16_to_float)(k_row, (const uint16_t *)(k_tokens[j] + head_offset), head_dim);
+                    ISA(bf16_to_float)(v_row, (const uint16_t *)(v_tokens[j] + head_offset), head_dim);
+                    keys[j] = k_row;
+                    values[j] = v_row;
+                } else {
+                    keys[j] = (const float *)(k_tokens[j] + head_offset);
+                    values[j] = (const float *)(v_tokens[j] + head_offset);
+                }
+            }
+            float *acc = s->acc + (size_t)h * rows_per_head * head_dim;
+            if (is_columns) {
+                size_t first_row = (size_t)h * rows_pad;
+                ISA(scores_columns)(s->qt + first_row * head_dim, rows_pad, head_dim, keys, nk, s->scores);
+                ISA(softmax_columns)(s->scores, rows_per_head, rows_pad, nk, s->lo, s->hi, s->row_max + first_row,
+                                     s->row_sum + first_row, acc, head_dim);
+                ISA(accumulate_values)(acc, rows_per_head, head_dim, s->scores, 1, rows_pad, values, nk);
+            } else {
+                size_t first_row = (size_t)h * rows_per_head;
+                float *q = s->q + first_row * head_dim;
+                ISA(scores_dot)(q, rows_per_head, head_dim, keys, nk, s->scores, chunk);
+                ISA(softmax_chunk)(s->scores, rows_per_head, group, chunk, nk, head_dim, s->lo, s->hi,
+                                   s->row_max + first_row, s->row_sum + first_row, acc);
+                ISA(accumulate_values)(acc, rows_per_head, head_dim, s->scores, chunk, 1, values, nk);
+            }
+        }
+    }
+
+    for (int h = 0; h < num_heads; h++) {
+        for (int i = 0; i < num_tokens; i++) {
+            size_t token = (size_t)(q_first + item->first_token + i);
+            for (int g = 0; g < group; g++) {
+                int r = h * rows_per_head + i * group + g;
+                float sum = s->row_sum[is_columns ? h * rows_pad + i * group + g : r];
+                float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+                const float *o = s->acc + (size_t)r * head_dim;
+                size_t offset = token * a->out_token_stride + (size_t)((item->kv_head + h) * group + g) * head_dim;
+                if (is_bf16) {
+                    uint16_t *dst = (uint16_t *)a->out + offset;
+                    for (int d = 0; d < head_dim; d++)
+                        dst[d] = float_to_bf16(o[d] * inv);
+                } else {
+                    float *dst = (float *)a->out + offset;
+                    for (int d = 0; d < head_dim; d++)
+                        dst[d] = o[d] * inv;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,40 @@
+"""``CpuLinear``: oneDNN with packed weights for 2-256 rows, F.linear otherwise, the same products; bf16
+layers on CPUs without bf16 GEMMs computed in fp32 and rounded, as a bf16 GEMM with fp32 accumulation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_gemm import CpuLinear, onednn_available
+
+
+@pytest.mark.parametrize("rows", [1, 2, 17, 256, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_same_product_at_every_batch_size(threads, rows, bias):
+    torch.manual_seed(0)
+    weight, b = torch.randn(96, 64), torch.randn(96) if bias else None
+    x = torch.randn(rows, 64)
+    layer = CpuLinear(weight, b)
+    assert (layer.packed is not None) == onednn_available()
+    torch.testing.assert_close(layer(x), F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
+
+
+def test_without_prepacking_it_is_f_linear():
+    torch.manual_seed(1)
+    weight, x = torch.randn(32, 16), torch.randn(8, 16)
+    layer = CpuLinear(weight, None, prepack=False)
+    assert layer.packed is None
+    assert torch.equal(layer(x), F.linear(x, weight))
+
+
+def test_bf16_widened_to_fp32_is_a_bf16_gemm_with_fp32_accumulation():
+    torch.manual_seed(2)
+    weight, x = torch.randn(48, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    layer = CpuLinear(weight, None, widen_bf16=True)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and layer.weight.dtype == torch.float32
+    expected = (x.double() @ weight.double().T).to(torch.bfloat16)  # exact products, one rounding
+    torch.testing.assert_close(out, expected, atol=0, rtol=1e-2)
+    assert (out != expected).float().mean() < 0.05  # fp32 accumulation: almost always the same rounding

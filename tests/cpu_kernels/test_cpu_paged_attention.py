@@ -1,0 +1,69 @@
+"""Native paged attention against ``paged_attention_ref``: decodes, prefill over cached prefixes, chunked
+prefill, mixed batches, short (verify) queries, GQA ratios 1-8, head dims 32-128, page sizes 1-32,
+sliding windows, fp32 and bf16, one and two threads, every instruction set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_paged_attention import native_applies, paged_attention_cpu
+from kernels.paged_attention_ref import paged_attention_ref
+from tests.paged_batches import make_batch
+
+# (q_lens, context_lens, num_q_heads, num_kv_heads, head_dim, page_size)
+CASES = [
+    pytest.param([1] * 6, [1, 7, 16, 17, 300, 45], 8, 4, 64, 16, id="decode-gqa2-d64-p16"),
+    pytest.param([1] * 40, list(range(3, 403, 10)), 8, 1, 128, 16, id="decode-gqa8-d128-many-seqs"),
+    pytest.param([1, 1, 1], [600, 257, 511], 4, 4, 64, 32, id="decode-mha-long-contexts-p32"),
+    pytest.param([37, 130], [37, 130], 4, 2, 64, 16, id="prefill-fresh-ragged"),
+    pytest.param([64, 3], [200, 40], 16, 4, 128, 8, id="chunked-prefill-over-prefix-gqa4-d128"),
+    pytest.param([9, 2], [9, 35], 4, 2, 32, 1, id="page-size-1-d32"),
+    pytest.param([1, 9, 1, 70, 4], [20, 30, 65, 90, 4], 8, 2, 64, 4, id="mixed-decodes-chunks-short-queries"),
+    pytest.param([4, 4, 4, 4], [9, 30, 4, 100], 8, 4, 64, 16, id="verify-rows"),
+    pytest.param([6, 4], [6, 21], 6, 2, 48, 16, id="gqa3-d48"),
+    pytest.param([33], [33], 2, 2, 80, 16, id="d80-narrower-isa"),
+]
+
+
+def check(batch, sliding_window=None, dtype=torch.float32):
+    query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables = batch
+    scale = query.shape[-1] ** -0.5
+    assert native_applies(query, k_cache, v_cache)
+    expected = paged_attention_ref(query.float(), k_cache.float(), v_cache.float(), cu_seqlens_q, context_lens,
+                                   block_tables, scale, sliding_window)
+    actual = paged_attention_cpu(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+                                 sliding_window)
+    assert actual.shape == query.shape and actual.dtype == dtype
+    tolerance = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(actual.float(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("q_lens, context_lens, num_q_heads, num_kv_heads, head_dim, page_size", CASES)
+def test_matches_reference(isa, threads, q_lens, context_lens, num_q_heads, num_kv_heads, head_dim, page_size):
+    torch.manual_seed(0)
+    check(make_batch(q_lens, context_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     page_size=page_size))
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 64])
+def test_sliding_window(isa, sliding_window):
+    torch.manual_seed(1)
+    check(make_batch([1, 30, 1, 3], [100, 30, 7, 70], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16),
+          sliding_window=sliding_window)
+
+
+def test_bf16(isa, threads):
+    torch.manual_seed(2)
+    batch = make_batch([1, 50, 1, 4], [300, 80, 9, 12], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                       dtype=torch.bfloat16)
+    check(batch, dtype=torch.bfloat16)
+
+
+def test_layouts_it_does_not_take_run_the_reference():
+    torch.manual_seed(3)
+    query, k_cache, v_cache, cu, lens, tables = make_batch([1, 5], [9, 5], num_q_heads=4, num_kv_heads=2,
+                                                           head_dim=64, page_size=4, dtype=torch.float16)
+    assert not native_applies(query, k_cache, v_cache)  # fp16: the reference's job
+    out = paged_attention_cpu(query, k_cache, v_cache, cu, lens, tables, 0.125)
+    torch.testing.assert_close(out, paged_attention_ref(query, k_cache, v_cache, cu, lens, tables, 0.125))
