@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from bench.peer_vllm import VLLM_VERSION, VllmServe, cpu_env, default_venv, installed_versions, setup_venv, venv_python
-from bench.serve_compare import benchmark_checkpoint, client_on, cpu_model, run_tandem
+from bench.serve_compare import benchmark_checkpoint, client_on, cpu_model, run_tandem, write_comparison
 
 RUNNER = Path(__file__).with_name("offline_runner.py")
 ONLINE_SYSTEMS = ("vllm", "tandem-colocated", "tandem-1p1d")
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
-    from pipeline.cpu_placement import parse_core_list
+    from pipeline.core_list import parse_core_list
 
     venv = setup_venv(args.venv, args.vllm_version)
     if args.setup_only:
@@ -266,13 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         result["online"] = run_online(args, venv, checkpoint, cores)
     result["loadavg_1min_after"] = os.getloadavg()[0]
     result["comparisons"] = compare(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["comparisons"], indent=2))
     from bench.peer_plot import render_peer
 
-    for path in [args.out, *render_peer(result, args.out)]:
-        print(f"wrote {path}")
+    write_comparison(result, args.out, render_peer)
     return 0
 
 

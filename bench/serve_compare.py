@@ -67,7 +67,7 @@ def benchmark_checkpoint(size: str) -> Path:
 def run_tandem(name: str, checkpoint: Path, cores: list[int], run) -> tuple[dict, str]:
     from deploy.cpu_plan import describe_plan, plan_cores, router_cores
     from deploy.local_launcher import LocalCluster
-    from pipeline.cpu_placement import format_core_list
+    from pipeline.core_list import format_core_list
 
     num_prefill, num_decode, num_colocated = TANDEM_SHAPES[name]
     plan = plan_cores(cores, num_prefill, num_decode, num_colocated)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from pipeline.cpu_placement import parse_core_list
+    from pipeline.core_list import parse_core_list
 
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)
@@ -197,14 +197,19 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_1min_after": os.getloadavg()[0],
         "systems": reports, "comparisons": compare(reports),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["comparisons"], indent=2))
     from bench.serve_plot import render_serve
 
-    for path in [args.out, *render_serve(result, args.out)]:
-        print(f"wrote {path}")
+    write_comparison(result, args.out, render_serve)
     return 0
+
+
+def write_comparison(result: dict, out: Path, render) -> None:
+    """Write a comparison report's JSON and its plots (``render(result, out)`` -> paths); print where."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["comparisons"], indent=2))
+    for path in [out, *render(result, out)]:
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

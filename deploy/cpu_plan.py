@@ -8,7 +8,7 @@ groups get disjoint cores, in proportion to their worker counts. Pure functions;
 from __future__ import annotations
 
 from deploy.local_launcher import worker_names
-from pipeline.cpu_placement import format_core_list
+from pipeline.core_list import format_core_list
 
 
 def plan_cores(available: list[int], num_prefill: int, num_decode: int, num_colocated: int,

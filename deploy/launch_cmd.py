@@ -46,7 +46,8 @@ def add_supervision_flags(parser: argparse.ArgumentParser, share_cores_help: str
 def run(args: argparse.Namespace) -> int:
     from deploy.cpu_plan import describe_plan, plan_cores, router_cores
     from deploy.local_launcher import ClusterError, LocalCluster
-    from pipeline.cpu_placement import allowed_cores, format_core_list
+    from pipeline.core_list import format_core_list
+    from pipeline.cpu_placement import allowed_cores
 
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts: must be >= 0 (got {args.max_restarts})")

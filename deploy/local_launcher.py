@@ -33,7 +33,7 @@ import yaml
 
 from deploy.supervisor import RestartPolicy, Supervisor, SupervisorEvent
 from pipeline.config import PipelineConfig
-from pipeline.cpu_placement import format_core_list
+from pipeline.core_list import format_core_list
 
 logger = logging.getLogger(__name__)
 

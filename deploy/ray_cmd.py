@@ -95,7 +95,7 @@ def run_up(args: argparse.Namespace) -> int:
 def _up_options(args: argparse.Namespace):
     from deploy.ray_cluster.deployment import UpOptions
     from deploy.ray_cluster.spec import check_deployment_name, parse_resources
-    from pipeline.cpu_placement import parse_core_list
+    from pipeline.core_list import parse_core_list
 
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts: must be >= 0 (got {args.max_restarts})")

@@ -192,7 +192,7 @@ class PipelineConfig(_Section):
             value = str(value)  # "--cpu-cores 3" and TANDEM_CPU_CORES=3 arrive parsed as numbers
         if not isinstance(value, str):
             return value  # None, or a type error pydantic reports
-        from pipeline.cpu_placement import format_core_list, parse_core_list
+        from pipeline.core_list import format_core_list, parse_core_list
 
         return format_core_list(parse_core_list(value))
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, PipelineConfig, build_config
-from pipeline.cpu_placement import (allowed_cores, apply_cpu_placement, bind_to_cores, describe_placement,
-                                    format_core_list, parse_core_list)
+from pipeline.core_list import format_core_list, parse_core_list
+from pipeline.cpu_placement import allowed_cores, apply_cpu_placement, bind_to_cores, describe_placement
 
 
 @pytest.mark.parametrize(

@@ -297,6 +297,6 @@ def _describe_resources(gpus: float, options: UpOptions) -> str:
 
 
 def _fmt(cores: list[int]) -> str:
-    from pipeline.cpu_placement import format_core_list
+    from pipeline.core_list import format_core_list
 
     return format_core_list(cores)

@@ -37,7 +37,7 @@ from deploy.local_launcher import signal_group
 from deploy.parent_guard import DIE_WITH_PARENT_ENV
 from deploy.ray_cluster.spec import ProcessSpec
 from deploy.supervisor import RestartPolicy, Supervisor
-from pipeline.cpu_placement import format_core_list
+from pipeline.core_list import format_core_list
 
 logger = logging.getLogger(__name__)
 

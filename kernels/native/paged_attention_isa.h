@@ -171,6 +171,20 @@ static inline __attribute__((always_inline)) void ISA(pv_block)(float *o, int he
             ISA(store)(o + (size_t)r * head_dim + d + v * W, acc[r][v]);
 }
 
+/* pv_block over every d of RB rows from row r: DB vectors at a time, then one at a time. */
+static inline __attribute__((always_inline)) void ISA(pv_rows)(float *acc, int head_dim, const float *probs,
+                                                               int r_stride, int j_stride, const float *const *values,
+                                                               int nk, int r, const int RB, const int DB)
+{
+    float *o = acc + (size_t)r * head_dim;
+    const float *p = probs + (size_t)r * r_stride;
+    int d = 0;
+    for (; d + DB * W <= head_dim; d += DB * W)
+        ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, RB, DB);
+    for (; d < head_dim; d += W)
+        ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, RB, 1);
+}
+
 /* acc[r] += sum_j probs[r][j] * values[j] over rows r and the chunk's nk value rows, probs[r][j] at
  * probs[r * r_stride + j * j_stride] (8 accumulators: 4 rows x 2 vectors, 2 x 4, or 1 x 8, by how many
  * rows are left). */
@@ -178,33 +192,12 @@ static void ISA(accumulate_values)(float *acc, int num_rows, int head_dim, const
                                    int j_stride, const float *const *values, int nk)
 {
     int r = 0;
-    for (; r + 4 <= num_rows; r += 4) {
-        float *o = acc + (size_t)r * head_dim;
-        const float *p = probs + (size_t)r * r_stride;
-        int d = 0;
-        for (; d + 2 * W <= head_dim; d += 2 * W)
-            ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, 4, 2);
-        for (; d < head_dim; d += W)
-            ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, 4, 1);
-    }
-    for (; r + 2 <= num_rows; r += 2) {
-        float *o = acc + (size_t)r * head_dim;
-        const float *p = probs + (size_t)r * r_stride;
-        int d = 0;
-        for (; d + 4 * W <= head_dim; d += 4 * W)
-            ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, 2, 4);
-        for (; d < head_dim; d += W)
-            ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, 2, 1);
-    }
-    for (; r < num_rows; r++) {
-        float *o = acc + (size_t)r * head_dim;
-        const float *p = probs + (size_t)r * r_stride;
-        int d = 0;
-        for (; d + 8 * W <= head_dim; d += 8 * W)
-            ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, 1, 8);
-        for (; d < head_dim; d += W)
-            ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, 1, 1);
-    }
+    for (; r + 4 <= num_rows; r += 4)
+        ISA(pv_rows)(acc, head_dim, probs, r_stride, j_stride, values, nk, r, 4, 2);
+    for (; r + 2 <= num_rows; r += 2)
+        ISA(pv_rows)(acc, head_dim, probs, r_stride, j_stride, values, nk, r, 2, 4);
+    for (; r < num_rows; r++)
+        ISA(pv_rows)(acc, head_dim, probs, r_stride, j_stride, values, nk, r, 1, 8);
 }
 
 /* Online softmax over one chunk of scores (nk keys, rows of `stride`): rescales each row's accumulator
