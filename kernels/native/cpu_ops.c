@@ -123,6 +123,15 @@ static int staged_chunk(int num_heads, int head_dim)
 #include "elementwise_isa.h"
 #include "isa_undef.h"
 
+/* The 16-lane bodies in portable vectors: never chosen by default, there so that every machine's tests
+ * run the avx512 logic (lane counts, tails, blocking) even where the CPU has no AVX-512. */
+#define ISA(name) name##_vec512
+#define VEC_BYTES 64
+#include "vec_isa.h"
+#include "paged_attention_isa.h"
+#include "elementwise_isa.h"
+#include "isa_undef.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -149,20 +158,24 @@ static int staged_chunk(int num_heads, int head_dim)
 typedef struct {
     const char *name;
     int width; /* floats per vector: row lengths (head_dim, hidden) must be multiples */
+    int test_only; /* never selected at import */
     void (*attend)(const attn_args *, const work_item *, scratch *);
     void (*rms_norm)(const norm_args *, int64_t, int64_t);
     void (*rotary)(const rotary_args *, int64_t, int64_t);
     void (*silu_and_mul)(const silu_args *, int64_t, int64_t);
 } isa_entry;
 
-#define ISA_ENTRY(isa, width) {#isa, width, attend_item_##isa, rms_norm_rows_##isa, rotary_rows_##isa, silu_and_mul_rows_##isa}
+#define ISA_ENTRY(isa, width, test_only) {#isa, width, test_only, attend_item_##isa, rms_norm_rows_##isa, rotary_rows_##isa, silu_and_mul_rows_##isa}
 static const isa_entry ISAS[] = {
 #ifdef HAS_X86_VARIANTS
-    ISA_ENTRY(avx512, 16),
-    ISA_ENTRY(avx2, 8),
+    ISA_ENTRY(avx512, 16, 0),
+    ISA_ENTRY(avx2, 8, 0),
 #endif
-    ISA_ENTRY(vec128, 4),
-    ISA_ENTRY(scalar, 1),
+    /* widest first, so that isa_for falls back to a narrower body; vec512 after the x86 bodies, so a
+     * row avx2 cannot take (not a multiple of 8) is not one vec512 can */
+    ISA_ENTRY(vec512, 16, 1),
+    ISA_ENTRY(vec128, 4, 0),
+    ISA_ENTRY(scalar, 1, 0),
 };
 #define NUM_ISAS ((int)(sizeof(ISAS) / sizeof(ISAS[0])))
 
@@ -556,7 +569,7 @@ static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_cpu_ops", "Native C
 PyMODINIT_FUNC PyInit__cpu_ops(void)
 {
     for (int i = 0; i < NUM_ISAS; i++) {
-        if (isa_supported(&ISAS[i])) {
+        if (!ISAS[i].test_only && isa_supported(&ISAS[i])) {
             selected_isa = i;
             break;
         }

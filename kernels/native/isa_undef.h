@@ -8,3 +8,4 @@
 #undef vu
 #undef vh
 #undef ROUNDED
+#undef X86_REGISTER

@@ -11,6 +11,15 @@
 #define vu ISA(vu)
 #define vh ISA(vh)
 
+/* Whether one vf is one x86 register under the includer's target pragma (GCC defines __AVX2__ and
+ * __AVX512F__ inside `#pragma GCC target`); the portable 64-byte body (vec512) is not, and takes the
+ * generic spellings below. */
+#if defined(__x86_64__) && (VEC_BYTES == 16 || (VEC_BYTES == 32 && defined(__AVX2__)) || (VEC_BYTES == 64 && defined(__AVX512F__)))
+#define X86_REGISTER 1
+#else
+#define X86_REGISTER 0
+#endif
+
 typedef float vf __attribute__((vector_size(VEC_BYTES)));
 typedef float vfu __attribute__((vector_size(VEC_BYTES), aligned(4), may_alias));
 typedef int32_t vi __attribute__((vector_size(VEC_BYTES)));
@@ -23,11 +32,11 @@ static inline void ISA(store)(float *p, vf v) { *(vfu *)p = v; }
  * lane-by-lane inserts under a target pragma, so x86 widths use the intrinsic. */
 static inline vf ISA(splat)(float x)
 {
-#if defined(__x86_64__) && VEC_BYTES == 64
+#if X86_REGISTER && VEC_BYTES == 64
     return (vf)_mm512_set1_ps(x);
-#elif defined(__x86_64__) && VEC_BYTES == 32
+#elif X86_REGISTER && VEC_BYTES == 32
     return (vf)_mm256_set1_ps(x);
-#elif defined(__x86_64__) && VEC_BYTES == 16
+#elif X86_REGISTER && VEC_BYTES == 16
     return (vf)_mm_set1_ps(x);
 #else
     vf v;
@@ -54,14 +63,14 @@ static inline float ISA(hsum)(vf v)
 /* The horizontal sums of eight vectors, in order. */
 static inline void ISA(hsum8)(vf a0, vf a1, vf a2, vf a3, vf a4, vf a5, vf a6, vf a7, float *out)
 {
-#if VEC_BYTES == 64
+#if X86_REGISTER && VEC_BYTES == 64
     __m256 h[8];
     vf in[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
     for (int i = 0; i < 8; i++)
         h[i] = _mm256_add_ps(_mm512_castps512_ps256((__m512)in[i]),
                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)in[i]), 1)));
 #define HSUM8_AVX2 1
-#elif VEC_BYTES == 32
+#elif X86_REGISTER && VEC_BYTES == 32
     __m256 h[8] = {(__m256)a0, (__m256)a1, (__m256)a2, (__m256)a3, (__m256)a4, (__m256)a5, (__m256)a6, (__m256)a7};
 #define HSUM8_AVX2 1
 #endif
@@ -107,9 +116,9 @@ static inline vf ISA(vexp)(vf x)
 
 /* Stop the compiler from fusing a multiply into the add that follows it: the value is rounded to
  * float here, as torch rounds every elementwise op's result. */
-#if defined(__x86_64__) && VEC_BYTES > 4
+#if X86_REGISTER
 #define ROUNDED(v) ({ __typeof__(v) rounded_ = (v); __asm__("" : "+x"(rounded_)); rounded_; })
-#elif defined(__aarch64__) && VEC_BYTES > 4
+#elif defined(__aarch64__) && VEC_BYTES == 16
 #define ROUNDED(v) ({ __typeof__(v) rounded_ = (v); __asm__("" : "+w"(rounded_)); rounded_; })
 #else
 #define ROUNDED(v) ({ volatile __typeof__(v) rounded_ = (v); rounded_; })

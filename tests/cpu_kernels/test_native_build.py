@@ -18,6 +18,9 @@ def test_native_module_is_built_where_a_compiler_is():
     assert cpu_native.ops is not None, "kernels._cpu_ops is not built (pip install -e . with a C compiler)"
     assert cpu_native.ops.isa() in cpu_native.ops.supported_isas()
     assert "scalar" in cpu_native.ops.supported_isas()
+    # the portable 16-lane body runs the avx512 logic in every machine's tests, never in serving
+    assert "vec512" in cpu_native.ops.supported_isas()
+    assert cpu_native.ops.isa() != "vec512"
 
 
 def test_auto_on_cpu_is_the_cpu_set_with_every_kernel():
