@@ -224,7 +224,8 @@ class DecodeWorker(WorkerBase):
                 first_logprobs = None
                 if prefill.first_logprobs is not None:  # sampled first, then top-N: a dict holds both
                     first_logprobs = {lp.token_id: lp.logprob for lp in prefill.first_logprobs}
-                step = self.engine.activate_remote(rid, prefill.first_token_id, first_logprobs)
+                step = self.engine.activate_remote(rid, prefill.first_token_id, first_logprobs,
+                                                   prefill.prompt_logprobs)
                 return [self._delta(step)]
         error = state.failure or f"KV transfer failed: {done.error}"
         self.engine.abort_request(rid)

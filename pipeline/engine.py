@@ -21,7 +21,8 @@ from pipeline.kv_pool import build_kv_pool
 from pipeline.model_runner import TORCH_DTYPES, ModelRunner
 from pipeline.output_processor import OutputProcessor
 from pipeline.overlap import InFlightStep, needs_host_tokens
-from pipeline.protocol import CompletionOutput, FinishReason, SamplingParams
+from pipeline.prompt_logprobs import as_dicts
+from pipeline.protocol import CompletionOutput, FinishReason, PromptLogprobs, SamplingParams
 from pipeline.protocol.cluster import WorkerLoad
 from pipeline.request_validation import RequestError, resolve_bad_words, validate_request
 from pipeline.sampler import Sampler, SequenceSamplingState, step_seed
@@ -47,6 +48,7 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_top_logprobs: int = 0  # the request's ``logprobs`` (top-N asked for)
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when the request asked for them
     # the last token ended the request as EOS or a stop token id: it is not part of the text
     is_stop_token: bool = False
 
@@ -197,11 +199,13 @@ class LLMEngine:
     def reserve_remote(self) -> list[Sequence]:
         return self.scheduler.reserve_remote()
 
-    def activate_remote(self, request_id: str, first_token_id: int,
-                        first_logprobs: dict[int, float] | None) -> StepOutput:
-        """The prompt's KV arrived: record the first token (sampled by the prefill worker), run stop
-        checks on it, and let the sequence decode from the next step."""
+    def activate_remote(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None,
+                        prompt_logprobs: PromptLogprobs | None = None) -> StepOutput:
+        """The prompt's KV arrived: record the first token (sampled by the prefill worker, with the
+        prompt's logprobs when asked for), run stop checks on it, and let the sequence decode from the next step."""
         seq = self._sequences[request_id]
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs = prompt_logprobs or PromptLogprobs()
         self.scheduler.activate_remote(seq, first_token_id)
         return self._emit(seq, first_token_id, first_logprobs)
 
@@ -360,6 +364,8 @@ class LLMEngine:
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
             out.new_logprobs = [logprobs]
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         stop = self.output_processor.check_stop(seq, token_id, num_tokens)
         out.is_stop_token = stop is not None and stop[0] == FinishReason.STOP.value and not isinstance(stop[1], str)
         grammar = seq.sampling_state.grammar
@@ -391,4 +397,5 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             logprobs=seq.logprobs,
             stop_reason=seq.stop_reason,
+            prompt_logprobs=None if seq.prompt_logprobs is None else as_dicts(seq.prompt_logprobs, seq.prompt_token_ids),
         )

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kernels import Kernels
+from pipeline import prompt_logprobs
 from pipeline.execution_stream import ExecutionStream
 from pipeline.forward_batch import ForwardBatch
 from pipeline.sampler import Sampler, SamplerOutput
@@ -82,9 +83,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], block_table: Callable[[str], list[int]]) -> SamplerOutput | None:
         """Run one step over ``chunks``; returns one sample per chunk that reached its last token."""
-        batch = self.prepare(chunks, block_table)
+        gathered = self.gather(chunks, block_table)
+        batch = self.to_batch(gathered, chunks)
         sampling, plan = self._sampling_plan(chunks)  # grammar masks start filling beside the forward
         hidden = self.model(batch, self.kv_cache, self.kernels)  # [num_tokens, hidden]
+        prompt_logprobs.score(self.model, hidden, prompt_logprobs.spans(chunks, gathered.cu_seqlens))
         if batch.logits_indices.numel() == 0:
             return None
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab] fp32
@@ -120,6 +123,7 @@ class ModelRunner:
         targets = np.flatnonzero(gathered.input_ids == PLACEHOLDER_TOKEN_ID).tolist()
         sources = [self._launched_rows[chunks[i].seq.request_id] for i in gathered.token_chunk[targets].tolist()]
         sampling, plan = self._sampling_plan(chunks, masks_after)
+        prompt_spans = prompt_logprobs.spans(chunks, gathered.cu_seqlens)
         self._launched_rows = {c.seq.request_id: row for row, c in enumerate(sampling)}
         if targets:
             targets_t = torch.tensor(targets, dtype=torch.long, device=self.device)
@@ -130,6 +134,7 @@ class ModelRunner:
             if targets:
                 batch.input_ids[targets_t] = self._last_sampled[sources_t]
             hidden = self.model(batch, self.kv_cache, self.kernels)  # [num_tokens, hidden]
+            prompt_logprobs.score(self.model, hidden, prompt_spans)
             if batch.logits_indices.numel() == 0:
                 self._last_sampled = None
                 return None

@@ -234,12 +234,12 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int, cap: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            num_cached = self.kv.allocate(
-                seq.request_id, seq.token_ids, seq.num_tokens, max_usage=self.kvcache_ce_watermark
-            )
+            # a request asking for prompt logprobs computes every prompt position: no prefix reuse
+            known = seq.token_ids if seq.prompt_logprobs is None else []
+            num_cached = self.kv.allocate(seq.request_id, known, seq.num_tokens, max_usage=self.kvcache_ce_watermark)
             if num_cached is None and not self.running:
                 # Nothing runs, so nothing will free blocks: let it use the whole pool rather than stall.
-                num_cached = self.kv.allocate(seq.request_id, seq.token_ids, seq.num_tokens)
+                num_cached = self.kv.allocate(seq.request_id, known, seq.num_tokens)
             if num_cached is None:
                 break
             num_new = seq.num_tokens - num_cached

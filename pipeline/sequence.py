@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.protocol import SamplingParams
+from pipeline.protocol import PromptLogprobs, SamplingParams
 
 # The overlap pipeline appends this for a token the model has sampled but the host has not read yet
 # (host lengths advance at launch; the value is filled one step late). Never a valid token id: the
@@ -41,12 +41,18 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
+    # with params.prompt_logprobs: filled as the prompt's chunks run here (pipeline/prompt_logprobs.py),
+    # or handed over with the KV by the prefill worker; sent once, with the first token
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False
     text: str = ""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = PromptLogprobs()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -158,6 +158,7 @@ def delta_from_step(step: StepOutput) -> TokenDelta:
         token_ids=step.new_token_ids,
         num_prompt_tokens=step.num_prompt_tokens,
         num_cached_tokens=step.num_cached_tokens,
+        prompt_logprobs=step.prompt_logprobs,
     )
     if step.new_logprobs is not None:
         delta.logprobs = [logprobs_to_wire(e, t, step.num_top_logprobs)

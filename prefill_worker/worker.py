@@ -191,6 +191,7 @@ class PrefillWorker(WorkerBase):
             num_prompt_tokens=num_prompt_tokens,
             num_computed_tokens=num_prompt_tokens - out.num_cached_tokens,
             prefill_worker_id=self.worker_id,
+            prompt_logprobs=out.prompt_logprobs,
         )
         self.sender.finish(out.request_id, encode(done))
         job.is_finished = job.has_sent = True

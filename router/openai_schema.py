@@ -41,6 +41,7 @@ class _SamplingFields(_Body):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    prompt_logprobs: StrictInt | None = None  # per prompt position: the prompt's token and the top N
     # structured output (router/structured_output.py): OpenAI's, then vLLM's
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -69,6 +70,9 @@ class _SamplingFields(_Body):
 PromptType = Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
 
 
+MAX_PROMPTS_PER_REQUEST = 1024
+
+
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
     logprobs: StrictInt | None = None
@@ -78,19 +82,18 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
+    def _prompt_count(cls, value: Any) -> Any:
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError(f"only one prompt per request is supported (got {len(value)})")
-            return value[0]
+            if len(value) > MAX_PROMPTS_PER_REQUEST:
+                raise ValueError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request (got {len(value)})")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo=true is not supported")
-        return value
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids (a batch is fanned out, vLLM's choice order)."""
+        value = self.prompt
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            return list(value)
+        return [value]
 
     @field_validator("best_of")
     @classmethod

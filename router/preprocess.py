@@ -5,7 +5,7 @@ Nothing here touches a worker: a request that fails a check never leaves the rou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline.config import SamplingConfig
 from pipeline.protocol.requests import SamplingParams
@@ -13,32 +13,66 @@ from pipeline.tokenizer import TokenizerError, apply_chat_template, encode_promp
 from router.errors import APIError, bad_request, from_value_error
 from router.openai_schema import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from router.served_model import ServedModel
+from router.streaming import PromptRendering
 from router.structured_output import check_structured_output, structured_output_from
 
 
 @dataclass
 class PreparedRequest:
+    """One prompt of a request, ready for a worker (a completions request with a list of prompts makes one each)."""
+
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool
     include_usage: bool
     want_logprobs: bool
+    prompt: PromptRendering = field(default_factory=PromptRendering)
 
 
-def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: SamplingConfig) -> PreparedRequest:
+def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: SamplingConfig) -> list[PreparedRequest]:
     _check_model(body.model, model)
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        prompt_ids = encode_prompt(model.tokenizer, prompt)
-    else:
-        prompt_ids = list(prompt)
-    _check_prompt_ids(prompt_ids, model, "prompt")
-    params = _sampling_params(body, model, defaults, len(prompt_ids), body.max_tokens, body.logprobs, "prompt")
-    return PreparedRequest(prompt_ids, params, body.stream, body.include_usage, body.logprobs is not None)
+    _check_prompt_logprobs(body)
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens: must be >= 1 (0 only with echo=true, to score the prompt)", param="max_tokens")
+    prepared = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            prompt_ids = encode_prompt(model.tokenizer, prompt)
+        else:
+            prompt_ids = list(prompt)
+        _check_prompt_ids(prompt_ids, model, "prompt")
+        # max_tokens 0 with echo: the worker runs the prompt and samples one token, which is not shown
+        max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
+        params = _sampling_params(body, model, defaults, len(prompt_ids), max_tokens, body.logprobs, "prompt")
+        echo_logprobs = body.logprobs if body.echo else None
+        asked = [n for n in (echo_logprobs, body.prompt_logprobs) if n is not None]
+        if asked:
+            params.prompt_logprobs = max(asked)
+        rendering = PromptRendering(
+            token_ids=prompt_ids,
+            echo_text=(prompt if isinstance(prompt, str) else model.tokenizer.decode(prompt_ids)) if body.echo else None,
+            num_top_echo=echo_logprobs,
+            num_top_prompt_logprobs=body.prompt_logprobs,
+            discard_output=body.max_tokens == 0,
+        )
+        prepared.append(PreparedRequest(prompt_ids, params, body.stream, body.include_usage,
+                                        body.logprobs is not None, rendering))
+    return prepared
 
 
-def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: SamplingConfig) -> PreparedRequest:
+def _check_prompt_logprobs(body: _SamplingFields) -> None:
+    if body.prompt_logprobs is None:
+        return
+    if not 0 <= body.prompt_logprobs <= 20:
+        raise bad_request(f"prompt_logprobs: must be in [0, 20] (got {body.prompt_logprobs})", param="prompt_logprobs")
+    if body.stream:
+        raise bad_request("prompt_logprobs: not available when stream=true (use echo with logprobs to stream "
+                          "the prompt's logprobs)", param="prompt_logprobs")
+
+
+def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: SamplingConfig) -> list[PreparedRequest]:
     _check_model(body.model, model)
+    _check_prompt_logprobs(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: requires logprobs=true", param="top_logprobs")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -52,7 +86,9 @@ def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: Samp
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.resolved_max_tokens()
     params = _sampling_params(body, model, defaults, len(prompt_ids), max_tokens, logprobs, "messages")
-    return PreparedRequest(prompt_ids, params, body.stream, body.include_usage, body.logprobs)
+    params.prompt_logprobs = body.prompt_logprobs
+    rendering = PromptRendering(token_ids=prompt_ids, num_top_prompt_logprobs=body.prompt_logprobs)
+    return [PreparedRequest(prompt_ids, params, body.stream, body.include_usage, body.logprobs, rendering)]
 
 
 def _check_model(requested: str, model: ServedModel) -> None:

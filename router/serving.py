@@ -6,7 +6,9 @@ that cannot wait gets 429 with ``Retry-After`` at once. Streaming answers are Se
 ending with ``data: [DONE]``; a failure after the response started is sent as one
 ``data: {"error": {...}}`` event (the openai client raises it as an APIError) before ``[DONE]``.
 The worker gets a ``CancelRequest`` whenever the router stops listening before the worker finished:
-client disconnect, stop string, timeout, error.
+client disconnect, stop string, timeout, error. A completions request with a list of prompts is one
+worker request per prompt, answered as one response (choices by prompt index; streamed chunks
+interleave as the prompts produce them); any prompt's failure fails the whole response.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from router.metrics import RouterMetrics
 from router.policy import NoRoute
 from router.preprocess import PreparedRequest
 from router.served_model import ServedModel
-from router.streaming import LogprobEntry, OutputBuilder, Piece, ResponseShape
+from router.streaming import ChoiceResult, LogprobEntry, OutputBuilder, Piece, ResponseShape, total_usage
 
 logger = logging.getLogger(__name__)
 
@@ -68,33 +70,70 @@ def _timeout_error(state: RouterState) -> APIError:
     return APIError(504, f"the request did not finish within {state.request_timeout_s:g} s", code="timeout")
 
 
-async def serve(state: RouterState, http_request: Request, prepared: PreparedRequest, kind: str) -> Response:
+async def serve(state: RouterState, http_request: Request, prompts: list[PreparedRequest], kind: str) -> Response:
+    """One response for one or more prompts (a completions request may carry a list): each prompt is its
+    own request to the workers, admitted before the response starts; choice ``index`` is the prompt's."""
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    try:
-        handle = state.dispatcher.submit(
-            request_id, prepared.prompt_token_ids, prepared.params, state.request_timeout_s)
-        if not handle.is_admitted:  # every worker is busy: wait in the queue, unless the client leaves
-            await _unless_disconnected(http_request, state.dispatcher.wait_admitted(handle))
-    except Overloaded as exc:
-        state.metrics.requests_total.labels("overloaded").inc()
-        raise overloaded(str(exc), exc.retry_after_s) from None
-    except NoRoute as exc:
-        state.metrics.requests_total.labels("unavailable").inc()
-        raise APIError(503, f"no worker can serve this request: {exc}") from None
-    except _ClientGone:
-        state.dispatcher.cancel(handle)
-        state.metrics.requests_total.labels("cancelled").inc()
-        return Response(status_code=499)  # nobody reads this
-    shape = ResponseShape(kind, request_id, state.model.name, prepared.want_logprobs)
-    builder = OutputBuilder(state.model, prepared.params, len(prepared.prompt_token_ids))
-    if prepared.stream:
+    handles = await _admit_all(state, http_request, request_id, prompts)
+    if handles is None:
+        return Response(status_code=499)  # the client left while waiting; nobody reads this
+    first = prompts[0]
+    shape = ResponseShape(kind, request_id, state.model.name, first.want_logprobs)
+    choices = [_Choice(i, handle, OutputBuilder(state.model, p.params, len(p.prompt_token_ids), p.prompt))
+               for i, (handle, p) in enumerate(zip(handles, prompts))]
+    if first.stream:
         return StreamingResponse(
-            _stream(state, handle, builder, shape, prepared.include_usage),
+            _stream(state, choices, shape, first.include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await _collect_unless_disconnected(state, http_request, handle, builder, shape)
+    return await _collect_unless_disconnected(state, http_request, choices, shape)
+
+
+@dataclass
+class _Choice:
+    index: int
+    handle: RequestHandle
+    builder: OutputBuilder
+
+
+async def _admit_all(state: RouterState, http_request: Request, request_id: str,
+                     prompts: list[PreparedRequest]) -> list[RequestHandle] | None:
+    """Submit every prompt and wait until all are admitted (None: the client left meanwhile). A 429 or
+    503 for any of them cancels the others: a response is all its prompts or an error."""
+    handles: list[RequestHandle] = []
+    try:
+        for i, prepared in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            handles.append(state.dispatcher.submit(rid, prepared.prompt_token_ids, prepared.params,
+                                                   state.request_timeout_s))
+        waiting = [state.dispatcher.wait_admitted(h) for h in handles if not h.is_admitted]
+        if waiting:  # every worker is busy: wait in the queue, unless the client leaves
+            await _unless_disconnected(http_request, asyncio.gather(*waiting))
+    except Overloaded as exc:
+        _cancel_all(state, handles, None)
+        state.metrics.requests_total.labels("overloaded").inc()
+        raise overloaded(str(exc), exc.retry_after_s) from None
+    except NoRoute as exc:
+        _cancel_all(state, handles, None)
+        state.metrics.requests_total.labels("unavailable").inc()
+        raise APIError(503, f"no worker can serve this request: {exc}") from None
+    except _ClientGone:
+        _cancel_all(state, handles, "cancelled")
+        return None
+    except BaseException:
+        _cancel_all(state, handles, None)
+        raise
+    return handles
+
+
+def _cancel_all(state: RouterState, handles: list[RequestHandle], outcome: str | None) -> None:
+    for handle in handles:
+        if not handle.is_done:
+            state.dispatcher.cancel(handle)
+            if outcome is not None:
+                state.metrics.requests_total.labels(outcome).inc()
 
 
 async def _next_piece(state: RouterState, handle: RequestHandle, builder: OutputBuilder) -> Piece:
@@ -120,40 +159,71 @@ async def _next_piece(state: RouterState, handle: RequestHandle, builder: Output
     return piece
 
 
-async def _stream(
-    state: RouterState, handle: RequestHandle, builder: OutputBuilder, shape: ResponseShape, include_usage: bool
-) -> AsyncIterator[bytes]:
+async def _pieces(state: RouterState, choice: _Choice, out: asyncio.Queue) -> None:
+    """Feed one choice's pieces (then None, or the APIError that ended it) into the shared queue."""
+    try:
+        while not choice.builder.is_finished:
+            await out.put((choice.index, await _next_piece(state, choice.handle, choice.builder)))
+        await out.put((choice.index, None))
+    except APIError as error:
+        await out.put((choice.index, error))
+
+
+async def _stream(state: RouterState, choices: list[_Choice], shape: ResponseShape,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.ensure_future(_pieces(state, choice, queue)) for choice in choices]
     try:
         if shape.kind == "chat":
-            yield _sse(shape.chunk(Piece(), first=True))
-        while not builder.is_finished:
-            try:
-                piece = await _next_piece(state, handle, builder)
-            except APIError as error:
-                yield _error_event(error)
+            for choice in choices:
+                yield _sse(shape.chunk(Piece(), first=True, index=choice.index))
+        remaining = len(choices)
+        failed = False
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, APIError):
+                yield _error_event(item)  # one failed prompt fails the response: the others are cancelled
+                failed = True
                 break
-            if piece.text or piece.logprobs or piece.finish_reason is not None:
-                yield _sse(shape.chunk(piece))
-        if builder.is_finished and include_usage:
-            yield _sse(shape.usage_chunk(builder.usage()))
+            elif item.text or item.logprobs or item.finish_reason is not None:
+                yield _sse(shape.chunk(item, index=index))
+        if not failed and include_usage:
+            yield _sse(shape.usage_chunk(total_usage([c.builder.usage() for c in choices])))
         yield b"data: [DONE]\n\n"
-    finally:  # also runs when the client disconnects (the task is cancelled at an await)
-        if not handle.is_done:
-            state.dispatcher.cancel(handle)
-            state.metrics.requests_total.labels("cancelled").inc()
+    finally:  # also runs when the client disconnects (the generator is closed at a yield or await)
+        for task in tasks:
+            task.cancel()
+        _cancel_all(state, [c.handle for c in choices], "cancelled")
 
 
-async def _collect(state: RouterState, handle: RequestHandle, builder: OutputBuilder, shape: ResponseShape) -> dict:
+async def _collect_one(state: RouterState, choice: _Choice) -> ChoiceResult:
+    builder = choice.builder
     text_parts: list[str] = []
     entries: list[LogprobEntry] = []
     stop_reason = None
+    prompt_logprobs = None
     while not builder.is_finished:
-        piece = await _next_piece(state, handle, builder)
+        piece = await _next_piece(state, choice.handle, builder)
         text_parts.append(piece.text)
         entries.extend(piece.logprobs)
+        if piece.prompt_logprobs is not None:
+            prompt_logprobs = piece.prompt_logprobs
         if piece.finish_reason is not None:
             stop_reason = piece.stop_reason
-    return shape.full("".join(text_parts), entries, builder.finish_reason, stop_reason, builder.usage())
+    return ChoiceResult(choice.index, "".join(text_parts), entries, builder.finish_reason, stop_reason,
+                        prompt_logprobs)
+
+
+async def _collect(state: RouterState, choices: list[_Choice], shape: ResponseShape) -> dict:
+    tasks = [asyncio.ensure_future(_collect_one(state, choice)) for choice in choices]
+    try:
+        results = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+    return shape.full(results, total_usage([c.builder.usage() for c in choices]))
 
 
 async def _wait_for_disconnect(http_request: Request) -> None:
@@ -182,14 +252,12 @@ async def _unless_disconnected(http_request: Request, work: Awaitable[T]) -> T:
 
 
 async def _collect_unless_disconnected(
-    state: RouterState, http_request: Request, handle: RequestHandle, builder: OutputBuilder, shape: ResponseShape
+    state: RouterState, http_request: Request, choices: list[_Choice], shape: ResponseShape
 ) -> Response:
     try:
-        body = await _unless_disconnected(http_request, _collect(state, handle, builder, shape))
+        body = await _unless_disconnected(http_request, _collect(state, choices, shape))
     except _ClientGone:
         return Response(status_code=499)  # nobody reads this
     finally:
-        if not handle.is_done:
-            state.dispatcher.cancel(handle)
-            state.metrics.requests_total.labels("cancelled").inc()
+        _cancel_all(state, [c.handle for c in choices], "cancelled")
     return JSONResponse(body)

@@ -1,7 +1,8 @@
 """Token deltas -> OpenAI text: incremental detokenization, stop strings, logprobs, usage.
 
-One ``OutputBuilder`` per request turns each ``TokenDelta`` into a ``Piece`` (new text, logprob
-entries, finish reason). While stop strings are set, the last ``len(longest stop) - 1`` characters are
+One ``OutputBuilder`` per prompt turns each ``TokenDelta`` into a ``Piece`` (new text, logprob
+entries, finish reason; with the first delta, what the response shows of the prompt: echoed text and
+its logprobs, vLLM's ``prompt_logprobs``). While stop strings are set, the last ``len(longest stop) - 1`` characters are
 held back until it is clear they do not begin a stop string, so a client never sees text that is later
 cut. A final stop token (EOS or a stop token id) counts in usage but is not rendered. The ``format_*``
 functions build the completions and chat JSON shapes from pieces.
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.protocol.cluster import FinishCode, TokenDelta
-from pipeline.protocol.requests import SamplingParams, TokenLogprob
+from pipeline.protocol.requests import PromptLogprobs, SamplingParams, TokenLogprob
 from pipeline.stop_strings import StopStringMatcher
 from pipeline.tokenizer import IncrementalDetokenizer
 
@@ -25,15 +26,30 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf
 @dataclass
 class LogprobEntry:
     token: str
-    logprob: float
-    top: list[tuple[str, float]]  # top-N (token text, logprob); the sampled token is not repeated here
+    logprob: float | None  # None: the prompt's first token (nothing before it to predict it)
+    top: list[tuple[str, float]] | None  # top-N (token text, logprob); the sampled token is not repeated here
     text_offset: int
 
 
 @dataclass
+class PromptRendering:
+    """What a response shows of its prompt. ``echo_text`` (completions ``echo``): the prompt's text
+    before the completion, with its tokens' logprobs first when ``num_top_echo`` is set (top N each);
+    ``num_top_prompt_logprobs``: vLLM's ``prompt_logprobs`` field; ``discard_output``: ``max_tokens`` 0
+    with echo (the one token the worker samples is not shown or counted)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    echo_text: str | None = None
+    num_top_echo: int | None = None
+    num_top_prompt_logprobs: int | None = None
+    discard_output: bool = False
+
+
+@dataclass
 class Piece:
-    text: str = ""
+    text: str = ""  # with echo, the first piece's text starts with the prompt's
     logprobs: list[LogprobEntry] = field(default_factory=list)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's shape, with the first piece
     finish_reason: str | None = None  # "stop" | "length" | None; errors surface as ``error``
     stop_reason: str | int | None = None
     error: str | None = None
@@ -41,9 +57,13 @@ class Piece:
 
 
 class OutputBuilder:
-    def __init__(self, model, params: SamplingParams, num_prompt_tokens: int) -> None:
+    def __init__(self, model, params: SamplingParams, num_prompt_tokens: int,
+                 prompt: PromptRendering | None = None) -> None:
         self._model = model
         self._params = params
+        self._prompt = prompt or PromptRendering()
+        self._echo_pending = self._prompt.echo_text is not None
+        self._text_base = len(self._prompt.echo_text or "")  # offsets of generated tokens start after the echo
         self._detok = IncrementalDetokenizer(model.tokenizer, skip_special_tokens=params.skip_special_tokens)
         self._stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self._holdback = 0 if params.include_stop_str_in_output else max((len(s) for s in params.stop), default=1) - 1
@@ -63,6 +83,9 @@ class OutputBuilder:
         if self.is_finished:
             return piece
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        echo = self._render_prompt(delta, piece)
+        if self._prompt.discard_output:
+            return self._prefixed(echo, self._discard(delta, piece))
         num_tokens = len(delta.token_ids)
         for i, token_id in enumerate(delta.token_ids):
             self.num_output_tokens += 1
@@ -74,20 +97,78 @@ class OutputBuilder:
             offset = len(self.text)
             new_text = self._detok.add([token_id])
             if self._params.logprobs is not None and delta.logprobs is not None and i < len(delta.logprobs):
-                piece.logprobs.append(self._entry(delta.logprobs[i], token_id, offset))
+                piece.logprobs.append(self._entry(delta.logprobs[i], token_id, self._text_base + offset))
             if self._append(new_text, piece):
-                return self._emit(piece)
+                return self._prefixed(echo, self._emit(piece))
         if delta.finish_reason is not None:
             code = FinishCode(delta.finish_reason)
             if code in (FinishCode.STOP, FinishCode.LENGTH):
                 if self._append(self._detok.finish(), piece):
-                    return self._emit(piece)
+                    return self._prefixed(echo, self._emit(piece))
                 self.finish_reason = piece.finish_reason = code.to_finish_reason().value
                 piece.stop_reason = delta.stop_token_id
             else:
-                self.finish_reason = "error"
-                piece.error = delta.error or ("the request was aborted" if code == FinishCode.ABORT else "generation failed")
-        return self._emit(piece)
+                self._fail(delta, code, piece)
+        return self._prefixed(echo, self._emit(piece))
+
+    def _fail(self, delta: TokenDelta, code: FinishCode, piece: Piece) -> None:
+        self.finish_reason = "error"
+        piece.error = delta.error or ("the request was aborted" if code == FinishCode.ABORT else "generation failed")
+
+    def _discard(self, delta: TokenDelta, piece: Piece) -> Piece:
+        """``max_tokens`` 0: the prompt alone; the worker's one token is neither shown nor counted."""
+        if delta.finish_reason is not None:
+            code = FinishCode(delta.finish_reason)
+            if code in (FinishCode.STOP, FinishCode.LENGTH):
+                self.finish_reason = piece.finish_reason = "length"
+            else:
+                self._fail(delta, code, piece)
+        return piece
+
+    # ------------------------------------------------------------------ the prompt
+    def _render_prompt(self, delta: TokenDelta, piece: Piece) -> tuple[str, list[LogprobEntry]] | None:
+        """With the first delta that carries tokens: vLLM's prompt_logprobs on ``piece``, and the echo
+        (text, entries) to put before the completion's own."""
+        prompt = self._prompt
+        if not delta.token_ids and delta.finish_reason is None:
+            return None
+        scored = delta.prompt_logprobs
+        if prompt.num_top_prompt_logprobs is not None and piece.prompt_logprobs is None and scored is not None:
+            piece.prompt_logprobs = self._vllm_prompt_logprobs(scored, prompt.num_top_prompt_logprobs)
+        if not self._echo_pending:
+            return None
+        self._echo_pending = False
+        entries: list[LogprobEntry] = []
+        if prompt.num_top_echo is not None and scored is not None and len(scored) == len(prompt.token_ids) - 1:
+            offset = 0
+            for position, token_id in enumerate(prompt.token_ids):
+                text = self._model.token_text(token_id)
+                if position == 0:
+                    entries.append(LogprobEntry(text, None, None, offset))
+                else:
+                    top = [(self._model.token_text(lp.token_id), _clean(lp.logprob))
+                           for lp in scored.top[position - 1][:prompt.num_top_echo]]
+                    entries.append(LogprobEntry(text, _clean(scored.logprobs[position - 1]), top, offset))
+                offset += len(text)
+        return prompt.echo_text, entries
+
+    def _vllm_prompt_logprobs(self, scored: PromptLogprobs, num_top: int) -> list[dict[str, Any] | None]:
+        out: list[dict[str, Any] | None] = [None]
+        for i, token_id in enumerate(self._prompt.token_ids[1:len(scored) + 1]):
+            entry = {str(token_id): {"logprob": _clean(scored.logprobs[i]), "rank": scored.ranks[i],
+                                     "decoded_token": self._model.token_text(token_id)}}
+            for rank, lp in enumerate(scored.top[i][:num_top], start=1):
+                entry.setdefault(str(lp.token_id), {"logprob": _clean(lp.logprob), "rank": rank,
+                                                    "decoded_token": self._model.token_text(lp.token_id)})
+            out.append(entry)
+        return out
+
+    @staticmethod
+    def _prefixed(echo: tuple[str, list[LogprobEntry]] | None, piece: Piece) -> Piece:
+        if echo is not None:
+            piece.text = echo[0] + piece.text
+            piece.logprobs = echo[1] + piece.logprobs
+        return piece
 
     def _append(self, new_text: str, piece: Piece) -> bool:
         """Add text; True when a stop string matched (text truncated, request finished)."""
@@ -132,9 +213,12 @@ def _clean(logprob: float) -> float:
 # ---------------------------------------------------------------------------- JSON shapes
 
 
-def completion_logprobs(entries: list[LogprobEntry], base_offset: int = 0) -> dict[str, Any]:
-    top_logprobs = []
+def completion_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
+    top_logprobs: list[dict[str, float] | None] = []
     for e in entries:
+        if e.top is None:  # the prompt's first token
+            top_logprobs.append(None)
+            continue
         top = {e.token: e.logprob}
         top.update({text: lp for text, lp in e.top if text not in top})
         top_logprobs.append(top)
@@ -142,7 +226,7 @@ def completion_logprobs(entries: list[LogprobEntry], base_offset: int = 0) -> di
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": top_logprobs,
-        "text_offset": [base_offset + e.text_offset for e in entries],
+        "text_offset": [e.text_offset for e in entries],
     }
 
 
@@ -152,9 +236,21 @@ def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
 
     return {
         "content": [
-            {**item(e.token, e.logprob), "top_logprobs": [item(text, lp) for text, lp in e.top]} for e in entries
+            {**item(e.token, e.logprob), "top_logprobs": [item(text, lp) for text, lp in e.top or []]} for e in entries
         ]
     }
+
+
+@dataclass
+class ChoiceResult:
+    """One finished choice of a non-streaming response."""
+
+    index: int
+    text: str
+    entries: list[LogprobEntry]
+    finish_reason: str | None
+    stop_reason: str | int | None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 @dataclass
@@ -167,43 +263,63 @@ class ResponseShape:
     want_logprobs: bool
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def chunk(self, piece: Piece, first: bool = False) -> dict[str, Any]:
+    @property
+    def _object(self) -> str:
+        return "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+
+    def chunk(self, piece: Piece, first: bool = False, index: int = 0) -> dict[str, Any]:
         if self.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": piece.text, "logprobs": None, "finish_reason": piece.finish_reason}
+            choice: dict[str, Any] = {"index": index, "text": piece.text, "logprobs": None,
+                                      "finish_reason": piece.finish_reason}
             if self.want_logprobs:
                 choice["logprobs"] = completion_logprobs(piece.logprobs)
-            obj = "text_completion"
         else:
             delta: dict[str, Any] = {"role": "assistant", "content": piece.text} if first else {}
             if piece.text and not first:
                 delta["content"] = piece.text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": piece.finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": piece.finish_reason}
             if self.want_logprobs and piece.logprobs:
                 choice["logprobs"] = chat_logprobs(piece.logprobs)
-            obj = "chat.completion.chunk"
         if piece.finish_reason is not None:
             choice["stop_reason"] = piece.stop_reason
-        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model_name,
+        return {"id": self.response_id, "object": self._object, "created": self.created, "model": self.model_name,
                 "choices": [choice]}
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
-        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model_name,
+        return {"id": self.response_id, "object": self._object, "created": self.created, "model": self.model_name,
                 "choices": [], "usage": usage}
 
-    def full(self, text: str, entries: list[LogprobEntry], finish_reason: str | None, stop_reason,
-             usage: dict[str, Any]) -> dict[str, Any]:
-        if self.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None}
-            if self.want_logprobs:
-                choice["logprobs"] = completion_logprobs(entries)
-            obj = "text_completion"
-        else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
-            if self.want_logprobs:
-                choice["logprobs"] = chat_logprobs(entries)
-            obj = "chat.completion"
-        choice["finish_reason"] = finish_reason
-        choice["stop_reason"] = stop_reason
-        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model_name,
-                "choices": [choice], "usage": usage}
+    def full(self, choices: list[ChoiceResult], usage: dict[str, Any]) -> dict[str, Any]:
+        body_choices = []
+        for result in choices:
+            if self.kind == "completion":
+                choice: dict[str, Any] = {"index": result.index, "text": result.text, "logprobs": None}
+                if self.want_logprobs:
+                    choice["logprobs"] = completion_logprobs(result.entries)
+                if result.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = result.prompt_logprobs  # vLLM: per choice on completions
+            else:
+                choice = {"index": result.index, "message": {"role": "assistant", "content": result.text},
+                          "logprobs": None}
+                if self.want_logprobs:
+                    choice["logprobs"] = chat_logprobs(result.entries)
+            choice["finish_reason"] = result.finish_reason
+            choice["stop_reason"] = result.stop_reason
+            body_choices.append(choice)
+        body = {"id": self.response_id, "object": self._object.removesuffix(".chunk"), "created": self.created,
+                "model": self.model_name, "choices": body_choices, "usage": usage}
+        if self.kind == "chat" and choices and choices[0].prompt_logprobs is not None:
+            body["prompt_logprobs"] = choices[0].prompt_logprobs  # vLLM: top level on chat
+        return body
+
+
+def total_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """Usage of a response with several prompts: every count summed."""
+    if len(usages) == 1:
+        return usages[0]
+    total: dict[str, Any] = {key: sum(u[key] for u in usages)
+                             for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usages)
+    if cached:
+        total["prompt_tokens_details"] = {"cached_tokens": cached}
+    return total

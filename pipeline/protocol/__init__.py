@@ -5,6 +5,7 @@ One module per socket group: ``requests`` (sampling parameters and outputs, shar
 decode <-> prefill). Each group exposes a tagged union and one typed decoder.
 """
 
-from pipeline.protocol.requests import CompletionOutput, FinishReason, SamplingParams, StructuredOutput, TokenLogprob
+from pipeline.protocol.requests import (CompletionOutput, FinishReason, PromptLogprobs, SamplingParams, StructuredOutput,
+                                        TokenLogprob)
 
-__all__ = ["CompletionOutput", "FinishReason", "SamplingParams", "StructuredOutput", "TokenLogprob"]
+__all__ = ["CompletionOutput", "FinishReason", "PromptLogprobs", "SamplingParams", "StructuredOutput", "TokenLogprob"]

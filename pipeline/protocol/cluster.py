@@ -33,7 +33,7 @@ from typing import Union
 import msgspec
 
 from pipeline.config import PipelineRole
-from pipeline.protocol.requests import FinishReason, SamplingParams, TokenLogprob
+from pipeline.protocol.requests import FinishReason, PromptLogprobs, SamplingParams, TokenLogprob
 
 PROTOCOL_VERSION = 1
 BUILTIN_MODEL_NAME = "tandem-builtin"
@@ -154,6 +154,7 @@ class TokenDelta(msgspec.Struct, **_HOT):
     num_cached_tokens: int = 0
     stop_token_id: int | None = None
     is_prefill_failure: bool = False  # with ERROR: the prefill worker's side failed (retry without it)
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when the request asked for them
 
 
 class TokenBatch(msgspec.Struct, tag=True, **_HOT):
@@ -260,6 +261,7 @@ class PrefillDone(msgspec.Struct, **_HOT):
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0  # tokens the prefill worker actually ran (prompt minus cached prefix)
     prefill_worker_id: str = ""
+    prompt_logprobs: PromptLogprobs | None = None  # computed here, where the prompt ran
 
 
 # ---------------------------------------------------------------- codecs

@@ -53,6 +53,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    # vLLM's name: the logprob of every prompt token after the first, with the top N alternatives per
+    # position (0: the prompt's own tokens only); requests asking for it skip the prefix cache
+    prompt_logprobs: int | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -78,6 +81,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.min_tokens,
         )
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]", self.logprobs)
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+               "must be in [0, 20]", self.prompt_logprobs)
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _check(_finite(value) and -2 <= value <= 2, name, "must be in [-2, 2]", value)
@@ -121,6 +126,28 @@ class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     logprob: float
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of a prompt's tokens 1 .. P-1 (the first token has none), one entry per position.
+
+    ``logprobs[i]``: of prompt token i + 1 given the tokens before it; ``ranks[i]``: its rank in that
+    distribution (1: the most likely); ``top[i]``: the N most likely tokens there, most likely first."""
+
+    logprobs: list[float] = msgspec.field(default_factory=list)
+    ranks: list[int] = msgspec.field(default_factory=list)
+    top: list[list[TokenLogprob]] = msgspec.field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def truncate(self, num_positions: int) -> None:
+        del self.logprobs[num_positions:], self.ranks[num_positions:], self.top[num_positions:]
+
+    def extend(self, other: "PromptLogprobs") -> None:
+        self.logprobs += other.logprobs
+        self.ranks += other.ranks
+        self.top += other.top
+
+
 class CompletionOutput(msgspec.Struct, kw_only=True):
     """What one prompt produced."""
 
@@ -131,6 +158,9 @@ class CompletionOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None  # a FinishReason value, None while running
     logprobs: list[dict[int, float]] | None = None  # per generated token: id -> logprob (sampled + top N)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
+    # with SamplingParams.prompt_logprobs: per prompt position, None for the first, then prompt token
+    # id -> logprob and the top N (vLLM's shape)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:

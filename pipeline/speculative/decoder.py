@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from pipeline import prompt_logprobs
 from pipeline.model_runner import ModelRunner
 from pipeline.scheduler import ScheduledChunk
 from pipeline.speculative.draft import DraftModel
@@ -87,7 +88,9 @@ class SpeculativeDecoder:
         verify_rows: list[int] = []
         drafts = iter(proposal.token_ids)
         num_tokens = 0
+        offsets: list[int] = []  # flat row of each chunk's first token
         for chunk in chunks:
+            offsets.append(num_tokens)
             seq = chunk.seq
             tokens = seq.token_ids[chunk.start:chunk.start + chunk.num_tokens]
             if chunk.num_lookahead:
@@ -102,5 +105,6 @@ class SpeculativeDecoder:
         runner = self.runner
         batch = build_forward_batch(runs, logits_rows, runner.page_size, runner.device)
         hidden = runner.model(batch, runner.kv_cache, runner.kernels)  # [num_tokens, hidden]
+        prompt_logprobs.score(runner.model, hidden, prompt_logprobs.spans(chunks, offsets))
         logits = runner.model.compute_logits(hidden[batch.logits_indices]).float()  # [rows, vocab]
         return logits, plain_rows, verify_rows

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import time
 
 import httpx
+import openai
 import pytest
 
 from deploy.local_launcher import LocalCluster
@@ -28,6 +30,20 @@ def start_cluster(model_path: str, log_dir, **kwargs) -> LocalCluster:
     config.update(kwargs.pop("config", {}))
     cluster = LocalCluster(model_path=model_path, port=free_port(), config=config, log_dir=log_dir, **kwargs)
     return cluster.start(timeout_s=240)
+
+
+@contextlib.contextmanager
+def running_cluster(model_path: str, log_dir, **kwargs):
+    """``start_cluster``, stopped on the way out (a module fixture's body)."""
+    cluster = start_cluster(model_path, log_dir, **kwargs)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def openai_client(cluster, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=api_key, max_retries=0, timeout=60)
 
 
 def kv_gauges(url: str) -> dict[tuple[str, str], float]:

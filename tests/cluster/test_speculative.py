@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import time
 
-import openai
 import pytest
 
-from tests.cluster.conftest import (CLUSTER_CONFIG, check_concurrent_greedy_streams, start_cluster,
+from tests.cluster.conftest import (CLUSTER_CONFIG, check_concurrent_greedy_streams, openai_client, running_cluster,
                                     wait_for_idle_blocks, worker_metric)
 from tests.conftest import hf_greedy, hf_logprobs
 
@@ -28,18 +27,16 @@ PROMPTS = ["Hello there, how are you?", "The quick brown fox", "def main():\n"]
 def cluster(request, tiny_checkpoint, drafts, tmp_path_factory):
     num_prefill, num_decode, num_colocated, kind = SHAPES[request.param]
     config = {"draft_model": {"model_path": drafts("llama", kind)}, "speculative": {"num_speculative_tokens": 3}}
-    c = start_cluster(tiny_checkpoint("llama"), tmp_path_factory.mktemp(f"logs-spec-{request.param}"),
-                      num_prefill=num_prefill, num_decode=num_decode, num_colocated=num_colocated, config=config)
-    c.draft_kind = kind
-    try:
+    with running_cluster(tiny_checkpoint("llama"), tmp_path_factory.mktemp(f"logs-spec-{request.param}"),
+                         num_prefill=num_prefill, num_decode=num_decode, num_colocated=num_colocated,
+                         config=config) as c:
+        c.draft_kind = kind
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture
 def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(cluster)
 
 
 def decoding_worker(cluster) -> str:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from pipeline import LLM, SamplingParams
 from pipeline.protocol import StructuredOutput
-from tests.cluster.conftest import CLUSTER_CONFIG, start_cluster, wait_for_idle_blocks
+from tests.cluster.conftest import CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks
 from tests.test_structured_output import BACKENDS, SCHEMAS
 
 pytest.importorskip("llguidance")
@@ -37,17 +37,15 @@ class Answer(BaseModel):
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def cluster(request, tiny_checkpoint, tmp_path_factory):
-    c = start_cluster(tiny_checkpoint("llama"), tmp_path_factory.mktemp(f"so-{request.param}"), **SHAPES[request.param])
-    c.engine_config = SHAPES[request.param].get("config", {})  # what an offline engine must match
-    try:
+    with running_cluster(tiny_checkpoint("llama"), tmp_path_factory.mktemp(f"so-{request.param}"),
+                         **SHAPES[request.param]) as c:
+        c.engine_config = SHAPES[request.param].get("config", {})  # what an offline engine must match
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture
 def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(cluster)
 
 
 def test_json_schema_outputs_validate_greedy_and_sampled(cluster, client):

@@ -13,16 +13,23 @@ from router.preprocess import prepare_chat, prepare_completion
 DEFAULTS = SamplingConfig(max_tokens=20)
 
 
-def completion(served_model, **body):
+def completions(served_model, **body):
     body.setdefault("model", "tiny")
     body.setdefault("prompt", "Hello")
     return prepare_completion(CompletionRequest.model_validate(body), served_model, DEFAULTS)
 
 
+def completion(served_model, **body):
+    prepared = completions(served_model, **body)
+    assert len(prepared) == 1
+    return prepared[0]
+
+
 def chat(served_model, **body):
     body.setdefault("model", "tiny")
     body.setdefault("messages", [{"role": "user", "content": "Hello"}])
-    return prepare_chat(ChatCompletionRequest.model_validate(body), served_model, DEFAULTS)
+    [prepared] = prepare_chat(ChatCompletionRequest.model_validate(body), served_model, DEFAULTS)
+    return prepared
 
 
 def api_error(fn, *args, **kwargs) -> APIError:
@@ -37,6 +44,31 @@ def test_completion_prompt_forms(served_model):
     assert completion(served_model, prompt=["Hello"]).prompt_token_ids == ids
     assert completion(served_model, prompt=[5, 6, 7]).prompt_token_ids == [5, 6, 7]
     assert completion(served_model, prompt=[[5, 6]]).prompt_token_ids == [5, 6]
+
+
+def test_a_list_of_prompts_is_one_request_each(served_model):
+    ids = served_model.tokenizer.encode("Hello")
+    batch = completions(served_model, prompt=["Hello", "Hello"], max_tokens=3, seed=4)
+    assert [p.prompt_token_ids for p in batch] == [ids, ids] and all(p.params.max_tokens == 3 for p in batch)
+    assert [p.prompt_token_ids for p in completions(served_model, prompt=[[5, 6], [7]])] == [[5, 6], [7]]
+    error = api_error(completions, served_model, prompt=[[5, 6], []])
+    assert error.param == "prompt" and "empty" in error.message
+
+
+def test_echo_and_prompt_logprobs(served_model):
+    ids = served_model.tokenizer.encode("Hello")
+    scored = completion(served_model, echo=True, logprobs=2, max_tokens=0)
+    assert scored.params.max_tokens == 1 and scored.params.prompt_logprobs == 2
+    assert scored.prompt.echo_text == "Hello" and scored.prompt.discard_output and scored.prompt.token_ids == ids
+    assert completion(served_model, echo=True, prompt=[5, 6]).prompt.echo_text == served_model.tokenizer.decode([5, 6])
+    assert completion(served_model, echo=True).params.prompt_logprobs is None  # echo without logprobs: text only
+    both = completion(served_model, echo=True, logprobs=1, prompt_logprobs=4)
+    assert both.params.prompt_logprobs == 4 and both.prompt.num_top_echo == 1
+    assert chat(served_model, prompt_logprobs=0).params.prompt_logprobs == 0
+    assert api_error(completion, served_model, max_tokens=0).param == "max_tokens"
+    assert api_error(completion, served_model, prompt_logprobs=21).param == "prompt_logprobs"
+    assert api_error(completion, served_model, prompt_logprobs=1, stream=True).param == "prompt_logprobs"
+    assert api_error(chat, served_model, prompt_logprobs=1, stream=True).param == "prompt_logprobs"
 
 
 def test_sampling_fields_map_to_sampling_params(served_model):
@@ -108,8 +140,8 @@ def test_chat_specific_errors(served_model):
     "body",
     [
         {"model": "tiny", "prompt": "x", "n": 2},
-        {"model": "tiny", "prompt": ["a", "b"]},
-        {"model": "tiny", "prompt": "x", "echo": True},
+        {"model": "tiny", "prompt": ["a"] * 1025},
+        {"model": "tiny", "prompt": "x", "echo": "yes"},
         {"model": "tiny", "prompt": "x", "max_tokens": "ten"},
         {"model": "tiny", "prompt": "x", "max_tokens": 1.5},
         {"model": "tiny", "prompt": "x", "stream": "yes"},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeline.protocol.cluster import FinishCode, TokenDelta
 from pipeline.protocol.requests import SamplingParams, TokenLogprob
-from router.streaming import OutputBuilder, ResponseShape, chat_logprobs, completion_logprobs
+from router.streaming import ChoiceResult, OutputBuilder, ResponseShape, chat_logprobs, completion_logprobs
 
 
 def deltas(ids, finish=FinishCode.LENGTH, stop_token_id=None):
@@ -94,6 +94,40 @@ def test_response_shapes():
     last = shape.chunk(Piece(text="x", finish_reason="stop"))
     assert last["choices"][0]["delta"] == {"content": "x"} and last["choices"][0]["finish_reason"] == "stop"
     assert shape.usage_chunk({"prompt_tokens": 1})["choices"] == []
-    full = ResponseShape("completion", "cmpl-1", "tiny", True).full("hi", [], "length", None, {})
+    full = ResponseShape("completion", "cmpl-1", "tiny", True).full([ChoiceResult(0, "hi", [], "length", None)], {})
     assert full["object"] == "text_completion" and full["choices"][0]["text"] == "hi"
     assert full["choices"][0]["logprobs"] == {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(served_model):
+    from pipeline.protocol.requests import PromptLogprobs
+    from router.streaming import PromptRendering
+
+    prompt_ids = served_model.tokenizer.encode("Hello there")
+    scored = PromptLogprobs([-1.5] * (len(prompt_ids) - 1), [2] * (len(prompt_ids) - 1),
+                            [[TokenLogprob(7, -0.5)] for _ in prompt_ids[1:]])
+    rendering = PromptRendering(prompt_ids, echo_text="Hello there", num_top_echo=1, num_top_prompt_logprobs=0)
+    builder = OutputBuilder(served_model, SamplingParams(logprobs=1), len(prompt_ids), rendering)
+    out = served_model.tokenizer.encode(" you")
+    first = TokenDelta(request_id="r", token_ids=out[:1], logprobs=[[TokenLogprob(out[0], -0.25)]],
+                       prompt_logprobs=scored, finish_reason=FinishCode.LENGTH)
+    piece = builder.add(first)
+    assert piece.text == "Hello there" + served_model.tokenizer.decode(out[:1])
+    comp = completion_logprobs(piece.logprobs)
+    assert comp["token_logprobs"] == [None] + [-1.5] * (len(prompt_ids) - 1) + [-0.25]
+    assert comp["top_logprobs"][0] is None and len(comp["top_logprobs"][1]) == 2
+    assert comp["text_offset"][len(prompt_ids)] == len("Hello there")
+    assert piece.prompt_logprobs[0] is None
+    assert piece.prompt_logprobs[1] == {str(prompt_ids[1]): {"logprob": -1.5, "rank": 2,
+                                                              "decoded_token": served_model.token_text(prompt_ids[1])}}
+
+
+def test_max_tokens_zero_shows_the_prompt_alone(served_model):
+    from router.streaming import PromptRendering
+
+    prompt_ids = served_model.tokenizer.encode("Hello")
+    rendering = PromptRendering(prompt_ids, echo_text="Hello", discard_output=True)
+    builder = OutputBuilder(served_model, SamplingParams(max_tokens=1), len(prompt_ids), rendering)
+    piece = builder.add(TokenDelta(request_id="r", token_ids=[9], finish_reason=FinishCode.STOP, stop_token_id=9))
+    assert piece.text == "Hello" and piece.finish_reason == "length"
+    assert builder.usage()["completion_tokens"] == 0

@@ -1,0 +1,245 @@
+"""Scoring and batched prompts on real clusters with the official openai client: ``echo`` with
+``logprobs`` (the prompt's own logprobs, as lm-eval's loglikelihood tasks read them), vLLM's
+``prompt_logprobs``, and a list of prompts in one completions request. Prompt logprobs come from the
+worker that prefilled the prompt (the prefill worker under P/D, in 64-token chunks for the long prompt)
+and must equal transformers' log-softmax within 1e-4; afterwards every block is back."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.cluster.conftest import CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks
+from tests.conftest import hf_greedy, hf_logprobs
+
+SHAPES = {
+    "1p1d": dict(num_prefill=1, num_decode=1),
+    "colocated": dict(num_prefill=0, num_decode=0, num_colocated=1),
+}
+NUM_BLOCKS = CLUSTER_CONFIG["kv_cache"]["num_blocks"]
+TOLERANCE = 1e-4
+LONG_PROMPT = " ".join(f"word{i}" for i in range(60))  # > 64 tokens: prefilled in several chunks
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def cluster(request, tiny_checkpoint, tmp_path_factory):
+    with running_cluster(tiny_checkpoint("llama"), tmp_path_factory.mktemp(f"logs-scoring-{request.param}"),
+                         **SHAPES[request.param]) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster):
+    return openai_client(cluster)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint, hf_reference):
+    return hf_reference(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(autouse=True)
+def blocks_come_back(cluster):
+    yield
+    wait_for_idle_blocks(cluster.url, cluster.worker_names, NUM_BLOCKS)
+
+
+def name(client) -> str:
+    return client.models.list().data[0].id
+
+
+def check_echoed_logprobs(logprobs, ids: list[int], model, tokenizer, num_generated: int) -> None:
+    want = hf_logprobs(model, ids)
+    assert len(logprobs.tokens) == len(ids) + num_generated
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.tokens[:len(ids)] == [tokenizer.decode([t]) for t in ids]
+    for position in range(1, len(ids)):
+        assert abs(logprobs.token_logprobs[position] - want[position - 1, ids[position]].item()) < TOLERANCE
+        best = want[position - 1].max().item()
+        assert abs(max(logprobs.top_logprobs[position].values()) - best) < TOLERANCE
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+
+
+@pytest.mark.parametrize("prompt", ["The quick brown fox jumps", LONG_PROMPT])
+def test_echo_with_logprobs_scores_the_prompt(client, reference, prompt):
+    model, tokenizer = reference
+    ids = tokenizer(prompt)["input_ids"]
+    out = client.completions.create(model=name(client), prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    choice = out.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 0
+    check_echoed_logprobs(choice.logprobs, ids, model, tokenizer, num_generated=0)
+    again = client.completions.create(model=name(client), prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    assert again.choices[0].logprobs.token_logprobs == choice.logprobs.token_logprobs  # a prefix-cache hit computes them too
+
+
+def test_echo_then_generate_as_lm_eval_asks(client, reference):
+    """lm-eval's loglikelihood payload: token-id prompts in a batch, echo, logprobs=1, max_tokens=1."""
+    model, tokenizer = reference
+    prompts = [tokenizer(p)["input_ids"] for p in ("Paged attention keeps", "def main():\n", LONG_PROMPT)]
+    out = client.completions.create(model=name(client), prompt=prompts, echo=True, logprobs=1, max_tokens=1,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    for ids, choice in zip(prompts, out.choices):
+        check_echoed_logprobs(choice.logprobs, ids, model, tokenizer, num_generated=1)
+        first = hf_greedy(model, ids, 1)[0]
+        assert choice.text == tokenizer.decode(ids) + tokenizer.decode([first])
+        assert abs(choice.logprobs.token_logprobs[-1] - hf_logprobs(model, ids + [first])[-2, first].item()) < TOLERANCE
+        assert choice.logprobs.text_offset[-1] == len(tokenizer.decode(ids))
+    assert out.usage.prompt_tokens == sum(map(len, prompts)) and out.usage.completion_tokens == 3
+
+
+def test_vllm_prompt_logprobs(client, reference):
+    model, tokenizer = reference
+    prompt = "Hello there, how are you?"
+    ids = tokenizer(prompt)["input_ids"]
+    out = client.completions.create(model=name(client), prompt=prompt, max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    scored = out.choices[0].model_extra["prompt_logprobs"]
+    want = hf_logprobs(model, ids)
+    assert len(scored) == len(ids) and scored[0] is None
+    for position in range(1, len(ids)):
+        entry = scored[position][str(ids[position])]
+        row = want[position - 1]
+        assert abs(entry["logprob"] - row[ids[position]].item()) < TOLERANCE
+        assert entry["rank"] == int((row > row[ids[position]]).sum()) + 1
+        assert entry["decoded_token"] == tokenizer.decode([ids[position]])
+        assert 2 <= len(scored[position]) <= 3
+    chat = client.chat.completions.create(model=name(client), messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2, extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 1
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=name(client), prompt=prompt, stream=True, extra_body={"prompt_logprobs": 1})
+
+
+def test_a_list_of_prompts_streams_every_choice(client, reference):
+    model, tokenizer = reference
+    prompts = ["Hello there, how are you?", "The quick brown fox", LONG_PROMPT, "def main():\n"]
+    stream = client.completions.create(model=name(client), prompt=prompts, max_tokens=8, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    texts = [""] * len(prompts)
+    finished = [0] * len(prompts)
+    usage = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finished[choice.index] += choice.finish_reason is not None
+        usage = chunk.usage or usage
+    for prompt, text in zip(prompts, texts):
+        ids = tokenizer(prompt)["input_ids"]
+        assert text == tokenizer.decode(hf_greedy(model, ids, 8), skip_special_tokens=True)
+    assert finished == [1] * len(prompts)
+    assert usage.completion_tokens == 8 * len(prompts)
+    echoed = client.completions.create(model=name(client), prompt=prompts[:2], echo=True, max_tokens=3,
+                                       temperature=0, stream=True)
+    first_text = {}
+    for chunk in echoed:
+        for choice in chunk.choices:
+            first_text.setdefault(choice.index, choice.text)
+    assert all(first_text[i].startswith(prompts[i]) for i in range(2))
+
+
+def test_one_bad_prompt_fails_the_request_and_holds_nothing(client):
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        client.completions.create(model=name(client), prompt=[[5, 6, 7], [10**9]], max_tokens=2)
+
+
+# ------------------------------------------------------------------------------------------ lm-eval
+MC_DOCS = [
+    {"question": "The sky is", "choices": ["blue", "green", "made of cheese"], "answer": 0},
+    {"question": "Two plus two is", "choices": ["four", "five"], "answer": 0},
+    {"question": "Paged attention keeps", "choices": [" the cache in blocks", " nothing", " a tree"], "answer": 0},
+]
+ROLLING_DOCS = [{"text": "def main():\n    return 0\n"}, {"text": LONG_PROMPT}]
+TASKS = {
+    "tandem_mc": """task: tandem_mc
+dataset_path: json
+dataset_kwargs:
+  data_files: {path}/mc.jsonl
+test_split: train
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+""",
+    "tandem_rolling": """task: tandem_rolling
+dataset_path: json
+dataset_kwargs:
+  data_files: {path}/rolling.jsonl
+test_split: train
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+""",
+    "tandem_gen": """task: tandem_gen
+dataset_path: json
+dataset_kwargs:
+  data_files: {path}/mc.jsonl
+test_split: train
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{choices[0]}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def lm_eval_tasks(tmp_path_factory):
+    import json
+
+    path = tmp_path_factory.mktemp("lm-eval-tasks")
+    (path / "mc.jsonl").write_text("".join(json.dumps(d) + "\n" for d in MC_DOCS))
+    (path / "rolling.jsonl").write_text("".join(json.dumps(d) + "\n" for d in ROLLING_DOCS))
+    for task, text in TASKS.items():
+        (path / f"{task}.yaml").write_text(text.format(path=path))
+    return path
+
+
+def lm_eval_samples(model: str, model_args: dict, tasks: list[str], task_dir, batch_size: int = 1) -> dict:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    results = simple_evaluate(model=model, model_args=model_args, tasks=tasks, batch_size=batch_size,
+                              task_manager=TaskManager(include_path=str(task_dir)), log_samples=True,
+                              apply_chat_template=False)
+    return results["samples"]
+
+
+@pytest.fixture(scope="module")
+def transformers_scores(tiny_checkpoint, lm_eval_tasks):
+    """lm-eval's own transformers model (HFLM, fp32, CPU) on the same tasks: the reference."""
+    return lm_eval_samples("hf", {"pretrained": tiny_checkpoint("llama"), "dtype": "float32", "device": "cpu"},
+                           ["tandem_mc", "tandem_rolling"], lm_eval_tasks)
+
+
+def test_lm_eval_loglikelihood_tasks_equal_transformers(cluster, tiny_checkpoint, lm_eval_tasks, transformers_scores):
+    path = tiny_checkpoint("llama")
+    served = name(openai_client(cluster))
+    args = {"model": served, "base_url": f"{cluster.url}/v1/completions", "tokenizer_backend": "huggingface",
+            "tokenizer": path, "max_length": 2048, "num_concurrent": 2, "max_retries": 1}
+    ours = lm_eval_samples("local-completions", args, ["tandem_mc", "tandem_rolling"], lm_eval_tasks, batch_size=4)
+    for task in ("tandem_mc", "tandem_rolling"):
+        assert len(ours[task]) == len(transformers_scores[task]) > 0
+        for got, want in zip(sorted(ours[task], key=lambda s: s["doc_id"]),
+                             sorted(transformers_scores[task], key=lambda s: s["doc_id"])):
+            got_lls = [r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in got["resps"]]
+            want_lls = [r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in want["resps"]]
+            assert len(got_lls) == len(want_lls)
+            for a, b in zip(got_lls, want_lls):
+                # HFLM sums a rolling window's token logprobs in fp32: at |sum| ~ 2000 its own rounding
+                # is ~1e-4, so the bound grows with the sum's size past that
+                assert abs(float(a) - float(b)) < max(TOLERANCE, abs(float(b)) * 1e-6), (task, got["doc_id"], a, b)
+    generated = lm_eval_samples("local-completions", args, ["tandem_gen"], lm_eval_tasks, batch_size=4)["tandem_gen"]
+    assert len(generated) == len(MC_DOCS) and all(isinstance(s["resps"][0][0], str) for s in generated)
