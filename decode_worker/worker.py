@@ -103,7 +103,10 @@ class DecodeWorker(WorkerBase):
             if isinstance(message, GenerateRequest):
                 outputs.extend(self._on_generate(message))
             elif isinstance(message, CancelRequest):
-                self._cancel(message.request_id)
+                if message.index is None:
+                    self._cancel(message.request_id)
+                else:
+                    self._cancel_choice(message.request_id, message.index)
         if self.is_disaggregated:
             outputs.extend(self._progress_remote())
         if self.is_busy():
@@ -163,14 +166,19 @@ class DecodeWorker(WorkerBase):
         self._forget(request_id)
         self.engine.abort_request(request_id)
 
+    def _cancel_choice(self, request_id: str, index: int) -> None:
+        """One choice of an n > 1 request stops (a stop string matched at the router); the others go on."""
+        self.engine.abort_choice(request_id, index)
+        if not self.engine.get_choices(request_id):  # that was the last one running
+            self._forget(request_id)
+
     def _forget(self, request_id: str) -> None:
         self.deadlines.pop(request_id, None)
         self.emitted.discard(request_id)
 
     def _delta(self, step: StepOutput):
         self.emitted.add(step.request_id)
-        seq_done = step.finish_reason is not None
-        if seq_done:
+        if step.request_finished:
             self._forget(step.request_id)
         return delta_from_step(step)
 

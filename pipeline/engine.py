@@ -11,6 +11,7 @@ import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from kernels import load_kernels
@@ -23,11 +24,12 @@ from pipeline.output_processor import OutputProcessor
 from pipeline.overlap import InFlightStep, needs_host_tokens
 from pipeline.prompt_logprobs import as_dicts
 from pipeline.protocol import CompletionOutput, FinishReason, PromptLogprobs, SamplingParams
+from pipeline.protocol.requests import sibling_params
 from pipeline.protocol.cluster import WorkerLoad
 from pipeline.request_validation import RequestError, resolve_bad_words, validate_request
 from pipeline.sampler import Sampler, SequenceSamplingState, step_seed
 from pipeline.scheduler import Scheduler
-from pipeline.sequence import PLACEHOLDER_TOKEN_ID, Sequence
+from pipeline.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceStatus
 from pipeline.tokenizer import eos_token_ids, load_tokenizer
 from pipeline.weights import load_model
 
@@ -49,6 +51,8 @@ class StepOutput:
     num_cached_tokens: int = 0
     num_top_logprobs: int = 0  # the request's ``logprobs`` (top-N asked for)
     prompt_logprobs: PromptLogprobs | None = None  # with the first token, when the request asked for them
+    index: int = 0  # which choice (n > 1)
+    request_finished: bool = False  # this output ended the request's last running choice
     # the last token ended the request as EOS or a stop token id: it is not part of the text
     is_stop_token: bool = False
 
@@ -100,7 +104,9 @@ class LLMEngine:
 
             self.speculator = SpeculativeDecoder(self.runner, self.draft, self.draft_kv_cache, num_lookahead)
         self._grammars = None  # pipeline/structured_output BackendSet, built on the first structured request
-        self._sequences: dict[str, Sequence] = {}
+        self._sequences: dict[str, Sequence] = {}  # by sequence id: the request id, "<request id>/<i>" for choice i > 0
+        self._families: dict[str, list[Sequence]] = {}  # request id -> its choices, index order
+        self._pending_forks: dict[str, list[Sequence]] = {}  # choices waiting for choice 0's prompt KV
         self._held: dict[str, Sequence] = {}  # finished prefill-only requests whose blocks are not shipped yet
         self.last_plan = None  # the plan of the step whose outputs the last step() returned
         # Overlap pipeline (pipeline/overlap.py): steps run on the execution stream, read one step late.
@@ -138,13 +144,32 @@ class LLMEngine:
         if request_id in self._sequences:
             raise RequestError(f"request_id: {request_id!r} is already running")
         validate_request(prompt_token_ids, params, self.vocab_size, self.max_length)
+        if params.best_of is not None and params.logprobs is None:  # candidates are ranked by their logprobs
+            params = msgspec.structs.replace(params, logprobs=0)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
+        # n > 1 (not on a prefill-only worker, which computes the prompt once for the decode worker):
+        # the other choices start once this one's prompt KV is written, sharing its blocks (_emit)
+        siblings = [] if prefill_only else [
+            self._new_sequence(f"{request_id}/{i}", prompt_token_ids, sibling_params(params, i), False, request_id, i)
+            for i in range(1, params.num_sequences)]
+        # May raise QueueFullError before anything is recorded.
+        (self.scheduler.add_remote if remote_prefill else self.scheduler.add)(seq)
+        for member in (seq, *siblings):
+            self._sequences[member.request_id] = member
+            self.output_processor.add(member)
+        self._families[request_id] = [seq, *siblings]
+        if siblings:
+            self._pending_forks[request_id] = siblings
+
+    def _new_sequence(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool,
+                      family_id: str | None = None, index: int = 0) -> Sequence:
         max_total = self.max_length
         if params.max_tokens is not None:
             max_total = min(max_total, len(prompt_token_ids) + params.max_tokens)
         if prefill_only:
             max_total = len(prompt_token_ids) + 1
-        seq = Sequence(request_id, list(prompt_token_ids), params, max_total_tokens=max_total,
-                       is_prefill_only=prefill_only)
+        seq = Sequence(seq_id, list(prompt_token_ids), params, max_total_tokens=max_total,
+                       is_prefill_only=prefill_only, family_id=family_id or seq_id, index=index)
         seq.speculates = self.speculator is not None and not prefill_only
         generator = torch.Generator(device=self.device) if params.seed is not None else None
         grammar = self._grammar_matcher(params) if params.structured_output is not None else None
@@ -157,10 +182,11 @@ class LLMEngine:
             generator=generator,
             grammar=grammar,
         )
-        # May raise QueueFullError before anything is recorded.
-        (self.scheduler.add_remote if remote_prefill else self.scheduler.add)(seq)
-        self._sequences[request_id] = seq
-        self.output_processor.add(seq)
+        return seq
+
+    def get_choices(self, request_id: str) -> list[Sequence]:
+        """Every choice of a request (n > 1: index order), finished or not, while the request is known."""
+        return list(self._families.get(request_id, []))
 
     def _grammar_matcher(self, params: SamplingParams):
         """A matcher for the request's constraint (compiled once per distinct constraint); a bad one is a RequestError."""
@@ -175,8 +201,53 @@ class LLMEngine:
             raise RequestError(str(exc)) from None
 
     def abort_request(self, request_id: str, keep_blocks: bool = False) -> bool:
-        """End a request wherever it is (queued, reserved, running or held) and free its blocks
-        (``keep_blocks``: hold them until ``release_blocks``, e.g. while a transfer still reads them)."""
+        """End a request (every choice of it) wherever it is (queued, reserved, running or held) and free
+        its blocks (``keep_blocks``: hold them until ``release_blocks``, e.g. while a transfer still reads them)."""
+        family = self._families.pop(request_id, None)
+        for sibling in self._pending_forks.pop(request_id, []):  # never scheduled: nothing to free
+            self._sequences.pop(sibling.request_id, None)
+            self.output_processor.drop(sibling.request_id)
+        found = self._abort_one(request_id, keep_blocks)
+        for member in (family or [])[1:]:
+            found = self._abort_one(member.request_id, False) or found
+        return found
+
+    def abort_choice(self, request_id: str, index: int) -> bool:
+        """End one choice of an n > 1 request (the router stopped it on a stop string); the others go on."""
+        family = self._families.get(request_id)
+        if not family or not 0 <= index < len(family):
+            return False
+        if index == 0 and len(family) == 1:
+            return self.abort_request(request_id)
+        member = family[index]
+        pending = self._pending_forks.get(request_id, [])
+        if member in pending:
+            pending.remove(member)
+            self._sequences.pop(member.request_id, None)
+            self.output_processor.drop(member.request_id)
+            member.status = SequenceStatus.FINISHED
+            self._leave_family(member)
+            return True
+        if index == 0 and request_id in self._pending_forks:
+            # choice 0 carries the prompt the others wait for: it keeps running, its tokens are dropped
+            return False
+        if not self._abort_one(member.request_id, False):
+            return False
+        member.status = SequenceStatus.FINISHED
+        self._leave_family(member)
+        return True
+
+    def _leave_family(self, seq: Sequence) -> bool:
+        """``seq`` ended: True when it was the last of its request's choices to end."""
+        family = self._families.get(seq.family_id)
+        if family is None:
+            return True
+        if all(m is seq or m.is_finished for m in family):
+            del self._families[seq.family_id]
+            return True
+        return False
+
+    def _abort_one(self, request_id: str, keep_blocks: bool) -> bool:
         if request_id in self._held:
             if not keep_blocks:
                 self.release_blocks(request_id)
@@ -313,6 +384,7 @@ class LLMEngine:
                 if one.new_logprobs is not None:
                     out.new_logprobs = (out.new_logprobs or []) + one.new_logprobs
                 out.finish_reason, out.stop_reason, out.is_stop_token = one.finish_reason, one.stop_reason, one.is_stop_token
+                out.request_finished = one.request_finished
             if one.finish_reason is not None:
                 break
         return out
@@ -359,8 +431,12 @@ class LLMEngine:
 
     def _emit(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,
               num_tokens: int | None = None) -> StepOutput:
-        out = StepOutput(seq.request_id, [token_id], num_prompt_tokens=seq.num_prompt_tokens,
-                         num_cached_tokens=seq.num_cached_tokens, num_top_logprobs=seq.params.logprobs or 0)
+        siblings = self._pending_forks.pop(seq.request_id, None)
+        for sibling in siblings or ():  # choice 0's prompt KV is written (or arrived): the others start
+            self.scheduler.fork(seq, sibling)
+        out = StepOutput(seq.family_id, [token_id], num_prompt_tokens=seq.num_prompt_tokens,
+                         num_cached_tokens=seq.num_cached_tokens, num_top_logprobs=seq.params.logprobs or 0,
+                         index=seq.index)
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
             out.new_logprobs = [logprobs]
@@ -376,6 +452,7 @@ class LLMEngine:
         if stop is not None:
             out.finish_reason, out.stop_reason = stop
             self._finish(seq, *stop)
+            out.request_finished = self._leave_family(seq)
         return out
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
@@ -398,4 +475,7 @@ class LLMEngine:
             logprobs=seq.logprobs,
             stop_reason=seq.stop_reason,
             prompt_logprobs=None if seq.prompt_logprobs is None else as_dicts(seq.prompt_logprobs, seq.prompt_token_ids),
+            index=seq.index,
+            cumulative_logprob=None if seq.logprobs is None else sum(
+                entry.get(token, float("-inf")) for entry, token in zip(seq.logprobs, seq.output_token_ids)),
         )

@@ -115,6 +115,25 @@ class KVCacheManager:
         self._grow(seq, self.num_blocks_for(num_tokens))
         return len(hits) * self.page_size
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> int | None:
+        """Give ``child_id`` the parent's KV of its first ``num_tokens`` tokens (a prompt both share):
+        the full blocks before the last of those tokens are shared (ref counts), the rest are fresh
+        blocks the child computes itself (its own partial block: nothing it writes lands in a block the
+        parent reads). Returns the number of shared tokens, or None (no change) when the pool is short."""
+        if child_id in self._sequences:
+            raise ValueError(f"sequence {child_id!r} already holds blocks")
+        parent = self._sequences[parent_id]
+        num_shared = min((num_tokens - 1) // self.page_size, len(parent.block_ids))
+        if self.num_blocks_for(num_tokens) - num_shared > len(self._free):
+            return None
+        child = _SequenceBlocks()  # hashes are recomputed from its tokens when it registers blocks
+        for block_id in parent.block_ids[:num_shared]:
+            self._take(block_id)
+            child.block_ids.append(block_id)
+        self._sequences[child_id] = child
+        self._grow(child, self.num_blocks_for(num_tokens))
+        return num_shared * self.page_size
+
     def ensure_capacity(self, seq_id: str, num_tokens: int) -> bool:
         """Grow ``seq_id``'s block table to hold ``num_tokens`` tokens; False (no change) if the pool is short."""
         seq = self._sequences[seq_id]

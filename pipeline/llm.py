@@ -45,7 +45,8 @@ class LLM:
         sampling_params: SamplingParams | SequenceType[SamplingParams] | None = None,
         on_finished: Callable[[CompletionOutput], None] | None = None,
     ) -> list[CompletionOutput]:
-        """One output per prompt, in prompt order. A prompt is a string or a list of token ids.
+        """One output per prompt, in prompt order. A prompt is a string or a list of token ids. With
+        ``n`` > 1 (or ``best_of``) the output is choice 0 and ``output.choices`` holds every choice.
 
         ``on_finished`` is called as each request completes (progress bars, streaming to a file).
         A bad prompt raises before generation starts; on any error every request of the call is
@@ -68,24 +69,36 @@ class LLM:
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts")
         token_lists = [p if isinstance(p, list) else encode_prompt(self.tokenizer, p) for p in prompt_list]
         request_ids = [f"offline-{next(self._ids)}" for _ in token_lists]
-        sequences = {}
+        choices = {}
         try:
             for request_id, token_ids, params in zip(request_ids, token_lists, params_list):
                 self.engine.add_request(request_id, token_ids, params)
-                sequences[request_id] = self.engine.get_sequence(request_id)
+                choices[request_id] = self.engine.get_choices(request_id)
             pending = set(request_ids)
             while pending:
                 for out in self.engine.step():
-                    if out.finish_reason is not None:
+                    if out.request_finished:
                         pending.discard(out.request_id)
                         if on_finished is not None:
-                            on_finished(LLMEngine.completion_output(sequences[out.request_id]))
+                            on_finished(_output(choices[out.request_id]))
             while self.engine.has_pending_outputs():  # overlap: a step launched for requests that ended
                 self.engine.step()
         finally:
             for request_id in request_ids:  # on any error (or Ctrl-C) nothing stays queued or holds blocks
                 self.engine.abort_request(request_id)
-        return [LLMEngine.completion_output(sequences[r]) for r in request_ids]
+        return [_output(choices[r]) for r in request_ids]
+
+
+def _output(choices) -> CompletionOutput:
+    outputs = [LLMEngine.completion_output(seq) for seq in choices]
+    params = choices[0].params
+    if params.best_of is not None:  # the n most likely candidates, most likely first
+        outputs = sorted(outputs, key=lambda o: -o.cumulative_logprob)[:params.n]
+        for index, output in enumerate(outputs):
+            output.index = index
+    if len(outputs) > 1:
+        outputs[0].choices = outputs
+    return outputs[0]
 
 
 def _as_prompt_list(prompts: PromptInput | SequenceType[PromptInput]) -> list[PromptInput]:

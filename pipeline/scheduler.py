@@ -154,6 +154,23 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    # ------------------------------------------------------------------- n > 1
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start ``child``, a further choice of ``parent``'s request, once the parent's prompt KV is
+        written: it shares the parent's full prompt blocks and computes only the rest of the prompt
+        (less than a block, then its own first token). Without room in the pool or the batch it waits
+        at the front of the queue (and is admitted like any request, reusing the prefix cache)."""
+        num_shared = None
+        if len(self.running) < self.max_batch_size:
+            num_shared = self.kv.fork(parent.request_id, child.request_id, child.num_tokens)
+        if num_shared is None:
+            child.status = SequenceStatus.WAITING
+            self.waiting.appendleft(child)
+            return
+        child.num_computed_tokens = child.num_draft_computed_tokens = child.num_cached_tokens = num_shared
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
     @property
     def num_queued_prefill_tokens(self) -> int:
         return sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)

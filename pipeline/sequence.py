@@ -37,6 +37,8 @@ class Sequence:
     speculates: bool = False
     num_preemptions: int = 0
     is_prefill_only: bool = False  # PrefillOnly role: stop after the first token, keep blocks until shipped
+    family_id: str = ""  # the request this sequence is a choice of (its own id for choice 0)
+    index: int = 0  # which choice (n > 1)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -48,6 +50,7 @@ class Sequence:
     text: str = ""
 
     def __post_init__(self) -> None:
+        self.family_id = self.family_id or self.request_id
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []

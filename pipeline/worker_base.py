@@ -138,6 +138,7 @@ def transfer_counters(stats, num_other_bad_frames: int) -> dict:
     """Load-report counters from a transfer half's ``TransferStats`` plus this worker's own bad frames."""
     return dict(
         transfer_bytes=sum(t.num_bytes for t in stats.transports.values()),
+        transfer_count=stats.num_transfers,
         transfer_seconds=sum(t.transfer_seconds for t in stats.transports.values()),
         num_bad_frames=stats.num_bad_frames + num_other_bad_frames,
     )
@@ -159,6 +160,7 @@ def delta_from_step(step: StepOutput) -> TokenDelta:
         num_prompt_tokens=step.num_prompt_tokens,
         num_cached_tokens=step.num_cached_tokens,
         prompt_logprobs=step.prompt_logprobs,
+        index=step.index,
     )
     if step.new_logprobs is not None:
         delta.logprobs = [logprobs_to_wire(e, t, step.num_top_logprobs)

@@ -147,6 +147,22 @@ class Dispatcher:
             self._remember_cancel(handle.wire_id)
         self._finish(handle)
 
+    def cancel_choice(self, handle: RequestHandle, index: int) -> None:
+        """Stop one choice of an n > 1 request (a stop string matched); the request ends with its last choice."""
+        if handle.is_done:
+            return
+        if handle.num_choices == 1:
+            self.cancel(handle)
+            return
+        if handle.decode_worker_id is not None:
+            self._send(handle.decode_worker_id, CancelRequest(request_id=handle.wire_id, index=index))
+        self._choice_finished(handle, index)
+
+    def _choice_finished(self, handle: RequestHandle, index: int) -> None:
+        handle.finished_choices.add(index)
+        if len(handle.finished_choices) >= handle.num_choices:
+            self._finish(handle)
+
     def retry_after_s(self) -> int:
         """Whole seconds after which a request turned away now would likely find a free slot."""
         num_slots = sum(w.max_batch_size for w in self.registry.live_workers()
@@ -197,7 +213,7 @@ class Dispatcher:
         self._requests[handle.wire_id] = handle
         decode = self.registry.get(route.decode.worker_id)
         if decode is not None:
-            decode.num_inflight += 1
+            decode.num_inflight += handle.num_choices  # n > 1: n sequences in its batch
             handle._inflight_on = decode.worker_id
         if route.prefill is not None:
             prefill = self.registry.get(route.prefill.worker_id)
@@ -214,7 +230,7 @@ class Dispatcher:
         handle._inflight_on = None
         if decode is None:
             return False
-        decode.num_inflight = max(0, decode.num_inflight - 1)
+        decode.num_inflight = max(0, decode.num_inflight - handle.num_choices)
         self.admission.wake()
         return True
 
@@ -364,8 +380,10 @@ class Dispatcher:
                         self.metrics.itl_seconds.observe(gap)
                 handle.last_token_at = now
             handle.queue.put_nowait(delta)
-            if delta.finish_reason is not None:
+            if delta.finish_reason == FinishCode.ERROR:
                 self._finish(handle)
+            elif delta.finish_reason is not None:
+                self._choice_finished(handle, delta.index)
 
     async def _housekeeping_loop(self) -> None:
         interval = min(0.25, self.registry.heartbeat_interval_s / 2)

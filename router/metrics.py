@@ -9,7 +9,8 @@ reported:
 * ``tandem_kv_blocks_used`` / ``tandem_kv_blocks_free`` / ``tandem_kv_blocks_total`` {worker, role}:
   from the last heartbeat; "used" is held by a live request, prefix-cached blocks nobody holds are free.
 * ``tandem_worker_queue_depth``, ``tandem_worker_running_requests``, ``tandem_worker_queued_prefill_tokens``.
-* ``tandem_kv_transfer_bytes_total`` / ``tandem_kv_transfer_seconds_total``: cumulative, as reported.
+* ``tandem_kv_transfer_bytes_total`` / ``tandem_kv_transfer_seconds_total`` / ``tandem_kv_transfers_total``:
+  cumulative, as reported.
 * ``tandem_worker_bad_frames_total`` (reported) and ``tandem_worker_up`` (1 alive, 0 declared dead).
 * ``tandem_worker_busy_in_step_seconds`` (how long the current step has run: busy, not dead),
   ``tandem_worker_max_step_seconds``, ``tandem_worker_steps_total`` and ``tandem_worker_draining``.
@@ -107,6 +108,7 @@ class WorkerCollector(Collector):
                 "tandem_worker_queued_prefill_tokens", "Prompt tokens waiting for prefill", labels=labels
             ),
             "bytes": CounterMetricFamily("tandem_kv_transfer_bytes", "KV bytes transferred (reported)", labels=labels),
+            "transfers": CounterMetricFamily("tandem_kv_transfers", "KV transfers finished (reported)", labels=labels),
             "seconds": CounterMetricFamily(
                 "tandem_kv_transfer_seconds", "Seconds spent transferring KV (reported)", labels=labels
             ),
@@ -142,6 +144,7 @@ class WorkerCollector(Collector):
             families["running"].add_metric(values, load.num_running)
             families["prefill"].add_metric(values, load.num_queued_prefill_tokens)
             families["bytes"].add_metric(values, load.transfer_bytes)
+            families["transfers"].add_metric(values, load.transfer_count)
             families["seconds"].add_metric(values, load.transfer_seconds)
             families["bad"].add_metric(values, load.num_bad_frames)
             families["busy"].add_metric(values, load.busy_in_step_s)

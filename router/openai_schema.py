@@ -50,13 +50,6 @@ class _SamplingFields(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(f"only n=1 is supported (got {value})")
-        return value
-
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -94,13 +87,6 @@ class CompletionRequest(_SamplingFields):
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
             return list(value)
         return [value]
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError(f"only best_of=1 is supported (got {value})")
-        return value
 
     @field_validator("suffix")
     @classmethod

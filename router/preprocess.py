@@ -34,6 +34,9 @@ def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: Sa
     _check_prompt_logprobs(body)
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens: must be >= 1 (0 only with echo=true, to score the prompt)", param="max_tokens")
+    if body.best_of is not None and body.best_of != body.n and body.stream:
+        raise bad_request("best_of: not available with stream=true (the best candidates are known only at the end)",
+                          param="best_of")
     prepared = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
@@ -144,6 +147,8 @@ def _sampling_params(
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
+            n=body.n,
+            best_of=getattr(body, "best_of", None),
             temperature=defaults.temperature if body.temperature is None else body.temperature,
             top_p=defaults.top_p if body.top_p is None else body.top_p,
             top_k=defaults.top_k if body.top_k is None else body.top_k,

@@ -34,12 +34,18 @@ class RequestHandle:
     admission: asyncio.Future | None = None  # done once dispatched (see Dispatcher.wait_admitted)
     is_admitted: bool = False  # dispatched once: counted in the in-flight gauges until finished
     has_tokens: bool = False
+    finished_choices: set[int] = field(default_factory=set)  # n > 1: choices that ended (the request ends with the last)
     is_done: bool = False
     created_at: float = field(default_factory=time.monotonic)
     dispatched_at: float = 0.0
     last_token_at: float = 0.0
     _inflight_on: str | None = None  # the decode worker whose num_inflight counts this request
     _pending_prefill: tuple[str, int] | None = None  # (prefill worker, prompt tokens) counted there
+
+    @property
+    def num_choices(self) -> int:
+        """Sequences the worker decodes for it (n, or best_of candidates): the worker slots it takes."""
+        return self.sampling_params.num_sequences
 
     async def next(self) -> TokenDelta | RequestFailed:
         """The next delta or failure; raises TimeoutError once the deadline passed."""

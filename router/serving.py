@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Awaitable, AsyncIterator, TypeVar
 
 import msgspec
@@ -24,6 +24,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pipeline.config import SamplingConfig
+from pipeline.protocol.cluster import FinishCode
+from pipeline.protocol.requests import PromptLogprobs
 from router.admission import Overloaded
 from router.dispatcher import Dispatcher
 from router.request_handle import RequestFailed, RequestHandle
@@ -32,7 +34,7 @@ from router.metrics import RouterMetrics
 from router.policy import NoRoute
 from router.preprocess import PreparedRequest
 from router.served_model import ServedModel
-from router.streaming import ChoiceResult, LogprobEntry, OutputBuilder, Piece, ResponseShape, total_usage
+from router.streaming import ChoiceResult, OutputBuilder, Piece, ResponseShape, total_usage
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +73,9 @@ def _timeout_error(state: RouterState) -> APIError:
 
 
 async def serve(state: RouterState, http_request: Request, prompts: list[PreparedRequest], kind: str) -> Response:
-    """One response for one or more prompts (a completions request may carry a list): each prompt is its
-    own request to the workers, admitted before the response starts; choice ``index`` is the prompt's."""
+    """One response for one or more prompts (a completions request may carry a list), each with n
+    choices: each prompt is one request to the workers (its n choices decoded there side by side from
+    one prefill), admitted before the response starts; choice ``index`` is prompt i x n + choice j."""
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     handles = await _admit_all(state, http_request, request_id, prompts)
@@ -80,22 +83,59 @@ async def serve(state: RouterState, http_request: Request, prompts: list[Prepare
         return Response(status_code=499)  # the client left while waiting; nobody reads this
     first = prompts[0]
     shape = ResponseShape(kind, request_id, state.model.name, first.want_logprobs)
-    choices = [_Choice(i, handle, OutputBuilder(state.model, p.params, len(p.prompt_token_ids), p.prompt))
-               for i, (handle, p) in enumerate(zip(handles, prompts))]
+    groups = [_Group.of(state, handle, prepared, prompt_index)
+              for prompt_index, (handle, prepared) in enumerate(zip(handles, prompts))]
     if first.stream:
         return StreamingResponse(
-            _stream(state, choices, shape, first.include_usage),
+            _stream(state, groups, shape, first.include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await _collect_unless_disconnected(state, http_request, choices, shape)
+    return await _collect_unless_disconnected(state, http_request, groups, shape)
 
 
 @dataclass
 class _Choice:
-    index: int
-    handle: RequestHandle
+    index: int  # in the response (best_of: renumbered once the best are known)
     builder: OutputBuilder
+
+
+@dataclass
+class _Group:
+    """One prompt's request at the workers and its choices, by the worker's choice index."""
+
+    handle: RequestHandle
+    choices: list[_Choice]
+    num_returned: int  # n: best_of candidates beyond it are decoded, then dropped
+    prompt_logprobs: PromptLogprobs | None = None  # choice 0 brings them; every choice's echo shows them
+
+    @classmethod
+    def of(cls, state: RouterState, handle: RequestHandle, prepared: PreparedRequest, prompt_index: int) -> "_Group":
+        n = prepared.params.n
+        choices = [_Choice(prompt_index * n + j, OutputBuilder(state.model, prepared.params,
+                                                                len(prepared.prompt_token_ids), prepared.prompt))
+                   for j in range(prepared.params.num_sequences)]
+        return cls(handle, choices, n)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(c.builder.is_finished for c in self.choices)
+
+    def usage(self) -> dict:
+        """The prompt once, every generated token of every choice (best_of candidates included)."""
+        usages = [c.builder.usage() for c in self.choices]
+        usage = dict(usages[0])
+        usage["completion_tokens"] = sum(u["completion_tokens"] for u in usages)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return usage
+
+    def best(self, results: list[ChoiceResult]) -> list[ChoiceResult]:
+        """best_of: the n candidates with the highest cumulative logprob, most likely first."""
+        if len(results) == self.num_returned:
+            return results
+        ranked = sorted(zip(results, self.choices), key=lambda rc: -rc[1].builder.cumulative_logprob)
+        base = self.choices[0].index
+        return [replace(result, index=base + rank) for rank, (result, _) in enumerate(ranked[:self.num_returned])]
 
 
 async def _admit_all(state: RouterState, http_request: Request, request_id: str,
@@ -136,48 +176,65 @@ def _cancel_all(state: RouterState, handles: list[RequestHandle], outcome: str |
                 state.metrics.requests_total.labels(outcome).inc()
 
 
-async def _next_piece(state: RouterState, handle: RequestHandle, builder: OutputBuilder) -> Piece:
-    """Wait for the next delta and render it; failures become APIError (and stop the worker)."""
-    try:
-        item = await handle.next()
-    except (asyncio.TimeoutError, TimeoutError):
-        state.dispatcher.cancel(handle)
-        state.metrics.requests_total.labels("timeout").inc()
-        raise _timeout_error(state) from None
-    if isinstance(item, RequestFailed):
-        state.metrics.requests_total.labels("error").inc()
-        raise _failure_error(item)
-    piece = builder.add(item)
-    if piece.error is not None:
-        state.dispatcher.cancel(handle)
-        state.metrics.requests_total.labels("error").inc()
-        raise APIError(500, f"generation failed: {piece.error}")
-    if piece.matched_stop_string:
-        state.dispatcher.cancel(handle)  # the worker does not know the router stopped it
-    if builder.is_finished:
-        state.metrics.requests_total.labels("ok").inc()
-    return piece
+async def _next_piece(state: RouterState, group: _Group) -> tuple[_Choice, Piece]:
+    """Wait for the group's next delta and render it for its choice; failures become APIError (and
+    stop the worker)."""
+    handle = group.handle
+    while True:
+        try:
+            item = await handle.next()
+        except (asyncio.TimeoutError, TimeoutError):
+            state.dispatcher.cancel(handle)
+            state.metrics.requests_total.labels("timeout").inc()
+            raise _timeout_error(state) from None
+        if isinstance(item, RequestFailed):
+            state.metrics.requests_total.labels("error").inc()
+            raise _failure_error(item)
+        unfinished = [c for c in group.choices if not c.builder.is_finished]
+        if not 0 <= item.index < len(group.choices):
+            continue
+        choice = group.choices[item.index]
+        if choice.builder.is_finished:
+            if item.finish_reason != FinishCode.ERROR or not unfinished:
+                continue  # tokens of a choice the router already stopped
+            choice = unfinished[0]  # a whole-request error: the first open choice reports it
+        if item.prompt_logprobs is not None:
+            group.prompt_logprobs = item.prompt_logprobs
+        elif group.prompt_logprobs is not None and item.token_ids:
+            item.prompt_logprobs = group.prompt_logprobs  # choices after the first echo the same prompt
+        piece = choice.builder.add(item)
+        if piece.error is not None:
+            state.dispatcher.cancel(handle)
+            state.metrics.requests_total.labels("error").inc()
+            raise APIError(500, f"generation failed: {piece.error}")
+        if piece.matched_stop_string:  # the worker does not know the router stopped it
+            state.dispatcher.cancel_choice(handle, group.choices.index(choice))
+        if group.is_finished:
+            state.metrics.requests_total.labels("ok").inc()
+        return choice, piece
 
 
-async def _pieces(state: RouterState, choice: _Choice, out: asyncio.Queue) -> None:
-    """Feed one choice's pieces (then None, or the APIError that ended it) into the shared queue."""
+async def _pieces(state: RouterState, group: _Group, out: asyncio.Queue) -> None:
+    """Feed one group's pieces (then None, or the APIError that ended it) into the shared queue."""
     try:
-        while not choice.builder.is_finished:
-            await out.put((choice.index, await _next_piece(state, choice.handle, choice.builder)))
-        await out.put((choice.index, None))
+        while not group.is_finished:
+            choice, piece = await _next_piece(state, group)
+            await out.put((choice.index, piece))
+        await out.put((None, None))
     except APIError as error:
-        await out.put((choice.index, error))
+        await out.put((None, error))
 
 
-async def _stream(state: RouterState, choices: list[_Choice], shape: ResponseShape,
+async def _stream(state: RouterState, groups: list[_Group], shape: ResponseShape,
                   include_usage: bool) -> AsyncIterator[bytes]:
     queue: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.ensure_future(_pieces(state, choice, queue)) for choice in choices]
+    tasks = [asyncio.ensure_future(_pieces(state, group, queue)) for group in groups]
     try:
         if shape.kind == "chat":
-            for choice in choices:
-                yield _sse(shape.chunk(Piece(), first=True, index=choice.index))
-        remaining = len(choices)
+            for group in groups:
+                for choice in group.choices:
+                    yield _sse(shape.chunk(Piece(), first=True, index=choice.index))
+        remaining = len(groups)
         failed = False
         while remaining:
             index, item = await queue.get()
@@ -190,40 +247,39 @@ async def _stream(state: RouterState, choices: list[_Choice], shape: ResponseSha
             elif item.text or item.logprobs or item.finish_reason is not None:
                 yield _sse(shape.chunk(item, index=index))
         if not failed and include_usage:
-            yield _sse(shape.usage_chunk(total_usage([c.builder.usage() for c in choices])))
+            yield _sse(shape.usage_chunk(total_usage([g.usage() for g in groups])))
         yield b"data: [DONE]\n\n"
     finally:  # also runs when the client disconnects (the generator is closed at a yield or await)
         for task in tasks:
             task.cancel()
-        _cancel_all(state, [c.handle for c in choices], "cancelled")
+        _cancel_all(state, [g.handle for g in groups], "cancelled")
 
 
-async def _collect_one(state: RouterState, choice: _Choice) -> ChoiceResult:
-    builder = choice.builder
-    text_parts: list[str] = []
-    entries: list[LogprobEntry] = []
-    stop_reason = None
-    prompt_logprobs = None
-    while not builder.is_finished:
-        piece = await _next_piece(state, choice.handle, builder)
-        text_parts.append(piece.text)
-        entries.extend(piece.logprobs)
-        if piece.prompt_logprobs is not None:
-            prompt_logprobs = piece.prompt_logprobs
-        if piece.finish_reason is not None:
-            stop_reason = piece.stop_reason
-    return ChoiceResult(choice.index, "".join(text_parts), entries, builder.finish_reason, stop_reason,
-                        prompt_logprobs)
+async def _collect_group(state: RouterState, group: _Group) -> list[ChoiceResult]:
+    parts: dict[int, list[Piece]] = {id(c): [] for c in group.choices}
+    while not group.is_finished:
+        choice, piece = await _next_piece(state, group)
+        parts[id(choice)].append(piece)
+    results = []
+    for choice in group.choices:
+        pieces = parts[id(choice)]
+        stop_reason = next((p.stop_reason for p in pieces if p.finish_reason is not None), None)
+        prompt_logprobs = next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None)
+        results.append(ChoiceResult(choice.index, "".join(p.text for p in pieces),
+                                    [e for p in pieces for e in p.logprobs], choice.builder.finish_reason,
+                                    stop_reason, prompt_logprobs))
+    return group.best(results)
 
 
-async def _collect(state: RouterState, choices: list[_Choice], shape: ResponseShape) -> dict:
-    tasks = [asyncio.ensure_future(_collect_one(state, choice)) for choice in choices]
+async def _collect(state: RouterState, groups: list[_Group], shape: ResponseShape) -> dict:
+    tasks = [asyncio.ensure_future(_collect_group(state, group)) for group in groups]
     try:
         results = await asyncio.gather(*tasks)
     finally:
         for task in tasks:
             task.cancel()
-    return shape.full(results, total_usage([c.builder.usage() for c in choices]))
+    return shape.full([r for group_results in results for r in group_results],
+                      total_usage([g.usage() for g in groups]))
 
 
 async def _wait_for_disconnect(http_request: Request) -> None:
@@ -252,12 +308,12 @@ async def _unless_disconnected(http_request: Request, work: Awaitable[T]) -> T:
 
 
 async def _collect_unless_disconnected(
-    state: RouterState, http_request: Request, choices: list[_Choice], shape: ResponseShape
+    state: RouterState, http_request: Request, groups: list[_Group], shape: ResponseShape
 ) -> Response:
     try:
-        body = await _unless_disconnected(http_request, _collect(state, choices, shape))
+        body = await _unless_disconnected(http_request, _collect(state, groups, shape))
     except _ClientGone:
         return Response(status_code=499)  # nobody reads this
     finally:
-        _cancel_all(state, [c.handle for c in choices], "cancelled")
+        _cancel_all(state, [g.handle for g in groups], "cancelled")
     return JSONResponse(body)

@@ -72,6 +72,7 @@ class OutputBuilder:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
+        self.cumulative_logprob = 0.0  # of every generated token (best_of ranks candidates by it)
         self.finish_reason: str | None = None
 
     @property
@@ -84,6 +85,9 @@ class OutputBuilder:
             return piece
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         echo = self._render_prompt(delta, piece)
+        for entry in delta.logprobs or ():
+            if entry:
+                self.cumulative_logprob += entry[0].logprob
         if self._prompt.discard_output:
             return self._prefixed(echo, self._discard(delta, piece))
         num_tokens = len(delta.token_ids)

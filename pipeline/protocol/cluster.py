@@ -117,6 +117,7 @@ class WorkerLoad(msgspec.Struct, **_HOT):
     num_used_blocks: int = 0
     num_total_blocks: int = 0
     transfer_bytes: int = 0
+    transfer_count: int = 0  # KV transfers finished (one per request that went through a prefill worker)
     transfer_seconds: float = 0.0
     num_bad_frames: int = 0
     busy_in_step_s: float = 0.0  # how long the current engine step has run (0: between steps)
@@ -155,6 +156,7 @@ class TokenDelta(msgspec.Struct, **_HOT):
     stop_token_id: int | None = None
     is_prefill_failure: bool = False  # with ERROR: the prefill worker's side failed (retry without it)
     prompt_logprobs: PromptLogprobs | None = None  # with the first token, when the request asked for them
+    index: int = 0  # which choice (n > 1); ``finish_reason`` ends that choice, ERROR ends the whole request
 
 
 class TokenBatch(msgspec.Struct, tag=True, **_HOT):
@@ -181,9 +183,11 @@ class GenerateRequest(msgspec.Struct, tag=True, **_HOT):
 
 
 class CancelRequest(msgspec.Struct, tag=True, **_HOT):
-    """Stop a request and free its blocks; the worker may answer with a final ABORT delta or nothing."""
+    """Stop a request and free its blocks; the worker may answer with a final ABORT delta or nothing.
+    ``index``: stop only that choice of an n > 1 request (the router ended it on a stop string)."""
 
     request_id: str
+    index: int | None = None
 
 
 class RegisterAck(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, kw_only=True):

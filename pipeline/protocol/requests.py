@@ -42,6 +42,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """
 
     max_tokens: int | None = 16
+    # n choices decoded side by side from one prefill (best_of: that many candidates, of which the caller
+    # keeps the n most likely); choice i > 0 of a seeded request draws with choice_seed(seed, i)
+    n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -69,6 +73,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens)
+        _check(1 <= self.n <= MAX_CHOICES, "n", f"must be in [1, {MAX_CHOICES}]", self.n)
+        _check(self.best_of is None or self.n <= self.best_of <= MAX_CHOICES, "best_of",
+               f"must be in [n, {MAX_CHOICES}] (n is {self.n})", self.best_of)
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(self.top_k >= -1, "top_k", "must be -1 (disabled), 0 (disabled) or >= 1", self.top_k)
@@ -108,8 +115,30 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences a worker decodes for this request: best_of candidates, else n choices."""
+        return self.best_of or self.n
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+MAX_CHOICES = 64
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed choice ``index`` of a request seeded with ``seed`` draws with (choice 0: ``seed`` itself,
+    so n=1 and the first of n choices are the same draw)."""
+    if seed is None or index == 0:
+        return seed
+    return (seed * 6_364_136_223_846_793_005 + index * 1_442_695_040_888_963_407) % (2**63 - 1)
+
+
+def sibling_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s parameters: its own seed; one choice each; the prompt scored by choice 0 only."""
+    return msgspec.structs.replace(params, seed=choice_seed(params.seed, index), n=1, best_of=None,
+                                   prompt_logprobs=None)
 
 
 def _finite(value: float) -> bool:
@@ -161,6 +190,10 @@ class CompletionOutput(msgspec.Struct, kw_only=True):
     # with SamplingParams.prompt_logprobs: per prompt position, None for the first, then prompt token
     # id -> logprob and the top N (vLLM's shape)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    index: int = 0  # which choice of the request (n > 1)
+    cumulative_logprob: float | None = None  # sum of the generated tokens' logprobs, when they were computed
+    # n > 1 offline: every choice's output, in index order (this output is choices[0])
+    choices: list["CompletionOutput"] | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,20 +1,24 @@
-"""Scoring and batched prompts on real clusters with the official openai client: ``echo`` with
-``logprobs`` (the prompt's own logprobs, as lm-eval's loglikelihood tasks read them), vLLM's
-``prompt_logprobs``, and a list of prompts in one completions request. Prompt logprobs come from the
-worker that prefilled the prompt (the prefill worker under P/D, in 64-token chunks for the long prompt)
-and must equal transformers' log-softmax within 1e-4; afterwards every block is back."""
+"""Scoring and fan-out on real clusters with the official openai client: ``echo`` with ``logprobs``
+(the prompt's own logprobs, as lm-eval's loglikelihood tasks read them), vLLM's ``prompt_logprobs``, a
+list of prompts in one completions request, n > 1 and best_of. Prompt logprobs come from the worker
+that prefilled the prompt (the prefill worker under P/D, in 64-token chunks for the long prompt) and
+must equal transformers' log-softmax within 1e-4; n choices come from one prefill and one KV transfer,
+each seeded choice the same as the offline engine's; afterwards every block is back."""
 
 from __future__ import annotations
+
+import time
 
 import openai
 import pytest
 
-from tests.cluster.conftest import CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks
+from pipeline import LLM, SamplingParams
+from tests.cluster.conftest import CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks, worker_metric
 from tests.conftest import hf_greedy, hf_logprobs
 
-SHAPES = {
-    "1p1d": dict(num_prefill=1, num_decode=1),
-    "colocated": dict(num_prefill=0, num_decode=0, num_colocated=1),
+SHAPES = {  # max_restarts: the last test kills a worker, which the launcher restarts
+    "1p1d": dict(num_prefill=1, num_decode=1, max_restarts=2),
+    "colocated": dict(num_prefill=0, num_decode=0, num_colocated=1, max_restarts=2),
 }
 NUM_BLOCKS = CLUSTER_CONFIG["kv_cache"]["num_blocks"]
 TOLERANCE = 1e-4
@@ -146,6 +150,94 @@ def test_one_bad_prompt_fails_the_request_and_holds_nothing(client):
         client.completions.create(model=name(client), prompt=[[5, 6, 7], [10**9]], max_tokens=2)
 
 
+
+# ------------------------------------------------------------------------------------------ n > 1
+@pytest.fixture(scope="module")
+def offline(tiny_checkpoint):
+    """The offline engine on the same checkpoint: what every seeded choice must equal."""
+    return LLM(model=tiny_checkpoint("llama"), kv_cache={"page_size": 4, "num_blocks": 256})
+
+
+def transfers_received(cluster) -> float:
+    return worker_metric(cluster.url, "tandem_kv_transfers_total", "decode-0") or 0.0
+
+
+def test_n_choices_come_from_one_prefill_and_equal_the_offline_engine(cluster, client, offline, reference):
+    _, tokenizer = reference
+    prompt = "The quick brown fox jumps"
+    ids = tokenizer(prompt)["input_ids"]
+    want = offline.generate([ids], SamplingParams(max_tokens=10, temperature=1.0, seed=5, n=4, ignore_eos=True))[0]
+    want_texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in want.choices]
+    before = transfers_received(cluster)
+    out = client.completions.create(model=name(client), prompt=prompt, max_tokens=10, temperature=1.0, seed=5, n=4,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == want_texts and len(set(want_texts)) == 4
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 40
+    if "prefill-0" in cluster.worker_names:  # P/D: the prompt's KV crossed once, for all four choices
+        deadline = time.monotonic() + 5
+        while transfers_received(cluster) < before + 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # a second transfer would be reported by now (heartbeats every 0.5 s)
+        assert transfers_received(cluster) == before + 1
+    stream = client.completions.create(model=name(client), prompt=prompt, max_tokens=10, temperature=1.0, seed=5, n=4,
+                                       stream=True, extra_body={"ignore_eos": True})
+    texts = [""] * 4
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == want_texts
+    chat = client.chat.completions.create(model=name(client), messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4, temperature=0, n=3)
+    assert len({c.message.content for c in chat.choices}) == 1 and [c.index for c in chat.choices] == [0, 1, 2]
+
+
+def test_n_with_a_list_of_prompts_and_a_stop_string(client, offline, reference):
+    _, tokenizer = reference
+    prompts = ["Hello there, how are you?", "def main():\n"]
+    out = client.completions.create(model=name(client), prompt=prompts, max_tokens=6, temperature=1.0, seed=1, n=2,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for i, prompt in enumerate(prompts):
+        want = offline.generate([tokenizer(prompt)["input_ids"]],
+                                SamplingParams(max_tokens=6, temperature=1.0, seed=1, n=2, ignore_eos=True))[0]
+        assert [c.text for c in out.choices[2 * i:2 * i + 2]] == [
+            tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in want.choices]
+    # a stop string ends one choice at the router; the others run to their end
+    full = client.completions.create(model=name(client), prompt=prompts[0], max_tokens=12, temperature=1.0, seed=3,
+                                     n=3, extra_body={"ignore_eos": True})
+    stop = full.choices[1].text[2:5]
+    cut = client.completions.create(model=name(client), prompt=prompts[0], max_tokens=12, temperature=1.0, seed=3,
+                                    n=3, stop=[stop], extra_body={"ignore_eos": True})
+    for before, after in zip(full.choices, cut.choices):
+        expected = before.text.split(stop)[0]
+        assert after.text == expected
+        assert after.finish_reason == ("stop" if stop in before.text else "length")
+
+
+def test_best_of_returns_the_most_likely_candidates(client, offline, reference):
+    _, tokenizer = reference
+    prompt = "Paged attention keeps"
+    candidates = offline.generate([tokenizer(prompt)["input_ids"]], SamplingParams(
+        max_tokens=8, temperature=1.0, seed=7, n=4, logprobs=0, ignore_eos=True))[0].choices
+    best = sorted(candidates, key=lambda c: -c.cumulative_logprob)[:2]
+    out = client.completions.create(model=name(client), prompt=prompt, max_tokens=8, temperature=1.0, seed=7, n=2,
+                                    best_of=4, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1] and all(c.logprobs is None for c in out.choices)
+    assert [c.text for c in out.choices] == [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in best]
+    assert out.usage.completion_tokens == 32  # every candidate was generated
+
+
+def test_a_client_leaving_mid_stream_frees_every_choice(cluster, client):
+    import httpx
+
+    body = {"model": name(client), "prompt": LONG_PROMPT, "max_tokens": 200, "n": 4, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=30) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i > 12:
+                break  # leaving with every choice running; blocks_come_back checks the pool
+
 # ------------------------------------------------------------------------------------------ lm-eval
 MC_DOCS = [
     {"question": "The sky is", "choices": ["blue", "green", "made of cheese"], "answer": 0},
@@ -243,3 +335,24 @@ def test_lm_eval_loglikelihood_tasks_equal_transformers(cluster, tiny_checkpoint
                 assert abs(float(a) - float(b)) < max(TOLERANCE, abs(float(b)) * 1e-6), (task, got["doc_id"], a, b)
     generated = lm_eval_samples("local-completions", args, ["tandem_gen"], lm_eval_tasks, batch_size=4)["tandem_gen"]
     assert len(generated) == len(MC_DOCS) and all(isinstance(s["resps"][0][0], str) for s in generated)
+
+
+def test_a_decode_worker_killed_mid_request_fails_it_and_holds_nothing(cluster, client):
+    """Last in the module: the cluster restarts the worker; the request fails (migration is not here yet)."""
+    import signal
+
+    from tests.cluster.conftest import wait_for_incarnation
+
+    victim = next(w for w in cluster.worker_names if not w.startswith("prefill"))
+    stream = client.completions.create(model=name(client), prompt=LONG_PROMPT, max_tokens=400, n=4, stream=True,
+                                       extra_body={"ignore_eos": True})
+    old_pid = cluster.pids[victim]
+    with pytest.raises(openai.APIError):
+        for i, _ in enumerate(stream):
+            if i == 8:
+                cluster.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while cluster.pids[victim] == old_pid:  # the launcher restarts it (backoff from 1 s)
+        assert time.monotonic() < deadline, "the killed worker was not restarted"
+        time.sleep(0.2)
+    wait_for_incarnation(cluster.url, victim, cluster.pids[victim], timeout_s=120)

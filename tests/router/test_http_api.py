@@ -134,7 +134,9 @@ def test_stop_string_truncates_and_cancels_the_worker(router, client, text_ids):
         ({"model": "tiny", "prompt": "Hi", "temperature": -1}, 400, "temperature", "must be >= 0"),
         ({"model": "tiny", "prompt": "Hi", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
         ({"model": "tiny", "prompt": [5] * 60, "max_tokens": 10}, 400, "max_tokens", "maximum context length is 64"),
-        ({"model": "tiny", "prompt": "Hi", "n": 2}, 400, "n", "only n=1"),
+        ({"model": "tiny", "prompt": "Hi", "n": 0}, 400, "n", "must be in [1, 64]"),
+        ({"model": "tiny", "prompt": "Hi", "n": 2, "best_of": 1}, 400, "best_of", "must be in [n, 64]"),
+        ({"model": "tiny", "prompt": "Hi", "best_of": 3, "stream": True}, 400, "best_of", "stream"),
         ({"model": "nope", "prompt": "Hi"}, 404, "model", "does not exist"),
     ],
 )
@@ -152,8 +154,8 @@ def test_bad_requests_never_reach_a_worker(router, body, status, param, words):
 
 def test_openai_client_sees_bad_request_errors(router, client):
     router.add_worker()
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=2)
+    with pytest.raises(openai.BadRequestError, match="n: must be in"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=65)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="Hi")
 

@@ -139,7 +139,7 @@ def test_chat_specific_errors(served_model):
 @pytest.mark.parametrize(
     "body",
     [
-        {"model": "tiny", "prompt": "x", "n": 2},
+        {"model": "tiny", "prompt": "x", "n": "two"},
         {"model": "tiny", "prompt": ["a"] * 1025},
         {"model": "tiny", "prompt": "x", "echo": "yes"},
         {"model": "tiny", "prompt": "x", "max_tokens": "ten"},
