@@ -52,6 +52,7 @@ class StepOutput:
     num_top_logprobs: int = 0  # the request's ``logprobs`` (top-N asked for)
     prompt_logprobs: PromptLogprobs | None = None  # with the first token, when the request asked for them
     index: int = 0  # which choice (n > 1)
+    error: str | None = None  # with finish_reason "error": why
     request_finished: bool = False  # this output ended the request's last running choice
     # the last token ended the request as EOS or a stop token id: it is not part of the text
     is_stop_token: bool = False
@@ -446,8 +447,14 @@ class LLMEngine:
         out.is_stop_token = stop is not None and stop[0] == FinishReason.STOP.value and not isinstance(stop[1], str)
         grammar = seq.sampling_state.grammar
         if grammar is not None:
-            grammar.accept(token_id)
-            if stop is None and grammar.is_finished:  # the constraint is complete: this token is its last text
+            if not grammar.accept(token_id) and (stop is None or stop[0] != FinishReason.LENGTH.value):
+                # the mask allowed a token its matcher refuses: the output no longer satisfies the
+                # constraint, and a refused token never ends a request as a success
+                out.error = f"structured output: the grammar refused token {token_id} that its mask allowed"
+                logger.error("request %s: %s", seq.request_id, out.error)
+                stop = (FinishReason.ERROR.value, None)
+                out.is_stop_token = False
+            elif stop is None and grammar.is_finished:  # the constraint is complete: this token is its last text
                 stop = (FinishReason.STOP.value, None)
         if stop is not None:
             out.finish_reason, out.stop_reason = stop

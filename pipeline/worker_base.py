@@ -167,6 +167,7 @@ def delta_from_step(step: StepOutput) -> TokenDelta:
                           for e, t in zip(step.new_logprobs, step.new_token_ids)]
     if step.finish_reason is not None:
         delta.finish_reason = _FINISH_CODES[step.finish_reason]
+        delta.error = step.error
         if step.is_stop_token:
             delta.stop_token_id = step.new_token_ids[-1]  # EOS or a stop token id: no text
     return delta

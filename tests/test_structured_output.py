@@ -145,3 +145,54 @@ def test_overlap_keeps_constrained_batches_overlapping_and_identical(tiny_checkp
         for out in on:
             jsonschema.validate(json.loads(out.text), schema)
     assert drained and not any(drained)  # no step had to be read before the next was launched
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_an_added_token_in_the_forced_text_keeps_the_constraint(tmp_path, tiny_checkpoint, backend):
+    """A non-special added token (Qwen's ``<tool_call>``) inside forced text: llguidance's own loader
+    made it special yet tokenized text into it, so its mask allowed a token its matcher refused, and the
+    request ended early as a success (regex "x<tool_call>y" gave "x<tool_call>" with finish "stop")."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "with-added-token"
+    shutil.copytree(tiny_checkpoint("llama"), path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(["<tool_call>"])  # id 300: inside the model's padded vocabulary (307)
+    tokenizer.save_pretrained(path)
+    llm = LLM(model=str(path), kv_cache={"page_size": 4, "num_blocks": 128})
+    added = tokenizer.convert_tokens_to_ids("<tool_call>")
+    regex = StructuredOutput(kind="regex", value="x<tool_call>y", backend=backend)
+    schema = {"type": "object", "properties": {"a": {"const": "<tool_call>"}}, "required": ["a"],
+              "additionalProperties": False}
+    const = StructuredOutput(kind="json", value=json.dumps(schema), backend=backend)
+    for spec, want in ((regex, "x<tool_call>y"), (const, '{"a":"<tool_call>"}')):
+        for temperature, bias in ((0.0, {}), (1.0, {added: 50.0})):  # also when the model wants the added token
+            out = llm.generate(["Hi"], SamplingParams(max_tokens=40, temperature=temperature, seed=1,
+                                                      logit_bias=bias, structured_output=spec))[0]
+            assert out.text == want and out.finish_reason == "stop", (backend, out.text, out.finish_reason)
+
+
+def test_a_refused_token_ends_the_request_as_an_error(llm, monkeypatch):
+    """Whatever the backend: a token the matcher refuses never ends a request as "stop"."""
+    make = llm.engine._grammar_matcher
+
+    def refusing(params):
+        matcher = make(params)
+        accept = matcher.accept
+        calls = []
+
+        def accept_then_refuse(token_id):
+            calls.append(token_id)
+            return accept(token_id) and len(calls) < 2
+
+        matcher.accept = accept_then_refuse
+        return matcher
+
+    monkeypatch.setattr(llm.engine, "_grammar_matcher", refusing)
+    free = llm.engine.kv_manager.num_free_blocks
+    spec = StructuredOutput(kind="regex", value="[a-z]{10}")
+    out = llm.generate(["Hi"], SamplingParams(max_tokens=20, temperature=0.0, structured_output=spec))[0]
+    assert out.finish_reason == "error" and len(out.token_ids) == 2
+    assert llm.engine.kv_manager.num_free_blocks == free

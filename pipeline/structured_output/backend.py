@@ -125,10 +125,8 @@ class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
 
     def __init__(self, hf_tokenizer, vocab_size: int) -> None:
-        import llguidance.hf
-
         super().__init__(vocab_size)
-        self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+        self._tokenizer = _llguidance_tokenizer(hf_tokenizer, vocab_size)
 
     def _compile(self, spec: StructuredOutput) -> str:
         import llguidance
@@ -153,6 +151,42 @@ class LLGuidanceBackend(GrammarBackend):
         import llguidance
 
         return _LLGuidanceMatcher(llguidance.LLMatcher(self._tokenizer, grammar))
+
+
+class _TextTokens:
+    """What llguidance's ``TokenizerWrapper`` reads: every token's bytes, which ids are special, and how
+    text tokenizes. Special means the checkpoint's special tokens only, and text never tokenizes into
+    them (``split_special_tokens``); an added token that is not special (Qwen's ``<tool_call>``,
+    ``<think>``) is the text it spells, as in xgrammar.
+
+    llguidance's own loader makes every added token special, yet tokenizes forced text into them: a
+    grammar forcing "x<tool_call>y" allowed ``<tool_call>`` by the mask, which the matcher then refused.
+    """
+
+    def __init__(self, hf_tokenizer, vocab_size: int) -> None:
+        import llguidance.hf
+
+        loaded = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)  # byte decoding of every format
+        num_tokens = min(len(hf_tokenizer), vocab_size)
+        self.tokens = [loaded.decode_bytes([i]) for i in range(num_tokens)]
+        added = getattr(hf_tokenizer, "added_tokens_decoder", {})
+        special = set(hf_tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+        self.special_token_ids = sorted(i for i in special if i < num_tokens)
+        self.eos_token_id = hf_tokenizer.eos_token_id
+        self.bos_token_id = hf_tokenizer.bos_token_id
+        self._hf = hf_tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        if isinstance(text, bytes):  # llguidance probes whether bytes are taken: they are not
+            raise TypeError("text only")
+        return self._hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def _llguidance_tokenizer(hf_tokenizer, vocab_size: int):
+    import llguidance
+    from llguidance._tokenizer import TokenizerWrapper
+
+    return llguidance.LLTokenizer(TokenizerWrapper(_TextTokens(hf_tokenizer, vocab_size)), n_vocab=vocab_size)
 
 
 class _LLGuidanceMatcher(GrammarMatcher):

@@ -357,3 +357,21 @@ def _accepts_connections(port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def test_a_request_of_n_choices_takes_n_slots(router_factory, served_model):
+    router = router_factory(max_queued_requests=4)
+    worker = router.add_worker("w", script=held, max_batch_size=4)
+    reply = served_model.tokenizer.encode(REPLY)
+    fan = in_thread(post, router, {**body("x"), "n": 4})
+    wait_until(lambda: len(worker.requests) == 1)
+    assert worker.requests[0].sampling_params.n == 4
+    single = in_thread(post, router, body("y"))
+    wait_until(lambda: queued(router) == 1)  # the worker's four slots are taken by one request
+    for index in range(4):  # the request ends with its last choice, then the slots free
+        assert len(worker.requests) == 1
+        worker.emit(TokenDelta(request_id=worker.requests[0].request_id, token_ids=reply,
+                               finish_reason=FinishCode.STOP, index=index))
+    wait_until(lambda: len(worker.requests) == 2)
+    finish(worker, worker.requests[1], reply)
+    assert fan.join().status == 200 and single.join().status == 200
