@@ -1,7 +1,8 @@
 """The router's HTTP app (OpenAI-compatible) and its entry point ``run_router``.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (the /v1 routes take an
-optional ``Authorization: Bearer <api_key>``), GET /health (the process is up), GET /ready (per
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, and vLLM's POST /tokenize,
+POST /detokenize, GET /tokenizer_info (``router.tokenize``) (these take an optional
+``Authorization: Bearer <api_key>``), GET /health (the process is up), GET /ready (per
 worker: alive, pid, how long its current step has run, draining; 200 only when live workers can serve a request: any PrefillAndDecode or DecodeOnly worker, the latter prefilling
 locally when no PrefillOnly worker is alive; 503 with the reason otherwise), GET /metrics (Prometheus).
 
@@ -34,6 +35,7 @@ from router.preprocess import prepare_chat, prepare_completion
 from router.registry import WorkerRegistry
 from router.served_model import ServedModel, keep_torch_out, load_served_model
 from router.serving import RouterState, serve
+from router.tokenize import install_tokenizer_routes
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +111,8 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         prepared = _prepared_or_count(state, lambda: prepare_chat(body, model, config.sampling))
         return await serve(state, request, prepared, "chat")
+
+    install_tokenizer_routes(app, model, v1)
 
     @app.get("/v1/models", dependencies=v1)
     async def models() -> dict[str, Any]:

@@ -40,6 +40,7 @@ def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: Sa
     prepared = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
+            _check_text(prompt, "prompt")
             prompt_ids = encode_prompt(model.tokenizer, prompt)
         else:
             prompt_ids = list(prompt)
@@ -63,6 +64,15 @@ def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: Sa
     return prepared
 
 
+def _check_text(text: str, param: str) -> None:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{param}: not valid Unicode text (a lone surrogate at position {exc.start})",
+                          param=param) from None
+
+
 def _check_prompt_logprobs(body: _SamplingFields) -> None:
     if body.prompt_logprobs is None:
         return
@@ -79,6 +89,8 @@ def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: Samp
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: requires logprobs=true", param="top_logprobs")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    for message in messages:
+        _check_text(message["content"], "messages")
     try:
         prompt_ids = apply_chat_template(model.tokenizer, messages, add_generation_prompt=body.add_generation_prompt)
     except TokenizerError as exc:
@@ -128,6 +140,8 @@ def _sampling_params(
         if not 0 <= token_id < model.vocab_size:
             raise bad_request(f"logit_bias: token id {token_id} is outside the vocabulary", param="logit_bias")
         logit_bias[token_id] = value
+    for stop in body.stop_list():
+        _check_text(stop, "stop")
     stop_token_ids = list(body.stop_token_ids or [])
     if any(t >= model.vocab_size for t in stop_token_ids):
         raise bad_request("stop_token_ids: ids must be inside the vocabulary", param="stop_token_ids")

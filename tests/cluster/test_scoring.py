@@ -316,11 +316,11 @@ def transformers_scores(tiny_checkpoint, lm_eval_tasks):
                            ["tandem_mc", "tandem_rolling"], lm_eval_tasks)
 
 
-def test_lm_eval_loglikelihood_tasks_equal_transformers(cluster, tiny_checkpoint, lm_eval_tasks, transformers_scores):
-    path = tiny_checkpoint("llama")
+def test_lm_eval_loglikelihood_tasks_equal_transformers(cluster, lm_eval_tasks, transformers_scores):
     served = name(openai_client(cluster))
-    args = {"model": served, "base_url": f"{cluster.url}/v1/completions", "tokenizer_backend": "huggingface",
-            "tokenizer": path, "max_length": 2048, "num_concurrent": 2, "max_retries": 1}
+    # no tokenizer given: lm-eval finds /tokenizer_info and /tokenize on the router and tokenizes there
+    args = {"model": served, "base_url": f"{cluster.url}/v1/completions", "max_length": 2048, "num_concurrent": 2,
+            "max_retries": 1}
     ours = lm_eval_samples("local-completions", args, ["tandem_mc", "tandem_rolling"], lm_eval_tasks, batch_size=4)
     for task in ("tandem_mc", "tandem_rolling"):
         assert len(ours[task]) == len(transformers_scores[task]) > 0

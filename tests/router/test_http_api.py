@@ -226,3 +226,29 @@ def test_metrics_expose_worker_kv_gauges_and_request_counts(router):
                  'tandem_requests_total{outcome="ok"} 1.0', "tandem_time_to_first_token_seconds_count 1.0",
                  "tandem_router_queue_depth 0.0", "tandem_requests_in_flight 0.0"):
         assert line in text, line
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(router, served_model):
+    tokenizer = served_model.tokenizer
+    text = "Hello there, how are you?"
+    body = httpx.post(f"{router.url}/tokenize", json={"model": "tiny", "prompt": text}).json()
+    assert body["tokens"] == tokenizer(text)["input_ids"] and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == served_model.max_length and body["token_strs"] is None
+    plain = httpx.post(f"{router.url}/tokenize", json={"prompt": text, "add_special_tokens": False,
+                                                        "return_token_strs": True}).json()
+    assert plain["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert plain["token_strs"] == tokenizer.convert_ids_to_tokens(plain["tokens"])
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(f"{router.url}/tokenize", json={"messages": messages}).json()
+    want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert chat["tokens"] == list(want["input_ids"] if hasattr(want, "keys") else want)
+    back = httpx.post(f"{router.url}/detokenize", json={"tokens": body["tokens"]}).json()
+    assert back == {"prompt": tokenizer.decode(body["tokens"])}
+    info = httpx.get(f"{router.url}/tokenizer_info").json()
+    assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == tokenizer.chat_template
+    for path, bad, status in (("/tokenize", {"prompt": "x", "truncate": 3}, 400),
+                              ("/tokenize", {"prompt": 5}, 400),
+                              ("/tokenize", {"model": "other", "prompt": "x"}, 404),
+                              ("/detokenize", {"tokens": [10**9]}, 400)):
+        response = httpx.post(f"{router.url}{path}", json=bad)
+        assert response.status_code == status and "error" in response.json(), (path, bad, response.text)

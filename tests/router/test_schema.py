@@ -167,3 +167,10 @@ def test_bad_shapes_fail_schema_validation(body):
 def test_bad_chat_shapes_fail_schema_validation(body):
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate(body)
+
+
+def test_a_lone_surrogate_is_a_400(served_model):
+    assert api_error(completion, served_model, prompt="a\ud800b").param == "prompt"
+    assert api_error(completion, served_model, prompt=["fine", "a\udfffb"]).param == "prompt"
+    assert api_error(chat, served_model, messages=[{"role": "user", "content": "a\ud800b"}]).param == "messages"
+    assert api_error(completion, served_model, stop=["a\ud800"]).param == "stop"

@@ -1,0 +1,88 @@
+"""vLLM's tokenizer endpoints on the router: POST /tokenize, POST /detokenize, GET /tokenizer_info.
+
+The served tokenizer answers them in vLLM's shapes, so clients that tokenize through the server
+(lm-eval's remote tokenizer backend, which ``local-completions`` picks by itself when these answer;
+guidellm; prompt-length checks) need no copy of the checkpoint. Nothing here reaches a worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
+
+from pipeline.tokenizer import TokenizerError, apply_chat_template
+from router.errors import APIError, bad_request
+from router.openai_schema import ChatMessage
+from router.served_model import ServedModel
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a field this server would not honour is a 400
+
+    model: str | None = None
+
+
+class TokenizeCompletion(_Body):
+    prompt: str
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChat(_Body):
+    messages: list[ChatMessage]
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+
+
+class Detokenize(_Body):
+    tokens: list[StrictInt]
+
+
+def install_tokenizer_routes(app: FastAPI, model: ServedModel, dependencies: list) -> None:
+    tokenizer = model.tokenizer
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model.name:
+            raise APIError(404, f"The model `{name}` does not exist. This server serves `{model.name}`.",
+                           param="model", code="model_not_found")
+
+    @app.post("/tokenize", dependencies=dependencies)
+    async def tokenize(body: TokenizeCompletion | TokenizeChat) -> dict[str, Any]:
+        check_model(body.model)
+        if isinstance(body, TokenizeChat):
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                ids = apply_chat_template(tokenizer, messages, add_generation_prompt=body.add_generation_prompt)
+            except TokenizerError as exc:
+                raise bad_request(str(exc), param="messages") from None
+            except Exception as exc:  # a template may raise anything
+                raise bad_request(f"messages: the chat template rejected them: {exc}", param="messages") from None
+        else:
+            ids = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        return {"count": len(ids), "max_model_len": model.max_length, "tokens": ids,
+                "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+
+    @app.post("/detokenize", dependencies=dependencies)
+    async def detokenize(body: Detokenize) -> dict[str, str]:
+        check_model(body.model)
+        bad = next((t for t in body.tokens if not 0 <= t < model.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"tokens: token id {bad} is outside the vocabulary [0, {model.vocab_size})",
+                              param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info", dependencies=dependencies)
+    async def tokenizer_info() -> dict[str, Any]:
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token,
+            "pad_token": tokenizer.pad_token,
+            "unk_token": tokenizer.unk_token,
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": model.max_length,
+            "vocab_size": model.vocab_size,
+        }
