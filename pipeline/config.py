@@ -119,6 +119,10 @@ class RouterConfig(_Section):
     max_local_prefill_length: int = Field(
         32, ge=0, description="DecodeOnly workers prefill prompts up to this many tokens themselves (0 = never); see docs/load.md")
     request_timeout_s: float = Field(600.0, gt=0.0, description="a request unfinished after this gets 504")
+    cors_allowed_origins: str = Field(
+        "*", description="browser origins allowed to call the API (CORS), comma-separated; \"*\" = any (vLLM's "
+        "default), empty = no CORS headers")
+    cors_allow_credentials: bool = Field(False, description="CORS: let browsers send cookies and auth headers")
 
 
 class PipelineConfig(_Section):

@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from pipeline.config import PipelineConfig
@@ -88,6 +89,10 @@ def create_app(
 
     app = FastAPI(title="Tandem router", lifespan=lifespan)
     app.state.router = state
+    origins = [o.strip() for o in router_config.cors_allowed_origins.split(",") if o.strip()]
+    if origins:  # browsers' preflight (OPTIONS) answered; the API key check still applies to the request itself
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+                           allow_credentials=router_config.cors_allow_credentials)
     install_error_handlers(app, on_rejected=lambda: metrics.requests_total.labels("rejected").inc())
     created = int(time.time())
 

@@ -139,3 +139,24 @@ def test_every_choice_keeps_its_own_constraint(llm):
     texts = [c.text for c in out.choices]
     assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t) for t in texts), texts
     assert len(set(texts)) > 1
+
+
+def test_choices_survive_preemption_in_a_small_pool(tiny_checkpoint, llm):
+    """Choices preempted (their shared blocks released) and readmitted draw exactly the same tokens."""
+    small = LLM(model=tiny_checkpoint("llama"), kv_cache={"page_size": PAGE, "num_blocks": 24})
+    preempted = []
+    original = small.engine.scheduler._preempt
+
+    def counting(seq, out):
+        preempted.append(seq.request_id)
+        return original(seq, out)
+
+    small.engine.scheduler._preempt = counting
+    prompts = make_prompts(300, [13, 6], seed=7)
+    params = sampled(max_tokens=14, n=3, seed=21)
+    want = [[c.token_ids for c in out.choices] for out in llm.generate(prompts, params)]
+    free = small.engine.kv_manager.num_free_blocks
+    got = [[c.token_ids for c in out.choices] for out in small.generate(prompts, params)]
+    assert preempted, "the pool was meant to be too small for every choice at once"
+    assert got == want
+    assert_no_leaks(small.engine.kv_manager, free)

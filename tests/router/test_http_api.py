@@ -252,3 +252,20 @@ def test_tokenize_and_detokenize_in_vllms_shapes(router, served_model):
                               ("/detokenize", {"tokens": [10**9]}, 400)):
         response = httpx.post(f"{router.url}{path}", json=bad)
         assert response.status_code == status and "error" in response.json(), (path, bad, response.text)
+
+
+def test_cors_preflight_and_headers(router_factory):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    open_router = router_factory()  # vLLM's default: any origin
+    response = httpx.options(f"{open_router.url}/v1/chat/completions", headers=preflight)
+    assert response.status_code == 200 and response.headers["access-control-allow-origin"] in ("*", "https://app.example")
+    listed = router_factory(config={"router": {"max_local_prefill_length": 0,
+                                               "cors_allowed_origins": "https://app.example"}})
+    assert httpx.options(f"{listed.url}/v1/completions", headers=preflight).status_code == 200
+    other = httpx.options(f"{listed.url}/v1/completions", headers={**preflight, "Origin": "https://evil.example"})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    models = httpx.get(f"{listed.url}/v1/models", headers={"Origin": "https://app.example"})
+    assert models.headers["access-control-allow-origin"] == "https://app.example"
+    closed = router_factory(config={"router": {"max_local_prefill_length": 0, "cors_allowed_origins": ""}})
+    assert httpx.options(f"{closed.url}/v1/completions", headers=preflight).status_code == 405
