@@ -23,13 +23,16 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--section", dest="section_name", default=None, help="section of the config file")
     group.add_argument("--model", dest="cfg:model.model_path", default=argparse.SUPPRESS,
                        help="Hugging Face checkpoint directory (default: the built-in random model)")
+    group.add_argument("--served-model-name", dest="cfg:model.served_model_name", default=argparse.SUPPRESS,
+                       metavar="NAME[,ALIAS...]", help="the names the API serves the model under (vLLM's flag; "
+                       "default: the checkpoint folder's name)")
     for name, field in PipelineConfig.model_fields.items():
         if name in _SKIP:
             continue
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             for sub_name, sub_field in annotation.model_fields.items():
-                if name == "model" and sub_name == "model_path":
+                if name == "model" and sub_name in ("model_path", "served_model_name"):
                     continue
                 _add(group, f"{name}-{sub_name}", f"cfg:{name}.{sub_name}", sub_field)
         else:

@@ -40,6 +40,9 @@ class ModelConfig(_Section):
     """Which checkpoint to load and where to run it."""
 
     model_path: str | None = Field(None, description="Hugging Face checkpoint directory; None = built-in model")
+    served_model_name: str | None = Field(
+        None, description="the names the API serves the model under, comma-separated (the first is the one "
+        "responses and /v1/models give first); None = the checkpoint folder's name")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto", description="weights and KV cache dtype; auto = float32 on CPU, bfloat16 on GPU")
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")

@@ -64,14 +64,15 @@ def create_app(
     ``config.transfer``); ``max_attempts`` is how often a request is sent before it fails.
     """
     router_config = config.router
-    model = served_model or load_served_model(model_path or config.model.model_path, max_length=config.max_length)
+    model = served_model or load_served_model(model_path or config.model.model_path, max_length=config.max_length,
+                                              served_names=config.model.served_model_name)
     registry = WorkerRegistry(
         heartbeat_interval_s=_or(heartbeat_interval_s, config.transfer.heartbeat_interval_s),
         dead_after_s=_or(dead_after_s, router_config.dead_after_s),
     )
     metrics = RouterMetrics(registry)
     dispatcher = Dispatcher(
-        config.zmq_endpoint_base, registry, metrics, model.name, max_attempts=max_attempts,
+        config.zmq_endpoint_base, registry, metrics, model.checkpoint_name, max_attempts=max_attempts,
         max_queued_requests=_or(max_queued_requests, router_config.max_queued_requests),
         queue_timeout_s=_or(queue_timeout_s, router_config.queue_timeout_s),
         max_local_prefill_length=router_config.max_local_prefill_length,
@@ -121,12 +122,15 @@ def create_app(
 
     @app.get("/v1/models", dependencies=v1)
     async def models() -> dict[str, Any]:
-        card = {"id": model.name, "object": "model", "created": created, "owned_by": "tandem"}
-        if model.max_length:
-            card["max_model_len"] = model.max_length
-        if model.root:
-            card["root"] = model.root
-        return {"object": "list", "data": [card]}
+        cards = []
+        for served_name in model.names:
+            card = {"id": served_name, "object": "model", "created": created, "owned_by": "tandem"}
+            if model.max_length:
+                card["max_model_len"] = model.max_length
+            if model.root:
+                card["root"] = model.root
+            cards.append(card)
+        return {"object": "list", "data": cards}
 
     @app.get("/health")
     async def health() -> dict[str, str]:

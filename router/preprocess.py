@@ -107,7 +107,7 @@ def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: Samp
 
 
 def _check_model(requested: str, model: ServedModel) -> None:
-    if requested != model.name:
+    if not model.serves(requested):
         raise APIError(
             404, f"The model `{requested}` does not exist. This server serves `{model.name}`.",
             param="model", code="model_not_found",

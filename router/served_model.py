@@ -41,6 +41,18 @@ class ServedModel:
     vocab_size: int
     max_length: int | None  # prompt + output tokens; None: only the workers' limits apply
     root: str | None = None  # the checkpoint directory (vLLM's "root" in /v1/models: where clients find the tokenizer)
+    aliases: tuple[str, ...] = ()  # further names clients may ask for (model.served_model_name)
+    checkpoint_name: str = ""  # what workers register with: the checkpoint folder's name (default: ``name``)
+
+    def __post_init__(self) -> None:
+        self.checkpoint_name = self.checkpoint_name or self.name
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name, *self.aliases]
+
+    def serves(self, requested: str) -> bool:
+        return requested == self.name or requested in self.aliases
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
 
     def token_text(self, token_id: int) -> str:
@@ -58,14 +70,18 @@ def load_served_model(
     max_length: int | None = None,
     name: str | None = None,
     tokenizer: Any | None = None,
+    served_names: str | None = None,
 ) -> ServedModel:
     """Read the tokenizer and ``config.json`` of a checkpoint directory.
 
     ``model_path`` None means the built-in model: its directory must already exist (the deploy layer
     builds it for the workers; building needs torch, which the router never imports).
-    ``max_length`` None takes the checkpoint's ``max_position_embeddings``.
+    ``max_length`` None takes the checkpoint's ``max_position_embeddings``. ``name``: the name workers
+    register with (default: the checkpoint folder's); ``served_names``: the names clients ask for,
+    comma-separated (``model.served_model_name``; default: that same name).
     """
-    resolved_name = name or served_model_name(model_path)
+    checkpoint_name = name or served_model_name(model_path)
+    names = [n.strip() for n in (served_names or "").split(",") if n.strip()] or [checkpoint_name]
     path = Path(model_path) if model_path else _builtin_path()
     hf_config = _read_json(path / "config.json")
     text_config = hf_config.get("text_config") or {}
@@ -74,8 +90,8 @@ def load_served_model(
     vocab_size = int(hf_config.get("vocab_size") or text_config.get("vocab_size") or len(tokenizer))
     if max_length is None:
         max_length = hf_config.get("max_position_embeddings") or text_config.get("max_position_embeddings")
-    return ServedModel(resolved_name, tokenizer, vocab_size, int(max_length) if max_length else None,
-                       root=str(path.resolve()))
+    return ServedModel(names[0], tokenizer, vocab_size, int(max_length) if max_length else None,
+                       root=str(path.resolve()), aliases=tuple(names[1:]), checkpoint_name=checkpoint_name)
 
 
 def _builtin_path() -> Path:

@@ -45,7 +45,7 @@ def install_tokenizer_routes(app: FastAPI, model: ServedModel, dependencies: lis
     tokenizer = model.tokenizer
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != model.name:
+        if name is not None and not model.serves(name):
             raise APIError(404, f"The model `{name}` does not exist. This server serves `{model.name}`.",
                            param="model", code="model_not_found")
 

@@ -95,3 +95,16 @@ def test_speculative_sections_from_file_env_and_flags(tmp_path):
     args = build_parser().parse_args(["worker", "--role", "DecodeOnly", "--draft-model-model-path", "/d",
                                       "--speculative-num-speculative-tokens", "3"])
     assert config_overrides(args) == {"draft_model": {"model_path": "/d"}, "speculative": {"num_speculative_tokens": 3}}
+
+
+def test_served_model_name_flag_and_router_cors_flags():
+    from deploy.cli import build_parser
+    from deploy.config_flags import config_overrides
+
+    args = build_parser().parse_args(["router", "--served-model-name", "team-model,alias", "--router-cors-allowed-origins",
+                                      "https://a.example"])
+    overrides = config_overrides(args)
+    assert overrides["model"] == {"served_model_name": "team-model,alias"}
+    config = build_config(overrides)
+    assert config.model.served_model_name == "team-model,alias"
+    assert config.router.cors_allowed_origins == "https://a.example"

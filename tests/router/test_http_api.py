@@ -269,3 +269,27 @@ def test_cors_preflight_and_headers(router_factory):
     assert models.headers["access-control-allow-origin"] == "https://app.example"
     closed = router_factory(config={"router": {"max_local_prefill_length": 0, "cors_allowed_origins": ""}})
     assert httpx.options(f"{closed.url}/v1/completions", headers=preflight).status_code == 405
+
+
+def test_served_model_names_and_aliases(served_model, tiny_checkpoint):
+    import dataclasses
+
+    from router.served_model import load_served_model
+    from tests.router.conftest import RouterServer
+
+    loaded = load_served_model(tiny_checkpoint("llama"), served_names="team-model, alias-b")
+    assert loaded.names == ["team-model", "alias-b"] and loaded.checkpoint_name == os.path.basename(
+        tiny_checkpoint("llama"))
+    named = dataclasses.replace(served_model, name="team-model", aliases=("alias-b",), checkpoint_name="tiny")
+    router = RouterServer(named).start()
+    try:
+        router.add_worker(script=tokens_script(served_model.tokenizer.encode(" there")))  # registers as "tiny"
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["team-model", "alias-b"]
+        for name in ("team-model", "alias-b"):
+            out = client.completions.create(model=name, prompt="Hi", max_tokens=3)
+            assert out.model == "team-model" and out.choices[0].text
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=3)
+    finally:
+        router.stop()
