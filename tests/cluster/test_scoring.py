@@ -158,7 +158,14 @@ def offline(tiny_checkpoint):
     return LLM(model=tiny_checkpoint("llama"), kv_cache={"page_size": 4, "num_blocks": 256})
 
 
-def transfers_received(cluster) -> float:
+def transfers_received(cluster, at_least: float = 0.0) -> float:
+    """The decode worker's finished transfers, as its heartbeats report them (every 0.5 s): waits until
+    the count reaches ``at_least``, then a few heartbeats more, so that a later one would show up too."""
+    deadline = time.monotonic() + 30
+    while (worker_metric(cluster.url, "tandem_kv_transfers_total", "decode-0") or 0.0) < at_least:
+        assert time.monotonic() < deadline, "transfers not reported"
+        time.sleep(0.1)
+    time.sleep(1.5)
     return worker_metric(cluster.url, "tandem_kv_transfers_total", "decode-0") or 0.0
 
 
@@ -168,18 +175,14 @@ def test_n_choices_come_from_one_prefill_and_equal_the_offline_engine(cluster, c
     ids = tokenizer(prompt)["input_ids"]
     want = offline.generate([ids], SamplingParams(max_tokens=10, temperature=1.0, seed=5, n=4, ignore_eos=True))[0]
     want_texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in want.choices]
-    before = transfers_received(cluster)
+    before = transfers_received(cluster) if "prefill-0" in cluster.worker_names else 0
     out = client.completions.create(model=name(client), prompt=prompt, max_tokens=10, temperature=1.0, seed=5, n=4,
                                     extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert [c.text for c in out.choices] == want_texts and len(set(want_texts)) == 4
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 40
     if "prefill-0" in cluster.worker_names:  # P/D: the prompt's KV crossed once, for all four choices
-        deadline = time.monotonic() + 5
-        while transfers_received(cluster) < before + 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(1.0)  # a second transfer would be reported by now (heartbeats every 0.5 s)
-        assert transfers_received(cluster) == before + 1
+        assert transfers_received(cluster, at_least=before + 1) == before + 1
     stream = client.completions.create(model=name(client), prompt=prompt, max_tokens=10, temperature=1.0, seed=5, n=4,
                                        stream=True, extra_body={"ignore_eos": True})
     texts = [""] * 4
@@ -215,8 +218,9 @@ def test_n_with_a_list_of_prompts_and_a_stop_string(client, offline, reference):
         assert after.finish_reason == ("stop" if stop in before.text else "length")
 
 
-def test_best_of_returns_the_most_likely_candidates(client, offline, reference):
+def test_best_of_returns_the_most_likely_candidates(cluster, client, offline, reference):
     _, tokenizer = reference
+    before = transfers_received(cluster) if "prefill-0" in cluster.worker_names else 0
     prompt = "Paged attention keeps"
     candidates = offline.generate([tokenizer(prompt)["input_ids"]], SamplingParams(
         max_tokens=8, temperature=1.0, seed=7, n=4, logprobs=0, ignore_eos=True))[0].choices
@@ -226,6 +230,8 @@ def test_best_of_returns_the_most_likely_candidates(client, offline, reference):
     assert [c.index for c in out.choices] == [0, 1] and all(c.logprobs is None for c in out.choices)
     assert [c.text for c in out.choices] == [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in best]
     assert out.usage.completion_tokens == 32  # every candidate was generated
+    if "prefill-0" in cluster.worker_names:  # four candidates, one prefill, one transfer
+        assert transfers_received(cluster, at_least=before + 1) == before + 1
 
 
 def test_a_client_leaving_mid_stream_frees_every_choice(cluster, client):
