@@ -14,6 +14,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM: with include_usage, every chunk carries the usage so far
 
 
 class _SamplingFields(_Body):
@@ -41,6 +42,7 @@ class _SamplingFields(_Body):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    return_tokens_as_token_ids: StrictBool = False  # logprob entries name tokens "token_id:N"
     prompt_logprobs: StrictInt | None = None  # per prompt position: the prompt's token and the top N
     # structured output (router/structured_output.py): OpenAI's, then vLLM's
     response_format: dict[str, Any] | None = None
@@ -58,6 +60,10 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 PromptType = Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
@@ -114,12 +120,27 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatTemplateOptions(BaseModel):
+    """How the chat becomes a prompt (vLLM's fields), shared by /v1/chat/completions and /tokenize."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # the last message stays open: the model continues it
+    chat_template: str | None = None  # replaces the checkpoint's template
+    chat_template_kwargs: dict[str, Any] | None = None  # reach the template, e.g. {"enable_thinking": false}
+
+    def template_options(self) -> dict[str, Any]:
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, "chat_template": self.chat_template,
+                "template_kwargs": self.chat_template_kwargs}
+
+
+class ChatCompletionRequest(ChatTemplateOptions, _SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    add_generation_prompt: StrictBool = True
 
     def resolved_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

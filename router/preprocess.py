@@ -27,6 +27,8 @@ class PreparedRequest:
     include_usage: bool
     want_logprobs: bool
     prompt: PromptRendering = field(default_factory=PromptRendering)
+    continuous_usage: bool = False  # stream: usage so far in every chunk (vLLM's continuous_usage_stats)
+    tokens_as_ids: bool = False  # logprob entries name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
 
 
 def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: SamplingConfig) -> list[PreparedRequest]:
@@ -60,7 +62,8 @@ def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: Sa
             discard_output=body.max_tokens == 0,
         )
         prepared.append(PreparedRequest(prompt_ids, params, body.stream, body.include_usage,
-                                        body.logprobs is not None, rendering))
+                                        body.logprobs is not None, rendering, body.continuous_usage,
+                                        body.return_tokens_as_token_ids))
     return prepared
 
 
@@ -92,7 +95,7 @@ def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: Samp
     for message in messages:
         _check_text(message["content"], "messages")
     try:
-        prompt_ids = apply_chat_template(model.tokenizer, messages, add_generation_prompt=body.add_generation_prompt)
+        prompt_ids = apply_chat_template(model.tokenizer, messages, **body.template_options())
     except TokenizerError as exc:
         raise bad_request(str(exc), param="messages") from None
     except Exception as exc:  # a template may raise anything (jinja2 errors, raise_exception() calls)
@@ -103,7 +106,8 @@ def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: Samp
     params = _sampling_params(body, model, defaults, len(prompt_ids), max_tokens, logprobs, "messages")
     params.prompt_logprobs = body.prompt_logprobs
     rendering = PromptRendering(token_ids=prompt_ids, num_top_prompt_logprobs=body.prompt_logprobs)
-    return [PreparedRequest(prompt_ids, params, body.stream, body.include_usage, body.logprobs, rendering)]
+    return [PreparedRequest(prompt_ids, params, body.stream, body.include_usage, body.logprobs, rendering,
+                            body.continuous_usage, body.return_tokens_as_token_ids)]
 
 
 def _check_model(requested: str, model: ServedModel) -> None:

@@ -87,7 +87,7 @@ async def serve(state: RouterState, http_request: Request, prompts: list[Prepare
               for prompt_index, (handle, prepared) in enumerate(zip(handles, prompts))]
     if first.stream:
         return StreamingResponse(
-            _stream(state, groups, shape, first.include_usage),
+            _stream(state, groups, shape, first.include_usage, first.continuous_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -113,7 +113,8 @@ class _Group:
     def of(cls, state: RouterState, handle: RequestHandle, prepared: PreparedRequest, prompt_index: int) -> "_Group":
         n = prepared.params.n
         choices = [_Choice(prompt_index * n + j, OutputBuilder(state.model, prepared.params,
-                                                                len(prepared.prompt_token_ids), prepared.prompt))
+                                                                len(prepared.prompt_token_ids), prepared.prompt,
+                                                                prepared.tokens_as_ids))
                    for j in range(prepared.params.num_sequences)]
         return cls(handle, choices, n)
 
@@ -226,7 +227,7 @@ async def _pieces(state: RouterState, group: _Group, out: asyncio.Queue) -> None
 
 
 async def _stream(state: RouterState, groups: list[_Group], shape: ResponseShape,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+                  include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.ensure_future(_pieces(state, group, queue)) for group in groups]
     try:
@@ -245,7 +246,10 @@ async def _stream(state: RouterState, groups: list[_Group], shape: ResponseShape
                 failed = True
                 break
             elif item.text or item.logprobs or item.finish_reason is not None:
-                yield _sse(shape.chunk(item, index=index))
+                chunk = shape.chunk(item, index=index)
+                if continuous_usage:
+                    chunk["usage"] = total_usage([g.usage() for g in groups])
+                yield _sse(chunk)
         if not failed and include_usage:
             yield _sse(shape.usage_chunk(total_usage([g.usage() for g in groups])))
         yield b"data: [DONE]\n\n"

@@ -58,8 +58,9 @@ class Piece:
 
 class OutputBuilder:
     def __init__(self, model, params: SamplingParams, num_prompt_tokens: int,
-                 prompt: PromptRendering | None = None) -> None:
+                 prompt: PromptRendering | None = None, tokens_as_ids: bool = False) -> None:
         self._model = model
+        self._tokens_as_ids = tokens_as_ids
         self._params = params
         self._prompt = prompt or PromptRendering()
         self._echo_pending = self._prompt.echo_text is not None
@@ -146,11 +147,11 @@ class OutputBuilder:
         if prompt.num_top_echo is not None and scored is not None and len(scored) == len(prompt.token_ids) - 1:
             offset = 0
             for position, token_id in enumerate(prompt.token_ids):
-                text = self._model.token_text(token_id)
+                text = self._token_label(token_id)
                 if position == 0:
                     entries.append(LogprobEntry(text, None, None, offset))
                 else:
-                    top = [(self._model.token_text(lp.token_id), _clean(lp.logprob))
+                    top = [(self._token_label(lp.token_id), _clean(lp.logprob))
                            for lp in scored.top[position - 1][:prompt.num_top_echo]]
                     entries.append(LogprobEntry(text, _clean(scored.logprobs[position - 1]), top, offset))
                 offset += len(text)
@@ -196,8 +197,12 @@ class OutputBuilder:
 
     def _entry(self, logprobs: list[TokenLogprob], token_id: int, offset: int) -> LogprobEntry:
         sampled = logprobs[0] if logprobs else TokenLogprob(token_id, float("nan"))
-        top = [(self._model.token_text(lp.token_id), _clean(lp.logprob)) for lp in logprobs[1:]]
-        return LogprobEntry(self._model.token_text(token_id), _clean(sampled.logprob), top, offset)
+        top = [(self._token_label(lp.token_id), _clean(lp.logprob)) for lp in logprobs[1:]]
+        return LogprobEntry(self._token_label(token_id), _clean(sampled.logprob), top, offset)
+
+    def _token_label(self, token_id: int) -> str:
+        """How a logprob entry names its token: its text, or vLLM's "token_id:N" (``return_tokens_as_token_ids``)."""
+        return f"token_id:{token_id}" if self._tokens_as_ids else self._model.token_text(token_id)
 
     def usage(self) -> dict[str, Any]:
         usage: dict[str, Any] = {

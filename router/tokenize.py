@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 from pipeline.tokenizer import TokenizerError, apply_chat_template
 from router.errors import APIError, bad_request
-from router.openai_schema import ChatMessage
+from router.openai_schema import ChatMessage, ChatTemplateOptions
 from router.served_model import ServedModel
 
 
@@ -30,9 +30,10 @@ class TokenizeCompletion(_Body):
     return_token_strs: StrictBool = False
 
 
-class TokenizeChat(_Body):
+class TokenizeChat(ChatTemplateOptions, _Body):
+    model_config = ConfigDict(extra="forbid")
+
     messages: list[ChatMessage]
-    add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False
     return_token_strs: StrictBool = False
 
@@ -55,7 +56,7 @@ def install_tokenizer_routes(app: FastAPI, model: ServedModel, dependencies: lis
         if isinstance(body, TokenizeChat):
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             try:
-                ids = apply_chat_template(tokenizer, messages, add_generation_prompt=body.add_generation_prompt)
+                ids = apply_chat_template(tokenizer, messages, **body.template_options())
             except TokenizerError as exc:
                 raise bad_request(str(exc), param="messages") from None
             except Exception as exc:  # a template may raise anything

@@ -293,3 +293,21 @@ def test_served_model_names_and_aliases(served_model, tiny_checkpoint):
             client.completions.create(model="tiny", prompt="Hi", max_tokens=3)
     finally:
         router.stop()
+
+
+def test_vllm_stream_and_logprob_extras(router, client, served_model):
+    ids = served_model.tokenizer.encode("Hello there")
+    router.add_worker(script=tokens_script(ids, logprobs=True))
+    stream = client.completions.create(model="tiny", prompt="Hi", max_tokens=10, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = [c for c in stream if c.choices]
+    assert chunks and all(c.usage is not None for c in chunks)
+    assert [c.usage.completion_tokens for c in chunks] == sorted(c.usage.completion_tokens for c in chunks)
+    assert chunks[-1].usage.completion_tokens == len(ids)
+    plain = client.completions.create(model="tiny", prompt="Hi", max_tokens=10, stream=True,
+                                      stream_options={"include_usage": True})
+    assert all(c.usage is None for c in plain if c.choices)
+    as_ids = client.completions.create(model="tiny", prompt="Hi", max_tokens=10, logprobs=1,
+                                       extra_body={"return_tokens_as_token_ids": True})
+    assert as_ids.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert as_ids.choices[0].text == "Hello there"

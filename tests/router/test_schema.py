@@ -174,3 +174,24 @@ def test_a_lone_surrogate_is_a_400(served_model):
     assert api_error(completion, served_model, prompt=["fine", "a\udfffb"]).param == "prompt"
     assert api_error(chat, served_model, messages=[{"role": "user", "content": "a\ud800b"}]).param == "messages"
     assert api_error(completion, served_model, stop=["a\ud800"]).param == "stop"
+
+
+def test_chat_template_options_render_as_transformers_does(served_model):
+    tokenizer = served_model.tokenizer
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello th"}]
+
+    def want(**kwargs):
+        out = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    got = chat(served_model, messages=messages, chat_template=template, chat_template_kwargs={"enable_thinking": False})
+    assert got.prompt_token_ids == want(chat_template=template, enable_thinking=False, add_generation_prompt=True)
+    assert got.prompt_token_ids != chat(served_model, messages=messages, chat_template=template).prompt_token_ids
+    continued = chat(served_model, messages=messages, add_generation_prompt=False, continue_final_message=True)
+    assert continued.prompt_token_ids == want(add_generation_prompt=False, continue_final_message=True)
+    assert tokenizer.decode(continued.prompt_token_ids).rstrip().endswith("Hello th")
+    error = api_error(chat, served_model, messages=messages, continue_final_message=True)
+    assert error.param == "messages" and "add_generation_prompt" in error.message
