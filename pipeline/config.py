@@ -100,6 +100,10 @@ class SamplingConfig(_Section):
     max_tokens: int = Field(256, ge=1, description="default output length of the offline API")
     structured_output_backend: Literal["llguidance", "xgrammar"] = Field(
         "llguidance", description="grammar backend of structured output requests that name none")
+    generation_config: Literal["auto", "ignore"] = Field(
+        "auto", description="auto: the checkpoint's generation_config.json sampling defaults (temperature, top_p, "
+        "top_k, min_p, repetition_penalty, max_new_tokens) fill what a request leaves unset, below values set in "
+        "this section; ignore: only this section (its EOS ids end generation either way)")
 
 
 class TransferConfig(_Section):

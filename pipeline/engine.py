@@ -18,6 +18,7 @@ from kernels import load_kernels
 from pipeline.builtin_model import BUILTIN_NOTICE, builtin_model_path
 from pipeline.config import PipelineConfig
 from pipeline.execution_stream import ExecutionStream
+from pipeline.generation_config import generation_eos_ids, read_generation_config
 from pipeline.kv_pool import build_kv_pool
 from pipeline.model_runner import TORCH_DTYPES, ModelRunner
 from pipeline.output_processor import OutputProcessor
@@ -76,7 +77,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_path)
         self.vocab_size = self.hf_config.vocab_size
         self.max_length = min(config.max_length or 10**9, self.hf_config.max_position_embeddings)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.hf_config)
+        self.generation_config = read_generation_config(model_path)
+        # EOS ids listed only in generation_config.json end generation too, as in transformers' generate
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.hf_config) | generation_eos_ids(self.generation_config)
 
         self.draft = self._load_draft() if config.is_speculative else None
         num_lookahead = config.speculative.num_speculative_tokens

@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence as SequenceType
 
 from pipeline.config import PipelineConfig
 from pipeline.engine import LLMEngine
+from pipeline.generation_config import resolved_defaults
 from pipeline.protocol import CompletionOutput, SamplingParams
 from pipeline.tokenizer import encode_prompt
 
@@ -54,12 +55,7 @@ class LLM:
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams(
-                max_tokens=self.config.sampling.max_tokens,
-                temperature=self.config.sampling.temperature,
-                top_p=self.config.sampling.top_p,
-                top_k=self.config.sampling.top_k,
-            )
+            sampling_params = SamplingParams(**resolved_defaults(self.config.sampling, self.engine.generation_config))
         params_list = (
             [sampling_params] * len(prompt_list)
             if isinstance(sampling_params, SamplingParams)

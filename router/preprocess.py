@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.config import SamplingConfig
+from pipeline.generation_config import resolved_defaults
 from pipeline.protocol.requests import SamplingParams
 from pipeline.tokenizer import TokenizerError, apply_chat_template, encode_prompt
 from router.errors import APIError, bad_request, from_value_error
@@ -159,18 +160,24 @@ def _sampling_params(
     structured = structured_output_from(body)
     if structured is not None:
         check_structured_output(structured, model, defaults.structured_output_backend)
+    unset = resolved_defaults(defaults, model.generation_config)  # operator's, else the checkpoint's
     explicit = max_tokens is not None
     if not explicit:
-        max_tokens = defaults.max_tokens if room is None else min(defaults.max_tokens, room)
+        max_tokens = unset["max_tokens"] if room is None else min(unset["max_tokens"], room)
+
+    def given_or_default(name: str):
+        value = getattr(body, name)
+        return unset[name] if value is None else value
+
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
             n=body.n,
             best_of=getattr(body, "best_of", None),
-            temperature=defaults.temperature if body.temperature is None else body.temperature,
-            top_p=defaults.top_p if body.top_p is None else body.top_p,
-            top_k=defaults.top_k if body.top_k is None else body.top_k,
-            min_p=0.0 if body.min_p is None else body.min_p,
+            temperature=given_or_default("temperature"),
+            top_p=given_or_default("top_p"),
+            top_k=given_or_default("top_k"),
+            min_p=given_or_default("min_p"),
             seed=body.seed,
             stop=body.stop_list(),
             stop_token_ids=stop_token_ids,
@@ -180,7 +187,7 @@ def _sampling_params(
             logprobs=logprobs,
             frequency_penalty=body.frequency_penalty,
             presence_penalty=body.presence_penalty,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=given_or_default("repetition_penalty"),
             logit_bias=logit_bias,
             skip_special_tokens=body.skip_special_tokens,
             structured_output=structured,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.generation_config import read_generation_config
 from pipeline.protocol.cluster import served_model_name
 from pipeline.tokenizer import load_tokenizer
 
@@ -42,6 +43,7 @@ class ServedModel:
     max_length: int | None  # prompt + output tokens; None: only the workers' limits apply
     root: str | None = None  # the checkpoint directory (vLLM's "root" in /v1/models: where clients find the tokenizer)
     aliases: tuple[str, ...] = ()  # further names clients may ask for (model.served_model_name)
+    generation_config: dict[str, Any] = field(default_factory=dict)  # the checkpoint's generation_config.json
     checkpoint_name: str = ""  # what workers register with: the checkpoint folder's name (default: ``name``)
 
     def __post_init__(self) -> None:
@@ -91,7 +93,8 @@ def load_served_model(
     if max_length is None:
         max_length = hf_config.get("max_position_embeddings") or text_config.get("max_position_embeddings")
     return ServedModel(names[0], tokenizer, vocab_size, int(max_length) if max_length else None,
-                       root=str(path.resolve()), aliases=tuple(names[1:]), checkpoint_name=checkpoint_name)
+                       root=str(path.resolve()), aliases=tuple(names[1:]), checkpoint_name=checkpoint_name,
+                       generation_config=read_generation_config(path))
 
 
 def _builtin_path() -> Path:

@@ -184,3 +184,32 @@ def test_cli_bad_input_is_one_clear_line(args, message, tiny_checkpoint):
     result = run_cli(*base, *args)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_eos_ids_and_defaults_from_generation_config(tmp_path, tiny_checkpoint, hf_reference):
+    """An EOS id listed only in generation_config.json ends generation, as in transformers' generate; its
+    sampling defaults fill a call that passes no SamplingParams."""
+    import json
+    import shutil
+
+    import torch
+
+    model, _ = hf_reference(tiny_checkpoint("llama"))
+    prompt = [5, 17, 33, 60, 9]
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                                pad_token_id=0)[0, len(prompt):].tolist()
+    stop_at = next(t for i, t in enumerate(greedy) if i >= 4 and t not in greedy[:i])  # first seen past 4 tokens
+    path = tmp_path / "with-generation-config"
+    shutil.copytree(tiny_checkpoint("llama"), path)
+    config = json.loads((path / "generation_config.json").read_text())
+    config.update(eos_token_id=[config["eos_token_id"], stop_at], temperature=0.0, max_new_tokens=16)
+    (path / "generation_config.json").write_text(json.dumps(config))
+    llm = LLM(model=str(path), kv_cache={"page_size": 4, "num_blocks": 64})
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    assert out.token_ids == greedy[:greedy.index(stop_at) + 1] and out.finish_reason == "stop"
+    defaulted = llm.generate([prompt])[0]  # temperature 0 and max_new_tokens from the file
+    assert defaulted.token_ids == out.token_ids
+    ignored = LLM(model=str(path), kv_cache={"page_size": 4, "num_blocks": 64},
+                  sampling={"generation_config": "ignore", "temperature": 0.0, "max_tokens": 3})
+    assert ignored.generate([prompt])[0].token_ids == greedy[:3]  # its EOS still applies; its defaults do not

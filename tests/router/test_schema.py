@@ -195,3 +195,24 @@ def test_chat_template_options_render_as_transformers_does(served_model):
     assert tokenizer.decode(continued.prompt_token_ids).rstrip().endswith("Hello th")
     error = api_error(chat, served_model, messages=messages, continue_final_message=True)
     assert error.param == "messages" and "add_generation_prompt" in error.message
+
+
+def test_the_checkpoints_generation_config_fills_unset_fields(served_model):
+    import dataclasses
+
+    recommended = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+                   "max_new_tokens": 12, "do_sample": True, "eos_token_id": [2, 7]}
+    model = dataclasses.replace(served_model, generation_config=recommended)
+
+    def params(defaults=DEFAULTS, **body):
+        request = CompletionRequest.model_validate({"model": "tiny", "prompt": "Hello", **body})
+        [prepared] = prepare_completion(request, model, defaults)
+        return prepared.params
+
+    p = params(SamplingConfig())
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (0.6, 0.95, 20, 0.05,
+                                                                                              1.1, 12)
+    assert params(temperature=0.0, top_k=-1).temperature == 0.0 and params(top_k=-1).top_k == -1  # the request wins
+    assert params().max_tokens == 20  # DEFAULTS sets max_tokens: the operator's choice beats the checkpoint's
+    ignored = params(SamplingConfig(generation_config="ignore"))
+    assert (ignored.temperature, ignored.top_k, ignored.max_tokens) == (1.0, -1, 60)  # 256, capped by the room left
