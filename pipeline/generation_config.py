@@ -44,12 +44,16 @@ def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
             if isinstance(generation_config.get(key), (int, float)) and not isinstance(generation_config[key], bool)}
 
 
-def resolved_defaults(sampling_config, generation_config: dict[str, Any]) -> dict[str, Any]:
+def resolved_defaults(sampling_config, generation_config: dict[str, Any], *, serving: bool = False) -> dict[str, Any]:
     """What a request that leaves a parameter unset gets: a value the operator set in the ``sampling``
-    section, else the checkpoint's (unless ``generation_config`` is "ignore"), else the section's default."""
+    section, else the checkpoint's (unless ``generation_config`` is "ignore"), else the section's default.
+    ``serving``: the API's default output length is the rest of the context (``max_tokens`` None), as
+    in vLLM and OpenAI, unless the operator or the checkpoint set one."""
     values = {"temperature": sampling_config.temperature, "top_p": sampling_config.top_p,
               "top_k": sampling_config.top_k, "min_p": 0.0, "repetition_penalty": 1.0,
               "max_tokens": sampling_config.max_tokens}
+    if serving and "max_tokens" not in sampling_config.model_fields_set:
+        values["max_tokens"] = None
     if sampling_config.generation_config == "auto":
         for field, value in sampling_defaults(generation_config).items():
             if field not in sampling_config.model_fields_set:

@@ -160,10 +160,10 @@ def _sampling_params(
     structured = structured_output_from(body)
     if structured is not None:
         check_structured_output(structured, model, defaults.structured_output_backend)
-    unset = resolved_defaults(defaults, model.generation_config)  # operator's, else the checkpoint's
+    unset = resolved_defaults(defaults, model.generation_config, serving=True)  # operator's, else the checkpoint's
     explicit = max_tokens is not None
-    if not explicit:
-        max_tokens = unset["max_tokens"] if room is None else min(unset["max_tokens"], room)
+    if not explicit:  # None: the rest of the context
+        max_tokens = unset["max_tokens"] if room is None else min(unset["max_tokens"] or room, room)
 
     def given_or_default(name: str):
         value = getattr(body, name)

@@ -86,6 +86,10 @@ def test_defaults_come_from_the_config_and_fit_the_context(served_model):
     assert (p.max_tokens, p.temperature, p.top_p) == (20, 1.0, 1.0)
     long_prompt = [5] * 60  # max_length is 64: only 4 tokens of room
     assert completion(served_model, prompt=long_prompt).params.max_tokens == 4
+    # max_tokens left out and not set by the operator: the rest of the context, as vLLM and OpenAI do
+    request = CompletionRequest.model_validate({"model": "tiny", "prompt": [5] * 10})
+    [unbounded] = prepare_completion(request, served_model, SamplingConfig())
+    assert unbounded.params.max_tokens == 64 - 10
 
 
 def test_chat_fields(served_model):
@@ -215,4 +219,4 @@ def test_the_checkpoints_generation_config_fills_unset_fields(served_model):
     assert params(temperature=0.0, top_k=-1).temperature == 0.0 and params(top_k=-1).top_k == -1  # the request wins
     assert params().max_tokens == 20  # DEFAULTS sets max_tokens: the operator's choice beats the checkpoint's
     ignored = params(SamplingConfig(generation_config="ignore"))
-    assert (ignored.temperature, ignored.top_k, ignored.max_tokens) == (1.0, -1, 60)  # 256, capped by the room left
+    assert (ignored.temperature, ignored.top_k, ignored.max_tokens) == (1.0, -1, 60)  # the rest of the context
