@@ -128,8 +128,13 @@ def install_error_handlers(app: FastAPI, on_rejected: Callable[[], None] | None 
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _format_validation_errors(exc)
+        content_type = request.headers.get("content-type", "")
+        if request.method == "POST" and "json" not in content_type.lower():  # e.g. curl -d without -H
+            message = (f"the request body must be JSON sent with 'Content-Type: application/json' "
+                       f"(got {content_type or 'no Content-Type'!r})")
+            param = None
         if on_rejected is not None:
             on_rejected()
         return APIError(400, message, param=param).response()

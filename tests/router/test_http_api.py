@@ -311,3 +311,11 @@ def test_vllm_stream_and_logprob_extras(router, client, served_model):
                                        extra_body={"return_tokens_as_token_ids": True})
     assert as_ids.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]
     assert as_ids.choices[0].text == "Hello there"
+
+
+def test_a_body_without_a_json_content_type_is_told_so(router):
+    body = '{"model": "tiny", "prompt": "Hi", "max_tokens": 3}'
+    response = httpx.post(f"{router.url}/v1/completions", content=body,
+                          headers={"content-type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 400
+    assert "Content-Type: application/json" in response.json()["error"]["message"]
