@@ -111,7 +111,7 @@ def _plot(report: dict, path: Path) -> None:
 
     runs = report["runs"]
     n = report["workload"]["n"]
-    labels = [f"n={n}, one request", f"{n} requests"]
+    labels = [f"one request per prompt, n={n}", f"{n} requests per prompt"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.2))
     left.bar(labels, [statistics.median(r["n_request_s"] for r in runs), statistics.median(r["separate_s"] for r in runs)])
     left.set_ylabel("wall time, s (median)")
