@@ -17,14 +17,14 @@ import torch
 from kernels import load_kernels
 from pipeline.builtin_model import BUILTIN_NOTICE, builtin_model_path
 from pipeline.config import PipelineConfig
+from pipeline.choices import RequestChoices
 from pipeline.execution_stream import ExecutionStream
 from pipeline.generation_config import generation_eos_ids, read_generation_config
 from pipeline.kv_pool import build_kv_pool
 from pipeline.model_runner import TORCH_DTYPES, ModelRunner
 from pipeline.output_processor import OutputProcessor
 from pipeline.overlap import InFlightStep, needs_host_tokens
-from pipeline.prompt_logprobs import as_dicts
-from pipeline.protocol import CompletionOutput, FinishReason, PromptLogprobs, SamplingParams
+from pipeline.protocol import FinishReason, PromptLogprobs, SamplingParams
 from pipeline.protocol.requests import sibling_params
 from pipeline.protocol.cluster import WorkerLoad
 from pipeline.request_validation import RequestError, resolve_bad_words, validate_request
@@ -109,8 +109,7 @@ class LLMEngine:
             self.speculator = SpeculativeDecoder(self.runner, self.draft, self.draft_kv_cache, num_lookahead)
         self._grammars = None  # pipeline/structured_output BackendSet, built on the first structured request
         self._sequences: dict[str, Sequence] = {}  # by sequence id: the request id, "<request id>/<i>" for choice i > 0
-        self._families: dict[str, list[Sequence]] = {}  # request id -> its choices, index order
-        self._pending_forks: dict[str, list[Sequence]] = {}  # choices waiting for choice 0's prompt KV
+        self._choices = RequestChoices()  # n > 1: each request's choices, forked from choice 0
         self._held: dict[str, Sequence] = {}  # finished prefill-only requests whose blocks are not shipped yet
         self.last_plan = None  # the plan of the step whose outputs the last step() returned
         # Overlap pipeline (pipeline/overlap.py): steps run on the execution stream, read one step late.
@@ -161,9 +160,7 @@ class LLMEngine:
         for member in (seq, *siblings):
             self._sequences[member.request_id] = member
             self.output_processor.add(member)
-        self._families[request_id] = [seq, *siblings]
-        if siblings:
-            self._pending_forks[request_id] = siblings
+        self._choices.add(request_id, [seq, *siblings])
 
     def _new_sequence(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool,
                       family_id: str | None = None, index: int = 0) -> Sequence:
@@ -190,7 +187,7 @@ class LLMEngine:
 
     def get_choices(self, request_id: str) -> list[Sequence]:
         """Every choice of a request (n > 1: index order), finished or not, while the request is known."""
-        return list(self._families.get(request_id, []))
+        return self._choices.members(request_id)
 
     def _grammar_matcher(self, params: SamplingParams):
         """A matcher for the request's constraint (compiled once per distinct constraint); a bad one is a RequestError."""
@@ -207,49 +204,35 @@ class LLMEngine:
     def abort_request(self, request_id: str, keep_blocks: bool = False) -> bool:
         """End a request (every choice of it) wherever it is (queued, reserved, running or held) and free
         its blocks (``keep_blocks``: hold them until ``release_blocks``, e.g. while a transfer still reads them)."""
-        family = self._families.pop(request_id, None)
-        for sibling in self._pending_forks.pop(request_id, []):  # never scheduled: nothing to free
-            self._sequences.pop(sibling.request_id, None)
-            self.output_processor.drop(sibling.request_id)
+        members, unforked = self._choices.pop(request_id)
+        for member in unforked:  # never scheduled: nothing to free
+            self._forget_unforked(member)
         found = self._abort_one(request_id, keep_blocks)
-        for member in (family or [])[1:]:
+        for member in members[1:]:
             found = self._abort_one(member.request_id, False) or found
         return found
 
     def abort_choice(self, request_id: str, index: int) -> bool:
-        """End one choice of an n > 1 request (the router stopped it on a stop string); the others go on."""
-        family = self._families.get(request_id)
-        if not family or not 0 <= index < len(family):
+        """End one choice of an n > 1 request (the router stopped it on a stop string); the others go on.
+        A stop string matches only after a token, so choice 0 has started the others by then."""
+        members = self._choices.members(request_id)
+        if not 0 <= index < len(members):
             return False
-        if index == 0 and len(family) == 1:
+        if len(members) == 1:
             return self.abort_request(request_id)
-        member = family[index]
-        pending = self._pending_forks.get(request_id, [])
-        if member in pending:
-            pending.remove(member)
-            self._sequences.pop(member.request_id, None)
-            self.output_processor.drop(member.request_id)
-            member.status = SequenceStatus.FINISHED
-            self._leave_family(member)
-            return True
-        if index == 0 and request_id in self._pending_forks:
-            # choice 0 carries the prompt the others wait for: it keeps running, its tokens are dropped
+        member = members[index]
+        if self._choices.is_unforked(member):
+            self._choices.drop_unforked(member)
+            self._forget_unforked(member)
+        elif not self._abort_one(member.request_id, False):
             return False
-        if not self._abort_one(member.request_id, False):
-            return False
-        member.status = SequenceStatus.FINISHED
-        self._leave_family(member)
+        self._choices.leave(member)
         return True
 
-    def _leave_family(self, seq: Sequence) -> bool:
-        """``seq`` ended: True when it was the last of its request's choices to end."""
-        family = self._families.get(seq.family_id)
-        if family is None:
-            return True
-        if all(m is seq or m.is_finished for m in family):
-            del self._families[seq.family_id]
-            return True
-        return False
+    def _forget_unforked(self, member: Sequence) -> None:
+        self._sequences.pop(member.request_id, None)
+        self.output_processor.drop(member.request_id)
+        member.status = SequenceStatus.FINISHED
 
     def _abort_one(self, request_id: str, keep_blocks: bool) -> bool:
         if request_id in self._held:
@@ -435,8 +418,7 @@ class LLMEngine:
 
     def _emit(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,
               num_tokens: int | None = None) -> StepOutput:
-        siblings = self._pending_forks.pop(seq.request_id, None)
-        for sibling in siblings or ():  # choice 0's prompt KV is written (or arrived): the others start
+        for sibling in self._choices.take_unforked(seq):  # choice 0's prompt KV is written (or arrived): the others start
             self.scheduler.fork(seq, sibling)
         out = StepOutput(seq.family_id, [token_id], num_prompt_tokens=seq.num_prompt_tokens,
                          num_cached_tokens=seq.num_cached_tokens, num_top_logprobs=seq.params.logprobs or 0,
@@ -462,7 +444,7 @@ class LLMEngine:
         if stop is not None:
             out.finish_reason, out.stop_reason = stop
             self._finish(seq, *stop)
-            out.request_finished = self._leave_family(seq)
+            out.request_finished = self._choices.leave(seq)
         return out
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
@@ -473,19 +455,3 @@ class LLMEngine:
             self._held[seq.request_id] = seq
         self.output_processor.finalize_text(seq)
         del self._sequences[seq.request_id]
-
-    @staticmethod
-    def completion_output(seq: Sequence) -> CompletionOutput:
-        return CompletionOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=seq.text,
-            finish_reason=seq.finish_reason,
-            logprobs=seq.logprobs,
-            stop_reason=seq.stop_reason,
-            prompt_logprobs=None if seq.prompt_logprobs is None else as_dicts(seq.prompt_logprobs, seq.prompt_token_ids),
-            index=seq.index,
-            cumulative_logprob=None if seq.logprobs is None else sum(
-                entry.get(token, float("-inf")) for entry, token in zip(seq.logprobs, seq.output_token_ids)),
-        )

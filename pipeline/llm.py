@@ -8,6 +8,8 @@ from typing import Any, Callable, Sequence as SequenceType
 from pipeline.config import PipelineConfig
 from pipeline.engine import LLMEngine
 from pipeline.generation_config import resolved_defaults
+from pipeline.prompt_logprobs import as_dicts
+from pipeline.sequence import Sequence
 from pipeline.protocol import CompletionOutput, SamplingParams
 from pipeline.tokenizer import encode_prompt
 
@@ -85,8 +87,25 @@ class LLM:
         return [_output(choices[r]) for r in request_ids]
 
 
-def _output(choices) -> CompletionOutput:
-    outputs = [LLMEngine.completion_output(seq) for seq in choices]
+def completion_output(seq: Sequence) -> CompletionOutput:
+    """One choice's result, offline (vLLM's shapes)."""
+    return CompletionOutput(
+        request_id=seq.request_id,
+        prompt_token_ids=seq.prompt_token_ids,
+        token_ids=seq.output_token_ids,
+        text=seq.text,
+        finish_reason=seq.finish_reason,
+        logprobs=seq.logprobs,
+        stop_reason=seq.stop_reason,
+        prompt_logprobs=None if seq.prompt_logprobs is None else as_dicts(seq.prompt_logprobs, seq.prompt_token_ids),
+        index=seq.index,
+        cumulative_logprob=None if seq.logprobs is None else sum(
+            entry.get(token, float("-inf")) for entry, token in zip(seq.logprobs, seq.output_token_ids)),
+    )
+
+
+def _output(choices: list[Sequence]) -> CompletionOutput:
+    outputs = [completion_output(seq) for seq in choices]
     params = choices[0].params
     if params.best_of is not None:  # the n most likely candidates, most likely first
         outputs = sorted(outputs, key=lambda o: -o.cumulative_logprob)[:params.n]

@@ -83,11 +83,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], block_table: Callable[[str], list[int]]) -> SamplerOutput | None:
         """Run one step over ``chunks``; returns one sample per chunk that reached its last token."""
-        gathered = self.gather(chunks, block_table)
-        batch = self.to_batch(gathered, chunks)
+        batch = self.prepare(chunks, block_table)
         sampling, plan = self._sampling_plan(chunks)  # grammar masks start filling beside the forward
         hidden = self.model(batch, self.kv_cache, self.kernels)  # [num_tokens, hidden]
-        prompt_logprobs.score(self.model, hidden, prompt_logprobs.spans(chunks, gathered.cu_seqlens))
+        prompt_logprobs.score(self.model, hidden, prompt_logprobs.spans(chunks, batch.cu_seqlens_q))
         if batch.logits_indices.numel() == 0:
             return None
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab] fp32

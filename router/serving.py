@@ -191,14 +191,15 @@ async def _next_piece(state: RouterState, group: _Group) -> tuple[_Choice, Piece
         if isinstance(item, RequestFailed):
             state.metrics.requests_total.labels("error").inc()
             raise _failure_error(item)
-        unfinished = [c for c in group.choices if not c.builder.is_finished]
         if not 0 <= item.index < len(group.choices):
             continue
         choice = group.choices[item.index]
         if choice.builder.is_finished:
-            if item.finish_reason != FinishCode.ERROR or not unfinished:
-                continue  # tokens of a choice the router already stopped
-            choice = unfinished[0]  # a whole-request error: the first open choice reports it
+            # a whole-request error is reported by the first open choice; anything else is a stopped choice's
+            choice = next((c for c in group.choices if not c.builder.is_finished), None) \
+                if item.finish_reason == FinishCode.ERROR else None
+            if choice is None:
+                continue
         if item.prompt_logprobs is not None:
             group.prompt_logprobs = item.prompt_logprobs
         elif group.prompt_logprobs is not None and item.token_ids:
