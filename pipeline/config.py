@@ -133,6 +133,13 @@ class RouterConfig(_Section):
         "*", description="browser origins allowed to call the API (CORS), comma-separated; \"*\" = any (vLLM's "
         "default), empty = no CORS headers")
     cors_allow_credentials: bool = Field(False, description="CORS: let browsers send cookies and auth headers")
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral"] = Field(
+        "auto", description="how tool calls are read from the model's text (docs/openai-api.md): hermes (Qwen, "
+        "Hermes <tool_call>), llama3_json, mistral ([TOOL_CALLS]); auto = inferred from the chat template; none = "
+        "requests with tools get a 400 unless tool_choice is none")
+    reasoning_parser: Literal["think", "qwen3", "deepseek_r1"] | None = Field(
+        None, description="thinking models: <think>...</think> goes to reasoning_content, and constraints apply "
+        "after it; None = the thinking stays in the content")
 
 
 class PipelineConfig(_Section):

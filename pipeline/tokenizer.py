@@ -38,18 +38,19 @@ def eos_token_ids(tokenizer, hf_config: Any | None = None) -> set[int]:
 
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
                         continue_final_message: bool = False, chat_template: str | None = None,
-                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                        template_kwargs: dict[str, Any] | None = None,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The chat's token ids, as transformers' ``apply_chat_template`` makes them with the same options:
     ``continue_final_message`` leaves the last (assistant) message open for the model to continue,
     ``chat_template`` replaces the checkpoint's, ``template_kwargs`` reach the template (e.g. Qwen3's
-    ``enable_thinking``)."""
+    ``enable_thinking``), ``tools`` (OpenAI's function definitions) are rendered where the template says."""
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise TokenizerError("this model's tokenizer has no chat template; use /v1/completions with a raw prompt")
     if continue_final_message and add_generation_prompt:
         raise TokenizerError("continue_final_message and add_generation_prompt cannot both be true")
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                         continue_final_message=continue_final_message, chat_template=chat_template,
-                                        **(template_kwargs or {}))
+                                        tools=tools, **(template_kwargs or {}))
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)

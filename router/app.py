@@ -1,6 +1,7 @@
 """The router's HTTP app (OpenAI-compatible) and its entry point ``run_router``.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, and vLLM's POST /tokenize,
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (``router.responses_api``),
+GET /v1/models, and vLLM's POST /tokenize,
 POST /detokenize, GET /tokenizer_info (``router.tokenize``) (these take an optional
 ``Authorization: Bearer <api_key>``), GET /health (the process is up), GET /ready (per
 worker: alive, pid, how long its current step has run, draining; 200 only when live workers can serve a request: any PrefillAndDecode or DecodeOnly worker, the latter prefilling
@@ -34,6 +35,7 @@ from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
 from router.preprocess import prepare_chat, prepare_completion
 from router.registry import WorkerRegistry
+from router.responses_api import install_responses_route
 from router.served_model import ServedModel, keep_torch_out, load_served_model
 from router.serving import RouterState, serve
 from router.tokenize import install_tokenizer_routes
@@ -115,10 +117,12 @@ def create_app(
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prepared = _prepared_or_count(state, lambda: prepare_chat(body, model, config.sampling))
+        prepared = _prepared_or_count(state, lambda: prepare_chat(body, model, config.sampling, config.router))
         return await serve(state, request, prepared, "chat")
 
     install_tokenizer_routes(app, model, v1)
+    install_responses_route(app, state, v1, lambda chat: _prepared_or_count(
+        state, lambda: prepare_chat(chat, model, config.sampling, config.router)))
 
     @app.get("/v1/models", dependencies=v1)
     async def models() -> dict[str, Any]:

@@ -80,6 +80,14 @@ def from_value_error(exc: ValueError) -> APIError:
     return APIError(400, message, param=param)
 
 
+_UNSUPPORTED_HINTS = {  # fields OpenAI clients send that this server does not support: what to do instead
+    "functions": "the deprecated function-calling field is not supported; send tools",
+    "function_call": "the deprecated function-calling field is not supported; send tool_choice",
+    "reasoning_effort": "not supported; a thinking model's template options go in chat_template_kwargs "
+                        "(e.g. {\"enable_thinking\": false})",
+    "suffix": "not supported",
+}
+
 _UNION_HINTS = {
     "prompt": "must be a string, a list of token ids, or a list holding one string or one list of token ids",
     "stop": "must be a string or a list of strings",
@@ -105,6 +113,9 @@ def _format_validation_errors(exc: RequestValidationError) -> tuple[str, str | N
                          else err.get("msg", "invalid request"))
             continue
         msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":  # accepted means honoured: an unknown field is refused by name
+            parts.append(f"{param}: {_UNSUPPORTED_HINTS.get(param.split('.')[-1], 'is not supported by this server')}")
+            continue
         if len(errs) > 1:  # one error per union member: say what is accepted instead
             msg = _UNION_HINTS.get(param.split(".")[-1], "has an invalid type")
         text = f"{param}: {msg}"

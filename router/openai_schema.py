@@ -1,5 +1,6 @@
 """Pydantic bodies of POST /v1/completions and /v1/chat/completions (types only; values are checked
-when they become SamplingParams). Unknown fields are ignored, as the OpenAI API does."""
+when they become SamplingParams). A field this server does not know is a 400 that names it: every
+accepted field is honoured, and nothing a client asks for is dropped silently."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Body):
@@ -32,7 +33,7 @@ class _SamplingFields(_Body):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # the caller's end user, for the operator's logs; OpenAI's abuse-monitoring id
     # vLLM extras
     top_k: StrictInt | None = None
     min_p: float | None = None
@@ -107,10 +108,26 @@ class TextContentPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallItem(_Body):
+    """A call an earlier assistant turn made (``message.tool_calls[i]`` of a response, sent back)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: which call this result answers
+    reasoning_content: str | None = None  # assistant: its thinking, for templates that render it
 
     def text(self) -> str:
         if self.content is None:
@@ -120,10 +137,34 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: StrictBool | None = None  # the arguments must follow ``parameters`` (a grammar enforces it)
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
 class ChatTemplateOptions(BaseModel):
     """How the chat becomes a prompt (vLLM's fields), shared by /v1/chat/completions and /tokenize."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # the last message stays open: the model continues it
@@ -137,10 +178,18 @@ class ChatTemplateOptions(BaseModel):
 
 
 class ChatCompletionRequest(ChatTemplateOptions, _SamplingFields):
+    model_config = ConfigDict(extra="forbid")
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: StrictBool = True  # False: at most one call per answer
+    include_reasoning: StrictBool = True  # vLLM: False drops reasoning_content (the thinking is still generated)
+    store: Literal[False] | None = None  # nothing is stored: only false is honoured
+    modalities: list[Literal["text"]] | None = None
 
     def resolved_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -7,15 +7,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config import SamplingConfig
+from pipeline.config import RouterConfig, SamplingConfig
 from pipeline.generation_config import resolved_defaults
+from pipeline.protocol import StructuredOutput
 from pipeline.protocol.requests import SamplingParams
 from pipeline.tokenizer import TokenizerError, apply_chat_template, encode_prompt
+from router.chat_messages import check_text, template_messages, template_tools
+from router.chat_output import ChatOutputFormat
+from router.constraint_grammar import combined_constraint
 from router.errors import APIError, bad_request, from_value_error
 from router.openai_schema import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from router.reasoning import get_reasoning_parser
 from router.served_model import ServedModel
 from router.streaming import PromptRendering
 from router.structured_output import check_structured_output, structured_output_from
+from router.tool_calling import plan_tools
 
 
 @dataclass
@@ -30,6 +36,7 @@ class PreparedRequest:
     prompt: PromptRendering = field(default_factory=PromptRendering)
     continuous_usage: bool = False  # stream: usage so far in every chunk (vLLM's continuous_usage_stats)
     tokens_as_ids: bool = False  # logprob entries name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
+    chat_output: ChatOutputFormat | None = None  # chat: how the text becomes reasoning, content and tool calls
 
 
 def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: SamplingConfig) -> list[PreparedRequest]:
@@ -43,14 +50,15 @@ def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: Sa
     prepared = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
-            _check_text(prompt, "prompt")
+            check_text(prompt, "prompt")
             prompt_ids = encode_prompt(model.tokenizer, prompt)
         else:
             prompt_ids = list(prompt)
         _check_prompt_ids(prompt_ids, model, "prompt")
         # max_tokens 0 with echo: the worker runs the prompt and samples one token, which is not shown
         max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
-        params = _sampling_params(body, model, defaults, len(prompt_ids), max_tokens, body.logprobs, "prompt")
+        params = _sampling_params(body, model, defaults, len(prompt_ids), max_tokens, body.logprobs, "prompt",
+                                  structured_output_from(body))
         echo_logprobs = body.logprobs if body.echo else None
         asked = [n for n in (echo_logprobs, body.prompt_logprobs) if n is not None]
         if asked:
@@ -68,15 +76,6 @@ def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: Sa
     return prepared
 
 
-def _check_text(text: str, param: str) -> None:
-    """JSON may carry lone UTF-16 surrogates ("\\ud800"), which no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise bad_request(f"{param}: not valid Unicode text (a lone surrogate at position {exc.start})",
-                          param=param) from None
-
-
 def _check_prompt_logprobs(body: _SamplingFields) -> None:
     if body.prompt_logprobs is None:
         return
@@ -87,28 +86,50 @@ def _check_prompt_logprobs(body: _SamplingFields) -> None:
                           "the prompt's logprobs)", param="prompt_logprobs")
 
 
-def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: SamplingConfig) -> list[PreparedRequest]:
+def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: SamplingConfig,
+                 settings: RouterConfig | None = None) -> list[PreparedRequest]:
+    """``settings``: the router's tool-call and reasoning parsers (default: inferred tool format, no reasoning)."""
+    settings = settings or RouterConfig()
     _check_model(body.model, model)
     _check_prompt_logprobs(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: requires logprobs=true", param="top_logprobs")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    for message in messages:
-        _check_text(message["content"], "messages")
+    tools = plan_tools(body, settings.tool_call_parser, body.chat_template or getattr(model.tokenizer, "chat_template",
+                                                                                      None))
+    prompt_ids = render_chat(model, body, template_tools(body.tools))
+    _check_prompt_ids(prompt_ids, model, "messages")
+    reasoning = get_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser else None
+    inside = False
+    if reasoning is not None:
+        prompt_text = model.tokenizer.decode(prompt_ids)
+        if prompt_text.rstrip().endswith(reasoning.end):  # the template closed the thinking (enable_thinking false)
+            reasoning = None
+        else:
+            inside = reasoning.starts_inside(prompt_text)
+    output = ChatOutputFormat(tools.parser, reasoning, inside, body.include_reasoning, tools.is_named)
+    constraint = combined_constraint(structured_output_from(body), tools.call_grammar(model.tokenizer),
+                                     reasoning.grammar_prefix(inside) if reasoning is not None else None)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.resolved_max_tokens()
+    params = _sampling_params(body, model, defaults, len(prompt_ids), max_tokens, logprobs, "messages", constraint)
+    params.prompt_logprobs = body.prompt_logprobs
+    if tools.parser is not None and tools.parser.needs_special_tokens:
+        params.skip_special_tokens = False  # its markers are special tokens: the parser must see them
+    rendering = PromptRendering(token_ids=prompt_ids, num_top_prompt_logprobs=body.prompt_logprobs)
+    return [PreparedRequest(prompt_ids, params, body.stream, body.include_usage, body.logprobs, rendering,
+                            body.continuous_usage, body.return_tokens_as_token_ids,
+                            None if output.is_plain else output)]
+
+
+def render_chat(model: ServedModel, body, tools: list[dict] | None) -> list[int]:
+    """The chat's prompt ids through the checkpoint's (or the request's) template; 400 when it refuses."""
+    messages = template_messages(body.messages)
     try:
-        prompt_ids = apply_chat_template(model.tokenizer, messages, **body.template_options())
+        return apply_chat_template(model.tokenizer, messages, **body.template_options(), tools=tools)
     except TokenizerError as exc:
         raise bad_request(str(exc), param="messages") from None
     except Exception as exc:  # a template may raise anything (jinja2 errors, raise_exception() calls)
         raise bad_request(f"messages: the chat template rejected them: {exc}", param="messages") from None
-    _check_prompt_ids(prompt_ids, model, "messages")
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    max_tokens = body.resolved_max_tokens()
-    params = _sampling_params(body, model, defaults, len(prompt_ids), max_tokens, logprobs, "messages")
-    params.prompt_logprobs = body.prompt_logprobs
-    rendering = PromptRendering(token_ids=prompt_ids, num_top_prompt_logprobs=body.prompt_logprobs)
-    return [PreparedRequest(prompt_ids, params, body.stream, body.include_usage, body.logprobs, rendering,
-                            body.continuous_usage, body.return_tokens_as_token_ids)]
 
 
 def _check_model(requested: str, model: ServedModel) -> None:
@@ -135,6 +156,7 @@ def _sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_param: str,
+    structured: StructuredOutput | None,
 ) -> SamplingParams:
     logit_bias: dict[int, float] = {}
     for key, value in (body.logit_bias or {}).items():
@@ -146,7 +168,7 @@ def _sampling_params(
             raise bad_request(f"logit_bias: token id {token_id} is outside the vocabulary", param="logit_bias")
         logit_bias[token_id] = value
     for stop in body.stop_list():
-        _check_text(stop, "stop")
+        check_text(stop, "stop")
     stop_token_ids = list(body.stop_token_ids or [])
     if any(t >= model.vocab_size for t in stop_token_ids):
         raise bad_request("stop_token_ids: ids must be inside the vocabulary", param="stop_token_ids")
@@ -157,7 +179,6 @@ def _sampling_params(
             f"{num_prompt_tokens} tokens; reduce the {prompt_param} to at most {model.max_length - 1} tokens.",
             param=prompt_param, code="context_length_exceeded",
         )
-    structured = structured_output_from(body)
     if structured is not None:
         check_structured_output(structured, model, defaults.structured_output_backend)
     unset = resolved_defaults(defaults, model.generation_config, serving=True)  # operator's, else the checkpoint's

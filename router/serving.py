@@ -14,6 +14,7 @@ interleave as the prompts produce them); any prompt's failure fails the whole re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ from pipeline.config import SamplingConfig
 from pipeline.protocol.cluster import FinishCode
 from pipeline.protocol.requests import PromptLogprobs
 from router.admission import Overloaded
+from router.chat_output import ChatOutputFormat, ChatOutputStream
 from router.dispatcher import Dispatcher
 from router.request_handle import RequestFailed, RequestHandle
 from router.errors import APIError, overloaded
@@ -72,32 +74,83 @@ def _timeout_error(state: RouterState) -> APIError:
     return APIError(504, f"the request did not finish within {state.request_timeout_s:g} s", code="timeout")
 
 
-async def serve(state: RouterState, http_request: Request, prompts: list[PreparedRequest], kind: str) -> Response:
-    """One response for one or more prompts (a completions request may carry a list), each with n
-    choices: each prompt is one request to the workers (its n choices decoded there side by side from
-    one prefill), admitted before the response starts; choice ``index`` is prompt i x n + choice j."""
+@dataclass
+class Admitted:
+    """A request every worker slot of which is granted: its groups (one per prompt) and response shape."""
+
+    groups: list["_Group"]
+    shape: ResponseShape
+    include_usage: bool
+    continuous_usage: bool
+
+
+async def admit(state: RouterState, http_request: Request, prompts: list[PreparedRequest], kind: str,
+                request_id: str | None = None) -> Admitted | None:
+    """Submit every prompt of a response and wait until all are admitted (None: the client left
+    meanwhile); 429 / 503 before any response starts. ``index`` of a choice is prompt i x n + choice j."""
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
-    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    request_id = request_id or f"{prefix}-{uuid.uuid4().hex}"
     handles = await _admit_all(state, http_request, request_id, prompts)
     if handles is None:
-        return Response(status_code=499)  # the client left while waiting; nobody reads this
+        return None
     first = prompts[0]
     shape = ResponseShape(kind, request_id, state.model.name, first.want_logprobs)
     groups = [_Group.of(state, handle, prepared, prompt_index)
               for prompt_index, (handle, prepared) in enumerate(zip(handles, prompts))]
-    if first.stream:
-        return StreamingResponse(
-            _stream(state, groups, shape, first.include_usage, first.continuous_usage),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    return await _collect_unless_disconnected(state, http_request, groups, shape)
+    return Admitted(groups, shape, first.include_usage, first.continuous_usage)
+
+
+async def serve(state: RouterState, http_request: Request, prompts: list[PreparedRequest], kind: str) -> Response:
+    """One response for one or more prompts (a completions request may carry a list), each with n
+    choices: each prompt is one request to the workers (its n choices decoded there side by side from
+    one prefill), admitted before the response starts."""
+    admitted = await admit(state, http_request, prompts, kind)
+    if admitted is None:
+        return Response(status_code=499)  # the client left while waiting; nobody reads this
+    if prompts[0].stream:
+        return event_stream(_sse_stream(chunks(state, admitted)))
+    body = await collect(state, http_request, admitted)
+    return Response(status_code=499) if body is None else JSONResponse(body)
+
+
+def event_stream(body: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _sse_stream(items: AsyncIterator[dict | APIError]) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(items):  # a client that leaves closes this, which must close the chunks too
+        async for item in items:
+            yield _error_event(item) if isinstance(item, APIError) else _sse(item)
+    yield b"data: [DONE]\n\n"
 
 
 @dataclass
 class _Choice:
     index: int  # in the response (best_of: renumbered once the best are known)
     builder: OutputBuilder
+    output: ChatOutputFormat | None = None  # chat: reasoning and tool calls read out of the text
+    stream: ChatOutputStream | None = None
+
+    def delta_fields(self, piece: Piece) -> dict | None:
+        """A streamed chat piece's delta fields (None: plain content), its finish reason set as the API shows it."""
+        if self.output is None:
+            return None
+        self.stream = self.stream or self.output.streaming()
+        fields = self.stream.feed(piece.text, final=piece.finish_reason is not None)
+        piece.finish_reason = self.output.finish_reason(piece.finish_reason, self.stream.made_calls)
+        return fields
+
+    def result(self, pieces: list[Piece]) -> ChoiceResult:
+        text = "".join(p.text for p in pieces)
+        stop_reason = next((p.stop_reason for p in pieces if p.finish_reason is not None), None)
+        prompt_logprobs = next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None)
+        finish_reason, message = self.builder.finish_reason, None
+        if self.output is not None:
+            message = self.output.message(text)
+            finish_reason = self.output.finish_reason(finish_reason, bool(message.get("tool_calls")))
+        return ChoiceResult(self.index, text, [e for p in pieces for e in p.logprobs], finish_reason, stop_reason,
+                            prompt_logprobs, message)
 
 
 @dataclass
@@ -114,7 +167,7 @@ class _Group:
         n = prepared.params.n
         choices = [_Choice(prompt_index * n + j, OutputBuilder(state.model, prepared.params,
                                                                 len(prepared.prompt_token_ids), prepared.prompt,
-                                                                prepared.tokens_as_ids))
+                                                                prepared.tokens_as_ids), prepared.chat_output)
                    for j in range(prepared.params.num_sequences)]
         return cls(handle, choices, n)
 
@@ -221,39 +274,43 @@ async def _pieces(state: RouterState, group: _Group, out: asyncio.Queue) -> None
     try:
         while not group.is_finished:
             choice, piece = await _next_piece(state, group)
-            await out.put((choice.index, piece))
+            await out.put((choice, piece))
         await out.put((None, None))
     except APIError as error:
         await out.put((None, error))
 
 
-async def _stream(state: RouterState, groups: list[_Group], shape: ResponseShape,
-                  include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
+async def chunks(state: RouterState, admitted: Admitted) -> AsyncIterator[dict | APIError]:
+    """The response's chunks as they come (choices interleaved), then the usage chunk when asked for;
+    a failure is yielded as the APIError that ends it. Closing it cancels what still runs."""
+    groups, shape = admitted.groups, admitted.shape
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.ensure_future(_pieces(state, group, queue)) for group in groups]
     try:
         if shape.kind == "chat":
             for group in groups:
                 for choice in group.choices:
-                    yield _sse(shape.chunk(Piece(), first=True, index=choice.index))
+                    yield shape.chunk(Piece(), first=True, index=choice.index)
         remaining = len(groups)
         failed = False
         while remaining:
-            index, item = await queue.get()
+            choice, item = await queue.get()
             if item is None:
                 remaining -= 1
             elif isinstance(item, APIError):
-                yield _error_event(item)  # one failed prompt fails the response: the others are cancelled
+                yield item  # one failed prompt fails the response: the others are cancelled
                 failed = True
                 break
             elif item.text or item.logprobs or item.finish_reason is not None:
-                chunk = shape.chunk(item, index=index)
-                if continuous_usage:
+                fields = choice.delta_fields(item)
+                if fields == {} and not item.logprobs and item.finish_reason is None:
+                    continue  # held back by a parser: it may be a marker
+                chunk = shape.chunk(item, index=choice.index, fields=fields)
+                if admitted.continuous_usage:
                     chunk["usage"] = total_usage([g.usage() for g in groups])
-                yield _sse(chunk)
-        if not failed and include_usage:
-            yield _sse(shape.usage_chunk(total_usage([g.usage() for g in groups])))
-        yield b"data: [DONE]\n\n"
+                yield chunk
+        if not failed and admitted.include_usage:
+            yield shape.usage_chunk(total_usage([g.usage() for g in groups]))
     finally:  # also runs when the client disconnects (the generator is closed at a yield or await)
         for task in tasks:
             task.cancel()
@@ -265,15 +322,7 @@ async def _collect_group(state: RouterState, group: _Group) -> list[ChoiceResult
     while not group.is_finished:
         choice, piece = await _next_piece(state, group)
         parts[id(choice)].append(piece)
-    results = []
-    for choice in group.choices:
-        pieces = parts[id(choice)]
-        stop_reason = next((p.stop_reason for p in pieces if p.finish_reason is not None), None)
-        prompt_logprobs = next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None)
-        results.append(ChoiceResult(choice.index, "".join(p.text for p in pieces),
-                                    [e for p in pieces for e in p.logprobs], choice.builder.finish_reason,
-                                    stop_reason, prompt_logprobs))
-    return group.best(results)
+    return group.best([choice.result(parts[id(choice)]) for choice in group.choices])
 
 
 async def _collect(state: RouterState, groups: list[_Group], shape: ResponseShape) -> dict:
@@ -312,13 +361,11 @@ async def _unless_disconnected(http_request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def _collect_unless_disconnected(
-    state: RouterState, http_request: Request, groups: list[_Group], shape: ResponseShape
-) -> Response:
+async def collect(state: RouterState, http_request: Request, admitted: Admitted) -> dict | None:
+    """The whole response body (None: the client left first); errors raise APIError."""
     try:
-        body = await _unless_disconnected(http_request, _collect(state, groups, shape))
+        return await _unless_disconnected(http_request, _collect(state, admitted.groups, admitted.shape))
     except _ClientGone:
-        return Response(status_code=499)  # nobody reads this
+        return None
     finally:
-        _cancel_all(state, [g.handle for g in groups], "cancelled")
-    return JSONResponse(body)
+        _cancel_all(state, [g.handle for g in admitted.groups], "cancelled")

@@ -260,6 +260,7 @@ class ChoiceResult:
     finish_reason: str | None
     stop_reason: str | int | None
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+    message: dict[str, Any] | None = None  # chat: content, reasoning_content, tool_calls (None: the text is the content)
 
 
 @dataclass
@@ -276,7 +277,9 @@ class ResponseShape:
     def _object(self) -> str:
         return "text_completion" if self.kind == "completion" else "chat.completion.chunk"
 
-    def chunk(self, piece: Piece, first: bool = False, index: int = 0) -> dict[str, Any]:
+    def chunk(self, piece: Piece, first: bool = False, index: int = 0,
+              fields: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One streamed chunk; ``fields``: a chat delta's fields when a parser made them (None: the text is content)."""
         if self.kind == "completion":
             choice: dict[str, Any] = {"index": index, "text": piece.text, "logprobs": None,
                                       "finish_reason": piece.finish_reason}
@@ -284,7 +287,9 @@ class ResponseShape:
                 choice["logprobs"] = completion_logprobs(piece.logprobs)
         else:
             delta: dict[str, Any] = {"role": "assistant", "content": piece.text} if first else {}
-            if piece.text and not first:
+            if fields is not None and not first:
+                delta.update(fields)
+            elif piece.text and not first:
                 delta["content"] = piece.text
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": piece.finish_reason}
             if self.want_logprobs and piece.logprobs:
@@ -308,8 +313,8 @@ class ResponseShape:
                 if result.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = result.prompt_logprobs  # vLLM: per choice on completions
             else:
-                choice = {"index": result.index, "message": {"role": "assistant", "content": result.text},
-                          "logprobs": None}
+                message = result.message if result.message is not None else {"content": result.text}
+                choice = {"index": result.index, "message": {"role": "assistant", **message}, "logprobs": None}
                 if self.want_logprobs:
                     choice["logprobs"] = chat_logprobs(result.entries)
             choice["finish_reason"] = result.finish_reason

@@ -12,9 +12,10 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
-from pipeline.tokenizer import TokenizerError, apply_chat_template
+from router.chat_messages import template_tools
 from router.errors import APIError, bad_request
-from router.openai_schema import ChatMessage, ChatTemplateOptions
+from router.openai_schema import ChatMessage, ChatTemplateOptions, ChatTool
+from router.preprocess import render_chat
 from router.served_model import ServedModel
 
 
@@ -34,6 +35,7 @@ class TokenizeChat(ChatTemplateOptions, _Body):
     model_config = ConfigDict(extra="forbid")
 
     messages: list[ChatMessage]
+    tools: list[ChatTool] | None = None
     add_special_tokens: StrictBool = False
     return_token_strs: StrictBool = False
 
@@ -54,13 +56,7 @@ def install_tokenizer_routes(app: FastAPI, model: ServedModel, dependencies: lis
     async def tokenize(body: TokenizeCompletion | TokenizeChat) -> dict[str, Any]:
         check_model(body.model)
         if isinstance(body, TokenizeChat):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            try:
-                ids = apply_chat_template(tokenizer, messages, **body.template_options())
-            except TokenizerError as exc:
-                raise bad_request(str(exc), param="messages") from None
-            except Exception as exc:  # a template may raise anything
-                raise bad_request(f"messages: the chat template rejected them: {exc}", param="messages") from None
+            ids = render_chat(model, body, template_tools(body.tools))
         else:
             ids = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
         return {"count": len(ids), "max_model_len": model.max_length, "tokens": ids,

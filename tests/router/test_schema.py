@@ -74,8 +74,7 @@ def test_echo_and_prompt_logprobs(served_model):
 def test_sampling_fields_map_to_sampling_params(served_model):
     p = completion(served_model, max_tokens=5, temperature=0.0, top_p=0.5, top_k=3, min_p=0.1, seed=7, stop="\n",
                    logprobs=2, frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.2,
-                   logit_bias={"5": 10}, min_tokens=2, ignore_eos=True, stop_token_ids=[9], user="u",
-                   some_future_field={"x": 1}).params
+                   logit_bias={"5": 10}, min_tokens=2, ignore_eos=True, stop_token_ids=[9], user="u").params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (5, 0.0, 0.5, 3, 0.1, 7)
     assert p.stop == ["\n"] and p.logprobs == 2 and p.logit_bias == {5: 10.0} and p.stop_token_ids == [9]
     assert (p.min_tokens, p.ignore_eos, p.repetition_penalty) == (2, True, 1.2)

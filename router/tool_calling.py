@@ -1,0 +1,73 @@
+"""What a chat request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` mean for its answer.
+
+* ``tool_choice`` ``none``: the tools are rendered (the template decides how), no call is read out of
+  the answer;
+* ``auto`` (the default with tools): the model decides; calls it writes in its format are read out of
+  the text by the tool-call parser (``router.tool_parsers``) into ``tool_calls``;
+* ``required`` or a named function: the answer **is** one call (or several, when parallel calls are
+  allowed and the choice is ``required``), enforced by a grammar of the parser's format whose JSON
+  follows the tools' ``parameters`` schemas, so the call always parses and its arguments validate.
+
+The parser comes from ``router.tool_call_parser``: a format's name, or ``auto`` (inferred from the
+chat template, which names its own markers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.errors import bad_request
+from router.openai_schema import ChatCompletionRequest, NamedToolChoice
+from router.tool_parsers import ToolParser, get_tool_parser, infer_tool_parser
+
+
+@dataclass
+class ToolPlan:
+    tools: list[dict[str, Any]] = field(default_factory=list)  # {"name", "parameters"} of each offered tool
+    parser: ToolParser | None = None  # reads calls out of the answer; None: nobody looks for calls
+    forced: str | None = None  # "required", the named function, or None (the model decides)
+    parallel: bool = True
+
+    @property
+    def is_named(self) -> bool:
+        return self.forced is not None and self.forced != "required"
+
+    def call_grammar(self, tokenizer) -> str | None:
+        """The Lark rules (entry rule ``tool_calls``) the answer must follow; None unless a call is forced."""
+        if self.forced is None or self.parser is None:
+            return None
+        tools = [t for t in self.tools if t["name"] == self.forced] if self.is_named else self.tools
+        return self.parser.call_grammar(tools, self.parallel and not self.is_named, tokenizer)
+
+
+def plan_tools(body: ChatCompletionRequest, parser_setting: str, chat_template: str | None) -> ToolPlan:
+    """The request's tool plan, or a 400 that says what is wrong with its tool fields."""
+    tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in body.tools or ()]
+    choice = body.tool_choice
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice: a required or named tool call needs tools", param="tool_choice")
+        return ToolPlan()
+    names = [t["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: two tools have the same name", param="tools")
+    choice = choice or "auto"
+    if choice == "none":
+        return ToolPlan(tools=tools, parallel=body.parallel_tool_calls)
+    forced = choice.function.name if isinstance(choice, NamedToolChoice) else (None if choice == "auto" else "required")
+    if forced not in (None, "required") and forced not in names:
+        raise bad_request(f"tool_choice: no tool named {forced!r} (tools: {', '.join(names)})", param="tool_choice")
+    strict = [t.function.name for t in body.tools if t.function.strict]
+    if strict and forced is None:
+        raise bad_request(f"tools: strict ({', '.join(strict)}) is enforced when tool_choice is required or names "
+                          "the function; with auto the arguments are not constrained", param="tools")
+    parser_name = infer_tool_parser(chat_template) if parser_setting == "auto" else parser_setting
+    if parser_name in (None, "none"):
+        how = ("its chat template names no tool-call format Tandem knows" if parser_setting == "auto"
+               else "the router runs with tool_call_parser none")
+        raise bad_request(f"tools: this server cannot read tool calls for this model ({how}); start the router "
+                          "with --router-tool-call-parser hermes|llama3_json|mistral, or send tool_choice none",
+                          param="tools")
+    return ToolPlan(tools=tools, parser=get_tool_parser(parser_name), forced=forced,
+                    parallel=body.parallel_tool_calls)

@@ -1,0 +1,74 @@
+"""A request's constraint placed after the thinking (router.constraint_grammar): each kind compiles with
+llguidance and holds the answer, not the thinking, and what cannot be composed is a 400."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.protocol import StructuredOutput
+from pipeline.structured_output.backend import LLGuidanceBackend
+from router.constraint_grammar import combined_constraint
+from router.errors import APIError
+from router.reasoning import get_reasoning_parser
+from tests.tool_checkpoint import MARKERS
+
+pytest.importorskip("llguidance")
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from pipeline.builtin_model import build_tokenizer
+
+    tokenizer = build_tokenizer(vocab_size=400)
+    tokenizer.add_tokens(MARKERS)  # <think> and </think> are text, as in Qwen3
+    backend = LLGuidanceBackend(tokenizer, len(tokenizer))
+    backend.tokenizer = tokenizer
+    return backend
+
+
+def accepts(backend, spec: StructuredOutput, text: str) -> bool:
+    matcher = backend.matcher(spec)
+    ids = backend.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return all(matcher.accept(t) for t in ids) and matcher.accept(backend.tokenizer.eos_token_id)
+
+
+SPECS = {
+    "json": (StructuredOutput(kind="json", value=json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                                              "required": ["a"]})), '{"a":1}', '{"b":1}'),
+    "json_object": (StructuredOutput(kind="json_object"), '{"x":true}', "[1]"),
+    "regex": (StructuredOutput(kind="regex", value="(yes|no)/[0-9]"), "no/7", "maybe"),
+    "choice": (StructuredOutput(kind="choice", choices=["red", 'say "hi"']), 'say "hi"', "blue"),
+}
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+@pytest.mark.parametrize("inside", [True, False])
+def test_the_constraint_holds_after_the_thinking(backend, kind, inside):
+    spec, good, bad = SPECS[kind]
+    reasoning = get_reasoning_parser("think")
+    composed = combined_constraint(spec, None, reasoning.grammar_prefix(inside))
+    assert composed.kind == "grammar" and composed.backend == "llguidance"
+    thinking = ("" if inside else "<think>") + "free {text} here, not json</think>\n\n"
+    assert accepts(backend, composed, thinking + good)
+    assert not accepts(backend, composed, thinking + bad)
+    assert not accepts(backend, composed, thinking + good + "</think>")
+    if not inside:  # thinking is optional when the prompt did not open it
+        assert accepts(backend, composed, good)
+
+
+def test_without_reasoning_the_constraint_is_unchanged(backend):
+    spec = SPECS["regex"][0]
+    assert combined_constraint(spec, None, None) is spec
+    assert combined_constraint(None, None, get_reasoning_parser("think").grammar_prefix(True)) is None
+
+
+def test_what_cannot_be_composed_is_a_400():
+    grammar = StructuredOutput(kind="grammar", value='start: "a"')
+    with pytest.raises(APIError) as info:
+        combined_constraint(grammar, None, get_reasoning_parser("think").grammar_prefix(False))
+    assert info.value.status_code == 400 and "reasoning" in info.value.message
+    with pytest.raises(APIError) as info:
+        combined_constraint(SPECS["json"][0], "tool_calls: \"x\"", None)
+    assert info.value.param == "tool_choice"

@@ -1,0 +1,113 @@
+"""Accepted means honoured: every field a request schema accepts is in docs/openai-api.md's tables (so a
+new field cannot slip in undocumented), and every field it does not accept is a 400 naming it, over
+real HTTP, before any worker is involved."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from router.openai_schema import ChatCompletionRequest, CompletionRequest
+from router.responses_schema import ResponsesRequest
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "openai-api.md"
+SCHEMAS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+           "/v1/responses": ResponsesRequest}
+MESSAGES = [{"role": "user", "content": "hi"}]
+BASE = {"/v1/chat/completions": {"model": "tiny", "messages": MESSAGES},
+        "/v1/completions": {"model": "tiny", "prompt": "hi"},
+        "/v1/responses": {"model": "tiny", "input": "hi"}}
+
+# Fields OpenAI's API defines that this server does not support, per endpoint, and what a client may send.
+REFUSED = {
+    "/v1/chat/completions": {"functions": [{"name": "f"}], "function_call": "auto", "reasoning_effort": "low",
+                             "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content"},
+                             "web_search_options": {}, "service_tier": "flex", "metadata": {"a": "b"},
+                             "verbosity": "low", "some_future_field": 1},
+    "/v1/completions": {"some_future_field": 1, "metadata": {"a": "b"}},
+    "/v1/responses": {"reasoning": {"effort": "low"}, "background": True, "conversation": "conv_1",
+                      "prompt": {"id": "pmpt_1"}, "service_tier": "flex", "max_tool_calls": 3},
+}
+REFUSED_VALUES = {
+    "/v1/chat/completions": {"store": True, "modalities": ["text", "audio"],
+                             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+    "/v1/completions": {"suffix": "tail"},
+    "/v1/responses": {"store": True, "previous_response_id": "resp_1", "include": ["message.output_text.logprobs"],
+                      "truncation": "auto"},
+}
+
+
+def documented_fields(endpoint: str) -> set[str]:
+    text = DOC.read_text()
+    section = text.split(f"### {endpoint}\n", 1)[1].split("\n#", 1)[0]
+    return set(re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.MULTILINE))
+
+
+@pytest.mark.parametrize("endpoint", list(SCHEMAS))
+def test_every_accepted_field_is_documented(endpoint):
+    schema = SCHEMAS[endpoint]
+    accepted = {field.alias or name for name, field in schema.model_fields.items()}
+    assert accepted == documented_fields(endpoint)
+    assert schema.model_config.get("extra") == "forbid"
+
+
+@pytest.mark.parametrize("endpoint, field", [(e, f) for e, fields in REFUSED.items() for f in fields])
+def test_an_unsupported_field_is_a_400_naming_it(router, endpoint, field):
+    body = dict(BASE[endpoint], **{field: REFUSED[endpoint][field]})
+    response = httpx.post(f"{router.url}{endpoint}", json=body, timeout=10)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and field in error["message"] and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("endpoint, field", [(e, f) for e, fields in REFUSED_VALUES.items() for f in fields])
+def test_an_unsupported_value_is_a_400(router, endpoint, field):
+    body = dict(BASE[endpoint], **{field: REFUSED_VALUES[endpoint][field]})
+    response = httpx.post(f"{router.url}{endpoint}", json=body, timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].split(".")[0] == field
+
+
+def test_a_field_names_its_nested_place(router):
+    body = dict(BASE["/v1/chat/completions"], messages=[{"role": "user", "content": "hi", "audio": {"id": "a"}}])
+    error = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=10).json()["error"]
+    assert error["param"] == "messages.0.audio" and "not supported" in error["message"]
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+BAD_BODIES = [
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "21 C"}]}),  # no tool_call_id
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_calls": [CALL]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [dict(CALL, function={"name": "f"})]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
+        dict(CALL, function={"name": "f", "arguments": "{\"a\": \"\ud800\"}"})]}]}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "code_interpreter"}]}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL, TOOL], "tool_choice": "required"}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL], "tool_choice": "sometimes"}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL]}),  # this template names no tool format
+    ("/v1/chat/completions", {"messages": MESSAGES, "parallel_tool_calls": "yes"}),
+    ("/v1/responses", {"input": [{"type": "function_call_output", "output": "x"}]}),
+    ("/v1/responses", {"input": [{"type": "computer_call", "id": "c"}]}),
+    ("/v1/responses", {"input": []}),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}),
+    ("/v1/responses", {"input": "hi", "tool_choice": {"type": "function", "name": "nope"}}),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
+]
+
+
+@pytest.mark.parametrize("endpoint, body", BAD_BODIES)
+def test_bad_tool_and_item_shapes_are_400s_that_reach_no_worker(router, endpoint, body):
+    worker = router.add_worker()
+    raw = json.dumps({"model": "tiny", **body}).encode()  # ASCII escapes: a lone surrogate travels as JSON sends it
+    response = httpx.post(f"{router.url}{endpoint}", content=raw, headers={"content-type": "application/json"},
+                          timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] and worker.requests == []
