@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench bench-serve bench-peer
+.PHONY: run test bench bench-serve bench-peer bench-kv-routing
 
 $(STAMP): pyproject.toml setup.py kv_transfer/_copysum.c $(wildcard kernels/native/*.c kernels/native/*.h)
 	python3 -m venv $(VENV)
@@ -43,3 +43,7 @@ bench-serve: $(STAMP)
 bench-peer: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.peer_compare --out bench/results/peer_compare.json
+
+bench-kv-routing: $(STAMP)
+	$(PY) -m bench.kv_routing_bench --model-size medium --system-len 512 --user-len 128 --output-len 32 \
+		--sessions 16 --turns 4 --session-rate 2 --think-time 0.5 --random-prompts 32 --out bench/results/kv_routing.json

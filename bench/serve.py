@@ -147,6 +147,29 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     return run_from_args(args)
 
 
+def run_sessions_from_args(args: argparse.Namespace, base_url: str, model: str, tokenizer) -> dict:
+    """``--dataset multi-turn``: the conversations of ``bench/serve_sessions.py``, with the server's side."""
+    from bench.serve_sessions import SessionSpec, build_sessions, run_sessions, summarize_turns
+
+    spec = SessionSpec(num_sessions=args.multi_turn_sessions, num_turns=args.multi_turn_turns,
+                       system_len=args.multi_turn_system_len, user_len=args.multi_turn_user_len,
+                       output_len=args.multi_turn_output_len, session_rate=args.multi_turn_session_rate,
+                       think_time_s=args.multi_turn_think_time, seed=args.seed)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    before = tandem_scrape.wait_until_idle(base_url, headers)
+    sessions = build_sessions(spec, len(tokenizer), set(tokenizer.all_special_ids))
+    outcomes, duration = asyncio.run(run_sessions(base_url, model, spec, sessions, args.api_key))
+    report = {"benchmark": "serve_multi_turn", "label": args.label, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "base_url": base_url, "model": model, "workload": asdict(spec), **summarize_turns(outcomes, duration)}
+    after = tandem_scrape.wait_until_idle(base_url, headers)
+    if before is not None and after is not None:
+        report["tandem"] = tandem_scrape.run_report(before, after, len(outcomes))
+    for turn, stats in report["per_turn"].items():
+        print(f"turn {turn}: {stats['count']} done, median TTFT {stats['median_ttft_ms']:.1f} ms, "
+              f"{stats['cached_fraction']:.0%} of the prompt already held")
+    return report
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     rates = parse_rates(args.request_rate)
     slos = parse_goodput(args.goodput)
@@ -157,6 +180,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise ValueError(f"{base_url}/v1/models lists no model: pass --model")
     model = args.model or cards[0]["id"]
     tokenizer_path, tokenizer = load_tokenizer(args.tokenizer, model, cards)
+    if args.dataset == "multi-turn":
+        report = run_sessions_from_args(args, base_url, model, tokenizer)
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2))
+            print(f"wrote {args.out}")
+        return 0
     client = ClientSettings(base_url=base_url, endpoint=args.endpoint, model=model, api_key=args.api_key,
                             ignore_eos=args.ignore_eos, max_concurrency=args.max_concurrency)
     report = benchmark(client, workload_spec(args), rates, tokenizer=tokenizer, burstiness=args.burstiness,

@@ -1,7 +1,8 @@
 """What the benchmark reads from a Tandem router's ``/metrics`` before and after a run.
 
 Request outcomes (to check the client's counts against the server's), KV bytes and transfer time
-per request (received by DecodeOnly workers, sent by PrefillOnly workers), speculative decoding's
+per request (received by DecodeOnly workers, sent by PrefillOnly workers), the prefix hit rates of
+KV-aware routing (prompt tokens the chosen workers already held), speculative decoding's
 acceptance over the run (when workers speculate), and the leak check: once
 the run is over and the workers have reported in, no KV block may still be held
 (``tandem_kv_blocks_used`` summed over live workers back to 0). Any other server has no
@@ -33,6 +34,9 @@ class TandemSnapshot:
     spec_draft_tokens: float = 0.0
     spec_accepted_tokens: float = 0.0
     spec_accepted_per_position: dict[int, float] = field(default_factory=dict)
+    # KV-aware routing: prompt tokens routed, and those the chosen worker already held, per side
+    routed_prompt_tokens: dict[str, float] = field(default_factory=dict)
+    routed_cached_tokens: dict[str, float] = field(default_factory=dict)
 
     @property
     def is_idle(self) -> bool:
@@ -69,6 +73,10 @@ def scrape(base_url: str, headers: dict[str, str] | None = None) -> TandemSnapsh
                 snapshot.spec_draft_tokens += value
             elif sample.name == "tandem_spec_decode_num_accepted_tokens_total":
                 snapshot.spec_accepted_tokens += value
+            elif sample.name == "tandem_routed_prompt_tokens_total":
+                _add(snapshot.routed_prompt_tokens, labels["side"], value)
+            elif sample.name == "tandem_routed_cached_prompt_tokens_total":
+                _add(snapshot.routed_cached_tokens, labels["side"], value)
             elif sample.name == "tandem_spec_decode_num_accepted_tokens_per_pos_total":
                 _add(snapshot.spec_accepted_per_position, int(labels["position"]), value)
     return snapshot
@@ -116,6 +124,11 @@ def run_report(before: TandemSnapshot, after: TandemSnapshot, num_completed: int
         "kv_blocks_used_after": int(after.kv_blocks_used),
         "leak_check": "pass" if after.is_idle else "fail",
     }
+    for side, prompt_after in after.routed_prompt_tokens.items():
+        prompt = prompt_after - before.routed_prompt_tokens.get(side, 0.0)
+        cached = after.routed_cached_tokens.get(side, 0.0) - before.routed_cached_tokens.get(side, 0.0)
+        if prompt:
+            report[f"prefix_hit_rate_{side}"] = cached / prompt  # at routing time, from the router's KV index
     if after.spec_draft_tokens > before.spec_draft_tokens:
         report["speculative_decoding"] = spec_report(before, after)
     return report

@@ -133,6 +133,12 @@ class RouterConfig(_Section):
         "*", description="browser origins allowed to call the API (CORS), comma-separated; \"*\" = any (vLLM's "
         "default), empty = no CORS headers")
     cors_allow_credentials: bool = Field(False, description="CORS: let browsers send cookies and auth headers")
+    kv_aware_routing: bool = Field(
+        True, description="route each request to the workers whose prefix caches hold most of its prompt, weighed "
+        "against their load (workers report their cached blocks; docs/kv-routing.md); false = by load alone")
+    kv_overlap_weight: float = Field(
+        1.0, ge=0.0, description="KV-aware routing: the cost of one prompt block a worker must compute or receive, "
+        "against one block its running requests hold (Dynamo's overlap weight)")
     tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral"] = Field(
         "auto", description="how tool calls are read from the model's text (docs/openai-api.md): hermes (Qwen, "
         "Hermes <tool_call>), llama3_json, mistral ([TOOL_CALLS]); auto = inferred from the chat template; none = "

@@ -5,6 +5,10 @@ table). Full blocks whose KV has been computed are registered under a content ha
 prefix (``hash(parent_hash, tokens)``), so a later sequence with the same prefix reuses them (ref
 counts). A block whose ref count drops to 0 goes back to the free queue but keeps its hash until it
 is handed out again: prefix-cached blocks that no live request holds count as free.
+
+With ``record_events`` the manager also keeps what changed in its prefix cache since the last
+``drain_events`` (hashes published, hashes forgotten): a worker reports them to the router, whose
+index then knows which prompts each worker can reuse (``router.kv_index``).
 """
 
 from __future__ import annotations
@@ -48,6 +52,23 @@ class KVCacheManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self._cached: dict[bytes, int] = {}  # content hash -> block id
         self._sequences: dict[str, _SequenceBlocks] = {}
+        self._events: dict[bytes, bool] | None = None  # hash -> cached now (True) or forgotten (False)
+
+    # ----------------------------------------------------------------- events
+    def record_events(self) -> None:
+        """From now on keep the prefix cache's changes for ``drain_events``."""
+        if self._events is None:
+            self._events = {}
+
+    def drain_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(hashes now cached, hashes forgotten) since the last drain: each hash once, in its latest state."""
+        events, self._events = self._events or {}, ({} if self._events is not None else None)
+        stored = [h for h, cached in events.items() if cached]
+        return stored, [h for h, cached in events.items() if not cached]
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash the prefix cache holds now (a snapshot for the router's index)."""
+        return list(self._cached)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -155,6 +176,8 @@ class KVCacheManager:
             if content_hash not in self._cached:
                 block.content_hash = content_hash
                 self._cached[content_hash] = block.block_id
+                if self._events is not None:
+                    self._events[content_hash] = True
             seq.last_hash = content_hash
             seq.num_hashed_blocks = i + 1
 
@@ -203,4 +226,6 @@ class KVCacheManager:
     def _forget(self, block: _Block) -> None:
         if block.content_hash is not None and self._cached.get(block.content_hash) == block.block_id:
             del self._cached[block.content_hash]
+            if self._events is not None:
+                self._events[block.content_hash] = False
         block.content_hash = None

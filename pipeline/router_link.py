@@ -30,6 +30,7 @@ from pipeline.protocol.cluster import (
     CancelRequest,
     GenerateRequest,
     Heartbeat,
+    KVEvents,
     RegisterAck,
     RegisterWorker,
     TokenBatch,
@@ -59,6 +60,8 @@ class RouterLink:
         self.step_stall_timeout_s = step_stall_timeout_s
         self.num_bad_frames = 0
         self.is_registered = False
+        self.kv_snapshot_wanted = False  # set on each registration (IO thread), cleared by the loop thread
+        self._kv_seq = 0
         # Written by the loop thread, read by the heartbeat (single assignments: atomic under the GIL).
         self.load = WorkerLoad()
         self._load_at = float("-inf")  # when ``load`` was last refreshed
@@ -100,6 +103,24 @@ class RouterLink:
     def send_outputs(self, deltas: list[TokenDelta]) -> None:
         if deltas:
             self.socket.send(encode(TokenBatch(outputs=deltas)))
+
+    def send_kv_events(self, kv_manager) -> None:
+        """The prefix cache's changes for the router's index (loop thread, in order with token batches):
+        a snapshot after each registration, then numbered batches of what changed."""
+        if not self.is_registered:
+            return
+        if self.kv_snapshot_wanted:
+            self.kv_snapshot_wanted = False
+            kv_manager.drain_events()  # the snapshot covers them
+            self._kv_seq = 0
+            self.socket.send(encode(KVEvents(worker_id=self.worker_id, seq=0, stored=kv_manager.cached_hashes(),
+                                             full=True)))
+            return
+        stored, removed = kv_manager.drain_events()
+        if stored or removed:  # batched by the loop's pace: one message per pass at most
+            self._kv_seq += 1
+            self.socket.send(encode(KVEvents(worker_id=self.worker_id, seq=self._kv_seq, stored=stored,
+                                             removed=removed)))
 
     def step_started(self) -> None:
         self.step_started_at = time.monotonic()
@@ -189,6 +210,7 @@ class RouterLink:
         if ack.accepted:
             if not self.is_registered:
                 logger.info("registered with the router as %s", self.worker_id)
+                self.kv_snapshot_wanted = True  # the router's index of this worker starts empty
             self.is_registered = True
             # The router says how often it needs a sign of life; a worker configured to report more often may.
             self.heartbeat_interval_s = min(ack.heartbeat_interval_s, self.max_heartbeat_interval_s)

@@ -78,6 +78,7 @@ def create_app(
         max_queued_requests=_or(max_queued_requests, router_config.max_queued_requests),
         queue_timeout_s=_or(queue_timeout_s, router_config.queue_timeout_s),
         max_local_prefill_length=router_config.max_local_prefill_length,
+        kv_overlap_weight=router_config.kv_overlap_weight if router_config.kv_aware_routing else None,
     )
     state = RouterState(model, dispatcher, metrics, config.sampling,
                         _or(request_timeout_s, router_config.request_timeout_s))

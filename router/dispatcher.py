@@ -34,6 +34,7 @@ from pipeline.protocol.cluster import (
     FinishCode,
     GenerateRequest,
     Heartbeat,
+    KVEvents,
     RegisterAck,
     RegisterWorker,
     TokenBatch,
@@ -43,6 +44,7 @@ from pipeline.protocol.cluster import (
 from pipeline.protocol.requests import SamplingParams
 from router.admission import AdmissionQueue, Overloaded, estimate_retry_after_s
 from router.metrics import RouterMetrics
+from router.kv_index import PromptHashes
 from router.policy import NoRoute, Route, Saturated, WorkerView, choose_route
 from router.registry import WorkerInfo, WorkerRegistry
 from router.request_handle import RequestFailed, RequestHandle
@@ -66,13 +68,16 @@ class Dispatcher:
         max_queued_requests: int = 256,
         queue_timeout_s: float = 60.0,
         max_local_prefill_length: int = 0,
+        kv_overlap_weight: float | None = None,
     ) -> None:
+        """``kv_overlap_weight``: route by where the prompt's KV lives (``router.policy``); None: by load alone."""
         self.socket = WorkerSocket(router_endpoint(zmq_endpoint_base), self._on_message, metrics.bad_frames_total.inc)
         self.registry = registry
         self.metrics = metrics
         self.model_name = model_name
         self.max_attempts = max_attempts
         self.max_local_prefill_length = max_local_prefill_length
+        self.kv_overlap_weight = kv_overlap_weight
         self.admission: AdmissionQueue[RequestHandle] = AdmissionQueue(
             self._try_dispatch, max_queued_requests, queue_timeout_s)
         metrics.admission_queue_depth.set_function(lambda: len(self.admission))
@@ -188,9 +193,11 @@ class Dispatcher:
         """Route and send one attempt; raises ``NoRoute`` (``Saturated``: every worker's batch is full)."""
         num_prompt_tokens = len(handle.prompt_token_ids)
         needed = num_prompt_tokens + (handle.sampling_params.max_tokens or 0)
+        prompt = PromptHashes(handle.prompt_token_ids) if self.kv_overlap_weight is not None else None
         while True:
-            route = choose_route(self._views(), needed, handle.excluded, num_prompt_tokens=num_prompt_tokens,
-                                 max_local_prefill_length=self.max_local_prefill_length)
+            route = choose_route(self._views(prompt), needed, handle.excluded, num_prompt_tokens=num_prompt_tokens,
+                                 max_local_prefill_length=self.max_local_prefill_length,
+                                 kv_overlap_weight=self.kv_overlap_weight)
             handle.num_attempts += 1
             handle.wire_id = handle.request_id if handle.num_attempts == 1 else f"{handle.request_id}~{handle.num_attempts}"
             msg = GenerateRequest(
@@ -203,6 +210,7 @@ class Dispatcher:
             )
             if self._send(route.decode.worker_id, msg):
                 self._assign(handle, route)
+                self.metrics.note_route(route, num_prompt_tokens)
                 return
             handle.excluded.add(route.decode.worker_id)
 
@@ -215,6 +223,8 @@ class Dispatcher:
         if decode is not None:
             decode.num_inflight += handle.num_choices  # n > 1: n sequences in its batch
             handle._inflight_on = decode.worker_id
+            handle._inflight_blocks = -(-len(handle.prompt_token_ids) // max(decode.page_size, 1)) * handle.num_choices
+            decode.num_inflight_blocks += handle._inflight_blocks
         if route.prefill is not None:
             prefill = self.registry.get(route.prefill.worker_id)
             if prefill is not None:
@@ -231,6 +241,7 @@ class Dispatcher:
         if decode is None:
             return False
         decode.num_inflight = max(0, decode.num_inflight - handle.num_choices)
+        decode.num_inflight_blocks = max(0, decode.num_inflight_blocks - handle._inflight_blocks)
         self.admission.wake()
         return True
 
@@ -307,8 +318,9 @@ class Dispatcher:
                 self._retry_or_fail(handle, worker.worker_id, f"prefill worker {worker.worker_id} died")
         self.admission.wake()  # queued requests that only this worker could serve now fail (503)
 
-    def _views(self) -> list[WorkerView]:
-        return [w.view() for w in self.registry.live_workers() if w.model_name == self.model_name]
+    def _views(self, prompt: PromptHashes | None = None) -> list[WorkerView]:
+        names = {w.worker_id for w in self.registry.live_workers() if w.model_name == self.model_name}
+        return [view for view in self.registry.views(prompt) if view.worker_id in names]
 
     # ------------------------------------------------------------------ worker messages
 
@@ -332,6 +344,12 @@ class Dispatcher:
                 self.admission.wake()  # its load (or its being alive again) may let a queued request in
         elif isinstance(msg, RegisterWorker):
             self._on_register(worker_id, msg)
+        elif isinstance(msg, KVEvents):
+            if msg.worker_id != worker_id:
+                self.socket.count_bad_frame(worker_id, f"KV events for {msg.worker_id!r} from routing id {worker_id!r}")
+            elif not self.registry.kv_events(msg):  # unknown to the index (or events lost): start over from a snapshot
+                self._send(worker_id, RegisterAck(accepted=False, reregister=True,
+                                                  error="KV index out of step: register again"))
 
     def _on_register(self, worker_id: str, msg: RegisterWorker) -> None:
         error = None

@@ -80,7 +80,30 @@ class RouterMetrics:
             "tandem_router_bad_frames_total", "Frames on the router socket that failed to decode (dropped)",
             registry=self.registry,
         )
+        self.routed_total = Counter(
+            "tandem_routed_requests_total", "Requests routed, per worker and side (decode: the decode or colocated "
+            "worker; prefill: the prefill worker of a disaggregated request)", ["worker", "side"],
+            registry=self.registry)
+        self.routed_prompt_tokens = Counter(
+            "tandem_routed_prompt_tokens_total", "Prompt tokens of routed requests, per side", ["side"],
+            registry=self.registry)
+        self.routed_cached_tokens = Counter(
+            "tandem_routed_cached_prompt_tokens_total", "Prompt tokens the chosen worker already held when routed "
+            "(the router's KV index), per side: divided by tandem_routed_prompt_tokens_total, the prefix hit rate",
+            ["side"], registry=self.registry)
+        for side in ("decode", "prefill"):
+            self.routed_prompt_tokens.labels(side)
+            self.routed_cached_tokens.labels(side)
         self.registry.register(WorkerCollector(registry))
+
+    def note_route(self, route, num_prompt_tokens: int) -> None:
+        """Count one routing decision and how much of the prompt its workers held (0 without KV-aware routing)."""
+        for side, worker in (("decode", route.decode), ("prefill", route.prefill)):
+            if worker is None:
+                continue
+            self.routed_total.labels(worker.worker_id, side).inc()
+            self.routed_prompt_tokens.labels(side).inc(num_prompt_tokens)
+            self.routed_cached_tokens.labels(side).inc(worker.num_cached_prompt_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -119,6 +142,9 @@ class WorkerCollector(Collector):
             "max_step": GaugeMetricFamily(
                 "tandem_worker_max_step_seconds", "The longest engine step the worker has run", labels=labels),
             "steps": CounterMetricFamily("tandem_worker_steps", "Engine steps the worker completed", labels=labels),
+            "kv_index": GaugeMetricFamily(
+                "tandem_kv_index_blocks", "Prefix-cache blocks the router's KV index holds for the worker",
+                labels=labels),
             "draining": GaugeMetricFamily(
                 "tandem_worker_draining", "1 while the worker shuts down (takes no new requests)", labels=labels),
             "spec_drafts": CounterMetricFamily(
@@ -151,6 +177,7 @@ class WorkerCollector(Collector):
             families["max_step"].add_metric(values, load.max_step_s)
             families["steps"].add_metric(values, load.num_steps)
             families["draining"].add_metric(values, 1.0 if load.is_draining else 0.0)
+            families["kv_index"].add_metric(values, self._workers.kv_index.num_blocks(w.worker_id))
             if load.spec_accepted_per_position:  # a speculating worker
                 families["spec_drafts"].add_metric(values, load.spec_num_drafts)
                 families["spec_draft_tokens"].add_metric(values, load.spec_num_draft_tokens)

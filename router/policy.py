@@ -17,6 +17,14 @@ Rules, in order:
 5. No decode candidate -> ``NoRoute`` with the reason (the HTTP layer answers 503). Candidates that
    all run a full batch (router-side in-flight count >= their ``max_batch_size``) -> ``Saturated``
    (a ``NoRoute``): the request waits in the router's admission queue instead.
+
+With KV-aware routing (``kv_overlap_weight`` set; ``router.kv_aware_routing``) rules 3 and 4 weigh
+where the prompt's KV already lives (``num_cached_prompt_tokens``, from the router's KV index), in
+Dynamo's form: ``cost = kv_overlap_weight x (prompt blocks the worker must compute or receive) +
+(blocks its running requests hold)``, the latter the larger of its report and the router's own count
+of what it sent there. The decode worker is the cheapest (workers with free blocks first); the prefill
+worker the one with the fewest prompt blocks to compute plus queued prefill blocks; and local prefill on
+a DecodeOnly worker is decided on the prompt tokens it does not hold yet, not the prompt's length.
 """
 
 from __future__ import annotations
@@ -44,6 +52,9 @@ class WorkerView:
     num_pending_prefill_tokens: int = 0  # router-side: prompt tokens sent here without a first token yet
     max_batch_size: int = 0  # requests it runs at once (0: unknown, never saturated)
     is_draining: bool = False  # shutting down: finishes what it has, takes nothing new
+    page_size: int = 16
+    num_cached_prompt_tokens: int = 0  # this request's leading prompt tokens its prefix cache holds
+    num_inflight_blocks: int = 0  # router-side: prompt blocks of the requests routed here, not finished
 
     @property
     def is_saturated(self) -> bool:
@@ -68,9 +79,11 @@ class Saturated(NoRoute):
 def choose_route(
     workers: Sequence[WorkerView], num_tokens: int, exclude: Iterable[str] = (), *,
     num_prompt_tokens: int | None = None, max_local_prefill_length: int = 0,
+    kv_overlap_weight: float | None = None,
 ) -> Route:
     """Pick (prefill or None, decode) for a request needing ``num_tokens`` (prompt + max output)
-    whose prompt has ``num_prompt_tokens`` (default: all of ``num_tokens``)."""
+    whose prompt has ``num_prompt_tokens`` (default: all of ``num_tokens``); ``kv_overlap_weight``
+    None routes by load alone."""
     excluded = set(exclude)
     fitting = [w for w in workers
                if w.worker_id not in excluded and w.max_length >= num_tokens and not w.is_draining]
@@ -81,16 +94,40 @@ def choose_route(
     decode_candidates = [w for w in decode_candidates if not w.is_saturated]
     if not decode_candidates:
         raise Saturated("every decode-capable worker is running a full batch")
-    decode = min(decode_candidates, key=_decode_key)
     num_prompt_tokens = num_tokens if num_prompt_tokens is None else num_prompt_tokens
-    if decode.role == PipelineRole.PrefillAndDecode or not prefill or num_prompt_tokens <= max_local_prefill_length:
+    if kv_overlap_weight is None:
+        decode = min(decode_candidates, key=_decode_key)
+        uncached = num_prompt_tokens
+    else:
+        decode = min(decode_candidates, key=lambda w: _kv_decode_key(w, num_prompt_tokens, kv_overlap_weight))
+        uncached = num_prompt_tokens - decode.num_cached_prompt_tokens
+    if decode.role == PipelineRole.PrefillAndDecode or not prefill or uncached <= max_local_prefill_length:
         return Route(decode=decode, prefill=None)
-    return Route(decode=decode, prefill=min(prefill, key=_prefill_key))
+    if kv_overlap_weight is None:
+        return Route(decode=decode, prefill=min(prefill, key=_prefill_key))
+    return Route(decode=decode, prefill=min(prefill, key=lambda w: _kv_prefill_key(w, num_prompt_tokens,
+                                                                                  kv_overlap_weight)))
 
 
 def _decode_key(w: WorkerView) -> tuple:
     num_requests = max(w.num_inflight, w.num_running + w.num_waiting)
     return (w.num_free_blocks <= 0, num_requests, -w.num_free_blocks, w.worker_id)
+
+
+def _blocks(num_tokens: int, page_size: int) -> int:
+    return -(-max(num_tokens, 0) // max(page_size, 1))
+
+
+def _kv_decode_key(w: WorkerView, num_prompt_tokens: int, weight: float) -> tuple:
+    new_blocks = _blocks(num_prompt_tokens - w.num_cached_prompt_tokens, w.page_size)
+    active_blocks = max(w.num_total_blocks - w.num_free_blocks, w.num_inflight_blocks)
+    return (w.num_free_blocks <= 0, weight * new_blocks + active_blocks, w.worker_id)
+
+
+def _kv_prefill_key(w: WorkerView, num_prompt_tokens: int, weight: float) -> tuple:
+    new_blocks = _blocks(num_prompt_tokens - w.num_cached_prompt_tokens, w.page_size)
+    queued_blocks = _blocks(w.num_queued_prefill_tokens + w.num_pending_prefill_tokens, w.page_size)
+    return (weight * new_blocks + queued_blocks, w.worker_id)
 
 
 def _prefill_key(w: WorkerView) -> tuple:

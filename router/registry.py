@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pipeline.config import PipelineRole
-from pipeline.protocol.cluster import Heartbeat, RegisterWorker, WorkerLoad, WorkerRole
+from pipeline.protocol.cluster import Heartbeat, KVEvents, RegisterWorker, WorkerLoad, WorkerRole
+from router.kv_index import KVIndex, PromptHashes
 from router.policy import WorkerView
 
 logger = logging.getLogger(__name__)
@@ -40,9 +41,10 @@ class WorkerInfo:
     num_pending_prefill_tokens: int = 0  # prompt tokens routed here (prefill side) still without a first token
     max_batch_size: int = 0  # from registration; 0: unknown
     registered_at: float = field(default_factory=time.time)
+    num_inflight_blocks: int = 0  # prompt blocks of the requests routed here (decode side), not finished
 
-    def view(self) -> WorkerView:
-        """The snapshot the routing policy decides on."""
+    def view(self, num_cached_prompt_tokens: int = 0) -> WorkerView:
+        """The snapshot the routing policy decides on (``num_cached_prompt_tokens``: of the request being routed)."""
         load = self.load
         return WorkerView(
             worker_id=self.worker_id, role=self.role, max_length=self.max_length,
@@ -50,7 +52,8 @@ class WorkerInfo:
             num_total_blocks=load.num_total_blocks or self.num_total_blocks, num_running=load.num_running,
             num_waiting=load.num_waiting, num_queued_prefill_tokens=load.num_queued_prefill_tokens,
             num_inflight=self.num_inflight, num_pending_prefill_tokens=self.num_pending_prefill_tokens,
-            max_batch_size=self.max_batch_size, is_draining=load.is_draining,
+            max_batch_size=self.max_batch_size, is_draining=load.is_draining, page_size=self.page_size,
+            num_cached_prompt_tokens=num_cached_prompt_tokens, num_inflight_blocks=self.num_inflight_blocks,
         )
 
     @property
@@ -82,6 +85,7 @@ class WorkerRegistry:
         self._clock = clock
         self._workers: dict[str, WorkerInfo] = {}
         self._last_check: float | None = None
+        self.kv_index = KVIndex()  # the prefix-cache blocks each live worker holds
 
     # -------------------------------------------------------------- updates from messages
 
@@ -108,7 +112,9 @@ class WorkerRegistry:
         if old is not None and old.pid == msg.pid:  # the same process again: keep the router's counts
             info.num_inflight = old.num_inflight
             info.num_pending_prefill_tokens = old.num_pending_prefill_tokens
+            info.num_inflight_blocks = old.num_inflight_blocks
         self._workers[msg.worker_id] = info
+        self.kv_index.register(msg.worker_id, msg.page_size, msg.num_total_blocks)  # its snapshot follows
         logger.info("worker %s registered: %s, pid %d", msg.worker_id, role.value, msg.pid)
         return info
 
@@ -118,6 +124,18 @@ class WorkerRegistry:
         if info is not None:
             info.load = msg.load
         return info
+
+    def kv_events(self, msg: KVEvents) -> bool:
+        """Apply a worker's prefix-cache changes to the index; False: it must send a snapshot (register again)."""
+        info = self.touch(msg.worker_id)
+        if info is None:
+            return False
+        return self.kv_index.apply(msg.worker_id, msg.seq, msg.stored, msg.removed, msg.full)
+
+    def views(self, prompt: PromptHashes | None = None) -> list[WorkerView]:
+        """Live workers as the policy sees them, with what each caches of ``prompt`` (None: not looked up)."""
+        return [w.view(self.kv_index.cached_prefix_tokens(w.worker_id, prompt) if prompt is not None else 0)
+                for w in self.live_workers()]
 
     def touch(self, worker_id: str) -> WorkerInfo | None:
         """Any message from a worker proves it is alive; returns None for unknown workers."""
@@ -151,10 +169,12 @@ class WorkerRegistry:
 
     def _declare_dead(self, info: WorkerInfo) -> None:
         info.is_alive = False
+        self.kv_index.forget(info.worker_id)  # a worker that comes back re-registers and sends a snapshot
         if self.on_worker_dead is not None:
             self.on_worker_dead(info)
         info.num_inflight = 0
         info.num_pending_prefill_tokens = 0
+        info.num_inflight_blocks = 0
 
     # -------------------------------------------------------------- queries
 

@@ -40,6 +40,7 @@ class RequestHandle:
     dispatched_at: float = 0.0
     last_token_at: float = 0.0
     _inflight_on: str | None = None  # the decode worker whose num_inflight counts this request
+    _inflight_blocks: int = 0  # the prompt blocks counted in that worker's num_inflight_blocks
     _pending_prefill: tuple[str, int] | None = None  # (prefill worker, prompt tokens) counted there
 
     @property

@@ -3,7 +3,7 @@
 Sockets and who speaks on them (every frame is one msgpack-encoded tagged struct, never pickle):
 
 1. worker DEALER (routing id = ``worker_id``) -> router ROUTER at ``router_endpoint(base)``:
-   ``WorkerToRouter`` = RegisterWorker | Heartbeat | TokenBatch; decode with ``decode_worker_to_router``.
+   ``WorkerToRouter`` = RegisterWorker | Heartbeat | TokenBatch | KVEvents; decode with ``decode_worker_to_router``.
 2. router ROUTER -> worker DEALER, same connection: ``RouterToWorker`` = GenerateRequest | CancelRequest |
    RegisterAck; decode with ``decode_router_to_worker``.
 3. decode DEALER -> prefill ROUTER at the prefill worker's ``prefill_endpoint``:
@@ -165,7 +165,19 @@ class TokenBatch(msgspec.Struct, tag=True, **_HOT):
     outputs: list[TokenDelta]
 
 
-WorkerToRouter = Union[RegisterWorker, Heartbeat, TokenBatch]
+class KVEvents(msgspec.Struct, tag=True, **_HOT):
+    """What changed in a worker's prefix cache: block hashes (``pipeline.kv_cache.hash_block``) now
+    cached and forgotten. ``full``: a snapshot (everything cached now), sent after every registration;
+    then batches numbered ``seq`` 1, 2, ... (a gap means lost events: the router asks for a snapshot)."""
+
+    worker_id: str
+    seq: int
+    stored: list[bytes]
+    removed: list[bytes] = msgspec.field(default_factory=list)
+    full: bool = False
+
+
+WorkerToRouter = Union[RegisterWorker, Heartbeat, TokenBatch, KVEvents]
 
 
 # ---------------------------------------------------------------- router -> worker
@@ -286,7 +298,7 @@ def encode(message: msgspec.Struct) -> bytes:
 encode_prefill_done = encode
 
 
-def decode_worker_to_router(frame: bytes | memoryview) -> RegisterWorker | Heartbeat | TokenBatch:
+def decode_worker_to_router(frame: bytes | memoryview) -> RegisterWorker | Heartbeat | TokenBatch | KVEvents:
     return _worker_to_router.decode(frame)
 
 
@@ -309,7 +321,7 @@ def decode_prefill_done(payload: bytes | memoryview) -> PrefillDone:
 __all__ = [
     "PROTOCOL_VERSION", "BUILTIN_MODEL_NAME", "DEFAULT_DEADLINE_S", "served_model_name",
     "WorkerRole", "FinishCode",
-    "RegisterWorker", "WorkerLoad", "Heartbeat", "TokenDelta", "TokenBatch", "WorkerToRouter",
+    "RegisterWorker", "WorkerLoad", "Heartbeat", "TokenDelta", "TokenBatch", "KVEvents", "WorkerToRouter",
     "GenerateRequest", "CancelRequest", "RegisterAck", "RouterToWorker",
     "PrefillRequest", "CancelPrefill", "PrefillRejected", "PrefillAccepted", "PrefillStarted", "DecodeToPrefill", "PrefillToDecode", "PrefillDone",
     "encode", "encode_prefill_done", "decode_worker_to_router", "decode_router_to_worker",

@@ -81,3 +81,20 @@ def test_a_server_that_is_not_there_is_one_clear_error(tmp_path):
                           timeout=60)
     assert done.returncode == 2
     assert "tandem bench: error" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_multi_turn_sessions_grow_and_reuse_their_prefix(cluster, tmp_path):
+    out = tmp_path / "turns.json"
+    done = bench(cluster, out, "--dataset", "multi-turn", "--multi-turn-sessions", "3", "--multi-turn-turns", "3",
+                 "--multi-turn-system-len", "24", "--multi-turn-user-len", "8", "--multi-turn-output-len", "4",
+                 "--multi-turn-session-rate", "20", "--multi-turn-think-time", "0.05")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "serve_multi_turn" and report["completed_turns"] == 9 and not report["errors"]
+    turns = report["per_turn"]
+    # each turn repeats the last prompt and its answer: 24 + 8, then + 4 + 8 per turn
+    assert [turns[t]["prompt_tokens"] for t in ("1", "2", "3")] == [3 * 32, 3 * 44, 3 * 56]
+    assert turns["3"]["cached_tokens"] >= 3 * 40  # the blocks of turn 2's prompt and answer (page 4)
+    server = report["tandem"]
+    assert server["leak_check"] == "pass" and server["requests_by_outcome"]["ok"] == 9
+    assert 0 < server["prefix_hit_rate_decode"] <= 1

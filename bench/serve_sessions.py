@@ -1,0 +1,156 @@
+"""The multi-turn workload (``tandem bench serve --dataset multi-turn``): conversations, not requests.
+
+Each session is a chat that grows: every turn's prompt is the previous prompt, the answer the server
+gave, and a new user message, all as token ids (the answer's ids come back with the stream through
+``return_tokens_as_token_ids``, so a turn repeats the last one exactly, as a chat client that keeps
+token ids would). Every session opens with the same system prompt, so prefixes repeat across sessions
+too. Sessions start at a seeded Poisson rate; within one, the next turn is sent a think time after the
+answer ended (closed loop: a slow server delays the later turns, as it would a user).
+
+What it reports: TTFT per turn index (turn 1 computes everything; later turns are where KV reuse shows),
+prompt tokens and the tokens the serving worker already held (``usage.prompt_tokens_details``), and,
+from a Tandem router's /metrics, KV bytes moved and prefix hit rates at routing time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from bench.serve_client import sse_lines
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    num_sessions: int = 16
+    num_turns: int = 4
+    system_len: int = 256  # shared by every session
+    user_len: int = 64  # each turn's new message
+    output_len: int = 32  # each answer (sent with ignore_eos, so every answer has this length)
+    session_rate: float = 1.0  # sessions started per second (Poisson)
+    think_time_s: float = 1.0  # between an answer's end and the next turn
+    seed: int = 0
+
+
+@dataclass
+class TurnOutcome:
+    session: int
+    turn: int  # 1-based
+    prompt_tokens: int
+    cached_tokens: int = 0
+    ttft_s: float | None = None
+    e2el_s: float | None = None
+    output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class _Session:
+    index: int
+    start_s: float
+    messages: list[list[int]]
+    outcomes: list[TurnOutcome] = field(default_factory=list)
+
+
+def build_sessions(spec: SessionSpec, vocab_size: int, special_ids: set[int]) -> list[_Session]:
+    """Seeded sessions: start times and every turn's user message (token ids outside the special ones)."""
+    rng = random.Random(spec.seed)
+    ordinary = [t for t in range(vocab_size) if t not in special_ids]
+    starts = np.cumsum(np.random.default_rng(spec.seed).exponential(1.0 / spec.session_rate, spec.num_sessions))
+    system = [rng.choice(ordinary) for _ in range(spec.system_len)]
+    sessions = []
+    for i in range(spec.num_sessions):
+        turns = [[rng.choice(ordinary) for _ in range(spec.user_len)] for _ in range(spec.num_turns)]
+        turns[0] = system + turns[0]
+        sessions.append(_Session(i, float(starts[i] - starts[0]), turns))
+    return sessions
+
+
+async def _turn(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int,
+                outcome: TurnOutcome) -> list[int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    sent = time.perf_counter()
+    answer: list[int] = []
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                outcome.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:200]}"
+                return answer
+            async for line in sse_lines(response):
+                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if "error" in chunk:
+                    outcome.error = json.dumps(chunk["error"])[:200]
+                    return answer
+                for choice in chunk.get("choices") or ():
+                    tokens = (choice.get("logprobs") or {}).get("tokens") or []
+                    if tokens and outcome.ttft_s is None:
+                        outcome.ttft_s = time.perf_counter() - sent
+                    answer += [int(t.removeprefix("token_id:")) for t in tokens]
+                usage = chunk.get("usage")
+                if usage:
+                    outcome.output_tokens = usage["completion_tokens"]
+                    outcome.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        outcome.e2el_s = time.perf_counter() - sent
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"[:200]
+    return answer
+
+
+async def run_sessions(base_url: str, model: str, spec: SessionSpec, sessions: list[_Session],
+                       api_key: str | None = None) -> tuple[list[TurnOutcome], float]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(600.0, connect=30.0)) as client:
+        start = time.perf_counter()
+
+        async def one(session: _Session) -> None:
+            await asyncio.sleep(session.start_s)
+            prompt: list[int] = []
+            for turn, message in enumerate(session.messages, start=1):
+                prompt = prompt + message
+                outcome = TurnOutcome(session.index, turn, len(prompt))
+                session.outcomes.append(outcome)
+                answer = await _turn(client, f"{base_url}/v1/completions", model, prompt, spec.output_len, outcome)
+                if outcome.error is not None:
+                    return  # the conversation cannot go on without its answer
+                prompt = prompt + answer
+                if turn < len(session.messages):
+                    await asyncio.sleep(spec.think_time_s)
+
+        await asyncio.gather(*(one(s) for s in sessions))
+        duration = time.perf_counter() - start
+    return [o for s in sessions for o in s.outcomes], duration
+
+
+def summarize_turns(outcomes: list[TurnOutcome], duration_s: float) -> dict:
+    """Per turn index and over later turns (>= 2): TTFT percentiles, prompt and held tokens."""
+    done = [o for o in outcomes if o.error is None and o.ttft_s is not None]
+
+    def stats(items: list[TurnOutcome]) -> dict:
+        ttfts = [o.ttft_s * 1000 for o in items]
+        prompt = sum(o.prompt_tokens for o in items)
+        cached = sum(o.cached_tokens for o in items)
+        return {"count": len(items),
+                "median_ttft_ms": float(np.median(ttfts)) if ttfts else None,
+                "p90_ttft_ms": float(np.percentile(ttfts, 90)) if ttfts else None,
+                "prompt_tokens": prompt, "cached_tokens": cached,
+                "cached_fraction": cached / prompt if prompt else 0.0}
+
+    turns = sorted({o.turn for o in done})
+    return {
+        "completed_turns": len(done), "failed_turns": len(outcomes) - len(done), "duration_s": duration_s,
+        "output_throughput": sum(o.output_tokens for o in done) / duration_s if duration_s else 0.0,
+        "per_turn": {str(t): stats([o for o in done if o.turn == t]) for t in turns},
+        "later_turns": stats([o for o in done if o.turn >= 2]),
+        "errors": sorted({o.error for o in outcomes if o.error})[:5],
+    }
