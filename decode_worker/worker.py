@@ -16,7 +16,8 @@ Request lifecycle on this worker:
    checksum; then the request becomes runnable and its first token is emitted at once.
 4. Continuous-batch decoding; one ``TokenBatch`` per step for every request that produced a token.
 5. Faults: a TTL or request deadline that passes, a rejected prefill or a failed transfer ends the
-   request with an error (retryable when no token was emitted yet). Its blocks are freed only after
+   request with an error (retryable when no token was emitted yet; a drain that runs out of time marks
+   every request retryable, and the router migrates those with tokens). Its blocks are freed only after
    the receiver confirms it will never write them again. ``CancelRequest`` frees everything at once.
 """
 
@@ -135,7 +136,8 @@ class DecodeWorker(WorkerBase):
             return [error_delta(rid, f"worker {self.worker_id} is shutting down", retryable=True)]
         remote = request.prefill_endpoint is not None and self.is_disaggregated
         try:
-            self.engine.add_request(rid, request.prompt_token_ids, request.sampling_params, remote_prefill=remote)
+            self.engine.add_request(rid, request.prompt_token_ids, request.sampling_params, remote_prefill=remote,
+                                    resume_token_ids=request.resume_token_ids)
         except QueueFullError as exc:
             return [error_delta(rid, str(exc), retryable=True)]
         except (RequestError, ValueError) as exc:
@@ -152,7 +154,7 @@ class DecodeWorker(WorkerBase):
             if state is not None and state.is_sent:
                 self._abandon_transfer(rid, state, notify=True)
             self.engine.abort_request(rid)
-            outputs.append(error_delta(rid, reason, retryable=rid not in self.emitted))
+            outputs.append(error_delta(rid, reason, retryable=True))  # the router moves it on (migration)
             self._forget(rid)
         self.link.send_outputs(outputs)
 

@@ -139,6 +139,10 @@ class RouterConfig(_Section):
     kv_overlap_weight: float = Field(
         1.0, ge=0.0, description="KV-aware routing: the cost of one prompt block a worker must compute or receive, "
         "against one block its running requests hold (Dynamo's overlap weight)")
+    max_migrations: int = Field(
+        3, ge=0, description="a stream whose worker dies after its first token moves to another worker, which "
+        "recomputes its prompt and the tokens sent so far and goes on (docs/load.md); at most this often, then it "
+        "fails; 0 = never (n > 1 requests never move)")
     tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral"] = Field(
         "auto", description="how tool calls are read from the model's text (docs/openai-api.md): hermes (Qwen, "
         "Hermes <tool_call>), llama3_json, mistral ([TOOL_CALLS]); auto = inferred from the chat template; none = "

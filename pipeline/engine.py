@@ -139,17 +139,22 @@ class LLMEngine:
     # -------------------------------------------------------------- requests
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-        prefill_only: bool = False, remote_prefill: bool = False,
+        prefill_only: bool = False, remote_prefill: bool = False, resume_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request. ``prefill_only`` (PrefillOnly role): stop after the first token and keep
         the blocks until ``release_blocks``. ``remote_prefill`` (DecodeOnly role): another worker
-        prefills; see ``reserve_remote`` and ``activate_remote``."""
+        prefills; see ``reserve_remote`` and ``activate_remote``. ``resume_token_ids``: output tokens
+        another worker already produced (a migrated request): they are outputs, not prompt (penalties,
+        lengths, seeds per position and the grammar see them so), computed here like a preempted
+        request's, and generation goes on after them."""
         if request_id in self._sequences:
             raise RequestError(f"request_id: {request_id!r} is already running")
         validate_request(prompt_token_ids, params, self.vocab_size, self.max_length)
         if params.best_of is not None and params.logprobs is None:  # candidates are ranked by their logprobs
             params = msgspec.structs.replace(params, logprobs=0)
         seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
+        if resume_token_ids:
+            self._resume(seq, resume_token_ids, prefill_only or remote_prefill)
         # n > 1 (not on a prefill-only worker, which computes the prompt once for the decode worker):
         # the other choices start once this one's prompt KV is written, sharing its blocks (_emit)
         siblings = [] if prefill_only else [
@@ -188,6 +193,20 @@ class LLMEngine:
     def get_choices(self, request_id: str) -> list[Sequence]:
         """Every choice of a request (n > 1: index order), finished or not, while the request is known."""
         return self._choices.members(request_id)
+
+    def _resume(self, seq: Sequence, token_ids: list[int], elsewhere: bool) -> None:
+        if elsewhere or seq.params.num_sequences > 1:
+            raise RequestError("resume_token_ids: only a single-choice request prefilled here can resume")
+        if len(seq.prompt_token_ids) + len(token_ids) >= seq.max_total_tokens:
+            raise RequestError("resume_token_ids: nothing is left to generate")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"resume_token_ids: token id {bad} is outside the vocabulary")
+        grammar = seq.sampling_state.grammar
+        for token_id in token_ids:
+            if grammar is not None and not grammar.accept(token_id):
+                raise RequestError("resume_token_ids: the tokens do not follow the request's constraint")
+            seq.append_token(token_id)
 
     def _grammar_matcher(self, params: SamplingParams):
         """A matcher for the request's constraint (compiled once per distinct constraint); a bad one is a RequestError."""

@@ -28,6 +28,8 @@ class OutputProcessor:
                 IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens),
                 StopStringMatcher(seq.params.stop, seq.params.include_stop_str_in_output),
             )
+            if seq.num_output_tokens:  # a resumed request: a stop string may span the earlier tokens
+                self._text[seq.request_id].detokenizer.add(list(seq.output_token_ids))
 
     def check_stop(self, seq: Sequence, token_id: int,
                    num_tokens: int | None = None) -> tuple[str, str | int | None] | None:

@@ -79,6 +79,7 @@ def create_app(
         queue_timeout_s=_or(queue_timeout_s, router_config.queue_timeout_s),
         max_local_prefill_length=router_config.max_local_prefill_length,
         kv_overlap_weight=router_config.kv_overlap_weight if router_config.kv_aware_routing else None,
+        max_migrations=router_config.max_migrations,
     )
     state = RouterState(model, dispatcher, metrics, config.sampling,
                         _or(request_timeout_s, router_config.request_timeout_s))

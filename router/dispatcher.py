@@ -6,8 +6,12 @@ and cancels leave through it. Everything runs on the HTTP server's event loop, s
 Each request has a ``RequestHandle`` with an asyncio queue that receives its ``TokenDelta``s, or one
 ``RequestFailed`` when the request cannot finish. When a worker dies (missed heartbeats, a send that
 cannot reach it, or an error it marks retryable), a request that has received no token yet is sent
-again to another route under a fresh wire id (so late messages of the old attempt cannot mix in);
-otherwise it fails. A heartbeat that claims another worker's id counts as a bad frame.
+again to another route under a fresh wire id (so late messages of the old attempt cannot mix in).
+One that has tokens **migrates** (a single choice, up to ``max_migrations`` times): the new worker gets
+the prompt plus every token the client already has (``resume_token_ids``), recomputes their KV
+itself, and goes on from the next position. Penalties, lengths, per-position seeds and the grammar see
+those tokens as outputs, so the stream continues exactly as it would have. Otherwise it fails. A
+heartbeat that claims another worker's id counts as a bad frame.
 
 Admission: a request goes to a worker only while one has a free slot in its batch (router-side
 in-flight count < the ``max_batch_size`` it registered with). When none has, ``submit`` queues it in
@@ -69,8 +73,10 @@ class Dispatcher:
         queue_timeout_s: float = 60.0,
         max_local_prefill_length: int = 0,
         kv_overlap_weight: float | None = None,
+        max_migrations: int = 3,
     ) -> None:
-        """``kv_overlap_weight``: route by where the prompt's KV lives (``router.policy``); None: by load alone."""
+        """``kv_overlap_weight``: route by where the prompt's KV lives (``router.policy``); None: by load alone.
+        ``max_migrations``: how often a stream whose worker died (or drained) moves to another worker."""
         self.socket = WorkerSocket(router_endpoint(zmq_endpoint_base), self._on_message, metrics.bad_frames_total.inc)
         self.registry = registry
         self.metrics = metrics
@@ -78,6 +84,7 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.max_local_prefill_length = max_local_prefill_length
         self.kv_overlap_weight = kv_overlap_weight
+        self.max_migrations = max_migrations
         self.admission: AdmissionQueue[RequestHandle] = AdmissionQueue(
             self._try_dispatch, max_queued_requests, queue_timeout_s)
         metrics.admission_queue_depth.set_function(lambda: len(self.admission))
@@ -193,20 +200,26 @@ class Dispatcher:
         """Route and send one attempt; raises ``NoRoute`` (``Saturated``: every worker's batch is full)."""
         num_prompt_tokens = len(handle.prompt_token_ids)
         needed = num_prompt_tokens + (handle.sampling_params.max_tokens or 0)
-        prompt = PromptHashes(handle.prompt_token_ids) if self.kv_overlap_weight is not None else None
+        resume = handle.output_token_ids if handle.has_tokens else []
+        prompt = PromptHashes(handle.prompt_token_ids + resume) if self.kv_overlap_weight is not None else None
+        params = handle.sampling_params
+        if resume and params.prompt_logprobs is not None:  # the client has them already
+            params = msgspec.structs.replace(params, prompt_logprobs=None)
         while True:
+            # a migrated stream is recomputed where it will be decoded (its prompt + the tokens sent so far)
             route = choose_route(self._views(prompt), needed, handle.excluded, num_prompt_tokens=num_prompt_tokens,
-                                 max_local_prefill_length=self.max_local_prefill_length,
+                                 max_local_prefill_length=(needed if resume else self.max_local_prefill_length),
                                  kv_overlap_weight=self.kv_overlap_weight)
             handle.num_attempts += 1
             handle.wire_id = handle.request_id if handle.num_attempts == 1 else f"{handle.request_id}~{handle.num_attempts}"
             msg = GenerateRequest(
                 request_id=handle.wire_id,
                 prompt_token_ids=handle.prompt_token_ids,
-                sampling_params=handle.sampling_params,
+                sampling_params=params,
                 prefill_worker_id=route.prefill.worker_id if route.prefill else None,
                 prefill_endpoint=route.prefill.prefill_endpoint if route.prefill else None,
                 deadline_s=max(0.001, handle.deadline - time.monotonic()),
+                resume_token_ids=resume,
             )
             if self._send(route.decode.worker_id, msg):
                 self._assign(handle, route)
@@ -275,13 +288,26 @@ class Dispatcher:
         self._finish(handle)
         handle.queue.put_nowait(RequestFailed(message, status_code))
 
-    def _retry_or_fail(self, handle: RequestHandle, failed_worker: str, message: str, status_code: int = 503) -> None:
-        """Send the request elsewhere if no token of it exists yet and attempts remain; else fail it."""
+    def _can_migrate(self, handle: RequestHandle) -> bool:
+        """A stream with tokens moves on (the new worker recomputes them) when it is one choice and migrations remain."""
+        return handle.num_choices == 1 and handle.num_migrations < self.max_migrations
+
+    def _retry_or_fail(self, handle: RequestHandle, failed_worker: str, message: str, status_code: int = 503,
+                       cause: str = "worker_died") -> None:
+        """Send the request elsewhere: before its first token while attempts remain, after it as a migration
+        (the client's stream goes on where it stopped); else fail it."""
         if handle.is_done:
             return
-        if handle.has_tokens or handle.num_attempts >= self.max_attempts or time.monotonic() >= handle.deadline:
+        if time.monotonic() >= handle.deadline or (
+                not self._can_migrate(handle) if handle.has_tokens else handle.num_attempts >= self.max_attempts):
             self._fail(handle, message, status_code)
             return
+        if handle.has_tokens:
+            handle.num_migrations += 1
+            self.metrics.migrations_total.labels(cause).inc()
+            self.metrics.migration_recomputed_tokens.inc(len(handle.prompt_token_ids) + len(handle.output_token_ids))
+            logger.warning("request %s migrates off %s after %d tokens (%s)", handle.request_id, failed_worker,
+                           len(handle.output_token_ids), message)
         old_decode = handle.decode_worker_id
         if old_decode and old_decode != failed_worker and self.registry.is_alive(old_decode):
             self._send(old_decode, CancelRequest(request_id=handle.wire_id))
@@ -384,9 +410,12 @@ class Dispatcher:
                 # go back to this decode worker (the only one, perhaps) with another prefill worker,
                 # or prefill locally when none is left.
                 culprit = handle.prefill_worker_id if delta.is_prefill_failure and handle.prefill_worker_id else worker_id
-                self._retry_or_fail(handle, culprit, f"worker {worker_id}: {delta.error or 'error'}", 503)
+                self._retry_or_fail(handle, culprit, f"worker {worker_id}: {delta.error or 'error'}", 503,
+                                    cause="worker_error")
                 continue
             if delta.token_ids:
+                if handle.num_choices == 1:
+                    handle.output_token_ids.extend(delta.token_ids)
                 if not handle.has_tokens:
                     handle.has_tokens = True
                     self._release_prefill(handle)

@@ -80,6 +80,15 @@ class RouterMetrics:
             "tandem_router_bad_frames_total", "Frames on the router socket that failed to decode (dropped)",
             registry=self.registry,
         )
+        self.migrations_total = Counter(
+            "tandem_migrations_total", "Streams moved to another worker after their first token, by cause "
+            "(worker_died: killed or silent; worker_error: a worker failed it, e.g. a drain ran out of time)",
+            ["cause"], registry=self.registry)
+        for cause in ("worker_died", "worker_error"):
+            self.migrations_total.labels(cause)
+        self.migration_recomputed_tokens = Counter(
+            "tandem_migration_recomputed_tokens_total", "Tokens (prompt + output so far) a migrated stream's new "
+            "worker computed again", registry=self.registry)
         self.routed_total = Counter(
             "tandem_routed_requests_total", "Requests routed, per worker and side (decode: the decode or colocated "
             "worker; prefill: the prefill worker of a disaggregated request)", ["worker", "side"],

@@ -34,6 +34,8 @@ class RequestHandle:
     admission: asyncio.Future | None = None  # done once dispatched (see Dispatcher.wait_admitted)
     is_admitted: bool = False  # dispatched once: counted in the in-flight gauges until finished
     has_tokens: bool = False
+    output_token_ids: list[int] = field(default_factory=list)  # n == 1: every token forwarded (a migration resumes after them)
+    num_migrations: int = 0  # times it moved to another worker after its first token
     finished_choices: set[int] = field(default_factory=set)  # n > 1: choices that ended (the request ends with the last)
     is_done: bool = False
     created_at: float = field(default_factory=time.monotonic)

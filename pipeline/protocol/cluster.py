@@ -192,6 +192,9 @@ class GenerateRequest(msgspec.Struct, tag=True, **_HOT):
     prefill_worker_id: str | None = None
     prefill_endpoint: str | None = None
     deadline_s: float = DEFAULT_DEADLINE_S  # seconds from receipt; then finish with ERROR (clock-skew free)
+    # a migrated stream: the output tokens the client already has (the worker recomputes their KV and
+    # goes on after them; only with prefill_endpoint None)
+    resume_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class CancelRequest(msgspec.Struct, tag=True, **_HOT):

@@ -218,3 +218,31 @@ print("ok", name)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0 and "ok tiny-llama" in out.stdout, out.stdout[-500:] + out.stderr[-2000:]
+
+
+def test_a_stream_whose_worker_dies_migrates_and_goes_on(router, served_model):
+    ids = served_model.tokenizer.encode("Hello there, how are you? Paris is the capital.")
+
+    def rest(request):  # the new worker goes on after the tokens the client already has
+        done = len(request.resume_token_ids)
+        assert request.resume_token_ids == ids[:done]
+        return tokens_script(ids[done:], step_s=0.005)(request)
+
+    first = router.add_worker("a-first", script=tokens_script(ids, step_s=0.1))  # ties go to the lower id
+    second = router.add_worker("b-second", script=rest)
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=10)
+    text = ""
+    for i, chunk in enumerate(client.completions.create(**{**BODY, "max_tokens": len(ids), "stream": True,
+                                                           "stream_options": {"include_usage": True}})):
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if i == 2:
+            first.stop()  # dies after three tokens: no more heartbeats, no more tokens
+        usage = chunk.usage
+    assert text == served_model.tokenizer.decode(ids)  # nothing repeated, nothing missing
+    assert usage.completion_tokens == len(ids)
+    [resumed] = second.requests
+    assert 3 <= len(resumed.resume_token_ids) < len(ids) and resumed.request_id.endswith("~2")
+    assert router.metric('tandem_migrations_total{cause="worker_died"}') == 1.0
+    assert router.metric("tandem_migration_recomputed_tokens_total") == len(resumed.prompt_token_ids) + len(
+        resumed.resume_token_ids)
