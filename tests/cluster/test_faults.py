@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from pipeline.endpoints import router_endpoint, worker_bind_endpoint
-from tests.cluster.conftest import CLUSTER_CONFIG, kv_gauges, start_cluster, wait_for_idle_blocks
+from tests.cluster.conftest import CLUSTER_CONFIG, kv_gauges, start_cluster, wait_for_idle_blocks, worker_metric
 
 NUM_BLOCKS = CLUSTER_CONFIG["kv_cache"]["num_blocks"]
 FAST_FAULTS = {"transfer": {"transport": "shm", "ttl_s": 3.0, "heartbeat_interval_s": 0.2}}
@@ -48,6 +48,11 @@ def name(client) -> str:
 def long_stream(client, prompt: str = "Once upon a time"):
     return client.completions.create(model=name(client), prompt=prompt, max_tokens=1500, temperature=0, stream=True,
                                      extra_body={"ignore_eos": True})
+
+
+def migrations(url: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+               if line.startswith("tandem_migrations_total{"))
 
 
 def used_blocks(url: str, worker: str) -> float:
@@ -134,15 +139,15 @@ def test_kill_decode_worker_mid_stream(cluster, client):
         time.sleep(0.02)
     time.sleep(0.3)  # a heartbeat with the blocks
     assert used_blocks(cluster.url, "decode-0") > 0 and used_blocks(cluster.url, "decode-1") > 0
+    running = worker_metric(cluster.url, "tandem_worker_running_requests", "decode-0") or 0
     cluster.kill("decode-0", signal.SIGKILL)
     killed_at = time.monotonic()
-    while time.monotonic() - killed_at < 10.0 and len([k for k in results if ":" not in k]) < 4:
+    # no stream ends: those on decode-0 migrate to decode-1 (which recomputes what they had) and go on
+    while migrations(cluster.url) < running:
+        assert time.monotonic() - killed_at < 10.0, f"the killed worker's streams did not move: {results}"
         time.sleep(0.1)
-    ended = {k: v for k, v in results.items() if ":" not in k}
-    errors = [v for v in ended.values() if v[0] == "error"]
-    assert errors, f"the streams on the killed worker must end with an error within 10 s: {results}"
-    assert all(e[1] - killed_at < 10.0 for e in errors)
-    assert len(errors) < 4, f"streams on the surviving decode worker must not fail: {results}"
+    time.sleep(1.0)
+    assert not [v for k, v in results.items() if ":" not in k and v[0] == "error"], f"a stream failed: {results}"
     assert httpx.get(f"{cluster.url}/ready").status_code == 200
     for stream in streams:  # the survivors' client goes away: their blocks must come back too
         stream.close()

@@ -344,7 +344,7 @@ def test_lm_eval_loglikelihood_tasks_equal_transformers(cluster, lm_eval_tasks, 
 
 
 def test_a_decode_worker_killed_mid_request_fails_it_and_holds_nothing(cluster, client):
-    """Last in the module: the cluster restarts the worker; the request fails (migration is not here yet)."""
+    """Last in the module: the cluster restarts the worker; the request fails (n > 1 requests do not migrate)."""
     import signal
 
     from tests.cluster.conftest import wait_for_incarnation
