@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench bench-serve bench-peer bench-kv-routing
+.PHONY: run test bench bench-serve bench-peer bench-kv-routing bench-migration
 
 $(STAMP): pyproject.toml setup.py kv_transfer/_copysum.c $(wildcard kernels/native/*.c kernels/native/*.h)
 	python3 -m venv $(VENV)
@@ -47,3 +47,6 @@ bench-peer: $(STAMP)
 bench-kv-routing: $(STAMP)
 	$(PY) -m bench.kv_routing_bench --model-size medium --system-len 512 --user-len 128 --output-len 32 \
 		--sessions 16 --turns 4 --session-rate 2 --think-time 0.5 --random-prompts 32 --out bench/results/kv_routing.json
+
+bench-migration: $(STAMP)
+	$(PY) -m bench.migration_bench --repeats 2 --out bench/results/migration.json
