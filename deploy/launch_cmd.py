@@ -1,7 +1,8 @@
 """``tandem up``: a whole local cluster (router + workers as separate processes) until Ctrl-C.
 
 A process that exits is restarted (``--max-restarts`` crashes in a row, with backoff; see
-``deploy.supervisor``) and every restart is printed. ``tandem up`` exits 0 after Ctrl-C / SIGTERM (the
+``deploy.supervisor``) and every restart is printed. SIGHUP (``kill -HUP <pid>``) replaces every worker
+one at a time, each drained first (``LocalCluster.rolling_restart``): an upgrade with no failed request. ``tandem up`` exits 0 after Ctrl-C / SIGTERM (the
 router drains first), and 1 when the cluster cannot serve any more: the router or every decode-capable
 worker crashed past the limit.
 
@@ -12,6 +13,7 @@ Workers are bound to cores (``deploy.cpu_plan``): prefill and decode workers apa
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -81,6 +83,22 @@ def run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    restarting = threading.Lock()
+
+    def rolling_restart() -> None:
+        if not restarting.acquire(blocking=False):
+            print("a rolling restart is already running", flush=True)
+            return
+        try:
+            print("rolling restart: replacing every worker, one at a time", flush=True)
+            cluster.rolling_restart()
+            print("rolling restart done", flush=True)
+        except ClusterError as exc:
+            print(f"rolling restart stopped: {exc}", file=sys.stderr, flush=True)
+        finally:
+            restarting.release()
+
+    signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=rolling_restart, daemon=True).start())
     if config.model.model_path is None:
         from pipeline.builtin_model import BUILTIN_NOTICE
 
@@ -97,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"Tandem is ready at {cluster.url}/v1 (model: {config.model.model_path or 'built-in'}); "
               "Ctrl-C to stop", flush=True)
         print("pids: " + ", ".join(f"{name} {pid}" for name, pid in cluster.pids.items()), flush=True)
+        print(f"kill -HUP {os.getpid()} replaces every worker one at a time, with no failed request", flush=True)
         while not stop.wait(0.5):
             if cluster.failure is not None:
                 print(f"tandem up: error: the cluster cannot serve: {cluster.failure}; "

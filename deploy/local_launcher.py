@@ -214,6 +214,43 @@ class LocalCluster:
             time.sleep(0.2)
         raise ClusterError(f"cluster not ready after {timeout_s:.0f}s; logs in {self.log_dir}")
 
+    def rolling_restart(self, names: list[str] | None = None, ready_timeout_s: float = 120.0) -> None:
+        """Replace workers one at a time (default: every worker, prefill first) with no failed request:
+        each gets SIGTERM and drains (the router stops routing to it; what it runs finishes within
+        ``drain_timeout_s``, and streams still running then migrate to another worker), exits, and is
+        started again at once; the next one goes only when the router has the new process alive.
+        The new processes read the same command and config file again, so a checkpoint or config
+        changed on disk is picked up."""
+        if self._supervisor is None:
+            raise ClusterError("the cluster is not running")
+        for name in names or self.worker_names:
+            with self._lock:
+                old = self.processes[name]
+                self._supervisor.expect_exit(name)
+                old.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self._drain_timeout_s() + ROUTER_STOP_MARGIN_S
+            while self.processes[name] is old:  # the supervision thread starts the new one once it exits
+                if time.monotonic() > deadline and old.poll() is None:
+                    old.kill()  # stuck past its drain: it would be killed on a stop too
+                if self._is_stopping.is_set():
+                    return
+                time.sleep(0.05)
+            self._wait_alive(name, self.processes[name].pid, ready_timeout_s)
+
+    def _wait_alive(self, name: str, pid: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                workers = httpx.get(f"{self.url}/ready", timeout=2.0).json().get("workers", [])
+                if any(w["worker_id"] == name and w["alive"] and w.get("pid") == pid for w in workers):
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            if self.processes[name].poll() is not None and self.processes[name].pid == pid:
+                raise ClusterError(f"{name} exited while starting:\n{self.log_tail(name)}")
+            time.sleep(0.1)
+        raise ClusterError(f"{name} (pid {pid}) did not register within {timeout_s:.0f}s; logs in {self.log_dir}")
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal one process of this cluster (fault tests)."""
         with self._lock:

@@ -65,6 +65,7 @@ class _ProcessState:
     num_restarts: int = 0  # since the supervisor started, for messages
     restart_at: float | None = None  # a restart is pending at this time
     is_given_up: bool = False
+    is_being_replaced: bool = False  # a planned stop (rolling restart): its exit is no crash, restart at once
 
 
 def describe_exit(returncode: int) -> str:
@@ -102,6 +103,11 @@ class Supervisor:
         self._states = {name: _ProcessState(started_at=now) for name in names}
         self.failure: str | None = None  # why the cluster cannot serve any more; set once
 
+    def expect_exit(self, name: str) -> None:
+        """``name`` is being stopped on purpose (a rolling restart): restart it as soon as it exits, without
+        counting a crash or waiting a backoff."""
+        self._states[name].is_being_replaced = True
+
     @property
     def given_up(self) -> set[str]:
         return {name for name, state in self._states.items() if state.is_given_up}
@@ -115,7 +121,10 @@ class Supervisor:
                 continue
             if state.restart_at is None:
                 returncode = self._poll_exit(name)
-                if returncode is not None:
+                if returncode is not None and state.is_being_replaced:
+                    state.is_being_replaced = False
+                    events.append(self._restart(name, state, now, planned=True))
+                elif returncode is not None:
                     events.append(self._on_crash(name, state, describe_exit(returncode), now))
             elif now >= state.restart_at:
                 events.append(self._restart(name, state, now))
@@ -145,7 +154,7 @@ class Supervisor:
             "exited", name,
             f"{name} {how}; restarting in {delay:g} s (attempt {state.num_consecutive_crashes} of {limit}){where}")
 
-    def _restart(self, name: str, state: _ProcessState, now: float) -> SupervisorEvent:
+    def _restart(self, name: str, state: _ProcessState, now: float, planned: bool = False) -> SupervisorEvent:
         state.restart_at = None
         state.started_at = now
         try:
@@ -154,4 +163,6 @@ class Supervisor:
             return self._on_crash(name, state, f"failed to start ({exc})", now)
         state.num_restarts += 1
         pid_text = f" as pid {pid}" if pid is not None else ""
+        if planned:
+            return SupervisorEvent("replaced", name, f"{name} drained and replaced{pid_text} (rolling restart)")
         return SupervisorEvent("restarted", name, f"{name} restarted{pid_text} (restart {state.num_restarts})")

@@ -156,3 +156,19 @@ def test_describe_exit(code, text):
 def test_bad_policy_is_a_clear_error():
     with pytest.raises(ValueError, match="max_restarts"):
         RestartPolicy(max_restarts=-1)
+
+
+def test_a_planned_exit_is_replaced_at_once_and_counts_no_crash():
+    supervisor, procs, clock = make(max_restarts=1)
+    crash_and_restart(supervisor, procs, clock)  # one real crash: the next would be over the limit
+    for _ in range(3):  # a rolling restart, again and again: never a backoff, never given up
+        supervisor.expect_exit("decode-0")
+        assert supervisor.step() == []  # still draining
+        procs.exit_codes["decode-0"] = 0
+        [event] = supervisor.step()
+        assert event.kind == "replaced" and "rolling restart" in event.message
+        assert procs.exit_codes["decode-0"] is None
+    assert supervisor.given_up == set()
+    procs.exit_codes["decode-0"] = -9  # an unplanned exit afterwards is a crash again
+    [event] = supervisor.step()
+    assert event.kind == "given_up"
