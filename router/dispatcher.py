@@ -304,6 +304,7 @@ class Dispatcher:
             return
         if handle.has_tokens:
             handle.num_migrations += 1
+            handle.paused_since = handle.paused_since or handle.last_token_at
             self.metrics.migrations_total.labels(cause).inc()
             self.metrics.migration_recomputed_tokens.inc(len(handle.prompt_token_ids) + len(handle.output_token_ids))
             logger.warning("request %s migrates off %s after %d tokens (%s)", handle.request_id, failed_worker,
@@ -421,6 +422,9 @@ class Dispatcher:
                     self._release_prefill(handle)
                     self.metrics.queue_depth.dec()
                     self.metrics.ttft_seconds.observe(now - handle.created_at)
+                elif handle.paused_since is not None:  # the first tokens after a migration
+                    self.metrics.migration_pause_seconds.observe(now - handle.paused_since)
+                    handle.paused_since = None
                 else:  # tokens that arrive together share the gap since the previous ones
                     gap = (now - handle.last_token_at) / len(delta.token_ids)
                     for _ in delta.token_ids:

@@ -38,6 +38,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 ADMISSION_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 # rejected: a bad request (4xx); unavailable: no worker can serve it (503); overloaded: 429, every worker busy
+MIGRATION_PAUSE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0)
 OUTCOMES = ("ok", "error", "cancelled", "timeout", "rejected", "unavailable", "overloaded")
 
 
@@ -89,6 +90,10 @@ class RouterMetrics:
         self.migration_recomputed_tokens = Counter(
             "tandem_migration_recomputed_tokens_total", "Tokens (prompt + output so far) a migrated stream's new "
             "worker computed again", registry=self.registry)
+        self.migration_pause_seconds = Histogram(
+            "tandem_migration_pause_seconds", "A migrated stream's pause: its last token before the move to its "
+            "first token after (detection of the failure, then the new worker's recompute)",
+            buckets=MIGRATION_PAUSE_BUCKETS, registry=self.registry)
         self.routed_total = Counter(
             "tandem_routed_requests_total", "Requests routed, per worker and side (decode: the decode or colocated "
             "worker; prefill: the prefill worker of a disaggregated request)", ["worker", "side"],

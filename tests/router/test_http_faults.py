@@ -246,3 +246,5 @@ def test_a_stream_whose_worker_dies_migrates_and_goes_on(router, served_model):
     assert router.metric('tandem_migrations_total{cause="worker_died"}') == 1.0
     assert router.metric("tandem_migration_recomputed_tokens_total") == len(resumed.prompt_token_ids) + len(
         resumed.resume_token_ids)
+    assert router.metric("tandem_migration_pause_seconds_count") == 1.0
+    assert router.metric("tandem_migration_pause_seconds_sum") >= 0.5  # at least the silence before it was dead
