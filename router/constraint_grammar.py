@@ -19,15 +19,17 @@ _BACKEND = "llguidance"  # composed grammars use its Lark extensions (%json, laz
 _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 
-def combined_constraint(requested: StructuredOutput | None, call_grammar: str | None,
+def combined_constraint(requested: StructuredOutput | None, call_grammar: tuple[str, str] | None,
                         thinking_prefix: str | None) -> StructuredOutput | None:
-    """The one constraint of the answer. ``call_grammar``: a forced tool call's rules (entry ``tool_calls``);
-    ``thinking_prefix``: the reasoning parser's Lark sequence for the thinking (None: no reasoning)."""
+    """The one constraint of the answer. ``call_grammar``: the tools' (rules, entry rule), when a call is forced
+    or strict tools are offered; ``thinking_prefix``: the reasoning parser's Lark sequence for the thinking
+    (None: no reasoning)."""
     if requested is not None and call_grammar is not None:
-        raise bad_request("tool_choice: a required or named tool call is already a constraint on the answer; "
-                          "drop response_format / structured_outputs", param="tool_choice")
+        raise bad_request("tool_choice: a required or named tool call, or strict tools, already constrain the "
+                          "answer; drop response_format / structured_outputs", param="tool_choice")
     if call_grammar is not None:
-        return StructuredOutput(kind="grammar", value=f"start: {thinking_prefix or ''} tool_calls\n{call_grammar}",
+        rules, entry = call_grammar
+        return StructuredOutput(kind="grammar", value=f"start: {thinking_prefix or ''} {entry}\n{rules}",
                                 backend=_BACKEND)
     if requested is None or not thinking_prefix:
         return requested

@@ -6,7 +6,9 @@
   the text by the tool-call parser (``router.tool_parsers``) into ``tool_calls``;
 * ``required`` or a named function: the answer **is** one call (or several, when parallel calls are
   allowed and the choice is ``required``), enforced by a grammar of the parser's format whose JSON
-  follows the tools' ``parameters`` schemas, so the call always parses and its arguments validate.
+  follows the tools' ``parameters`` schemas, so the call always parses and its arguments validate;
+* ``auto`` with ``strict`` tools (OpenAI's structured function calling): free text, but once the model
+  opens a call the grammar holds it to the schemas (formats whose marker is text: hermes).
 
 The parser comes from ``router.tool_call_parser``: a format's name, or ``auto`` (inferred from the
 chat template, which names its own markers).
@@ -28,17 +30,22 @@ class ToolPlan:
     parser: ToolParser | None = None  # reads calls out of the answer; None: nobody looks for calls
     forced: str | None = None  # "required", the named function, or None (the model decides)
     parallel: bool = True
+    strict_auto: bool = False  # auto with strict tools: free text, but a call it starts must follow the schema
 
     @property
     def is_named(self) -> bool:
         return self.forced is not None and self.forced != "required"
 
-    def call_grammar(self, tokenizer) -> str | None:
-        """The Lark rules (entry rule ``tool_calls``) the answer must follow; None unless a call is forced."""
-        if self.forced is None or self.parser is None:
+    def call_grammar(self, tokenizer) -> tuple[str, str] | None:
+        """(Lark rules, their entry rule) the answer must follow; None when the tools constrain nothing."""
+        if self.parser is None:
+            return None
+        if self.strict_auto:
+            return self.parser.text_or_calls_grammar(self.tools, self.parallel, tokenizer), "tc_text_or_calls"
+        if self.forced is None:
             return None
         tools = [t for t in self.tools if t["name"] == self.forced] if self.is_named else self.tools
-        return self.parser.call_grammar(tools, self.parallel and not self.is_named, tokenizer)
+        return self.parser.call_grammar(tools, self.parallel and not self.is_named, tokenizer), "tool_calls"
 
 
 def plan_tools(body: ChatCompletionRequest, parser_setting: str, chat_template: str | None) -> ToolPlan:
@@ -59,9 +66,6 @@ def plan_tools(body: ChatCompletionRequest, parser_setting: str, chat_template: 
     if forced not in (None, "required") and forced not in names:
         raise bad_request(f"tool_choice: no tool named {forced!r} (tools: {', '.join(names)})", param="tool_choice")
     strict = [t.function.name for t in body.tools if t.function.strict]
-    if strict and forced is None:
-        raise bad_request(f"tools: strict ({', '.join(strict)}) is enforced when tool_choice is required or names "
-                          "the function; with auto the arguments are not constrained", param="tools")
     parser_name = infer_tool_parser(chat_template) if parser_setting == "auto" else parser_setting
     if parser_name in (None, "none"):
         how = ("its chat template names no tool-call format Tandem knows" if parser_setting == "auto"
@@ -69,5 +73,11 @@ def plan_tools(body: ChatCompletionRequest, parser_setting: str, chat_template: 
         raise bad_request(f"tools: this server cannot read tool calls for this model ({how}); start the router "
                           "with --router-tool-call-parser hermes|llama3_json|mistral, or send tool_choice none",
                           param="tools")
-    return ToolPlan(tools=tools, parser=get_tool_parser(parser_name), forced=forced,
-                    parallel=body.parallel_tool_calls)
+    parser = get_tool_parser(parser_name)
+    strict_auto = bool(strict) and forced is None
+    if strict_auto and parser.text_or_calls_grammar(tools, body.parallel_tool_calls, None) is None:
+        raise bad_request(f"tools: strict ({', '.join(strict)}) under tool_choice auto is enforced for the hermes "
+                          f"format only (this model's is {parser.name}); send tool_choice required or the function's "
+                          "name, or drop strict", param="tools")
+    return ToolPlan(tools=tools, parser=parser, forced=forced, parallel=body.parallel_tool_calls,
+                    strict_auto=strict_auto)

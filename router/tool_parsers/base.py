@@ -73,6 +73,12 @@ class ToolParser:
     def scan(self, text: str, state: Any, final: bool) -> Scan:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def text_or_calls_grammar(self, tools: list[dict], parallel: bool, tokenizer) -> str | None:
+        """Rules (entry ``tc_text_or_calls``) for ``tool_choice`` auto with strict tools: free text that never
+        starts a call, optionally followed by calls held to their schemas; None where the format cannot
+        say that (its marker is a special token, or there is none)."""
+        return None
+
     def call_grammar(self, tools: list[dict], parallel: bool, tokenizer) -> str:  # pragma: no cover - abstract
         """An llguidance Lark fragment defining ``tool_calls`` (helpers named ``tc_*``, no ``start``): exactly
         one call (``parallel`` False) or one or more, in this format, each call's JSON held to its tool's schema."""

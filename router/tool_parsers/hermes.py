@@ -41,3 +41,14 @@ class HermesToolParser(MarkedToolParser):
         return (f"tool_calls: {calls}\n"
                 f"tc_call: {lark_string(START + chr(10))} tc_body {lark_string(chr(10) + END)}\n"
                 f"tc_body: {inline_json(any_call_schema(tools, 'arguments'))}\n")
+
+    def text_or_calls_grammar(self, tools: list[dict], parallel: bool, tokenizer) -> str | None:
+        """Any text without the opening tag, or text up to the first tag (a lazy lexeme: llguidance's pattern
+        for tool calls written in text) and then the calls: once the model writes the tag, the call must
+        parse and follow its tool's schema (OpenAI's strict tools under tool_choice auto)."""
+        more = ' ("\\n" tc_call)*' if parallel else ""
+        return (f"tc_text_or_calls: TC_TEXT | tc_head tc_first{more}\n"
+                f"TC_TEXT: /(?s:.*)/ & ~/(?s:.*){START}(?s:.*)/\n"
+                f"tc_head[lazy]: /(?s:.*){START}/\n"
+                f"tc_first: {lark_string(chr(10))} tc_body {lark_string(chr(10) + END)}\n"
+                + self.call_grammar(tools, parallel, tokenizer))

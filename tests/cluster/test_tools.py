@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Literal
 
 import jsonschema
 import openai
@@ -174,6 +175,26 @@ def test_a_call_and_its_result_continue_the_conversation(client):
         {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "21 C"}]
     second = client.chat.completions.create(model=name(client), messages=turns, tools=TOOLS, max_tokens=5)
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10
+
+
+class GetWeather(BaseModel):
+    city: Literal["Paris", "Rome", "Oslo"]
+    days: int = Field(ge=1, le=7)
+
+
+def test_strict_tools_under_auto_hold_a_call_to_its_schema(client, tokenizer):
+    """The SDK's ``parse`` with ``pydantic_function_tool`` (strict) and tool_choice auto: the model may
+    write text, but once it opens a call the grammar holds it to the schema. The bias makes it open one."""
+    tool = openai.pydantic_function_tool(GetWeather)
+    assert tool["function"]["strict"] is True
+    marker = tokenizer.convert_tokens_to_ids("<tool_call>")
+    out = client.chat.completions.parse(model=name(client), messages=ASK, tools=[tool], max_tokens=120,
+                                        temperature=0, parallel_tool_calls=False, logit_bias={str(marker): 100})
+    [call] = out.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetWeather) and out.choices[0].finish_reason == "tool_calls"
+    free = client.chat.completions.create(model=name(client), messages=ASK, tools=[tool], max_tokens=8,
+                                          temperature=0, logit_bias={str(marker): -100})  # text is allowed too
+    assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
 
 
 def test_bad_tool_requests_are_400s(client):

@@ -72,3 +72,21 @@ def test_what_cannot_be_composed_is_a_400():
     with pytest.raises(APIError) as info:
         combined_constraint(SPECS["json"][0], "tool_calls: \"x\"", None)
     assert info.value.param == "tool_choice"
+
+
+def test_strict_tools_under_auto_allow_text_and_hold_a_call_to_its_schema(backend):
+    from router.tool_parsers import get_tool_parser
+
+    tools = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                    "required": ["city"], "additionalProperties": False}}]
+    rules = get_tool_parser("hermes").text_or_calls_grammar(tools, False, backend.tokenizer)
+    spec = combined_constraint(None, (rules, "tc_text_or_calls"), None)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert accepts(backend, spec, "Just text, no call at all.")
+    assert accepts(backend, spec, "Let me look.\n" + call)
+    assert not accepts(backend, spec, call.replace("get_weather", "get_time"))
+    assert not accepts(backend, spec, call.replace('"city": "Paris"', '"town": "Paris"'))
+    assert not accepts(backend, spec, "text " + call + " and more text")
+    thinking = combined_constraint(None, (rules, "tc_text_or_calls"),
+                                   get_reasoning_parser("think").grammar_prefix(True))
+    assert accepts(backend, thinking, "hmm</think>\n\n" + call)
