@@ -207,7 +207,7 @@ class Dispatcher:
             params = msgspec.structs.replace(params, prompt_logprobs=None)
         while True:
             # a migrated stream is recomputed where it will be decoded (its prompt + the tokens sent so far)
-            route = choose_route(self._views(prompt), needed, handle.excluded, num_prompt_tokens=num_prompt_tokens,
+            route = choose_route(self._views(prompt), needed, self._excluded(handle), num_prompt_tokens=num_prompt_tokens,
                                  max_local_prefill_length=(needed if resume else self.max_local_prefill_length),
                                  kv_overlap_weight=self.kv_overlap_weight)
             handle.num_attempts += 1
@@ -225,7 +225,16 @@ class Dispatcher:
                 self._assign(handle, route)
                 self.metrics.note_route(route, num_prompt_tokens)
                 return
-            handle.excluded.add(route.decode.worker_id)
+            self._exclude(handle, route.decode.worker_id)
+
+    def _exclude(self, handle: RequestHandle, worker_id: str) -> None:
+        info = self.registry.get(worker_id)
+        handle.excluded[worker_id] = info.pid if info is not None else -1
+
+    def _excluded(self, handle: RequestHandle) -> set[str]:
+        """The workers a request must avoid: those that failed it, while they are still the same process."""
+        return {worker_id for worker_id, pid in handle.excluded.items()
+                if (info := self.registry.get(worker_id)) is None or info.pid == pid or pid == -1}
 
     def _assign(self, handle: RequestHandle, route: Route) -> None:
         handle.dispatched_at = time.monotonic()
@@ -314,7 +323,7 @@ class Dispatcher:
             self._send(old_decode, CancelRequest(request_id=handle.wire_id))
         self._remember_cancel(handle.wire_id)
         self._unassign(handle)
-        handle.excluded.add(failed_worker)
+        self._exclude(handle, failed_worker)
         try:  # it was admitted once: it goes ahead of everyone who waits, and waits if all are saturated
             handle.admission = self.admission.enqueue(
                 handle, at_front=True, timeout_s=max(0.001, handle.deadline - time.monotonic()))

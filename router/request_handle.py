@@ -30,7 +30,9 @@ class RequestHandle:
     decode_worker_id: str | None = None
     prefill_worker_id: str | None = None
     num_attempts: int = 0
-    excluded: set[str] = field(default_factory=set)  # workers that failed it (never routed there again)
+    # workers that failed it, by the pid of the process that did: never routed there again, unless that
+    # worker comes back as a new process (a restart, a rolling upgrade)
+    excluded: dict[str, int] = field(default_factory=dict)
     admission: asyncio.Future | None = None  # done once dispatched (see Dispatcher.wait_admitted)
     is_admitted: bool = False  # dispatched once: counted in the in-flight gauges until finished
     has_tokens: bool = False
