@@ -62,7 +62,10 @@ class KVCacheManager:
 
     def drain_events(self) -> tuple[list[bytes], list[bytes]]:
         """(hashes now cached, hashes forgotten) since the last drain: each hash once, in its latest state."""
-        events, self._events = self._events or {}, ({} if self._events is not None else None)
+        events = self._events
+        if not events:  # the common pass of a worker's loop: nothing changed, nothing allocated
+            return [], []
+        self._events = {}
         stored = [h for h, cached in events.items() if cached]
         return stored, [h for h, cached in events.items() if not cached]
 

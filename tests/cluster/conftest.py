@@ -127,6 +127,12 @@ def worker_metric(url: str, metric: str, worker: str) -> float | None:
     return None
 
 
+def migrations(url: str) -> float:
+    """Streams the router moved to another worker after their first token (tandem_migrations_total, every cause)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+               if line.startswith("tandem_migrations_total{"))
+
+
 def wait_for_metric(url: str, metric: str, worker: str, above: float, timeout_s: float = 5.0) -> bool:
     """Whether ``worker``'s ``metric`` exceeds ``above`` within ``timeout_s`` (reports lag a heartbeat)."""
     deadline = time.monotonic() + timeout_s

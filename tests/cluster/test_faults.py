@@ -16,7 +16,8 @@ import pytest
 import zmq
 
 from pipeline.endpoints import router_endpoint, worker_bind_endpoint
-from tests.cluster.conftest import CLUSTER_CONFIG, kv_gauges, start_cluster, wait_for_idle_blocks, worker_metric
+from tests.cluster.conftest import (CLUSTER_CONFIG, kv_gauges, migrations, start_cluster, wait_for_idle_blocks,
+                                    worker_metric)
 
 NUM_BLOCKS = CLUSTER_CONFIG["kv_cache"]["num_blocks"]
 FAST_FAULTS = {"transfer": {"transport": "shm", "ttl_s": 3.0, "heartbeat_interval_s": 0.2}}
@@ -48,11 +49,6 @@ def name(client) -> str:
 def long_stream(client, prompt: str = "Once upon a time"):
     return client.completions.create(model=name(client), prompt=prompt, max_tokens=1500, temperature=0, stream=True,
                                      extra_body={"ignore_eos": True})
-
-
-def migrations(url: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
-               if line.startswith("tandem_migrations_total{"))
 
 
 def used_blocks(url: str, worker: str) -> float:

@@ -16,7 +16,7 @@ import time
 import httpx
 import openai
 
-from tests.cluster.conftest import start_cluster, wait_for_idle_blocks, worker_metric
+from tests.cluster.conftest import migrations, start_cluster, wait_for_idle_blocks, worker_metric
 
 NUM_BLOCKS = 1024
 FAST_LIVENESS = {
@@ -77,11 +77,6 @@ def _stream_to_end(client, name: str, prompt: str, results: dict, key: str) -> N
         results[key] = ("completed", time.monotonic(), text)
     except (openai.APIError, httpx.HTTPError) as exc:
         results[key] = ("error", time.monotonic(), repr(exc))
-
-
-def migrations(url: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
-               if line.startswith("tandem_migrations_total{"))
 
 
 def test_a_frozen_worker_is_declared_dead_and_its_streams_move_on(tiny_checkpoint, tmp_path, reference_text):

@@ -11,13 +11,12 @@ import signal
 import threading
 import time
 
-import httpx
 import jsonschema
 import openai
 import pytest
 
-from tests.cluster.conftest import (CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks,
-                                    wait_for_incarnation, worker_metric)
+from tests.cluster.conftest import (CLUSTER_CONFIG, migrations, openai_client, running_cluster,
+                                    wait_for_idle_blocks, wait_for_incarnation, worker_metric)
 
 SCHEMA = {"type": "object", "required": ["name", "tags"], "additionalProperties": False, "properties": {
     "name": {"type": "string", "maxLength": 40}, "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
@@ -39,11 +38,6 @@ def cluster(tiny_checkpoint, tmp_path_factory):
                          num_decode=0, num_colocated=2, max_restarts=2, entry_module="tests.cluster.slow_steps",
                          env={"TANDEM_TEST_STEP_DELAY_S": "0.02", "OMP_NUM_THREADS": "1"}) as c:
         yield c
-
-
-def migrations(url: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
-               if line.startswith("tandem_migrations_total{"))
 
 
 def test_streams_outlive_their_worker(cluster):

@@ -15,12 +15,11 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from tests.cluster.conftest import (
-    CLUSTER_CONFIG, start_cluster, wait_for_idle_blocks, wait_for_incarnation, wait_for_metric, worker_metric,
+    CLUSTER_CONFIG, migrations, start_cluster, wait_for_idle_blocks, wait_for_incarnation, wait_for_metric, worker_metric,
 )
 from tests.conftest import hf_greedy
 
@@ -176,12 +175,6 @@ def route_a_batch(client, tokenizer, reference_text, tag: str, num_requests: int
     assert len(outputs) == num_requests
     for i, out in outputs.items():
         assert out.choices[0].text == reference_text(tokenizer(prompts[i])["input_ids"], 24)[1]
-
-
-def migrations(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("tandem_migrations_total{"))
 
 
 def assert_restarted(cluster, name: str, old_pid: int, killed_at: float) -> int:
