@@ -19,6 +19,10 @@ Request lifecycle on this worker:
    request with an error (retryable when no token was emitted yet; a drain that runs out of time marks
    every request retryable, and the router migrates those with tokens). Its blocks are freed only after
    the receiver confirms it will never write them again. ``CancelRequest`` frees everything at once.
+6. Live migration (DecodeOnly, ``transfer.kv_migration_on_drain``): a draining worker hands its decoding
+   streams with their KV to another DecodeOnly worker (``decode_worker/kv_handoff.py``). As the target,
+   a ``GenerateRequest`` with ``kv_source_request_id`` goes through steps 2-3 against the draining
+   worker, whose ``PrefillDone`` carries the stream's last token (already sent: not emitted again).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from decode_worker.kv_handoff import KVHandoff
 from decode_worker.prefill_links import PrefillLinks
 from kv_transfer.layout import kv_layout
 from kv_transfer.receiver import KVReceiver
@@ -41,6 +46,7 @@ from pipeline.protocol.cluster import (
     CancelPrefill,
     CancelRequest,
     GenerateRequest,
+    HandoffDeclined,
     PrefillAccepted,
     PrefillRequest,
     PrefillStarted,
@@ -72,11 +78,15 @@ class DecodeWorker(WorkerBase):
         self.prefill_links: PrefillLinks | None = None
         self.remote: dict[str, RemotePrefill] = {}
         self.deadlines: dict[str, float] = {}
-        self.emitted: set[str] = set()  # requests that already sent a token to the router
+        self.migrated_bytes: dict[str, int] = {}  # live-migrated streams here: KV bytes that came (reported once)
+        self.handoff: KVHandoff | None = None  # draining: streams leave with their KV (live migration)
         if self.is_disaggregated:
+            layout = kv_layout(self.engine.kv_cache, self.model_fingerprint, config.transfer.transport)
+            if config.transfer.kv_migration_on_drain:
+                self.handoff = KVHandoff(worker_id, self.ctx, self.engine, layout, config)
             self.receiver = KVReceiver(
                 self.engine.kv_cache,
-                kv_layout(self.engine.kv_cache, self.model_fingerprint, config.transfer.transport),
+                layout,
                 # Per incarnation (pid): a prefill worker must handshake anew with a restarted decode
                 # worker (a new cache), never write into its predecessor's mapping.
                 worker_bind_endpoint(config.zmq_endpoint_base, worker_id, f"kv-{os.getpid()}",
@@ -108,6 +118,8 @@ class DecodeWorker(WorkerBase):
                     self._cancel(message.request_id)
                 else:
                     self._cancel_choice(message.request_id, message.index)
+            elif isinstance(message, HandoffDeclined) and self.handoff is not None:
+                self.handoff.decline(message.request_id)
         if self.is_disaggregated:
             outputs.extend(self._progress_remote())
         if self.is_busy():
@@ -115,19 +127,35 @@ class DecodeWorker(WorkerBase):
                 outputs.append(self._delta(step))
         outputs.extend(self._expire_deadlines())
         self.link.send_outputs(outputs)
+        if self.handoff is not None:
+            self._hand_off_streams()
         self.tick()
 
+    def _hand_off_streams(self) -> None:
+        """Draining: pause what decodes and offer it to the router, after its tokens; move the KV of
+        streams a target asked for; forget those that left."""
+        if self.is_draining:
+            steps, paused = self.engine.pause_decoding()
+            self.link.send_outputs([self._delta(step) for step in steps])
+            self.handoff.offer(self.link, [seq.request_id for seq in paused])
+        for stream_id in self.handoff.progress():
+            self._forget(stream_id)
     def listen_endpoints(self) -> list[str]:
         return [self.receiver.endpoint] if self.receiver is not None else []
 
     def sockets(self) -> list[zmq.Socket]:
         extra = self.prefill_links.sockets() if self.prefill_links else []
-        return [self.link.socket, *extra]
+        handoff = self.handoff.sockets() if self.handoff else []
+        return [self.link.socket, *extra, *handoff]
+
+    def has_work_in_flight(self) -> bool:
+        return super().has_work_in_flight() or (self.handoff is not None and self.handoff.has_work())
 
     def transfer_counters(self) -> dict:
         if self.receiver is None:
             return super().transfer_counters()
-        return transfer_counters(self.receiver.stats(), self.link.num_bad_frames + self.prefill_links.num_bad_frames)
+        num_bad_frames = self.link.num_bad_frames + self.prefill_links.num_bad_frames
+        return transfer_counters(self.receiver.stats(), num_bad_frames + (self.handoff.num_bad_frames if self.handoff else 0))
 
     # -------------------------------------------------------------- requests
     def _on_generate(self, request: GenerateRequest) -> list:
@@ -135,6 +163,8 @@ class DecodeWorker(WorkerBase):
         if self.is_draining:
             return [error_delta(rid, f"worker {self.worker_id} is shutting down", retryable=True)]
         remote = request.prefill_endpoint is not None and self.is_disaggregated
+        if request.kv_source_request_id is not None and not remote:
+            return [error_delta(rid, "a live-migrated stream needs a DecodeOnly worker", retryable=True)]
         try:
             self.engine.add_request(rid, request.prompt_token_ids, request.sampling_params, remote_prefill=remote,
                                     resume_token_ids=request.resume_token_ids)
@@ -149,7 +179,14 @@ class DecodeWorker(WorkerBase):
 
     def fail_in_flight(self, reason: str) -> None:
         outputs = []
+        if self.handoff is not None:
+            for rid in self.handoff.unsent():  # failed below: the router migrates them by replay
+                self.handoff.cancel(rid)
         for rid in list(self.deadlines):
+            if self.handoff is not None and self.handoff.owns(rid):  # moving: its target reports it
+                self.handoff.cancel(rid)
+                self._forget(rid)
+                continue
             state = self.remote.pop(rid, None)
             if state is not None and state.is_sent:
                 self._abandon_transfer(rid, state, notify=True)
@@ -159,6 +196,10 @@ class DecodeWorker(WorkerBase):
         self.link.send_outputs(outputs)
 
     def _cancel(self, request_id: str) -> None:
+        if self.handoff is not None and self.handoff.owns(request_id):
+            self.handoff.cancel(request_id)  # its blocks are freed once the sender lets go
+            self._forget(request_id)
+            return
         state = self.remote.get(request_id)
         if state is not None and state.is_sent:
             # The receiver may still be writing: free the blocks only once it has let go.
@@ -176,13 +217,14 @@ class DecodeWorker(WorkerBase):
 
     def _forget(self, request_id: str) -> None:
         self.deadlines.pop(request_id, None)
-        self.emitted.discard(request_id)
+        self.migrated_bytes.pop(request_id, None)
 
     def _delta(self, step: StepOutput):
-        self.emitted.add(step.request_id)
+        delta = delta_from_step(step)
+        delta.num_migrated_kv_bytes = self.migrated_bytes.pop(step.request_id, 0)
         if step.request_finished:
             self._forget(step.request_id)
-        return delta_from_step(step)
+        return delta
 
     # --------------------------------------------------------- remote prefill
     def _progress_remote(self) -> list:
@@ -196,13 +238,15 @@ class DecodeWorker(WorkerBase):
             request = state.request
             self.prefill_links.send(request.prefill_endpoint, PrefillRequest(
                 request_id=seq.request_id,
-                prompt_token_ids=request.prompt_token_ids,
+                # a live-migrated stream: its prompt and every token sent, whose KV the source holds
+                prompt_token_ids=request.prompt_token_ids if request.kv_source_request_id is None else seq.token_ids,
                 sampling_params=request.sampling_params,
                 dst_block_ids=block_ids,
                 num_cached_tokens=seq.num_cached_tokens,
                 transfer_endpoint=self.receiver.endpoint,
                 decode_worker_id=self.worker_id,
                 ttl_s=self.config.transfer.ttl_s,
+                source_request_id=request.kv_source_request_id,
             ))
             state.is_sent = True
         for answer in self.prefill_links.receive():
@@ -231,6 +275,10 @@ class DecodeWorker(WorkerBase):
             except msgspec.DecodeError as exc:
                 state.failure = f"malformed PrefillDone payload: {exc}"
             else:
+                if state.request.kv_source_request_id is not None:  # its last token was sent before the move
+                    self.engine.activate_migrated(rid, prefill.num_draft_computed_tokens)
+                    self.migrated_bytes[rid] = done.num_bytes
+                    return []
                 first_logprobs = None
                 if prefill.first_logprobs is not None:  # sampled first, then top-N: a dict holds both
                     first_logprobs = {lp.token_id: lp.logprob for lp in prefill.first_logprobs}
@@ -276,12 +324,17 @@ class DecodeWorker(WorkerBase):
             if state is not None:
                 self._tear_down_remote(rid, state, "request deadline exceeded", retryable=False, notify=True)
                 continue
-            self.engine.abort_request(rid)
+            if self.handoff is not None and self.handoff.owns(rid):
+                self.handoff.cancel(rid)  # frees its blocks once no transfer reads them
+            else:
+                self.engine.abort_request(rid)
             self._forget(rid)
             outputs.append(error_delta(rid, "request deadline exceeded", retryable=False))
         return outputs
 
     def close(self) -> None:
+        if self.handoff is not None:
+            self.handoff.close()
         if self.receiver is not None:
             self.receiver.close()
         if self.prefill_links is not None:

@@ -115,6 +115,10 @@ class TransferConfig(_Section):
     transport: Literal["auto", "zmq", "shm"] = Field("auto", description="auto: shared memory on one host, else ZMQ")
     ttl_s: float = Field(30.0, gt=0.0, description="a reservation expires if its KV has not arrived by then")
     heartbeat_interval_s: float = Field(0.5, gt=0.0, description="worker -> router heartbeat period")
+    kv_migration_on_drain: bool = Field(
+        True, description="a draining DecodeOnly worker hands its running streams, with their KV, to another "
+        "DecodeOnly worker the router picks (nothing recomputed; docs/migration.md); false = they finish where "
+        "they are within drain_timeout_s")
 
 
 class RouterConfig(_Section):

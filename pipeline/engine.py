@@ -146,7 +146,8 @@ class LLMEngine:
         prefills; see ``reserve_remote`` and ``activate_remote``. ``resume_token_ids``: output tokens
         another worker already produced (a migrated request): they are outputs, not prompt (penalties,
         lengths, seeds per position and the grammar see them so), computed here like a preempted
-        request's, and generation goes on after them."""
+        request's (with ``remote_prefill``: their KV comes from the worker that produced them, see
+        ``activate_migrated``), and generation goes on after them."""
         if request_id in self._sequences:
             raise RequestError(f"request_id: {request_id!r} is already running")
         validate_request(prompt_token_ids, params, self.vocab_size, self.max_length)
@@ -154,7 +155,7 @@ class LLMEngine:
             params = msgspec.structs.replace(params, logprobs=0)
         seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
         if resume_token_ids:
-            self._resume(seq, resume_token_ids, prefill_only or remote_prefill)
+            self._resume(seq, resume_token_ids, prefill_only)
         # n > 1 (not on a prefill-only worker, which computes the prompt once for the decode worker):
         # the other choices start once this one's prompt KV is written, sharing its blocks (_emit)
         siblings = [] if prefill_only else [
@@ -194,9 +195,9 @@ class LLMEngine:
         """Every choice of a request (n > 1: index order), finished or not, while the request is known."""
         return self._choices.members(request_id)
 
-    def _resume(self, seq: Sequence, token_ids: list[int], elsewhere: bool) -> None:
-        if elsewhere or seq.params.num_sequences > 1:
-            raise RequestError("resume_token_ids: only a single-choice request prefilled here can resume")
+    def _resume(self, seq: Sequence, token_ids: list[int], prefill_only: bool) -> None:
+        if prefill_only or seq.params.num_sequences > 1:
+            raise RequestError("resume_token_ids: only a single-choice request decoded here can resume")
         if len(seq.prompt_token_ids) + len(token_ids) >= seq.max_total_tokens:
             raise RequestError("resume_token_ids: nothing is left to generate")
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
@@ -285,6 +286,33 @@ class LLMEngine:
             seq.prompt_logprobs = prompt_logprobs or PromptLogprobs()
         self.scheduler.activate_remote(seq, first_token_id)
         return self._emit(seq, first_token_id, first_logprobs)
+
+    def activate_migrated(self, request_id: str, num_draft_computed_tokens: int | None = None) -> None:
+        """A migrated stream's KV arrived from the worker that decoded it so far (every token but the last,
+        which the client has already): decode on from the next step, emitting nothing now."""
+        seq = self._sequences[request_id]
+        seq.prompt_logprobs_sent = True  # sent with the first token, before the move
+        self.scheduler.activate_migrated(seq, num_draft_computed_tokens)
+
+    def pause_decoding(self) -> tuple[list[StepOutput], list[Sequence]]:
+        """Live migration on drain: stop decoding every single-choice request that is decoding (its KV
+        then covers every token but the last, which it emitted), keeping its blocks for the handoff.
+        Returns the outputs of a step still in flight (read first, so nothing is computed past them)
+        and the requests paused now; ``resume_paused`` or ``abort_request`` ends a pause."""
+        outputs = self._read(self._take_in_flight()) if self._in_flight is not None else []
+        paused = []
+        for seq in list(self.scheduler.running):
+            if (seq.params.num_sequences == 1 and not seq.is_prefill_only and seq.num_output_tokens > 0
+                    and seq.num_computed_tokens == seq.num_tokens - 1):
+                self.scheduler.pause(seq)
+                self.runner.forget(seq.request_id)  # back as a new row of the persistent batch, if resumed
+                paused.append(seq)
+        return outputs, paused
+
+    def resume_paused(self, request_id: str) -> None:
+        seq = self._sequences.get(request_id)
+        if seq is not None and seq.status is SequenceStatus.PAUSED:
+            self.scheduler.unpause(seq)
 
     def load(self, **transfer_counters) -> WorkerLoad:
         """This worker's load report for the router (prefix-cached unheld blocks count as free)."""

@@ -29,6 +29,7 @@ from pipeline.endpoints import router_endpoint
 from pipeline.protocol.cluster import (
     CancelRequest,
     GenerateRequest,
+    HandoffDeclined,
     Heartbeat,
     KVEvents,
     RegisterAck,
@@ -86,7 +87,7 @@ class RouterLink:
         self._thread.start()
 
     # ------------------------------------------------------------ loop thread
-    def receive(self) -> list[GenerateRequest | CancelRequest]:
+    def receive(self) -> list[GenerateRequest | CancelRequest | HandoffDeclined]:
         """Every request the router sent since the last call (non-blocking)."""
         while True:
             try:
@@ -103,6 +104,10 @@ class RouterLink:
     def send_outputs(self, deltas: list[TokenDelta]) -> None:
         if deltas:
             self.socket.send(encode(TokenBatch(outputs=deltas)))
+
+    def send(self, message) -> None:
+        """Any other worker -> router message (a ``HandoffOffer``), in order with the token batches."""
+        self.socket.send(encode(message))
 
     def send_kv_events(self, kv_manager) -> None:
         """The prefix cache's changes for the router's index (loop thread, in order with token batches):

@@ -132,10 +132,10 @@ class Scheduler:
         admitted: list[Sequence] = []
         while self.waiting_remote and len(self.running) + len(self.reserved) < self.max_batch_size:
             seq = self.waiting_remote[0]
-            # Room for the prompt and the first token, whose KV this worker computes in its first step.
-            num_cached = self.kv.allocate(
-                seq.request_id, seq.token_ids, seq.num_tokens + 1, max_usage=self.kvcache_ce_watermark
-            )
+            # Room for the prompt and the first token, whose KV this worker computes in its first step
+            # (a migrated stream holds its last token already: its KV is computed here next).
+            num_slots = seq.num_tokens + (0 if seq.num_output_tokens else 1)
+            num_cached = self.kv.allocate(seq.request_id, seq.token_ids, num_slots, max_usage=self.kvcache_ce_watermark)
             if num_cached is None:
                 break
             self.waiting_remote.popleft()
@@ -151,6 +151,26 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_draft_computed_tokens = seq.num_tokens  # the draft's KV came too
         self.kv.register_computed(seq.request_id, seq.token_ids, seq.num_computed_tokens)
         seq.append_token(first_token_id)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def activate_migrated(self, seq: Sequence, num_draft_computed_tokens: int | None) -> None:
+        """A migrated stream's KV (every token but its last, already emitted) landed: decode from here on."""
+        del self.reserved[seq.request_id]
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.num_draft_computed_tokens = min(seq.num_computed_tokens, num_draft_computed_tokens
+                                            if num_draft_computed_tokens is not None else seq.num_computed_tokens)
+        self.kv.register_computed(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    # --------------------------------------------------------- live migration
+    def pause(self, seq: Sequence) -> None:
+        """Stop scheduling a running ``seq``; it keeps its blocks (their KV is being handed off)."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PAUSED
+
+    def unpause(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 

@@ -18,6 +18,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued for admission (new or preempted)
     RESERVED = "reserved"  # holds KV blocks, waiting for a prefill worker to fill them (DecodeOnly)
     RUNNING = "running"  # holds KV blocks, scheduled every step
+    PAUSED = "paused"  # holds KV blocks, not scheduled: its KV is moving to another worker (live migration)
     FINISHED = "finished"
 
 

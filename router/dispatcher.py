@@ -13,6 +13,13 @@ itself, and goes on from the next position. Penalties, lengths, per-position see
 those tokens as outputs, so the stream continues exactly as it would have. Otherwise it fails. A
 heartbeat that claims another worker's id counts as a bad frame.
 
+Live migration: a draining DecodeOnly worker offers each decoding stream (``HandoffOffer``, after its
+tokens). The router picks another DecodeOnly worker (``choose_handoff_target``) and sends it the stream
+under a fresh wire id with ``kv_source_request_id``: that worker fetches the KV from the draining one, so
+nothing is recomputed. No target (or no migrations left): ``HandoffDeclined``, and the stream decodes on
+where it is. A handoff that fails (either worker dies or errs before the new worker's first tokens)
+falls back to migration by replay.
+
 Admission: a request goes to a worker only while one has a free slot in its batch (router-side
 in-flight count < the ``max_batch_size`` it registered with). When none has, ``submit`` queues it in
 the ``AdmissionQueue`` (first in, first out, bounded, timed) and the HTTP layer awaits
@@ -37,6 +44,8 @@ from pipeline.protocol.cluster import (
     CancelRequest,
     FinishCode,
     GenerateRequest,
+    HandoffDeclined,
+    HandoffOffer,
     Heartbeat,
     KVEvents,
     RegisterAck,
@@ -49,7 +58,7 @@ from pipeline.protocol.requests import SamplingParams
 from router.admission import AdmissionQueue, Overloaded, estimate_retry_after_s
 from router.metrics import RouterMetrics
 from router.kv_index import PromptHashes
-from router.policy import NoRoute, Route, Saturated, WorkerView, choose_route
+from router.policy import NoRoute, Route, Saturated, WorkerView, choose_handoff_target, choose_route
 from router.registry import WorkerInfo, WorkerRegistry
 from router.request_handle import RequestFailed, RequestHandle
 from router.worker_socket import WorkerSocket
@@ -278,6 +287,7 @@ class Dispatcher:
     def _finish(self, handle: RequestHandle) -> None:
         if handle.is_done:
             return
+        self._abandon_handoff(handle)
         self.admission.discard(handle)  # it may be waiting (new, or a retry) rather than on a worker
         if self._unassign(handle):
             self._note_slot_hold(time.monotonic() - handle.dispatched_at)
@@ -318,6 +328,7 @@ class Dispatcher:
             self.metrics.migration_recomputed_tokens.inc(len(handle.prompt_token_ids) + len(handle.output_token_ids))
             logger.warning("request %s migrates off %s after %d tokens (%s)", handle.request_id, failed_worker,
                            len(handle.output_token_ids), message)
+        self._abandon_handoff(handle)
         old_decode = handle.decode_worker_id
         if old_decode and old_decode != failed_worker and self.registry.is_alive(old_decode):
             self._send(old_decode, CancelRequest(request_id=handle.wire_id))
@@ -352,6 +363,9 @@ class Dispatcher:
                 self._retry_or_fail(handle, worker.worker_id, f"decode worker {worker.worker_id} died")
             elif handle.prefill_worker_id == worker.worker_id and not handle.has_tokens:
                 self._retry_or_fail(handle, worker.worker_id, f"prefill worker {worker.worker_id} died")
+            elif handle.kv_source is not None and handle.kv_source[0] == worker.worker_id:
+                handle.kv_source = None  # nobody to tell: its KV is gone, the new worker recomputes it
+                self._retry_or_fail(handle, worker.worker_id, f"decode worker {worker.worker_id} died handing off")
         self.admission.wake()  # queued requests that only this worker could serve now fail (503)
 
     def _views(self, prompt: PromptHashes | None = None) -> list[WorkerView]:
@@ -380,6 +394,11 @@ class Dispatcher:
                 self.admission.wake()  # its load (or its being alive again) may let a queued request in
         elif isinstance(msg, RegisterWorker):
             self._on_register(worker_id, msg)
+        elif isinstance(msg, HandoffOffer):
+            if msg.worker_id != worker_id:
+                self.socket.count_bad_frame(worker_id, f"handoff offer for {msg.worker_id!r} from routing id {worker_id!r}")
+            else:
+                self._on_handoff_offer(worker_id, msg)
         elif isinstance(msg, KVEvents):
             if msg.worker_id != worker_id:
                 self.socket.count_bad_frame(worker_id, f"KV events for {msg.worker_id!r} from routing id {worker_id!r}")
@@ -434,6 +453,9 @@ class Dispatcher:
                 elif handle.paused_since is not None:  # the first tokens after a migration
                     self.metrics.migration_pause_seconds.observe(now - handle.paused_since)
                     handle.paused_since = None
+                    if handle.kv_source is not None:  # a handoff is complete: the draining worker has let it go
+                        handle.kv_source = handle.prefill_worker_id = None
+                    self.metrics.migration_kv_bytes.inc(delta.num_migrated_kv_bytes)
                 else:  # tokens that arrive together share the gap since the previous ones
                     gap = (now - handle.last_token_at) / len(delta.token_ids)
                     for _ in delta.token_ids:
@@ -444,6 +466,57 @@ class Dispatcher:
                 self._finish(handle)
             elif delta.finish_reason is not None:
                 self._choice_finished(handle, delta.index)
+
+    # ------------------------------------------------------------------ live migration
+
+    def _on_handoff_offer(self, worker_id: str, offer: HandoffOffer) -> None:
+        """A draining worker paused a stream: move it, with its KV, to another DecodeOnly worker, or decline."""
+        handle = self._requests.get(offer.request_id)
+        if handle is None or handle.is_done or handle.decode_worker_id != worker_id:
+            self._send(worker_id, HandoffDeclined(request_id=offer.request_id, reason="unknown stream"))
+            return
+        resume = handle.output_token_ids
+        num_tokens = len(handle.prompt_token_ids) + len(resume)
+        prompt = PromptHashes(handle.prompt_token_ids + resume) if self.kv_overlap_weight is not None else None
+        try:
+            if not self._can_migrate(handle) or not resume:
+                raise NoRoute("no migrations left")
+            target = choose_handoff_target(
+                self._views(prompt), len(handle.prompt_token_ids) + (handle.sampling_params.max_tokens or 0),
+                self._excluded(handle) | {worker_id}, num_cached_tokens=num_tokens,
+                kv_overlap_weight=self.kv_overlap_weight)
+        except NoRoute as exc:
+            self._send(worker_id, HandoffDeclined(request_id=offer.request_id, reason=str(exc)))
+            return
+        wire_id = f"{handle.request_id}~{handle.num_attempts + 1}"
+        params = handle.sampling_params
+        if params.prompt_logprobs is not None:  # the client has them already
+            params = msgspec.structs.replace(params, prompt_logprobs=None)
+        if not self._send(target.worker_id, GenerateRequest(
+                request_id=wire_id, prompt_token_ids=handle.prompt_token_ids, sampling_params=params,
+                prefill_worker_id=worker_id, prefill_endpoint=offer.endpoint,
+                deadline_s=max(0.001, handle.deadline - time.monotonic()), resume_token_ids=resume,
+                kv_source_request_id=offer.request_id)):
+            self._send(worker_id, HandoffDeclined(request_id=offer.request_id, reason="the target is unreachable"))
+            return
+        self._unassign(handle)
+        handle.num_attempts += 1
+        handle.wire_id = wire_id
+        handle.num_migrations += 1
+        handle.paused_since = handle.last_token_at
+        self._assign(handle, Route(decode=target, prefill=None))
+        handle.prefill_worker_id = worker_id  # a failed transfer is the draining worker's: retry without it
+        handle.kv_source = (worker_id, offer.request_id)
+        self.metrics.migrations_total.labels("drain").inc()
+        logger.info("request %s hands off from draining %s to %s after %d tokens", handle.request_id, worker_id,
+                    target.worker_id, len(resume))
+
+    def _abandon_handoff(self, handle: RequestHandle) -> None:
+        """The request ends or moves on before its handoff completed: the draining worker frees the stream."""
+        if handle.kv_source is not None:
+            source, stream_id = handle.kv_source
+            handle.kv_source = None
+            self._send(source, CancelRequest(request_id=stream_id))
 
     async def _housekeeping_loop(self) -> None:
         interval = min(0.25, self.registry.heartbeat_interval_s / 2)

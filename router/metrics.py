@@ -83,16 +83,19 @@ class RouterMetrics:
         )
         self.migrations_total = Counter(
             "tandem_migrations_total", "Streams moved to another worker after their first token, by cause "
-            "(worker_died: killed or silent; worker_error: a worker failed it, e.g. a drain ran out of time)",
-            ["cause"], registry=self.registry)
-        for cause in ("worker_died", "worker_error"):
+            "(worker_died: killed or silent; worker_error: a worker failed it, e.g. a drain ran out of time; "
+            "drain: a draining worker handed it off with its KV)", ["cause"], registry=self.registry)
+        for cause in ("worker_died", "worker_error", "drain"):
             self.migrations_total.labels(cause)
         self.migration_recomputed_tokens = Counter(
             "tandem_migration_recomputed_tokens_total", "Tokens (prompt + output so far) a migrated stream's new "
             "worker computed again", registry=self.registry)
+        self.migration_kv_bytes = Counter(
+            "tandem_migration_kv_bytes_total", "KV bytes moved from a draining decode worker to the one that took "
+            "its streams (live migration: those tokens are not computed again)", registry=self.registry)
         self.migration_pause_seconds = Histogram(
             "tandem_migration_pause_seconds", "A migrated stream's pause: its last token before the move to its "
-            "first token after (detection of the failure, then the new worker's recompute)",
+            "first token after (a crash: detection of the failure, then the new worker's recompute; a drain: the KV move)",
             buckets=MIGRATION_PAUSE_BUCKETS, registry=self.registry)
         self.routed_total = Counter(
             "tandem_routed_requests_total", "Requests routed, per worker and side (decode: the decode or colocated "

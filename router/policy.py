@@ -109,6 +109,20 @@ def choose_route(
                                                                                   kv_overlap_weight)))
 
 
+def choose_handoff_target(
+    workers: Sequence[WorkerView], num_tokens: int, exclude: Iterable[str] = (), *, num_cached_tokens: int,
+    kv_overlap_weight: float | None = None,
+) -> WorkerView:
+    """The DecodeOnly worker that takes a draining worker's stream with its KV (live migration): rule 3
+    among DecodeOnly workers (only they receive KV), ``num_cached_tokens`` (prompt + tokens so far) the
+    KV it would receive or hold. Raises ``NoRoute`` / ``Saturated`` when none can."""
+    receivers = [w for w in workers if w.role == PipelineRole.DecodeOnly]
+    if not receivers:
+        raise NoRoute("no other DecodeOnly worker to receive the stream's KV")
+    return choose_route(receivers, num_tokens, exclude, num_prompt_tokens=num_cached_tokens,
+                        kv_overlap_weight=kv_overlap_weight).decode
+
+
 def _decode_key(w: WorkerView) -> tuple:
     num_requests = max(w.num_inflight, w.num_running + w.num_waiting)
     return (w.num_free_blocks <= 0, num_requests, -w.num_free_blocks, w.worker_id)

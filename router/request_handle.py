@@ -39,6 +39,8 @@ class RequestHandle:
     output_token_ids: list[int] = field(default_factory=list)  # n == 1: every token forwarded (a migration resumes after them)
     num_migrations: int = 0  # times it moved to another worker after its first token
     paused_since: float | None = None  # migrating: when its last token before the move arrived
+    # live migration under way: (draining worker, the stream's wire id there) until the new worker's first tokens
+    kv_source: tuple[str, str] | None = None
     finished_choices: set[int] = field(default_factory=set)  # n > 1: choices that ended (the request ends with the last)
     is_done: bool = False
     created_at: float = field(default_factory=time.monotonic)

@@ -3,15 +3,25 @@
 Sockets and who speaks on them (every frame is one msgpack-encoded tagged struct, never pickle):
 
 1. worker DEALER (routing id = ``worker_id``) -> router ROUTER at ``router_endpoint(base)``:
-   ``WorkerToRouter`` = RegisterWorker | Heartbeat | TokenBatch | KVEvents; decode with ``decode_worker_to_router``.
+   ``WorkerToRouter`` = RegisterWorker | Heartbeat | TokenBatch | KVEvents | HandoffOffer; decode with
+   ``decode_worker_to_router``.
 2. router ROUTER -> worker DEALER, same connection: ``RouterToWorker`` = GenerateRequest | CancelRequest |
-   RegisterAck; decode with ``decode_router_to_worker``.
+   RegisterAck | HandoffDeclined; decode with ``decode_router_to_worker``.
 3. decode DEALER -> prefill ROUTER at the prefill worker's ``prefill_endpoint``:
    ``DecodeToPrefill`` = PrefillRequest | CancelPrefill; decode with ``decode_decode_to_prefill``.
+   A draining decode worker's handoff socket speaks the same (``PrefillRequest.source_request_id``).
 4. prefill ROUTER -> decode DEALER, same connection: ``PrefillToDecode`` = PrefillRejected |
    PrefillAccepted | PrefillStarted; decode with ``decode_prefill_to_decode``.
 5. ``PrefillDone`` is not sent on any of these: it is the completion payload the transfer service
    delivers after the last KV bytes (``encode_prefill_done`` / ``decode_prefill_done``).
+
+Live migration on drain (decode_worker/kv_handoff.py): a draining DecodeOnly worker D1 pauses each
+decoding stream and sends ``HandoffOffer``. The router declines (``HandoffDeclined``: D1 decodes it on)
+or sends another DecodeOnly worker D2 a ``GenerateRequest`` whose ``prefill_endpoint`` is D1's handoff
+socket, with the tokens sent so far (``resume_token_ids``) and D1's id for the stream
+(``kv_source_request_id``). D2 reserves blocks and asks D1 as it would ask a prefill worker; D1 pushes
+the stream's KV and a ``PrefillDone`` whose ``first_token_id`` is the last token sent (not emitted
+again): D2 decodes on from there, nothing recomputed.
 
 Worker lifecycle towards the router: connect, send ``RegisterWorker``, wait for ``RegisterAck``
 (accepted: heartbeat every ``heartbeat_interval_s``; rejected with ``reregister``: send RegisterWorker
@@ -157,6 +167,7 @@ class TokenDelta(msgspec.Struct, **_HOT):
     is_prefill_failure: bool = False  # with ERROR: the prefill worker's side failed (retry without it)
     prompt_logprobs: PromptLogprobs | None = None  # with the first token, when the request asked for them
     index: int = 0  # which choice (n > 1); ``finish_reason`` ends that choice, ERROR ends the whole request
+    num_migrated_kv_bytes: int = 0  # with the first tokens after a live migration: the KV bytes that came
 
 
 class TokenBatch(msgspec.Struct, tag=True, **_HOT):
@@ -177,7 +188,16 @@ class KVEvents(msgspec.Struct, tag=True, **_HOT):
     full: bool = False
 
 
-WorkerToRouter = Union[RegisterWorker, Heartbeat, TokenBatch, KVEvents]
+class HandoffOffer(msgspec.Struct, tag=True, **_HOT):
+    """A draining DecodeOnly worker paused stream ``request_id`` after its last token (every token it
+    emitted is in earlier TokenBatches on this socket) and offers its KV at ``endpoint``."""
+
+    worker_id: str
+    request_id: str
+    endpoint: str
+
+
+WorkerToRouter = Union[RegisterWorker, Heartbeat, TokenBatch, KVEvents, HandoffOffer]
 
 
 # ---------------------------------------------------------------- router -> worker
@@ -193,8 +213,10 @@ class GenerateRequest(msgspec.Struct, tag=True, **_HOT):
     prefill_endpoint: str | None = None
     deadline_s: float = DEFAULT_DEADLINE_S  # seconds from receipt; then finish with ERROR (clock-skew free)
     # a migrated stream: the output tokens the client already has (the worker recomputes their KV and
-    # goes on after them; only with prefill_endpoint None)
+    # goes on after them), or, with ``kv_source_request_id``, receives their KV from the draining decode
+    # worker at ``prefill_endpoint`` that holds the stream under that id
     resume_token_ids: list[int] = msgspec.field(default_factory=list)
+    kv_source_request_id: str | None = None
 
 
 class CancelRequest(msgspec.Struct, tag=True, **_HOT):
@@ -214,7 +236,14 @@ class RegisterAck(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
     heartbeat_interval_s: float = 0.5  # how often the router expects a Heartbeat
 
 
-RouterToWorker = Union[GenerateRequest, CancelRequest, RegisterAck]
+class HandoffDeclined(msgspec.Struct, tag=True, **_HOT):
+    """No other worker takes the offered stream (or the router no longer knows it): decode it on here."""
+
+    request_id: str
+    reason: str = ""
+
+
+RouterToWorker = Union[GenerateRequest, CancelRequest, RegisterAck, HandoffDeclined]
 
 
 # ---------------------------------------------------------------- decode <-> prefill
@@ -236,6 +265,9 @@ class PrefillRequest(msgspec.Struct, tag=True, **_HOT):
     transfer_endpoint: str
     decode_worker_id: str
     ttl_s: float
+    # live migration: the stream's id on the draining decode worker asked; ``prompt_token_ids`` is then
+    # the prompt plus every output token, and the KV of all but the last is sent (nothing is computed)
+    source_request_id: str | None = None
 
 
 class CancelPrefill(msgspec.Struct, tag=True, **_HOT):
@@ -281,6 +313,7 @@ class PrefillDone(msgspec.Struct, **_HOT):
     num_computed_tokens: int = 0  # tokens the prefill worker actually ran (prompt minus cached prefix)
     prefill_worker_id: str = ""
     prompt_logprobs: PromptLogprobs | None = None  # computed here, where the prompt ran
+    num_draft_computed_tokens: int | None = None  # live migration: leading tokens whose draft-model KV came too
 
 
 # ---------------------------------------------------------------- codecs
@@ -301,11 +334,11 @@ def encode(message: msgspec.Struct) -> bytes:
 encode_prefill_done = encode
 
 
-def decode_worker_to_router(frame: bytes | memoryview) -> RegisterWorker | Heartbeat | TokenBatch | KVEvents:
+def decode_worker_to_router(frame: bytes | memoryview) -> RegisterWorker | Heartbeat | TokenBatch | KVEvents | HandoffOffer:
     return _worker_to_router.decode(frame)
 
 
-def decode_router_to_worker(frame: bytes | memoryview) -> GenerateRequest | CancelRequest | RegisterAck:
+def decode_router_to_worker(frame: bytes | memoryview) -> GenerateRequest | CancelRequest | RegisterAck | HandoffDeclined:
     return _router_to_worker.decode(frame)
 
 
@@ -324,8 +357,8 @@ def decode_prefill_done(payload: bytes | memoryview) -> PrefillDone:
 __all__ = [
     "PROTOCOL_VERSION", "BUILTIN_MODEL_NAME", "DEFAULT_DEADLINE_S", "served_model_name",
     "WorkerRole", "FinishCode",
-    "RegisterWorker", "WorkerLoad", "Heartbeat", "TokenDelta", "TokenBatch", "KVEvents", "WorkerToRouter",
-    "GenerateRequest", "CancelRequest", "RegisterAck", "RouterToWorker",
+    "RegisterWorker", "WorkerLoad", "Heartbeat", "TokenDelta", "TokenBatch", "KVEvents", "HandoffOffer", "WorkerToRouter",
+    "GenerateRequest", "CancelRequest", "RegisterAck", "HandoffDeclined", "RouterToWorker",
     "PrefillRequest", "CancelPrefill", "PrefillRejected", "PrefillAccepted", "PrefillStarted", "DecodeToPrefill", "PrefillToDecode", "PrefillDone",
     "encode", "encode_prefill_done", "decode_worker_to_router", "decode_router_to_worker",
     "decode_decode_to_prefill", "decode_prefill_to_decode", "decode_prefill_done",

@@ -1,7 +1,8 @@
 """A rolling restart of every worker of a 2P2D cluster under a steady streaming load: each worker is
-drained (SIGTERM: the router routes around it, its streams finish or, past a short drain_timeout_s,
-migrate), replaced by a new process and re-registered before the next one goes. Zero failed requests,
-every answer transformers' exact greedy text, every worker a new pid, blocks back to the start."""
+drained (SIGTERM: the router routes around it; a decode worker hands its streams, with their KV, to the
+other one), replaced by a new process and re-registered before the next one goes. Zero failed requests,
+every answer transformers' exact greedy text, no token recomputed, every worker a new pid, blocks back
+to the start."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from tests.cluster.conftest import CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks
+from tests.cluster.test_live_migration import metric
 
 PROMPTS = [f"rolling story {i}: once upon a time" for i in range(6)]
 MAX_TOKENS = 120
@@ -62,6 +64,8 @@ def test_a_rolling_restart_under_load_fails_nothing(cluster, hf_reference, tiny_
     for prompt, text in outcomes:
         assert text == want[prompt]
     assert all(cluster.pids[w] != old_pids[w] for w in cluster.worker_names)
+    assert metric(cluster.url, "tandem_migrations_total", '{cause="drain"}') >= 1  # streams moved with their KV
+    assert metric(cluster.url, "tandem_migration_recomputed_tokens_total") == 0
     replaced = [e for e in cluster.events if e.kind == "replaced"]
     assert sorted(e.name for e in replaced) == sorted(cluster.worker_names)
     wait_for_idle_blocks(cluster.url, cluster.worker_names, CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=20)

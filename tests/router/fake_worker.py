@@ -22,6 +22,7 @@ from pipeline.protocol.cluster import (
     CancelRequest,
     FinishCode,
     GenerateRequest,
+    HandoffDeclined,
     Heartbeat,
     RegisterAck,
     RegisterWorker,
@@ -95,6 +96,7 @@ class FakeWorker:
         self.is_heartbeating = True
         self.requests: list[GenerateRequest] = []
         self.cancels: list[str] = []
+        self.declined: list[str] = []  # handoff offers the router declined
         self.acks: list[RegisterAck] = []
         self._raw_out: list[list[bytes]] = []
         self._scheduled: list[tuple[float, TokenDelta]] = []
@@ -166,6 +168,8 @@ class FakeWorker:
             self.cancels.append(msg.request_id)
             with self._lock:
                 self._scheduled = [(t, d) for t, d in self._scheduled if d.request_id != msg.request_id]
+        elif isinstance(msg, HandoffDeclined):
+            self.declined.append(msg.request_id)
         elif isinstance(msg, RegisterAck):
             self.acks.append(msg)
             if not msg.accepted and msg.reregister:
