@@ -49,4 +49,6 @@ bench-kv-routing: $(STAMP)
 		--sessions 16 --turns 4 --session-rate 2 --think-time 0.5 --random-prompts 32 --out bench/results/kv_routing.json
 
 bench-migration: $(STAMP)
-	$(PY) -m bench.migration_bench --repeats 2 --out bench/results/migration.json
+	$(PY) -m bench.migration_bench --mode crash --repeats 2 --out bench/results/migration.json
+	$(PY) -m bench.migration_bench --mode drain --repeats 2 --out bench/results/migration_drain.json
+	$(PY) -m bench.migration_bench --mode drain-replay --repeats 2 --out bench/results/migration_drain_replay.json

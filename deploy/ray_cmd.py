@@ -1,9 +1,10 @@
-"""``tandem ray up|down|status``: Tandem on a running Ray cluster (``pip install 'tandem[ray]'``).
+"""``tandem ray up|down|status|restart``: Tandem on a running Ray cluster (``pip install 'tandem[ray]'``).
 
 ``up`` starts the router and the workers as detached, named supervisor actors in the Ray namespace
 ``tandem`` (``deploy.ray_cluster``); each runs one Tandem process and restarts it when it exits.
 ``status`` shows each process, its node, pid, restarts and readiness; ``down`` stops everything a
-deployment started and nothing else. Ray is imported only when one of these runs.
+deployment started and nothing else; ``restart`` replaces every worker one at a time with no failed
+request (a rolling restart). Ray is imported only when one of these runs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from deploy.launch_cmd import add_supervision_flags
 
 
 def register(sub) -> None:
-    parser = sub.add_parser("ray", help="deploy on a Ray cluster: tandem ray up|down|status")
+    parser = sub.add_parser("ray", help="deploy on a Ray cluster: tandem ray up|down|status|restart")
     commands = parser.add_subparsers(dest="ray_command", required=True)
 
     up = commands.add_parser("up", help="start a router and workers as supervised Ray actors")
@@ -54,6 +55,13 @@ def register(sub) -> None:
     _add_common(status, name_default=None)
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.set_defaults(handler=run_status)
+
+    restart = commands.add_parser("restart", help="replace every worker one at a time with no failed request "
+                                  "(drain, restart, wait until registered): after an upgrade of the checkpoint")
+    _add_common(restart, name_default=None)
+    restart.add_argument("--timeout", type=float, default=300.0,
+                         help="seconds each worker may take to drain, restart and register (default 300)")
+    restart.set_defaults(handler=run_restart)
 
 
 def _add_common(parser: argparse.ArgumentParser, name_default: str | None) -> None:
@@ -133,6 +141,13 @@ def run_down(args: argparse.Namespace, deployment) -> int:
     what = f"deployment {args.name!r}" if args.name else "every Tandem deployment"
     print(f"stopped {what}: {len(removed)} processes and their actors" if removed else f"{what}: nothing running",
           flush=True)
+    return 0
+
+
+@_on_ray
+def run_restart(args: argparse.Namespace, deployment) -> int:
+    replaced = deployment.rolling_restart(args.name, say=lambda line: print(line, flush=True), timeout_s=args.timeout)
+    print(f"replaced {len(replaced)} workers one at a time", flush=True)
     return 0
 
 

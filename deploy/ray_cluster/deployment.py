@@ -234,6 +234,58 @@ def _add_readiness(rows: list[dict]) -> None:
         row["ready"] = bool(body.get("ready")) if row["name"] == ROUTER else row["name"] in alive
 
 
+def rolling_restart(deployment: str | None = None, say: Callable[[str], None] = print,
+                    timeout_s: float = 300.0) -> list[str]:
+    """Replace every worker of a deployment one at a time, prefill workers first, with no failed request:
+    each gets SIGTERM and drains (the router routes around it; a decode worker hands its streams off with
+    their KV), its supervisor actor starts it again at once (a planned exit, no backoff), and the next one
+    goes only when the router has the new process alive. The new processes read the deployment's config
+    again from the actor, and the checkpoint from disk. Returns the processes replaced."""
+    import ray
+
+    found = deployment_actors(deployment)
+    deployments = {dep for dep, _ in found.values()}
+    if not deployments:
+        raise DeployError(f"no Tandem deployment {deployment!r} is running" if deployment
+                          else "no Tandem deployment is running")
+    if len(deployments) > 1:
+        raise DeployError(f"several deployments run ({', '.join(sorted(deployments))}): name one with --name")
+    dep = deployments.pop()
+    router = ray.get_actor(specs.actor_name(dep, ROUTER))
+    workers = sorted((process for _, process in found.values() if process != ROUTER),
+                     key=lambda process: (not process.startswith("prefill-"), process))
+    for process in workers:
+        actor = ray.get_actor(specs.actor_name(dep, process))
+        old_pid = ray.get(actor.replace.remote(), timeout=STATUS_TIMEOUT_S)
+        if old_pid is None:
+            raise DeployError(f"{process} runs no process now (see `tandem ray status`); nothing was replaced "
+                              "from here on")
+        say(f"replacing {process} (pid {old_pid}): draining")
+        pid = _wait_replaced(actor, router, process, old_pid, timeout_s)
+        say(f"  {process} is back as pid {pid}")
+    return workers
+
+
+def _wait_replaced(actor, router, process: str, old_pid: int, timeout_s: float) -> int:
+    """The new pid of ``process`` once the router has it alive."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        row = ray.get(actor.status.remote(), timeout=STATUS_TIMEOUT_S)
+        if row["state"] in ("given_up", "failed", "stopped"):
+            raise DeployError(f"{process} is {row['state']} after its restart: {row.get('last_event')}")
+        pid = row.get("pid")
+        if pid not in (None, old_pid):
+            ready = ray.get(router.router_ready.remote(), timeout=STATUS_TIMEOUT_S)
+            if any(w["worker_id"] == process and w.get("alive") and w.get("pid") == pid
+                   for w in ready.get("workers", [])):
+                return pid
+        time.sleep(0.2)
+    raise DeployError(f"{process} was not back within {timeout_s:g} s (drain, restart and registration); "
+                      "see `tandem ray status` and its log")
+
+
 def down(deployment: str | None = None, say: Callable[[str], None] = print) -> list[str]:
     """Stop every process of the deployment(s) (routers first, so requests in flight drain) and kill
     their actors; returns the actor names removed."""

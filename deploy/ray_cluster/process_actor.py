@@ -61,7 +61,9 @@ class ProcessSupervisor:
         self.log_dir = Path(spec.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"{spec.name}.log"
-        self._lock = threading.Lock()  # the fields below, between the supervision thread and methods
+        # the fields below, between the supervision thread and methods (reentrant: a restart inside a
+        # supervisor step spawns, which takes it again)
+        self._lock = threading.RLock()
         self._state = "placed"  # placed -> running <-> restarting -> given_up | stopped | failed
         self._proc: subprocess.Popen | None = None
         self._cores: list[int] | None = None
@@ -73,6 +75,7 @@ class ProcessSupervisor:
         self._stop_timeout_s: float | None = None  # set (with _stop_request) by stop()
         self._stop_request = threading.Event()
         self._stopped = threading.Event()
+        self._supervisor: Supervisor | None = None  # once the process started: the restart policy
         self._thread = threading.Thread(target=self._supervise, name=f"tandem-{spec.name}", daemon=True)
         self._thread.start()
         if context.was_current_actor_reconstructed:
@@ -131,6 +134,18 @@ class ProcessSupervisor:
         lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
         return "\n".join(lines[-num_lines:])
 
+    def replace(self) -> int | None:
+        """Rolling restart: SIGTERM the process (it drains: a decode worker hands its streams off) and
+        start it again as soon as it exits, a planned exit (no backoff, no crash). Returns the old pid, or
+        None when no process runs now."""
+        with self._lock:
+            proc = self._proc
+            if self._supervisor is None or proc is None or proc.poll() is not None:
+                return None
+            self._supervisor.expect_exit(self.spec.name)
+            proc.send_signal(signal.SIGTERM)
+            return proc.pid
+
     def stop(self, timeout_s: float | None = None) -> str:
         """Stop the process for good (no restart): SIGTERM, wait, SIGKILL. Returns the final state."""
         if timeout_s is None:
@@ -158,11 +173,15 @@ class ProcessSupervisor:
             return
         finally:
             self._started.set()
-        supervisor = Supervisor([self.spec.name], RestartPolicy(max_restarts=self.spec.max_restarts),
-                                poll_exit=lambda _: self._proc.poll(), respawn=lambda _: self._spawn(),
-                                log_path_of=lambda _: str(self.log_path))
+        with self._lock:
+            self._supervisor = supervisor = Supervisor(
+                [self.spec.name], RestartPolicy(max_restarts=self.spec.max_restarts),
+                poll_exit=lambda _: self._proc.poll(), respawn=lambda _: self._spawn(),
+                log_path_of=lambda _: str(self.log_path))
         while not self._stop_request.wait(SUPERVISE_INTERVAL_S):
-            for event in supervisor.step():
+            with self._lock:  # replace() marks an exit as planned between two steps, never inside one
+                events = supervisor.step()
+            for event in events:
                 self._note(event.message)
                 with self._lock:
                     if event.kind == "restarted":

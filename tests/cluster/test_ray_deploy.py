@@ -3,7 +3,8 @@
 One deployment of 1 prefill + 2 decode workers serves the official openai client with transformers'
 exact greedy text; a SIGKILLed worker is restarted by its supervisor actor; a SIGKILLed supervisor
 actor takes its process down with it (no orphan) and Ray restarts it; `tandem ray down` leaves no
-Tandem process and no named actor; a deployment Ray cannot place fails and leaves nothing behind.
+Tandem process and no named actor; a deployment Ray cannot place fails and leaves nothing behind; `tandem ray restart` replaces every worker
+under a streaming load with no failed request.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -153,6 +155,48 @@ def test_killed_supervisor_takes_its_process_down_and_ray_restarts_both(head, de
     assert any("Ray restarted this supervisor" in e for e in rows["prefill-0"]["events"]), rows["prefill-0"]
     deployment["pids"].add(rows["prefill-0"]["pid"])
     assert_serves_exactly(deployment["url"], tokenizer, reference_text)
+    wait_for_idle_blocks(deployment["url"], WORKERS, CLUSTER_CONFIG["kv_cache"]["num_blocks"])
+
+
+def test_rolling_restart_replaces_every_worker_with_no_failed_request(head, deployment, tokenizer, reference_text):
+    before = status(head)
+    want = {p: reference_text(tokenizer(p)["input_ids"], 160)[1] for p in PROMPTS}
+    client = openai.OpenAI(base_url=f"{deployment['url']}/v1", api_key="x", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    stop = threading.Event()
+    outcomes: list[tuple[str, str]] = []
+
+    def load(k: int) -> None:
+        while not stop.is_set():
+            prompt = PROMPTS[k % len(PROMPTS)]
+            k += 1
+            try:
+                text = "".join(chunk.choices[0].text for chunk in client.completions.create(
+                    model=name, prompt=prompt, max_tokens=160, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True}) if chunk.choices)
+                outcomes.append((prompt, text))
+            except openai.APIError as exc:
+                outcomes.append(("error", repr(exc)))
+
+    threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(2)]
+    for t in threads:
+        t.start()
+    result = head.run(TANDEM, "ray", "restart", "--timeout", "120", timeout_s=400)
+    stop.set()
+    for t in threads:
+        t.join(timeout=120)
+    assert result.returncode == 0 and "replaced 3 workers" in result.stdout, result.stdout + result.stderr
+    assert result.stdout.index("prefill-0") < result.stdout.index("decode-0")  # prefill workers first
+    errors = [o for o in outcomes if o[0] == "error"]
+    assert not errors and outcomes, errors
+    assert all(text == want[prompt] for prompt, text in outcomes)
+    rows = status(head)
+    assert all_ready(rows), rows
+    for name in WORKERS:
+        assert rows[name]["pid"] != before[name]["pid"]
+        assert rows[name]["restarts"] == before[name]["restarts"], rows[name]  # a planned exit is no crash
+        assert any("drained and replaced" in e for e in rows[name]["events"]), rows[name]
+        deployment["pids"].add(rows[name]["pid"])
     wait_for_idle_blocks(deployment["url"], WORKERS, CLUSTER_CONFIG["kv_cache"]["num_blocks"])
 
 
