@@ -60,7 +60,7 @@ def server_side(before: dict, after: dict, num_turns: int) -> dict:
 
 
 def run_cluster(shape: str, kv_aware: bool, checkpoint: Path, cores: list[int], spec: SessionSpec,
-                random_prompts: int) -> dict:
+                random_prompts: int, max_local_prefill_length: int | None = None) -> dict:
     from bench.peer_transformers import free_port
     from bench.serve import benchmark
     from bench.serve_client import ClientSettings
@@ -73,11 +73,13 @@ def run_cluster(shape: str, kv_aware: bool, checkpoint: Path, cores: list[int], 
     num_prefill, num_decode, num_colocated = SHAPES[shape]
     plan = plan_cores(cores, num_prefill, num_decode, num_colocated)
     config = {"router": {"kv_aware_routing": kv_aware}}
+    if max_local_prefill_length is not None:  # conditional disaggregation's threshold (the default otherwise)
+        config["router"]["max_local_prefill_length"] = max_local_prefill_length
     cluster = LocalCluster(num_prefill=num_prefill, num_decode=num_decode, num_colocated=num_colocated,
                            model_path=str(checkpoint), port=free_port(), cpu_plan=plan,
                            router_cores=router_cores(plan), config=config)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    result: dict = {"shape": shape, "kv_aware_routing": kv_aware}
+    result: dict = {"shape": shape, "kv_aware_routing": kv_aware, "max_local_prefill_length": max_local_prefill_length}
     with cluster, client_on(router_cores(plan)):
         model = httpx.get(f"{cluster.url}/v1/models", timeout=10).json()["data"][0]["id"]
         warm = build_sessions(replace(spec, num_sessions=2, num_turns=1, seed=spec.seed + 1000), len(tokenizer),
@@ -109,7 +111,9 @@ def compare(runs: list[dict]) -> dict:
         entry = {"later_turns_p50_ttft_ratio_off_over_on": off["multi_turn"]["later_turns"]["median_ttft_ms"]
                  / on["multi_turn"]["later_turns"]["median_ttft_ms"],
                  "later_turns_cached_fraction": {"off": off["multi_turn"]["later_turns"]["cached_fraction"],
-                                                 "on": on["multi_turn"]["later_turns"]["cached_fraction"]}}
+                                                 "on": on["multi_turn"]["later_turns"]["cached_fraction"]},
+                 "later_turns_median_tpot_ms": {"off": off["multi_turn"]["later_turns"].get("median_tpot_ms"),
+                                                "on": on["multi_turn"]["later_turns"].get("median_tpot_ms")}}
         bytes_off = off["multi_turn"]["server"]["kv_bytes_per_turn"]
         if bytes_off:
             entry["kv_bytes_per_turn_reduction"] = 1 - on["multi_turn"]["server"]["kv_bytes_per_turn"] / bytes_off
@@ -135,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--session-rate", type=float, default=2.0)
     parser.add_argument("--think-time", type=float, default=0.5)
     parser.add_argument("--random-prompts", type=int, default=64)
+    parser.add_argument("--max-local-prefill-length", type=int, default=None,
+                        help="router.max_local_prefill_length of every run (default: the config's, 32): with KV-aware "
+                             "routing a turn whose uncached part is this short prefills on its decode worker")
     args = parser.parse_args(argv)
     checkpoint = benchmark_checkpoint(args.model_size)
     cores = sorted(os.sched_getaffinity(0))
@@ -145,11 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         for kv_aware in (False, True):
             print(f"== {shape}, kv_aware_routing={kv_aware}", flush=True)
-            runs.append(run_cluster(shape, kv_aware, checkpoint, cores, spec, args.random_prompts))
+            runs.append(run_cluster(shape, kv_aware, checkpoint, cores, spec, args.random_prompts,
+                                    args.max_local_prefill_length))
             print(json.dumps(runs[-1]["multi_turn"]["later_turns"]), runs[-1]["multi_turn"]["server"], flush=True)
     report = {"benchmark": "kv_routing", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu_model(),
               "cores": cores, "machine": platform.machine(), "checkpoint": str(checkpoint),
-              "model_size": args.model_size, "sessions": asdict(spec), "runs": runs, "comparisons": compare(runs)}
+              "model_size": args.model_size, "sessions": asdict(spec),
+              "max_local_prefill_length": args.max_local_prefill_length, "runs": runs, "comparisons": compare(runs)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report["comparisons"], indent=2))

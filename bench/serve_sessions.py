@@ -133,16 +133,19 @@ async def run_sessions(base_url: str, model: str, spec: SessionSpec, sessions: l
 
 
 def summarize_turns(outcomes: list[TurnOutcome], duration_s: float) -> dict:
-    """Per turn index and over later turns (>= 2): TTFT percentiles, prompt and held tokens."""
+    """Per turn index and over later turns (>= 2): TTFT percentiles, median TPOT, prompt and held tokens."""
     done = [o for o in outcomes if o.error is None and o.ttft_s is not None]
 
     def stats(items: list[TurnOutcome]) -> dict:
         ttfts = [o.ttft_s * 1000 for o in items]
+        tpots = [(o.e2el_s - o.ttft_s) * 1000 / (o.output_tokens - 1) for o in items
+                 if o.e2el_s is not None and o.output_tokens > 1]
         prompt = sum(o.prompt_tokens for o in items)
         cached = sum(o.cached_tokens for o in items)
         return {"count": len(items),
                 "median_ttft_ms": float(np.median(ttfts)) if ttfts else None,
                 "p90_ttft_ms": float(np.percentile(ttfts, 90)) if ttfts else None,
+                "median_tpot_ms": float(np.median(tpots)) if tpots else None,
                 "prompt_tokens": prompt, "cached_tokens": cached,
                 "cached_fraction": cached / prompt if prompt else 0.0}
 

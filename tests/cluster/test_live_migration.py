@@ -2,7 +2,8 @@
 half of 16 live streams and each of its streams moves, with its KV, to the other decode worker over the
 transfer service. No stream fails, every text is the uninterrupted one (greedy and seeded sampling with
 penalties), no token is recomputed (tandem_migration_recomputed_tokens_total stays 0) while KV bytes
-moved, and blocks return to the start everywhere. The longest client-side pause is printed."""
+moved, and blocks return to the start everywhere. The longest client-side pause is printed. SIGKILL
+instead: the streams migrate by replay, with the same texts."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster.conftest import CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks, worker_metric
+from tests.cluster.conftest import (CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks,
+                                    wait_for_incarnation, worker_metric)
 
 MAX_TOKENS = 120
+DECODERS = ["decode-0", "decode-1"]
 STREAMS = {f"greedy-{i}": dict(prompt=f"stream {i}: once upon a time in {i}", temperature=0.0) for i in range(14)}
 STREAMS.update({f"seeded-{i}": dict(prompt=f"numbers {i}: 1 2 3", temperature=1.0, seed=i, presence_penalty=0.5,
                                     frequency_penalty=0.3) for i in range(2)})
@@ -39,7 +42,10 @@ def metric(url: str, name: str, labels: str = "") -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def test_sigterm_moves_every_stream_with_its_kv(cluster):
+def streams_across_a_signal(cluster, sig: int) -> tuple[dict, str]:
+    """The 16 streams run once uninterrupted, then again with ``sig`` sent to the decode worker serving
+    most of them once each has 5 tokens; returns the second run's results and that worker. Every stream
+    completes with the uninterrupted text and token count (asserted here)."""
     client = openai_client(cluster)
     name = client.models.list().data[0].id
     # logprobs: a chunk per token (the tiny model's text is byte soup, which text chunks hold back)
@@ -86,15 +92,19 @@ def test_sigterm_moves_every_stream_with_its_kv(cluster):
         t.start()
     for _ in threads:
         assert started.acquire(timeout=60), f"a stream did not start: {results}"
-    decoders = [w for w in cluster.worker_names if w.startswith("decode-")]
-    running = {w: worker_metric(cluster.url, "tandem_worker_running_requests", w) or 0 for w in decoders}
+    running = {w: worker_metric(cluster.url, "tandem_worker_running_requests", w) or 0 for w in DECODERS}
     victim = max(running, key=running.get)
-    cluster.kill(victim, signal.SIGTERM)
+    cluster.kill(victim, sig)
     for t in threads:
         t.join(timeout=120)
     assert all(r[0] == "completed" for r in results.values()), results
     for key, (_, text, completion_tokens, _) in results.items():
         assert (text, completion_tokens) == want[key], key  # nothing repeated or missing; usage right
+    return results, victim
+
+
+def test_sigterm_moves_every_stream_with_its_kv(cluster):
+    results, victim = streams_across_a_signal(cluster, signal.SIGTERM)
     handed_off = metric(cluster.url, "tandem_migrations_total", '{cause="drain"}')
     assert handed_off >= 1
     assert metric(cluster.url, "tandem_migration_recomputed_tokens_total") == 0  # the KV moved, nothing replayed
@@ -103,4 +113,17 @@ def test_sigterm_moves_every_stream_with_its_kv(cluster):
     pause_s = metric(cluster.url, "tandem_migration_pause_seconds_sum") / handed_off
     print(f"\n{handed_off:.0f} streams handed off by {victim}, mean pause {pause_s * 1e3:.0f} ms (last token "
           f"before to first after); longest client-side gap of any stream {max(r[3] for r in results.values()) * 1e3:.0f} ms")
-    wait_for_idle_blocks(cluster.url, decoders + ["prefill-0"], CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=60)
+    wait_for_idle_blocks(cluster.url, DECODERS + ["prefill-0"], CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=60)
+
+
+def test_sigkill_replays_every_stream_elsewhere(cluster):
+    """The same streams with the decode worker SIGKILLed: its KV is gone, so they migrate by replay,
+    greedy and seeded alike, with the uninterrupted text."""
+    for worker in DECODERS:  # the drained worker of the test before is back
+        wait_for_incarnation(cluster.url, worker, cluster.pids[worker], timeout_s=60)
+    before = metric(cluster.url, "tandem_migrations_total", '{cause="worker_died"}')
+    _, victim = streams_across_a_signal(cluster, signal.SIGKILL)
+    assert metric(cluster.url, "tandem_migrations_total", '{cause="worker_died"}') > before
+    assert metric(cluster.url, "tandem_migration_recomputed_tokens_total") > 0
+    wait_for_incarnation(cluster.url, victim, cluster.pids[victim], timeout_s=60)
+    wait_for_idle_blocks(cluster.url, DECODERS + ["prefill-0"], CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=60)

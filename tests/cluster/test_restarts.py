@@ -26,18 +26,19 @@ from tests.conftest import hf_greedy
 NUM_BLOCKS = 2048  # two long streams fit on one decode worker: no preemption muddles the timing
 CONFIG = {"kv_cache": {**CLUSTER_CONFIG["kv_cache"], "num_blocks": NUM_BLOCKS}, "router": CLUSTER_CONFIG["router"],
           "transfer": {"transport": "shm", "ttl_s": 3.0, "heartbeat_interval_s": 0.2}}
-LONG_TOKENS = 2000  # ~2.5 s for four streams on 2 CPU cores: still running when a worker dies
+LONG_TOKENS = 2000  # with 2 ms more per step, 4 s or more: still running when a worker dies, even on a busy machine
 PROMPTS = [f"story number {i}: once upon a time" for i in range(4)]
 # Five processes on 2 cores: with a torch thread per core each, two decode workers spin against each
 # other and these streams take minutes instead of seconds.
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "TANDEM_TEST_STEP_DELAY_S": "0.002"}
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoint, tmp_path_factory):
     events = []
     c = start_cluster(tiny_checkpoint("llama"), tmp_path_factory.mktemp("logs-restarts"), num_prefill=2,
-                      num_decode=2, config=CONFIG, max_restarts=3, on_event=events.append, env=ONE_THREAD)
+                      num_decode=2, config=CONFIG, max_restarts=3, on_event=events.append, env=WORKER_ENV,
+                      entry_module="tests.cluster.slow_steps")
     c.events = events
     pids = set(c.pids.values())
     try:
