@@ -60,7 +60,8 @@ def server_side(before: dict, after: dict, num_turns: int) -> dict:
 
 
 def run_cluster(shape: str, kv_aware: bool, checkpoint: Path, cores: list[int], spec: SessionSpec,
-                random_prompts: int, max_local_prefill_length: int | None = None) -> dict:
+                random_prompts: int, max_local_prefill_length: int | None = None,
+                kv_overlap_weight: float | None = None) -> dict:
     from bench.peer_transformers import free_port
     from bench.serve import benchmark
     from bench.serve_client import ClientSettings
@@ -75,11 +76,14 @@ def run_cluster(shape: str, kv_aware: bool, checkpoint: Path, cores: list[int], 
     config = {"router": {"kv_aware_routing": kv_aware}}
     if max_local_prefill_length is not None:  # conditional disaggregation's threshold (the default otherwise)
         config["router"]["max_local_prefill_length"] = max_local_prefill_length
+    if kv_overlap_weight is not None:
+        config["router"]["kv_overlap_weight"] = kv_overlap_weight
     cluster = LocalCluster(num_prefill=num_prefill, num_decode=num_decode, num_colocated=num_colocated,
                            model_path=str(checkpoint), port=free_port(), cpu_plan=plan,
                            router_cores=router_cores(plan), config=config)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    result: dict = {"shape": shape, "kv_aware_routing": kv_aware, "max_local_prefill_length": max_local_prefill_length}
+    result: dict = {"shape": shape, "kv_aware_routing": kv_aware, "max_local_prefill_length": max_local_prefill_length,
+                    "kv_overlap_weight": kv_overlap_weight}
     with cluster, client_on(router_cores(plan)):
         model = httpx.get(f"{cluster.url}/v1/models", timeout=10).json()["data"][0]["id"]
         warm = build_sessions(replace(spec, num_sessions=2, num_turns=1, seed=spec.seed + 1000), len(tokenizer),
@@ -142,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-local-prefill-length", type=int, default=None,
                         help="router.max_local_prefill_length of every run (default: the config's, 32): with KV-aware "
                              "routing a turn whose uncached part is this short prefills on its decode worker")
+    parser.add_argument("--kv-overlap-weight", type=float, default=None,
+                        help="router.kv_overlap_weight of the KV-aware runs (default: the config's, 1.0)")
     args = parser.parse_args(argv)
     checkpoint = benchmark_checkpoint(args.model_size)
     cores = sorted(os.sched_getaffinity(0))
@@ -153,12 +159,13 @@ def main(argv: list[str] | None = None) -> int:
         for kv_aware in (False, True):
             print(f"== {shape}, kv_aware_routing={kv_aware}", flush=True)
             runs.append(run_cluster(shape, kv_aware, checkpoint, cores, spec, args.random_prompts,
-                                    args.max_local_prefill_length))
+                                    args.max_local_prefill_length, args.kv_overlap_weight))
             print(json.dumps(runs[-1]["multi_turn"]["later_turns"]), runs[-1]["multi_turn"]["server"], flush=True)
     report = {"benchmark": "kv_routing", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu_model(),
               "cores": cores, "machine": platform.machine(), "checkpoint": str(checkpoint),
               "model_size": args.model_size, "sessions": asdict(spec),
-              "max_local_prefill_length": args.max_local_prefill_length, "runs": runs, "comparisons": compare(runs)}
+              "max_local_prefill_length": args.max_local_prefill_length, "kv_overlap_weight": args.kv_overlap_weight,
+              "runs": runs, "comparisons": compare(runs)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report["comparisons"], indent=2))
