@@ -1,24 +1,13 @@
-"""Requests in flight between the HTTP layer and the workers: admission, routing, token delivery, cancels, retries.
+"""Requests in flight between the HTTP layer and the workers: admission, routing, token delivery, cancels.
 
 Worker messages arrive through ``WorkerSocket`` (registration, heartbeats, token batches) and requests
 and cancels leave through it. Everything runs on the HTTP server's event loop, so no locks.
 
 Each request has a ``RequestHandle`` with an asyncio queue that receives its ``TokenDelta``s, or one
 ``RequestFailed`` when the request cannot finish. When a worker dies (missed heartbeats, a send that
-cannot reach it, or an error it marks retryable), a request that has received no token yet is sent
-again to another route under a fresh wire id (so late messages of the old attempt cannot mix in).
-One that has tokens **migrates** (a single choice, up to ``max_migrations`` times): the new worker gets
-the prompt plus every token the client already has (``resume_token_ids``), recomputes their KV
-itself, and goes on from the next position. Penalties, lengths, per-position seeds and the grammar see
-those tokens as outputs, so the stream continues exactly as it would have. Otherwise it fails. A
-heartbeat that claims another worker's id counts as a bad frame.
-
-Live migration: a draining DecodeOnly worker offers each decoding stream (``HandoffOffer``, after its
-tokens). The router picks another DecodeOnly worker (``choose_handoff_target``) and sends it the stream
-under a fresh wire id with ``kv_source_request_id``: that worker fetches the KV from the draining one, so
-nothing is recomputed. No target (or no migrations left): ``HandoffDeclined``, and the stream decodes on
-where it is. A handoff that fails (either worker dies or errs before the new worker's first tokens)
-falls back to migration by replay.
+cannot reach it, or an error it marks retryable) or drains, the request is retried or migrates:
+``router/migration.py``. Every attempt has a fresh wire id, so late messages of an old one cannot mix
+in. A heartbeat that claims another worker's id counts as a bad frame.
 
 Admission: a request goes to a worker only while one has a free slot in its batch (router-side
 in-flight count < the ``max_batch_size`` it registered with). When none has, ``submit`` queues it in
@@ -44,7 +33,6 @@ from pipeline.protocol.cluster import (
     CancelRequest,
     FinishCode,
     GenerateRequest,
-    HandoffDeclined,
     HandoffOffer,
     Heartbeat,
     KVEvents,
@@ -56,10 +44,11 @@ from pipeline.protocol.cluster import (
 )
 from pipeline.protocol.requests import SamplingParams
 from router.admission import AdmissionQueue, Overloaded, estimate_retry_after_s
-from router.metrics import RouterMetrics
 from router.kv_index import PromptHashes
-from router.policy import NoRoute, Route, Saturated, WorkerView, choose_handoff_target, choose_route
-from router.registry import WorkerInfo, WorkerRegistry
+from router.metrics import RouterMetrics
+from router.migration import RetriesAndMigration
+from router.policy import NoRoute, Route, Saturated, WorkerView, choose_route
+from router.registry import WorkerRegistry
 from router.request_handle import RequestFailed, RequestHandle
 from router.worker_socket import WorkerSocket
 
@@ -69,7 +58,7 @@ _MAX_REMEMBERED_CANCELS = 4096
 _SLOT_HOLD_EWMA_WEIGHT = 0.1  # weight of the newest sample in the mean time a request holds a slot
 
 
-class Dispatcher:
+class Dispatcher(RetriesAndMigration):
     def __init__(
         self,
         zmq_endpoint_base: str,
@@ -307,67 +296,6 @@ class Dispatcher:
         self._finish(handle)
         handle.queue.put_nowait(RequestFailed(message, status_code))
 
-    def _can_migrate(self, handle: RequestHandle) -> bool:
-        """A stream with tokens moves on (the new worker recomputes them) when it is one choice and migrations remain."""
-        return handle.num_choices == 1 and handle.num_migrations < self.max_migrations
-
-    def _retry_or_fail(self, handle: RequestHandle, failed_worker: str, message: str, status_code: int = 503,
-                       cause: str = "worker_died") -> None:
-        """Send the request elsewhere: before its first token while attempts remain, after it as a migration
-        (the client's stream goes on where it stopped); else fail it."""
-        if handle.is_done:
-            return
-        if time.monotonic() >= handle.deadline or (
-                not self._can_migrate(handle) if handle.has_tokens else handle.num_attempts >= self.max_attempts):
-            self._fail(handle, message, status_code)
-            return
-        if handle.has_tokens:
-            handle.num_migrations += 1
-            handle.paused_since = handle.paused_since or handle.last_token_at
-            self.metrics.migrations_total.labels(cause).inc()
-            self.metrics.migration_recomputed_tokens.inc(len(handle.prompt_token_ids) + len(handle.output_token_ids))
-            logger.warning("request %s migrates off %s after %d tokens (%s)", handle.request_id, failed_worker,
-                           len(handle.output_token_ids), message)
-        self._abandon_handoff(handle)
-        old_decode = handle.decode_worker_id
-        if old_decode and old_decode != failed_worker and self.registry.is_alive(old_decode):
-            self._send(old_decode, CancelRequest(request_id=handle.wire_id))
-        self._remember_cancel(handle.wire_id)
-        self._unassign(handle)
-        self._exclude(handle, failed_worker)
-        try:  # it was admitted once: it goes ahead of everyone who waits, and waits if all are saturated
-            handle.admission = self.admission.enqueue(
-                handle, at_front=True, timeout_s=max(0.001, handle.deadline - time.monotonic()))
-        except NoRoute as exc:
-            self._fail(handle, f"{message}; no other worker to retry on ({exc})", status_code)
-            return
-        self.metrics.retries_total.inc()
-        if handle.admission.done():
-            logger.info("request %s retried as %s after: %s", handle.request_id, handle.wire_id, message)
-            return
-        logger.info("request %s waits for a free worker to retry on after: %s", handle.request_id, message)
-        handle.admission.add_done_callback(
-            lambda admission: self._on_retry_admission(handle, admission, message, status_code))
-
-    def _on_retry_admission(self, handle: RequestHandle, admission: asyncio.Future, message: str,
-                            status_code: int) -> None:
-        if admission.cancelled():  # the request was cancelled while it waited
-            return
-        error = admission.exception()
-        if error is not None:
-            self._fail(handle, f"{message}; no worker free to retry on ({error})", status_code)
-
-    def _on_worker_dead(self, worker: WorkerInfo) -> None:
-        for handle in list(self._requests.values()):
-            if handle.decode_worker_id == worker.worker_id:
-                self._retry_or_fail(handle, worker.worker_id, f"decode worker {worker.worker_id} died")
-            elif handle.prefill_worker_id == worker.worker_id and not handle.has_tokens:
-                self._retry_or_fail(handle, worker.worker_id, f"prefill worker {worker.worker_id} died")
-            elif handle.kv_source is not None and handle.kv_source[0] == worker.worker_id:
-                handle.kv_source = None  # nobody to tell: its KV is gone, the new worker recomputes it
-                self._retry_or_fail(handle, worker.worker_id, f"decode worker {worker.worker_id} died handing off")
-        self.admission.wake()  # queued requests that only this worker could serve now fail (503)
-
     def _views(self, prompt: PromptHashes | None = None) -> list[WorkerView]:
         names = {w.worker_id for w in self.registry.live_workers() if w.model_name == self.model_name}
         return [view for view in self.registry.views(prompt) if view.worker_id in names]
@@ -466,57 +394,6 @@ class Dispatcher:
                 self._finish(handle)
             elif delta.finish_reason is not None:
                 self._choice_finished(handle, delta.index)
-
-    # ------------------------------------------------------------------ live migration
-
-    def _on_handoff_offer(self, worker_id: str, offer: HandoffOffer) -> None:
-        """A draining worker paused a stream: move it, with its KV, to another DecodeOnly worker, or decline."""
-        handle = self._requests.get(offer.request_id)
-        if handle is None or handle.is_done or handle.decode_worker_id != worker_id:
-            self._send(worker_id, HandoffDeclined(request_id=offer.request_id, reason="unknown stream"))
-            return
-        resume = handle.output_token_ids
-        num_tokens = len(handle.prompt_token_ids) + len(resume)
-        prompt = PromptHashes(handle.prompt_token_ids + resume) if self.kv_overlap_weight is not None else None
-        try:
-            if not self._can_migrate(handle) or not resume:
-                raise NoRoute("no migrations left")
-            target = choose_handoff_target(
-                self._views(prompt), len(handle.prompt_token_ids) + (handle.sampling_params.max_tokens or 0),
-                self._excluded(handle) | {worker_id}, num_cached_tokens=num_tokens,
-                kv_overlap_weight=self.kv_overlap_weight)
-        except NoRoute as exc:
-            self._send(worker_id, HandoffDeclined(request_id=offer.request_id, reason=str(exc)))
-            return
-        wire_id = f"{handle.request_id}~{handle.num_attempts + 1}"
-        params = handle.sampling_params
-        if params.prompt_logprobs is not None:  # the client has them already
-            params = msgspec.structs.replace(params, prompt_logprobs=None)
-        if not self._send(target.worker_id, GenerateRequest(
-                request_id=wire_id, prompt_token_ids=handle.prompt_token_ids, sampling_params=params,
-                prefill_worker_id=worker_id, prefill_endpoint=offer.endpoint,
-                deadline_s=max(0.001, handle.deadline - time.monotonic()), resume_token_ids=resume,
-                kv_source_request_id=offer.request_id)):
-            self._send(worker_id, HandoffDeclined(request_id=offer.request_id, reason="the target is unreachable"))
-            return
-        self._unassign(handle)
-        handle.num_attempts += 1
-        handle.wire_id = wire_id
-        handle.num_migrations += 1
-        handle.paused_since = handle.last_token_at
-        self._assign(handle, Route(decode=target, prefill=None))
-        handle.prefill_worker_id = worker_id  # a failed transfer is the draining worker's: retry without it
-        handle.kv_source = (worker_id, offer.request_id)
-        self.metrics.migrations_total.labels("drain").inc()
-        logger.info("request %s hands off from draining %s to %s after %d tokens", handle.request_id, worker_id,
-                    target.worker_id, len(resume))
-
-    def _abandon_handoff(self, handle: RequestHandle) -> None:
-        """The request ends or moves on before its handoff completed: the draining worker frees the stream."""
-        if handle.kv_source is not None:
-            source, stream_id = handle.kv_source
-            handle.kv_source = None
-            self._send(source, CancelRequest(request_id=stream_id))
 
     async def _housekeeping_loop(self) -> None:
         interval = min(0.25, self.registry.heartbeat_interval_s / 2)
