@@ -4,7 +4,8 @@ with its KV, to another DecodeOnly worker the router picks, so no token is recom
 1. Each pass while draining, the worker pauses the streams that are decoding (``engine.pause_decoding``:
    a step in flight is read first) and, after their tokens, offers each to the router (``offer``:
    ``HandoffOffer`` with this worker's handoff endpoint, bound on the first offer).
-2. The router declines (``decline``: the stream decodes on here, within ``drain_timeout_s``) or sends
+2. The router declines (``decline``: the stream decodes on here, offered again ``REOFFER_AFTER_S`` later
+   while the drain lasts, in case a worker to take it has come up) or sends
    the stream to a target D2 with the tokens sent so far. D2 reserves blocks and sends this socket a
    ``PrefillRequest`` naming the stream (``source_request_id``), as it would ask a prefill worker.
 3. ``progress`` answers it: the tokens must be the paused stream's; the KV of every token but the last
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -38,6 +40,8 @@ from pipeline.protocol.cluster import (
 )
 
 logger = logging.getLogger(__name__)
+
+REOFFER_AFTER_S = 1.0  # a declined stream decodes on here this long before it is offered again
 
 
 @dataclass
@@ -59,6 +63,7 @@ class KVHandoff:
         self.sender: KVSender | None = None
         self._streams: dict[str, _Handoff] = {}  # paused streams by their id here
         self._by_transfer: dict[str, _Handoff] = {}
+        self._declined_at: dict[str, float] = {}  # streams the router declined, when
         self.num_bad_frames = 0
 
     # ------------------------------------------------------------ offers
@@ -71,11 +76,20 @@ class KVHandoff:
             link.send(HandoffOffer(worker_id=self.worker_id, request_id=stream_id, endpoint=self.endpoint))
 
     def decline(self, stream_id: str) -> None:
-        """No target: the stream decodes on here."""
+        """No target: the stream decodes on here (and is offered again after ``REOFFER_AFTER_S``)."""
         handoff = self._streams.get(stream_id)
         if handoff is not None and handoff.transfer_id is None:
             del self._streams[stream_id]
+            self._declined_at[stream_id] = time.monotonic()
             self.engine.resume_paused(stream_id)
+
+    def recently_declined(self) -> set[str]:
+        """Streams not to pause and offer again yet."""
+        now = time.monotonic()
+        for stream_id, at in list(self._declined_at.items()):
+            if now - at > REOFFER_AFTER_S or self.engine.get_sequence(stream_id) is None:
+                del self._declined_at[stream_id]
+        return set(self._declined_at)
 
     def owns(self, stream_id: str) -> bool:
         return stream_id in self._streams

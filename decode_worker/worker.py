@@ -135,7 +135,7 @@ class DecodeWorker(WorkerBase):
         """Draining: pause what decodes and offer it to the router, after its tokens; move the KV of
         streams a target asked for; forget those that left."""
         if self.is_draining:
-            steps, paused = self.engine.pause_decoding()
+            steps, paused = self.engine.pause_decoding(skip=self.handoff.recently_declined())
             self.link.send_outputs([self._delta(step) for step in steps])
             self.handoff.offer(self.link, [seq.request_id for seq in paused])
         for stream_id in self.handoff.progress():

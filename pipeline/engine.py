@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Container
 
 import msgspec
 import torch
@@ -294,19 +295,23 @@ class LLMEngine:
         seq.prompt_logprobs_sent = True  # sent with the first token, before the move
         self.scheduler.activate_migrated(seq, num_draft_computed_tokens)
 
-    def pause_decoding(self) -> tuple[list[StepOutput], list[Sequence]]:
+    def pause_decoding(self, skip: Container[str] = ()) -> tuple[list[StepOutput], list[Sequence]]:
         """Live migration on drain: stop decoding every single-choice request that is decoding (its KV
-        then covers every token but the last, which it emitted), keeping its blocks for the handoff.
-        Returns the outputs of a step still in flight (read first, so nothing is computed past them)
-        and the requests paused now; ``resume_paused`` or ``abort_request`` ends a pause."""
+        then covers every token but the last, which it emitted), keeping its blocks for the handoff;
+        requests in ``skip`` go on. Returns the outputs of a step still in flight (read first, so nothing
+        is computed past them) and the requests paused now; ``resume_paused`` or ``abort_request`` ends a
+        pause."""
+        def pausable() -> list[Sequence]:
+            return [seq for seq in self.scheduler.running
+                    if seq.params.num_sequences == 1 and not seq.is_prefill_only and seq.request_id not in skip
+                    and seq.num_output_tokens > 0]
+        if not pausable():
+            return [], []
         outputs = self._read(self._take_in_flight()) if self._in_flight is not None else []
-        paused = []
-        for seq in list(self.scheduler.running):
-            if (seq.params.num_sequences == 1 and not seq.is_prefill_only and seq.num_output_tokens > 0
-                    and seq.num_computed_tokens == seq.num_tokens - 1):
-                self.scheduler.pause(seq)
-                self.runner.forget(seq.request_id)  # back as a new row of the persistent batch, if resumed
-                paused.append(seq)
+        paused = [seq for seq in pausable() if seq.num_computed_tokens == seq.num_tokens - 1]
+        for seq in paused:
+            self.scheduler.pause(seq)
+            self.runner.forget(seq.request_id)  # back as a new row of the persistent batch, if resumed
         return outputs, paused
 
     def resume_paused(self, request_id: str) -> None:

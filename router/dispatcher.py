@@ -363,6 +363,9 @@ class Dispatcher(RetriesAndMigration):
                     self._send(worker_id, CancelRequest(request_id=delta.request_id))
                 continue
             if delta.finish_reason == FinishCode.ERROR and delta.retryable and not delta.token_ids:
+                if (handle.kv_source is not None and not delta.is_prefill_failure
+                        and self._return_handoff(handle, worker_id, delta.error or "error")):
+                    continue
                 # Blame the prefill worker when the decode worker says its side failed: the retry may
                 # go back to this decode worker (the only one, perhaps) with another prefill worker,
                 # or prefill locally when none is left.
@@ -382,8 +385,7 @@ class Dispatcher(RetriesAndMigration):
                     self.metrics.migration_pause_seconds.observe(now - handle.paused_since)
                     handle.paused_since = None
                     if handle.kv_source is not None:  # a handoff is complete: the draining worker has let it go
-                        handle.kv_source = handle.prefill_worker_id = None
-                    self.metrics.migration_kv_bytes.inc(delta.num_migrated_kv_bytes)
+                        self._handoff_done(handle, delta.num_migrated_kv_bytes)
                 else:  # tokens that arrive together share the gap since the previous ones
                     gap = (now - handle.last_token_at) / len(delta.token_ids)
                     for _ in delta.token_ids:

@@ -90,6 +90,9 @@ class RouterMetrics:
         self.migration_recomputed_tokens = Counter(
             "tandem_migration_recomputed_tokens_total", "Tokens (prompt + output so far) a migrated stream's new "
             "worker computed again", registry=self.registry)
+        self.handoffs_declined_total = Counter(
+            "tandem_handoffs_declined_total", "Streams a draining worker offered that no other worker took (they "
+            "decode on where they are, and are offered again a second later)", registry=self.registry)
         self.migration_kv_bytes = Counter(
             "tandem_migration_kv_bytes_total", "KV bytes moved from a draining decode worker to the one that took "
             "its streams (live migration: those tokens are not computed again)", registry=self.registry)

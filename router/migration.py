@@ -103,7 +103,7 @@ class RetriesAndMigration:
         """A draining worker paused a stream: move it, with its KV, to another DecodeOnly worker, or decline."""
         handle = self._requests.get(offer.request_id)
         if handle is None or handle.is_done or handle.decode_worker_id != worker_id:
-            self._send(worker_id, HandoffDeclined(request_id=offer.request_id, reason="unknown stream"))
+            self._decline(worker_id, offer.request_id, "unknown stream")
             return
         resume = handle.output_token_ids
         num_tokens = len(handle.prompt_token_ids) + len(resume)
@@ -116,7 +116,7 @@ class RetriesAndMigration:
                 self._excluded(handle) | {worker_id}, num_cached_tokens=num_tokens,
                 kv_overlap_weight=self.kv_overlap_weight)
         except NoRoute as exc:
-            self._send(worker_id, HandoffDeclined(request_id=offer.request_id, reason=str(exc)))
+            self._decline(worker_id, offer.request_id, str(exc))
             return
         wire_id = f"{handle.request_id}~{handle.num_attempts + 1}"
         params = handle.sampling_params
@@ -127,7 +127,7 @@ class RetriesAndMigration:
                 prefill_worker_id=worker_id, prefill_endpoint=offer.endpoint,
                 deadline_s=max(0.001, handle.deadline - time.monotonic()), resume_token_ids=resume,
                 kv_source_request_id=offer.request_id)):
-            self._send(worker_id, HandoffDeclined(request_id=offer.request_id, reason="the target is unreachable"))
+            self._decline(worker_id, offer.request_id, "the target is unreachable")
             return
         self._unassign(handle)
         handle.num_attempts += 1
@@ -137,9 +137,38 @@ class RetriesAndMigration:
         self._assign(handle, Route(decode=target, prefill=None))
         handle.prefill_worker_id = worker_id  # a failed transfer is the draining worker's: retry without it
         handle.kv_source = (worker_id, offer.request_id)
-        self.metrics.migrations_total.labels("drain").inc()
         logger.info("request %s hands off from draining %s to %s after %d tokens", handle.request_id, worker_id,
                     target.worker_id, len(resume))
+
+    def _decline(self, worker_id: str, stream_id: str, reason: str) -> None:
+        self.metrics.handoffs_declined_total.inc()
+        self._send(worker_id, HandoffDeclined(request_id=stream_id, reason=reason))
+
+    def _handoff_done(self, handle: RequestHandle, num_kv_bytes: int) -> None:
+        """The new worker's first tokens after a handoff: the stream moved with its KV."""
+        handle.kv_source = handle.prefill_worker_id = None
+        self.metrics.migrations_total.labels("drain").inc()
+        self.metrics.migration_kv_bytes.inc(num_kv_bytes)
+
+    def _return_handoff(self, handle: RequestHandle, target_id: str, reason: str) -> bool:
+        """The target refused the stream before asking for its KV (it drains too, or its queue is full): the
+        stream goes back to the draining worker, which still holds it paused, and decodes on there. False
+        when that worker is gone (then the stream is replayed)."""
+        source, stream_id = handle.kv_source
+        view = next((v for v in self._views() if v.worker_id == source), None)
+        if view is None:
+            return False
+        self._remember_cancel(handle.wire_id)
+        self._unassign(handle)
+        self._exclude(handle, target_id)
+        handle.kv_source = None
+        handle.num_migrations -= 1
+        handle.paused_since = None
+        handle.wire_id = stream_id
+        self._assign(handle, Route(decode=view, prefill=None))
+        logger.info("request %s stays on %s: %s refused it (%s)", handle.request_id, source, target_id, reason)
+        self._decline(source, stream_id, f"{target_id} refused it: {reason}")
+        return True
 
     def _abandon_handoff(self, handle: RequestHandle) -> None:
         """The request ends or moves on before its handoff completed: the draining worker frees the stream."""

@@ -42,7 +42,7 @@ def metric(url: str, name: str, labels: str = "") -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def streams_across_a_signal(cluster, sig: int) -> tuple[dict, str]:
+def streams_across_a_signal(cluster, sig: int, every_decoder: bool = False) -> tuple[dict, str]:
     """The 16 streams run once uninterrupted, then again with ``sig`` sent to the decode worker serving
     most of them once each has 5 tokens; returns the second run's results and that worker. Every stream
     completes with the uninterrupted text and token count (asserted here)."""
@@ -94,7 +94,8 @@ def streams_across_a_signal(cluster, sig: int) -> tuple[dict, str]:
         assert started.acquire(timeout=60), f"a stream did not start: {results}"
     running = {w: worker_metric(cluster.url, "tandem_worker_running_requests", w) or 0 for w in DECODERS}
     victim = max(running, key=running.get)
-    cluster.kill(victim, sig)
+    for worker in DECODERS if every_decoder else [victim]:
+        cluster.kill(worker, sig)
     for t in threads:
         t.join(timeout=120)
     assert all(r[0] == "completed" for r in results.values()), results
@@ -126,4 +127,22 @@ def test_sigkill_replays_every_stream_elsewhere(cluster):
     assert metric(cluster.url, "tandem_migrations_total", '{cause="worker_died"}') > before
     assert metric(cluster.url, "tandem_migration_recomputed_tokens_total") > 0
     wait_for_incarnation(cluster.url, victim, cluster.pids[victim], timeout_s=60)
+    wait_for_idle_blocks(cluster.url, DECODERS + ["prefill-0"], CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=60)
+
+
+def test_when_every_decode_worker_drains_the_streams_finish_where_they_are(cluster):
+    """Both decode workers get SIGTERM at once: neither can take the other's streams (a handoff the other
+    refuses comes back), so each finishes its own within drain_timeout_s, with the uninterrupted text."""
+    for worker in DECODERS:
+        wait_for_incarnation(cluster.url, worker, cluster.pids[worker], timeout_s=60)
+    old_pids = {worker: cluster.pids[worker] for worker in DECODERS}
+    before = metric(cluster.url, "tandem_migration_recomputed_tokens_total")
+    streams_across_a_signal(cluster, signal.SIGTERM, every_decoder=True)
+    assert metric(cluster.url, "tandem_migration_recomputed_tokens_total") == before  # nothing replayed
+    for worker in DECODERS:  # they exit once their streams are done; their supervisor starts them again
+        deadline = time.monotonic() + 60
+        while cluster.pids.get(worker) in (None, old_pids[worker]):
+            assert time.monotonic() < deadline, f"{worker} was not restarted"
+            time.sleep(0.1)
+        wait_for_incarnation(cluster.url, worker, cluster.pids[worker], timeout_s=60)
     wait_for_idle_blocks(cluster.url, DECODERS + ["prefill-0"], CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=60)

@@ -1,7 +1,8 @@
 """Live migration as the router sees it, with scripted DecodeOnly workers on real sockets: a draining
 worker's offer moves the stream to another DecodeOnly worker with ``kv_source_request_id`` (nothing to
 recompute); with nowhere to go the offer is declined and the stream decodes on where it was; a source
-that dies before the new worker's first tokens turns the handoff into a migration by replay."""
+that dies before the new worker's first tokens turns the handoff into a migration by replay; a target that
+refuses the stream hands it back to its source."""
 
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def test_an_offer_with_nowhere_to_go_is_declined(router, served_model):
     result["thread"].join(timeout=20)
     assert result.get("text") == served_model.tokenizer.decode(ids), result
     assert router.metric('tandem_migrations_total{cause="drain"}') == 0.0
+    assert router.metric("tandem_handoffs_declined_total") == 1.0
 
 
 def test_a_source_that_dies_mid_handoff_falls_back_to_replay(router, served_model):
@@ -103,6 +105,30 @@ def test_a_source_that_dies_mid_handoff_falls_back_to_replay(router, served_mode
     assert handoff.kv_source_request_id is not None and replay.kv_source_request_id is None
     assert replay.prefill_endpoint is None and replay.resume_token_ids == ids[:4]
     assert target.cancels == [handoff.request_id]  # the abandoned handoff is stopped there
-    assert router.metric('tandem_migrations_total{cause="drain"}') == 1.0
+    assert router.metric('tandem_migrations_total{cause="drain"}') == 0.0  # counted once moved: it never was
     assert router.metric('tandem_migrations_total{cause="worker_died"}') == 1.0
     assert router.metric("tandem_migration_recomputed_tokens_total") > 0
+
+
+def test_a_handoff_the_target_refuses_goes_back_to_its_source(router, served_model):
+    ids = served_model.tokenizer.encode("Hello there, how are you? Paris is")[:12]
+
+    def refuse(request):  # it began draining too: refused before it asked for any KV
+        return [(0.0, TokenDelta(request_id=request.request_id, finish_reason=FinishCode.ERROR,
+                                 error="worker b-refusing is shutting down", retryable=True))]
+
+    source = router.add_worker("a-source", script=held, role=DECODE)
+    target = router.add_worker("b-refusing", script=refuse, role=DECODE)
+    result = stream_in_background(router)
+    wire_id = start_on(source, ids, 4)
+    assert source.wait_for(lambda: source.declined == [wire_id])  # the stream is its source's again
+    assert target.requests[0].kv_source_request_id == wire_id
+    source.emit(*(TokenDelta(request_id=wire_id, token_ids=[t],  # it decodes on where it is, under its id
+                             finish_reason=FinishCode.LENGTH if i == len(ids) - 1 else None)
+                  for i, t in enumerate(ids) if i >= 4))
+    result["thread"].join(timeout=20)
+    assert result.get("text") == served_model.tokenizer.decode(ids), result
+    assert router.metric('tandem_migrations_total{cause="drain"}') == 0.0
+    assert router.metric("tandem_migration_recomputed_tokens_total") == 0.0
+    assert router.metric("tandem_handoffs_declined_total") == 1.0
+    router.wait_idle()
