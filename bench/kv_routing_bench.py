@@ -27,41 +27,15 @@ from pathlib import Path
 
 import httpx
 
+from bench import tandem_scrape
 from bench.serve_sessions import SessionSpec, build_sessions, run_sessions, summarize_turns
 
 SHAPES = {"2-colocated": (0, 0, 2), "2p2d": (2, 2, 0)}  # (prefill, decode, colocated)
 
 
-def metric_sums(url: str) -> dict[str, float]:
-    """Counters summed over labels: KV bytes sent by prefill workers, routed prompt / cached tokens per side."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for sample in family.samples:
-            key = None
-            if sample.name == "tandem_kv_transfer_bytes_total" and sample.labels.get("role") == "PrefillOnly":
-                key = "kv_bytes_sent"
-            elif sample.name in ("tandem_routed_prompt_tokens_total", "tandem_routed_cached_prompt_tokens_total"):
-                key = f"{sample.name.removeprefix('tandem_routed_').removesuffix('_total')}_{sample.labels['side']}"
-            if key is not None:
-                sums[key] = sums.get(key, 0.0) + sample.value
-    return sums
-
-
-def server_side(before: dict, after: dict, num_turns: int) -> dict:
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    report = {"kv_bytes_per_turn": delta.get("kv_bytes_sent", 0.0) / num_turns if num_turns else 0.0}
-    for side in ("decode", "prefill"):
-        prompt = delta.get(f"prompt_tokens_{side}", 0.0)
-        if prompt:
-            report[f"prefix_hit_rate_{side}"] = delta.get(f"cached_prompt_tokens_{side}", 0.0) / prompt
-    return report
-
-
 def run_cluster(shape: str, kv_aware: bool, checkpoint: Path, cores: list[int], spec: SessionSpec,
                 random_prompts: int, max_local_prefill_length: int | None = None,
-                kv_overlap_weight: float | None = None) -> dict:
+                kv_overlap_weight: float | None = None, num_blocks: int | None = None) -> dict:
     from bench.peer_transformers import free_port
     from bench.serve import benchmark
     from bench.serve_client import ClientSettings
@@ -78,22 +52,25 @@ def run_cluster(shape: str, kv_aware: bool, checkpoint: Path, cores: list[int], 
         config["router"]["max_local_prefill_length"] = max_local_prefill_length
     if kv_overlap_weight is not None:
         config["router"]["kv_overlap_weight"] = kv_overlap_weight
+    if num_blocks is not None:  # each worker's KV pool (default: cpu_kv_cache_gib's worth)
+        config["kv_cache"] = {"num_blocks": num_blocks}
     cluster = LocalCluster(num_prefill=num_prefill, num_decode=num_decode, num_colocated=num_colocated,
                            model_path=str(checkpoint), port=free_port(), cpu_plan=plan,
                            router_cores=router_cores(plan), config=config)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     result: dict = {"shape": shape, "kv_aware_routing": kv_aware, "max_local_prefill_length": max_local_prefill_length,
-                    "kv_overlap_weight": kv_overlap_weight}
+                    "kv_overlap_weight": kv_overlap_weight, "num_blocks": num_blocks}
     with cluster, client_on(router_cores(plan)):
         model = httpx.get(f"{cluster.url}/v1/models", timeout=10).json()["data"][0]["id"]
         warm = build_sessions(replace(spec, num_sessions=2, num_turns=1, seed=spec.seed + 1000), len(tokenizer),
                               set(tokenizer.all_special_ids))
         asyncio.run(run_sessions(cluster.url, model, spec, warm))
-        before = metric_sums(cluster.url)
+        before = tandem_scrape.wait_until_idle(cluster.url)
         sessions = build_sessions(spec, len(tokenizer), set(tokenizer.all_special_ids))
         outcomes, duration = asyncio.run(run_sessions(cluster.url, model, spec, sessions))
         result["multi_turn"] = summarize_turns(outcomes, duration)
-        result["multi_turn"]["server"] = server_side(before, metric_sums(cluster.url), len(outcomes))
+        result["multi_turn"]["server"] = tandem_scrape.run_report(before, tandem_scrape.wait_until_idle(cluster.url),
+                                                                  len(outcomes))
         if random_prompts and num_colocated:
             client = ClientSettings(base_url=cluster.url, endpoint="/v1/completions", model=model, ignore_eos=True)
             report = benchmark(client, WorkloadSpec(dataset="random", num_prompts=random_prompts, input_len=256,
@@ -118,9 +95,12 @@ def compare(runs: list[dict]) -> dict:
                                                  "on": on["multi_turn"]["later_turns"]["cached_fraction"]},
                  "later_turns_median_tpot_ms": {"off": off["multi_turn"]["later_turns"].get("median_tpot_ms"),
                                                 "on": on["multi_turn"]["later_turns"].get("median_tpot_ms")}}
-        bytes_off = off["multi_turn"]["server"]["kv_bytes_per_turn"]
+        entry["prompt_tokens_computed_per_turn"] = {
+            setting: sum(run["multi_turn"]["server"]["prompt_tokens_computed_per_request"].values())
+            for setting, run in (("off", off), ("on", on))}
+        bytes_off = off["multi_turn"]["server"]["kv_bytes_sent_per_request"]
         if bytes_off:
-            entry["kv_bytes_per_turn_reduction"] = 1 - on["multi_turn"]["server"]["kv_bytes_per_turn"] / bytes_off
+            entry["kv_bytes_per_turn_reduction"] = 1 - on["multi_turn"]["server"]["kv_bytes_sent_per_request"] / bytes_off
         if "random" in on and "random" in off:
             entry["random_throughput_ratio_on_over_off"] = (on["random"]["output_throughput"]
                                                             / off["random"]["output_throughput"])
@@ -148,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                              "routing a turn whose uncached part is this short prefills on its decode worker")
     parser.add_argument("--kv-overlap-weight", type=float, default=None,
                         help="router.kv_overlap_weight of the KV-aware runs (default: the config's, 1.0)")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="KV blocks per worker (default: kv_cache.cpu_kv_cache_gib's worth, far more than the "
+                             "sessions need); fewer than the conversations' working set is where routing matters most")
     args = parser.parse_args(argv)
     checkpoint = benchmark_checkpoint(args.model_size)
     cores = sorted(os.sched_getaffinity(0))
@@ -159,12 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         for kv_aware in (False, True):
             print(f"== {shape}, kv_aware_routing={kv_aware}", flush=True)
             runs.append(run_cluster(shape, kv_aware, checkpoint, cores, spec, args.random_prompts,
-                                    args.max_local_prefill_length, args.kv_overlap_weight))
+                                    args.max_local_prefill_length, args.kv_overlap_weight, args.num_blocks))
             print(json.dumps(runs[-1]["multi_turn"]["later_turns"]), runs[-1]["multi_turn"]["server"], flush=True)
     report = {"benchmark": "kv_routing", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu_model(),
               "cores": cores, "machine": platform.machine(), "checkpoint": str(checkpoint),
               "model_size": args.model_size, "sessions": asdict(spec),
               "max_local_prefill_length": args.max_local_prefill_length, "kv_overlap_weight": args.kv_overlap_weight,
+              "num_blocks": args.num_blocks,
               "runs": runs, "comparisons": compare(runs)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
@@ -190,9 +174,9 @@ def plot(report: dict, out: Path) -> Path:
                        linestyle="-" if run["kv_aware_routing"] else "--", label=label)
     ttft_axis.set(xlabel="turn", ylabel="median TTFT (ms)", title="TTFT per turn of a conversation")
     ttft_axis.legend(fontsize="small")
-    pd_runs = [r for r in report["runs"] if r["multi_turn"]["server"]["kv_bytes_per_turn"]]
+    pd_runs = [r for r in report["runs"] if r["multi_turn"]["server"]["kv_bytes_sent_per_request"]]
     bytes_axis.bar([f"{r['shape']}\nkv-aware {'on' if r['kv_aware_routing'] else 'off'}" for r in pd_runs],
-                   [r["multi_turn"]["server"]["kv_bytes_per_turn"] / 1e6 for r in pd_runs])
+                   [r["multi_turn"]["server"]["kv_bytes_sent_per_request"] / 1e6 for r in pd_runs])
     bytes_axis.set(ylabel="MB per turn", title="KV moved prefill -> decode per turn")
     fig.suptitle(f"KV-aware routing, multi-turn sessions ({report['sessions']['num_sessions']} x "
                  f"{report['sessions']['num_turns']} turns), {report['cpu']}", fontsize="medium")

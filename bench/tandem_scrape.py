@@ -2,7 +2,8 @@
 
 Request outcomes (to check the client's counts against the server's), KV bytes and transfer time
 per request (received by DecodeOnly workers, sent by PrefillOnly workers), the prefix hit rates of
-KV-aware routing (prompt tokens the chosen workers already held), speculative decoding's
+KV-aware routing (prompt tokens the chosen workers already held) and the prompt tokens each role's
+workers computed (ran through the model: neither cached nor received), speculative decoding's
 acceptance over the run (when workers speculate), and the leak check: once
 the run is over and the workers have reported in, no KV block may still be held
 (``tandem_kv_blocks_used`` summed over live workers back to 0). Any other server has no
@@ -37,6 +38,7 @@ class TandemSnapshot:
     # KV-aware routing: prompt tokens routed, and those the chosen worker already held, per side
     routed_prompt_tokens: dict[str, float] = field(default_factory=dict)
     routed_cached_tokens: dict[str, float] = field(default_factory=dict)
+    prompt_tokens_computed_by_role: dict[str, float] = field(default_factory=dict)
 
     @property
     def is_idle(self) -> bool:
@@ -77,6 +79,8 @@ def scrape(base_url: str, headers: dict[str, str] | None = None) -> TandemSnapsh
                 _add(snapshot.routed_prompt_tokens, labels["side"], value)
             elif sample.name == "tandem_routed_cached_prompt_tokens_total":
                 _add(snapshot.routed_cached_tokens, labels["side"], value)
+            elif sample.name == "tandem_worker_prompt_tokens_computed_total":
+                _add(snapshot.prompt_tokens_computed_by_role, labels["role"], value)
             elif sample.name == "tandem_spec_decode_num_accepted_tokens_per_pos_total":
                 _add(snapshot.spec_accepted_per_position, int(labels["position"]), value)
     return snapshot
@@ -121,6 +125,9 @@ def run_report(before: TandemSnapshot, after: TandemSnapshot, num_completed: int
                                                  "PrefillOnly"),
         "kv_transfer_ms_per_request": per_request(after.transfer_seconds_by_role, before.transfer_seconds_by_role,
                                                   "DecodeOnly", scale=1000.0),
+        "prompt_tokens_computed_per_request": {
+            role: per_request(after.prompt_tokens_computed_by_role, before.prompt_tokens_computed_by_role, role)
+            for role in after.prompt_tokens_computed_by_role},
         "kv_blocks_used_after": int(after.kv_blocks_used),
         "leak_check": "pass" if after.is_idle else "fail",
     }

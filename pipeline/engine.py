@@ -113,6 +113,7 @@ class LLMEngine:
         self._choices = RequestChoices()  # n > 1: each request's choices, forked from choice 0
         self._held: dict[str, Sequence] = {}  # finished prefill-only requests whose blocks are not shipped yet
         self.last_plan = None  # the plan of the step whose outputs the last step() returned
+        self.num_prompt_tokens_computed = 0  # cumulative: prompt tokens run through the model (not cached ones)
         # Overlap pipeline (pipeline/overlap.py): steps run on the execution stream, read one step late.
         self.stream = ExecutionStream(self.device) if config.enable_overlap_scheduler else None
         if self.stream is not None and not str(self.device).startswith("cuda"):
@@ -329,6 +330,7 @@ class LLMEngine:
             num_free_blocks=self.kv_manager.num_free_blocks,
             num_used_blocks=self.kv_manager.num_used_blocks,
             num_total_blocks=self.kv_manager.num_total_blocks,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             **transfer_counters,
             **(self.speculator.stats.load_fields() if self.speculator is not None else {}),
         )
@@ -370,6 +372,9 @@ class LLMEngine:
 
     def _schedule(self):
         plan = self.scheduler.schedule()
+        for chunk in plan.chunks:  # prompt positions run through the model (a cached prefix never is)
+            self.num_prompt_tokens_computed += max(
+                0, min(chunk.start + chunk.num_tokens, chunk.seq.num_prompt_tokens) - chunk.start)
         for seq in plan.preempted:  # readmitted later with new blocks: a new row of the persistent batch
             self.runner.forget(seq.request_id)
         return plan

@@ -162,6 +162,9 @@ class WorkerCollector(Collector):
             "max_step": GaugeMetricFamily(
                 "tandem_worker_max_step_seconds", "The longest engine step the worker has run", labels=labels),
             "steps": CounterMetricFamily("tandem_worker_steps", "Engine steps the worker completed", labels=labels),
+            "prompt_computed": CounterMetricFamily(
+                "tandem_worker_prompt_tokens_computed", "Prompt tokens the worker ran through the model (its prefix "
+                "cache's hits and KV it received are not computed)", labels=labels),
             "kv_index": GaugeMetricFamily(
                 "tandem_kv_index_blocks", "Prefix-cache blocks the router's KV index holds for the worker",
                 labels=labels),
@@ -196,6 +199,7 @@ class WorkerCollector(Collector):
             families["busy"].add_metric(values, load.busy_in_step_s)
             families["max_step"].add_metric(values, load.max_step_s)
             families["steps"].add_metric(values, load.num_steps)
+            families["prompt_computed"].add_metric(values, load.num_prompt_tokens_computed)
             families["draining"].add_metric(values, 1.0 if load.is_draining else 0.0)
             families["kv_index"].add_metric(values, self._workers.kv_index.num_blocks(w.worker_id))
             if load.spec_accepted_per_position:  # a speculating worker

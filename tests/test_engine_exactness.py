@@ -93,8 +93,11 @@ def test_prefix_cache_hits_stay_exact(arch, tiny_checkpoint, hf_reference):
     free_at_start = llm.engine.kv_manager.num_free_blocks
     first = llm.generate(prompts[:1], greedy(12))
     assert first[0].token_ids == expected[0]
+    assert llm.engine.num_prompt_tokens_computed == len(prompts[0])
     outs = llm.generate(prompts, greedy(12))  # every prompt now hits the cached 20-token prefix
     assert [o.token_ids for o in outs] == expected
+    # only what the cache lacked ran through the model (the load report's tandem_worker_prompt_tokens_computed)
+    assert llm.engine.num_prompt_tokens_computed == len(prompts[0]) + sum(len(p) - 20 for p in prompts)
     hits = [llm.engine.kv_manager.find_cached_prefix(p) for p in prompts]
     assert all(len(h) >= 5 for h in hits)
     assert_no_leaks(llm.engine.kv_manager, free_at_start)

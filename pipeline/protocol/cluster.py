@@ -133,6 +133,7 @@ class WorkerLoad(msgspec.Struct, **_HOT):
     busy_in_step_s: float = 0.0  # how long the current engine step has run (0: between steps)
     num_steps: int = 0  # engine steps completed since start
     max_step_s: float = 0.0  # the longest engine step so far
+    num_prompt_tokens_computed: int = 0  # prompt tokens run through the model since start (prefix-cache hits not)
     is_draining: bool = False  # shutting down: route nothing new here
     # speculative decoding, cumulative (vLLM's spec_decode counters); empty per-position list when off
     spec_num_drafts: int = 0  # verify steps of one request with at least one draft token

@@ -1,6 +1,6 @@
 """KV-aware routing on real clusters: a conversation's later turns go where its blocks are (counted on
 /metrics), every turn is transformers' greedy text, a turn under P/D moves only the blocks its decode
-worker lacks, a killed worker's blocks leave the index, and free blocks return to the start."""
+worker lacks (and its prefill worker computes only what it lacks), a killed worker's blocks leave the index, and free blocks return to the start."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from tests.cluster.conftest import (CLUSTER_CONFIG, openai_client, running_clust
 
 NUM_BLOCKS = CLUSTER_CONFIG["kv_cache"]["num_blocks"]
 PAGE = CLUSTER_CONFIG["kv_cache"]["page_size"]
+COMPUTED = "tandem_worker_prompt_tokens_computed_total"
 
 
 def routed(url: str) -> dict[tuple[str, str], float]:
@@ -131,6 +132,7 @@ def test_a_turn_under_pd_moves_only_the_blocks_its_decode_worker_lacks(tiny_chec
             prompt = prompt + message
             before, bytes_before = routed(cluster.url), worker_metric(cluster.url, "tandem_kv_transfer_bytes_total",
                                                                       "prefill-0") or 0.0
+            computed_before = worker_metric(cluster.url, COMPUTED, "prefill-0") or 0.0
             out = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
             worker = routed_to(cluster.url, before)
             first = first or worker
@@ -144,10 +146,15 @@ def test_a_turn_under_pd_moves_only_the_blocks_its_decode_worker_lacks(tiny_chec
                 time.sleep(0.05)
             cached = out.usage.prompt_tokens_details.cached_tokens if out.usage.prompt_tokens_details else 0
             moved.append((sent - bytes_before, -(-len(prompt) // PAGE) - cached // PAGE))
+            # the same report: the prefill worker computed only what its own cache lacked (the last answer,
+            # which the decode worker produced, and the new message), never the whole conversation again
+            computed = worker_metric(cluster.url, COMPUTED, "prefill-0") - computed_before
+            assert 0 < computed <= (len(message) + (8 + PAGE if moved[1:] else len(prompt)))
             wait_indexed(cluster.url, first)
             prompt = prompt + ids
         per_block = moved[0][0] / moved[0][1]
         for num_bytes, num_blocks in moved:  # each turn: exactly the blocks the decode worker did not hold
             assert num_bytes == pytest.approx(per_block * num_blocks)
         assert moved[2][1] < -(-len(prompt) // PAGE) // 2  # the last turn moved under half its prompt
+        assert not any(worker_metric(cluster.url, COMPUTED, d) for d in ("decode-0", "decode-1"))  # all received
         wait_for_idle_blocks(cluster.url, cluster.worker_names, NUM_BLOCKS)
