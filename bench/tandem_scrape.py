@@ -39,6 +39,7 @@ class TandemSnapshot:
     routed_prompt_tokens: dict[str, float] = field(default_factory=dict)
     routed_cached_tokens: dict[str, float] = field(default_factory=dict)
     prompt_tokens_computed_by_role: dict[str, float] = field(default_factory=dict)
+    routed_requests_by_worker: dict[str, float] = field(default_factory=dict)  # "side/worker" -> count
 
     @property
     def is_idle(self) -> bool:
@@ -79,6 +80,8 @@ def scrape(base_url: str, headers: dict[str, str] | None = None) -> TandemSnapsh
                 _add(snapshot.routed_prompt_tokens, labels["side"], value)
             elif sample.name == "tandem_routed_cached_prompt_tokens_total":
                 _add(snapshot.routed_cached_tokens, labels["side"], value)
+            elif sample.name == "tandem_routed_requests_total":
+                _add(snapshot.routed_requests_by_worker, f"{labels['side']}/{labels['worker']}", value)
             elif sample.name == "tandem_worker_prompt_tokens_computed_total":
                 _add(snapshot.prompt_tokens_computed_by_role, labels["role"], value)
             elif sample.name == "tandem_spec_decode_num_accepted_tokens_per_pos_total":
@@ -128,6 +131,8 @@ def run_report(before: TandemSnapshot, after: TandemSnapshot, num_completed: int
         "prompt_tokens_computed_per_request": {
             role: per_request(after.prompt_tokens_computed_by_role, before.prompt_tokens_computed_by_role, role)
             for role in after.prompt_tokens_computed_by_role},
+        "routed_requests": {key: int(value - before.routed_requests_by_worker.get(key, 0.0))
+                            for key, value in sorted(after.routed_requests_by_worker.items())},
         "kv_blocks_used_after": int(after.kv_blocks_used),
         "leak_check": "pass" if after.is_idle else "fail",
     }

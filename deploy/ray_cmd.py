@@ -47,8 +47,13 @@ def register(sub) -> None:
     add_config_flags(up)
     up.set_defaults(handler=run_up)
 
-    down = commands.add_parser("down", help="stop every process a deployment started, and its actors")
+    down = commands.add_parser("down", help="stop every process a deployment started, and its actors; with "
+                               "--process, only those workers (a scale-down with no failed request)")
     _add_common(down, name_default=None)
+    down.add_argument("--process", action="append", default=None, metavar="NAME",
+                      help="remove only this worker (repeatable; e.g. decode-1): it drains first, and a decode "
+                           "worker's streams move to the others with their KV; the router and a decode or "
+                           "colocated worker must stay")
     down.set_defaults(handler=run_down)
 
     status = commands.add_parser("status", help="each process: node, pid, restarts, readiness")
@@ -137,6 +142,10 @@ def _up_options(args: argparse.Namespace):
 
 @_on_ray
 def run_down(args: argparse.Namespace, deployment) -> int:
+    if args.process:
+        removed = deployment.scale_down(args.name, args.process, say=lambda line: print(line, flush=True))
+        print(f"removed {len(removed)} workers: {', '.join(removed)}", flush=True)
+        return 0
     removed = deployment.down(args.name, say=lambda line: print(line, flush=True))
     what = f"deployment {args.name!r}" if args.name else "every Tandem deployment"
     print(f"stopped {what}: {len(removed)} processes and their actors" if removed else f"{what}: nothing running",

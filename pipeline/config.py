@@ -137,6 +137,10 @@ class RouterConfig(_Section):
         "*", description="browser origins allowed to call the API (CORS), comma-separated; \"*\" = any (vLLM's "
         "default), empty = no CORS headers")
     cors_allow_credentials: bool = Field(False, description="CORS: let browsers send cookies and auth headers")
+    http_keep_alive_s: float = Field(
+        75.0, gt=0.0, description="an idle HTTP keep-alive connection stays open this long: longer than the idle "
+        "timeouts of the clients and load balancers in front (httpx and the openai SDK 5 s, AWS ALB 60 s), so a "
+        "client never sends a request on a connection the router is closing at that moment")
     kv_aware_routing: bool = Field(
         True, description="route each request to the workers whose prefix caches hold most of its prompt, weighed "
         "against their load (workers report their cached blocks; docs/kv-routing.md); false = by load alone")

@@ -243,14 +243,7 @@ def rolling_restart(deployment: str | None = None, say: Callable[[str], None] = 
     again from the actor, and the checkpoint from disk. Returns the processes replaced."""
     import ray
 
-    found = deployment_actors(deployment)
-    deployments = {dep for dep, _ in found.values()}
-    if not deployments:
-        raise DeployError(f"no Tandem deployment {deployment!r} is running" if deployment
-                          else "no Tandem deployment is running")
-    if len(deployments) > 1:
-        raise DeployError(f"several deployments run ({', '.join(sorted(deployments))}): name one with --name")
-    dep = deployments.pop()
+    dep, found = _one_deployment(deployment)
     router = ray.get_actor(specs.actor_name(dep, ROUTER))
     workers = sorted((process for _, process in found.values() if process != ROUTER),
                      key=lambda process: (not process.startswith("prefill-"), process))
@@ -264,6 +257,43 @@ def rolling_restart(deployment: str | None = None, say: Callable[[str], None] = 
         pid = _wait_replaced(actor, router, process, old_pid, timeout_s)
         say(f"  {process} is back as pid {pid}")
     return workers
+
+
+def _one_deployment(deployment: str | None) -> tuple[str, dict[str, tuple[str, str]]]:
+    """The deployment a command acts on (the named one, or the only one running) and its actors."""
+    found = deployment_actors(deployment)
+    deployments = {dep for dep, _ in found.values()}
+    if not deployments:
+        raise DeployError(f"no Tandem deployment {deployment!r} is running" if deployment
+                          else "no Tandem deployment is running")
+    if len(deployments) > 1:
+        raise DeployError(f"several deployments run ({', '.join(sorted(deployments))}): name one with --name")
+    return deployments.pop(), found
+
+
+def scale_down(deployment: str | None, processes: list[str], say: Callable[[str], None] = print) -> list[str]:
+    """Remove workers from a running deployment, one at a time, with no failed request: each gets SIGTERM
+    and drains (the router routes around it; a decode worker hands its streams to the others with their
+    KV), then its supervisor actor is removed, so nothing restarts it. The router and at least one decode
+    or colocated worker stay. Returns the processes removed."""
+    import ray
+
+    dep, found = _one_deployment(deployment)
+    running = {process for _, process in found.values()}
+    unknown = sorted(set(processes) - running)
+    if unknown:
+        raise DeployError(f"deployment {dep!r} has no {', '.join(unknown)} (it runs {', '.join(sorted(running))})")
+    if ROUTER in processes:
+        raise DeployError("the router is not a worker to remove: `tandem ray down` stops the whole deployment")
+    left = running - set(processes)
+    if not any(process.startswith(("decode-", "colocated-")) for process in left):
+        raise DeployError("that would leave no decode or colocated worker to serve; keep one")
+    for process in processes:
+        actor_name = specs.actor_name(dep, process)
+        say(f"removing {process}: draining")
+        _stop_and_kill({actor_name: ray.get_actor(actor_name)}, wait_s=None)
+        say(f"  {process} is gone")
+    return processes
 
 
 def _wait_replaced(actor, router, process: str, old_pid: int, timeout_s: float) -> int:
@@ -316,15 +346,15 @@ def _answering(actors: dict) -> set[str]:
     return {refs[ref] for ref in done}
 
 
-def _stop_and_kill(actors: dict, placed: set[str] | None = None) -> None:
+def _stop_and_kill(actors: dict, placed: set[str] | None = None, wait_s: float | None = 60.0) -> None:
     """Ask every actor ({actor name: handle}; only those in ``placed`` when given) to stop its process,
-    in parallel, then kill the actors; an actor that does not answer is killed anyway, and its process
-    dies with it (``deploy.parent_guard``)."""
+    in parallel, then kill the actors; an actor that does not answer within ``wait_s`` (None: the actor's
+    own stop bound, its drain) is killed anyway, and its process dies with it (``deploy.parent_guard``)."""
     import ray
 
     refs = [actor.stop.remote() for name, actor in actors.items() if placed is None or name in placed]
     if refs:
-        ray.wait(refs, num_returns=len(refs), timeout=60.0)
+        ray.wait(refs, num_returns=len(refs), timeout=wait_s)
     for actor in actors.values():
         try:
             ray.kill(actor, no_restart=True)

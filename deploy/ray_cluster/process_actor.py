@@ -148,9 +148,9 @@ class ProcessSupervisor:
 
     def stop(self, timeout_s: float | None = None) -> str:
         """Stop the process for good (no restart): SIGTERM, wait, SIGKILL. Returns the final state."""
-        if timeout_s is None:
-            timeout_s = (float(self.spec.config.get("drain_timeout_s", 30.0)) + ROUTER_STOP_MARGIN_S
-                         if self.spec.is_router else WORKER_STOP_TIMEOUT_S)
+        if timeout_s is None:  # a worker stopped while serving (a scale-down) drains first, as the router does
+            timeout_s = max(float(self.spec.config.get("drain_timeout_s", 30.0)) + ROUTER_STOP_MARGIN_S,
+                            0.0 if self.spec.is_router else WORKER_STOP_TIMEOUT_S)
         self._stop_timeout_s = timeout_s
         self._stop_request.set()
         self._start_request.set()  # wakes a supervision thread still waiting for its start

@@ -5,6 +5,7 @@ Ordered from harmless to destructive; the cluster is shared by the module, so th
 
 from __future__ import annotations
 
+import http.client
 import signal
 from pathlib import Path
 import threading
@@ -53,6 +54,27 @@ def long_stream(client, prompt: str = "Once upon a time"):
 
 def used_blocks(url: str, worker: str) -> float:
     return kv_gauges(url)[("tandem_kv_blocks_used", worker)]
+
+
+def test_an_idle_keep_alive_connection_stays_open_past_a_clients_idle_timeout(cluster):
+    """A client pools connections for 5 s (httpx, the openai SDK): the router keeps them longer
+    (router.http_keep_alive_s), so a request sent on a pooled connection is never one the router was
+    closing at that moment (a ReadError the client cannot tell from a failure)."""
+    url = httpx.URL(cluster.url)
+    connection = http.client.HTTPConnection(url.host, url.port, timeout=10)
+    try:
+        sockets = []
+        for attempt in range(2):
+            if attempt:
+                time.sleep(6.0)  # idle past the clients' 5 s (and uvicorn's own default)
+            connection.request("GET", "/v1/models")
+            response = connection.getresponse()  # RemoteDisconnected had the router closed it meanwhile
+            assert response.status == 200 and response.getheader("connection") != "close"
+            response.read()
+            sockets.append(connection.sock)
+        assert sockets[0] is sockets[1]  # the same connection served both
+    finally:
+        connection.close()
 
 
 def test_client_disconnect_frees_decode_blocks_within_1s(cluster, client):

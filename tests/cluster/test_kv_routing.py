@@ -118,6 +118,39 @@ def test_a_killed_workers_blocks_leave_the_index(colocated, tiny_checkpoint, hf_
     wait_for_idle_blocks(url, colocated.worker_names, NUM_BLOCKS)
 
 
+def test_evicted_blocks_leave_the_index(colocated):
+    """Prompts that need more than both caches hold evict the first one everywhere: the index says so (no
+    worker holds any of it at routing time, and the serving worker indeed reuses nothing), and never holds
+    more blocks for a worker than its pool has."""
+    url = colocated.url
+    client = openai_client(colocated)
+    name = client.models.list().data[0].id
+    vocab = 300
+    prompts = [[(97 * i + 7 * j) % vocab + 1 for j in range(400)] for i in range(16)]  # 16 x 100 blocks, distinct
+
+    def hits(prompt) -> tuple[float, int]:
+        before = routed_cached(url)
+        out = client.completions.create(model=name, prompt=prompt, max_tokens=1, temperature=0)
+        details = out.usage.prompt_tokens_details
+        return routed_cached(url) - before, details.cached_tokens if details else 0
+
+    hits(prompts[0])
+    time.sleep(0.5)  # its KV events land just after its tokens
+    assert hits(prompts[0])[0] >= 400 - 2 * PAGE  # held, and the index knows it
+    for prompt in prompts[1:]:  # 1,500 blocks through two pools of 512: the first prompt is evicted everywhere
+        hits(prompt)
+    time.sleep(1.0)  # the last KV events travel with the last tokens; let them land
+    for worker in colocated.worker_names:
+        assert (worker_metric(url, "tandem_kv_index_blocks", worker) or 0) <= NUM_BLOCKS
+    assert hits(prompts[0]) == (0, 0)
+    wait_for_idle_blocks(url, colocated.worker_names, NUM_BLOCKS)
+
+
+def routed_cached(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return float(re.search(r'tandem_routed_cached_prompt_tokens_total\{side="decode"\} ([0-9.e+]+)', text)[1])
+
+
 def test_a_turn_under_pd_moves_only_the_blocks_its_decode_worker_lacks(tiny_checkpoint, tmp_path_factory,
                                                                      hf_reference, reference_text):
     _, tokenizer = hf_reference(tiny_checkpoint("llama"))

@@ -4,7 +4,8 @@ One deployment of 1 prefill + 2 decode workers serves the official openai client
 exact greedy text; a SIGKILLed worker is restarted by its supervisor actor; a SIGKILLed supervisor
 actor takes its process down with it (no orphan) and Ray restarts it; `tandem ray down` leaves no
 Tandem process and no named actor; a deployment Ray cannot place fails and leaves nothing behind; `tandem ray restart` replaces every worker
-under a streaming load with no failed request.
+under a streaming load with no failed request, and `tandem ray down --process decode-1` removes one
+(a scale-down: its streams move to decode-0 with their KV, none fails).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -200,6 +202,60 @@ def test_rolling_restart_replaces_every_worker_with_no_failed_request(head, depl
     wait_for_idle_blocks(deployment["url"], WORKERS, CLUSTER_CONFIG["kv_cache"]["num_blocks"])
 
 
+def test_scale_down_removes_a_decode_worker_with_no_failed_request(head, deployment, tokenizer, reference_text):
+    url = deployment["url"]
+    for bad, error in ((["router"], "not a worker"), (["decode-0", "decode-1"], "no decode or colocated worker"),
+                       (["decode-7"], "has no decode-7")):
+        result = head.run(TANDEM, "ray", "down", *(a for p in bad for a in ("--process", p)), timeout_s=60)
+        assert result.returncode == 1 and error in result.stderr, result.stderr
+    assert all_ready(status(head))
+    recomputed = metric(url, "tandem_migration_recomputed_tokens_total")
+    want = {p: reference_text(tokenizer(p)["input_ids"], 160)[1] for p in PROMPTS}
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    outcomes: list[tuple[str, str]] = []
+    started = threading.Semaphore(0)
+
+    def stream(prompt: str) -> None:
+        try:
+            text = ""
+            for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=160, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True}):
+                if chunk.choices and chunk.choices[0].text:
+                    if not text:
+                        started.release()
+                    text += chunk.choices[0].text
+            outcomes.append((prompt, text))
+        except openai.APIError as exc:
+            outcomes.append(("error", repr(exc)))
+
+    threads = [threading.Thread(target=stream, args=(p,), daemon=True) for p in PROMPTS * 2]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert started.acquire(timeout=60)
+    result = head.run(TANDEM, "ray", "down", "--name", "tandem", "--process", "decode-1", timeout_s=120)
+    for t in threads:
+        t.join(timeout=120)
+    assert result.returncode == 0 and "removed 1 workers: decode-1" in result.stdout, result.stdout + result.stderr
+    errors = [o for o in outcomes if o[0] == "error"]
+    assert not errors and len(outcomes) == len(threads), errors
+    assert all(text == want[prompt] for prompt, text in outcomes)
+    assert metric(url, "tandem_migration_recomputed_tokens_total") == recomputed  # handed off with their KV
+    rows = status(head)
+    assert set(rows) == {"router", "prefill-0", "decode-0"}, rows
+    assert all(r["state"] == "running" and r["ready"] for r in rows.values()), rows
+    wait_for_idle_blocks(url, ["prefill-0", "decode-0"], CLUSTER_CONFIG["kv_cache"]["num_blocks"])
+    text = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=160, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert text == want[PROMPTS[0]]  # the deployment serves on with what is left
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
 def test_unplaceable_deployment_fails_and_leaves_nothing(head, deployment):
     result = head.run(TANDEM, "ray", "up", "--name", "nowhere", "--decode-resources", '{"decode-node": 1}',
                       "--port", str(free_ports(1)[0]), "--log-dir", deployment["log_dir"], "--ready-timeout", "3",
@@ -210,7 +266,7 @@ def test_unplaceable_deployment_fails_and_leaves_nothing(head, deployment):
 
 def test_down_stops_every_process_and_actor(head, deployment):
     result = head.run(TANDEM, "ray", "down", "--name", "tandem", timeout_s=120)
-    assert result.returncode == 0 and "4 processes" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0 and "3 processes" in result.stdout, result.stdout + result.stderr  # decode-1 left
     assert status(head) == {}
     assert not [pid for pid in deployment["pids"] if is_alive(pid)]
     assert not processes_mentioning(deployment["log_dir"])
