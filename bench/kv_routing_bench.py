@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="KV blocks per worker (default: kv_cache.cpu_kv_cache_gib's worth, far more than the "
                              "sessions need); fewer than the conversations' working set is where routing matters most")
+    parser.add_argument("--routing", default="off,on", help="which settings of router.kv_aware_routing to run")
     args = parser.parse_args(argv)
     checkpoint = benchmark_checkpoint(args.model_size)
     cores = sorted(os.sched_getaffinity(0))
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                        think_time_s=args.think_time)
     runs = []
     for shape in args.shapes.split(","):
-        for kv_aware in (False, True):
+        for kv_aware in [setting == "on" for setting in args.routing.split(",")]:
             print(f"== {shape}, kv_aware_routing={kv_aware}", flush=True)
             runs.append(run_cluster(shape, kv_aware, checkpoint, cores, spec, args.random_prompts,
                                     args.max_local_prefill_length, args.kv_overlap_weight, args.num_blocks))

@@ -47,6 +47,11 @@ MODEL_SIZES: dict[str, dict] = {
         tokenizer_vocab_size=2048, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048, initializer_range=0.05,
     ),
+    # ~150M parameters: a step costs what a small real checkpoint's does here, so prefill dominates TTFT
+    "large": dict(
+        tokenizer_vocab_size=2048, hidden_size=1024, intermediate_size=2752, num_hidden_layers=12,
+        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048, initializer_range=0.03,
+    ),
 }
 
 COUNTING_NOTE = (

@@ -167,6 +167,13 @@ def run_sessions_from_args(args: argparse.Namespace, base_url: str, model: str, 
     for turn, stats in report["per_turn"].items():
         print(f"turn {turn}: {stats['count']} done, median TTFT {stats['median_ttft_ms']:.1f} ms, "
               f"{stats['cached_fraction']:.0%} of the prompt already held")
+    server = report.get("tandem")
+    if server:
+        computed = ", ".join(f"{role} {n:.0f}" for role, n in server["prompt_tokens_computed_per_request"].items())
+        hits = ", ".join(f"{side} {server[f'prefix_hit_rate_{side}']:.0%}" for side in ("decode", "prefill")
+                         if f"prefix_hit_rate_{side}" in server)
+        print(f"per turn: prompt tokens computed {computed or 0}; KV bytes sent "
+              f"{server['kv_bytes_sent_per_request']:.0f}; prefix hit rate at routing {hits or 'n/a'}")
     return report
 
 

@@ -145,8 +145,9 @@ class RouterConfig(_Section):
         True, description="route each request to the workers whose prefix caches hold most of its prompt, weighed "
         "against their load (workers report their cached blocks; docs/kv-routing.md); false = by load alone")
     kv_overlap_weight: float = Field(
-        1.0, ge=0.0, description="KV-aware routing: the cost of one prompt block a worker must compute or receive, "
-        "against one block its running requests hold (Dynamo's overlap weight)")
+        4.0, ge=0.0, description="KV-aware routing: the cost of one prompt block a worker must compute or receive, "
+        "against one block its running requests hold (Dynamo's overlap weight; 4 keeps a conversation where its "
+        "KV is against a load gap of a few requests, docs/kv-routing.md)")
     max_migrations: int = Field(
         3, ge=0, description="a stream whose worker dies after its first token moves to another worker, which "
         "recomputes its prompt and the tokens sent so far and goes on (docs/load.md); at most this often, then it "

@@ -243,7 +243,10 @@ class Dispatcher(RetriesAndMigration):
         if decode is not None:
             decode.num_inflight += handle.num_choices  # n > 1: n sequences in its batch
             handle._inflight_on = decode.worker_id
-            handle._inflight_blocks = -(-len(handle.prompt_token_ids) // max(decode.page_size, 1)) * handle.num_choices
+            # the KV it may grow to, as far as the client said (max_tokens): a long generation weighs as
+            # what it will hold, so requests whose prefix one worker caches do not pile onto it
+            potential = len(handle.prompt_token_ids) + (handle.sampling_params.max_tokens or 0)
+            handle._inflight_blocks = -(-potential // max(decode.page_size, 1)) * handle.num_choices
             decode.num_inflight_blocks += handle._inflight_blocks
         if route.prefill is not None:
             prefill = self.registry.get(route.prefill.worker_id)

@@ -22,7 +22,7 @@ With KV-aware routing (``kv_overlap_weight`` set; ``router.kv_aware_routing``) r
 where the prompt's KV already lives (``num_cached_prompt_tokens``, from the router's KV index), in
 Dynamo's form: ``cost = kv_overlap_weight x (prompt blocks the worker must compute or receive) +
 (blocks its running requests hold)``, the latter the larger of its report and the router's own count
-of what it sent there. The decode worker is the cheapest (workers with free blocks first); the prefill
+of what it sent there (each request's prompt plus its ``max_tokens``: the KV it may grow to). The decode worker is the cheapest (workers with free blocks first); the prefill
 worker the one with the fewest prompt blocks to compute plus queued prefill blocks; and local prefill on
 a DecodeOnly worker is decided on the prompt tokens it does not hold yet, not the prompt's length.
 """
@@ -54,7 +54,7 @@ class WorkerView:
     is_draining: bool = False  # shutting down: finishes what it has, takes nothing new
     page_size: int = 16
     num_cached_prompt_tokens: int = 0  # this request's leading prompt tokens its prefix cache holds
-    num_inflight_blocks: int = 0  # router-side: prompt blocks of the requests routed here, not finished
+    num_inflight_blocks: int = 0  # router-side: blocks (prompt + max_tokens) of the requests routed here, not finished
 
     @property
     def is_saturated(self) -> bool:

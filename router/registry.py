@@ -41,7 +41,7 @@ class WorkerInfo:
     num_pending_prefill_tokens: int = 0  # prompt tokens routed here (prefill side) still without a first token
     max_batch_size: int = 0  # from registration; 0: unknown
     registered_at: float = field(default_factory=time.time)
-    num_inflight_blocks: int = 0  # prompt blocks of the requests routed here (decode side), not finished
+    num_inflight_blocks: int = 0  # blocks (prompt + max_tokens) of the requests routed here (decode side), not finished
 
     def view(self, num_cached_prompt_tokens: int = 0) -> WorkerView:
         """The snapshot the routing policy decides on (``num_cached_prompt_tokens``: of the request being routed)."""

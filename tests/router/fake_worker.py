@@ -82,13 +82,14 @@ class FakeWorker:
         heartbeat_s: float = 0.05,
         load: WorkerLoad | None = None,
         max_batch_size: int = 0,
+        page_size: int = 16,
     ) -> None:
         self.endpoint = router_endpoint(zmq_endpoint_base)
         self.worker_id = worker_id
         self.script = script or tokens_script([10, 11, 12])
         self.register_msg = RegisterWorker(
             worker_id=worker_id, role=WorkerRole.from_pipeline_role(role), model_name=model_name,
-            max_length=max_length, page_size=16, num_total_blocks=num_total_blocks,
+            max_length=max_length, page_size=page_size, num_total_blocks=num_total_blocks,
             prefill_endpoint=prefill_endpoint, pid=os.getpid(), max_batch_size=max_batch_size,
         )
         self.heartbeat_s = heartbeat_s

@@ -57,6 +57,13 @@ def rest_after_resume(ids: list[int], only_replay: bool = False):
     return script
 
 
+def decode_on_in_place(source, wire_id: str, ids: list[int], num_sent: int) -> None:
+    """A declined stream decodes on where it is: the rest of ``ids`` from ``source``."""
+    source.emit(*(TokenDelta(request_id=wire_id, token_ids=[t],
+                             finish_reason=FinishCode.LENGTH if i == len(ids) - 1 else None)
+                  for i, t in enumerate(ids) if i >= num_sent))
+
+
 def test_an_offered_stream_moves_with_its_kv(router, served_model):
     ids = served_model.tokenizer.encode("Hello there, how are you? Paris is")[:12]
     source = router.add_worker("a-source", script=held, role=DECODE)  # ties go to the lower id
@@ -82,9 +89,7 @@ def test_an_offer_with_nowhere_to_go_is_declined(router, served_model):
     result = stream_in_background(router)
     wire_id = start_on(source, ids, 4)
     assert source.wait_for(lambda: source.declined == [wire_id])
-    source.emit(*(TokenDelta(request_id=wire_id, token_ids=[t],  # it decodes on where it is
-                             finish_reason=FinishCode.LENGTH if i == len(ids) - 1 else None)
-                  for i, t in enumerate(ids) if i >= 4))
+    decode_on_in_place(source, wire_id, ids, 4)
     result["thread"].join(timeout=20)
     assert result.get("text") == served_model.tokenizer.decode(ids), result
     assert router.metric('tandem_migrations_total{cause="drain"}') == 0.0
@@ -123,9 +128,7 @@ def test_a_handoff_the_target_refuses_goes_back_to_its_source(router, served_mod
     wire_id = start_on(source, ids, 4)
     assert source.wait_for(lambda: source.declined == [wire_id])  # the stream is its source's again
     assert target.requests[0].kv_source_request_id == wire_id
-    source.emit(*(TokenDelta(request_id=wire_id, token_ids=[t],  # it decodes on where it is, under its id
-                             finish_reason=FinishCode.LENGTH if i == len(ids) - 1 else None)
-                  for i, t in enumerate(ids) if i >= 4))
+    decode_on_in_place(source, wire_id, ids, 4)  # under its id there
     result["thread"].join(timeout=20)
     assert result.get("text") == served_model.tokenizer.decode(ids), result
     assert router.metric('tandem_migrations_total{cause="drain"}') == 0.0

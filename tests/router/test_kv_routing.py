@@ -1,12 +1,20 @@
 """KV-aware routing's pure parts: the prefix cache's event log, the router's index of it, and the
-policy's cost of (prompt blocks a worker must compute or receive) against (blocks its requests hold)."""
+policy's cost of (prompt blocks a worker must compute or receive) against (blocks its requests hold);
+last, the router's own count of those blocks, with scripted workers."""
 
 from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
 
 from pipeline.config import PipelineRole
 from pipeline.kv_cache import KVCacheManager
 from router.kv_index import KVIndex, PromptHashes
+from pipeline.protocol.cluster import KVEvents, encode
 from router.policy import WorkerView, choose_route
+from tests.router.fake_worker import held
 
 P, D, PD = PipelineRole.PrefillOnly, PipelineRole.DecodeOnly, PipelineRole.PrefillAndDecode
 PAGE = 4
@@ -96,3 +104,28 @@ def test_prefill_worker_by_cache_and_local_prefill_by_uncached_length():
     assert route.prefill is None and route.decode.worker_id == "d0"
     route = choose_route(warm_decode, 110, num_prompt_tokens=100, max_local_prefill_length=8)  # load alone
     assert route.prefill is not None
+
+
+@pytest.mark.parametrize("max_tokens, second_on", [(4, "a-cached"), (50, "b-cold")])
+def test_a_long_generation_weighs_as_the_kv_it_may_grow_to(router, max_tokens, second_on):
+    """Two requests whose prompt only worker a caches (page 4: 2 of its 3 blocks): short ones both go to a
+    (a cached block outweighs a short request's load); long ones spread, because the router counts a
+    request at its prompt plus max_tokens, the KV it may grow to, not at its prompt alone."""
+    prompt = list(range(40, 49))  # 9 tokens
+    cached = PromptHashes(prompt).hashes(4)
+    a = router.add_worker("a-cached", script=held, role=PipelineRole.DecodeOnly, page_size=4, max_length=1024)
+    b = router.add_worker("b-cold", script=held, role=PipelineRole.DecodeOnly, page_size=4, max_length=1024)
+    a.send_raw(encode(KVEvents(worker_id="a-cached", seq=0, stored=cached, full=True)))
+    assert a.wait_for(lambda: router.state.dispatcher.registry.kv_index.num_blocks("a-cached") == len(cached))
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=10)
+
+    def send() -> None:  # held until the workers stop with the test
+        try:
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens)
+        except openai.APIError:
+            pass
+
+    for _ in range(2):
+        threading.Thread(target=send, daemon=True).start()
+        assert a.wait_for(lambda n=len(a.requests) + len(b.requests): len(a.requests) + len(b.requests) > n)
+    assert len(a.requests) == 1 + (second_on == "a-cached") and len(b.requests) == (second_on == "b-cold")
