@@ -44,9 +44,15 @@ bench-peer: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.peer_compare --out bench/results/peer_compare.json
 
+# multi-turn chat, KV-aware routing on vs off (docs/benchmarks.md); about 35 minutes
+KV_SESSIONS := --model-size medium --system-len 256 --user-len 64 --output-len 96 --sessions 48 --turns 6 \
+	--session-rate 3 --think-time 4.0 --num-blocks 1536
 bench-kv-routing: $(STAMP)
-	$(PY) -m bench.kv_routing_bench --model-size medium --system-len 512 --user-len 128 --output-len 32 \
-		--sessions 16 --turns 4 --session-rate 2 --think-time 0.5 --random-prompts 32 --out bench/results/kv_routing.json
+	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 32 --out bench/results/kv_routing.json
+	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --shapes 2p2d --max-local-prefill-length 128 \
+		--out bench/results/kv_routing_local_prefill.json
+	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --shapes 2-colocated --routing on \
+		--kv-overlap-weight 1 --out bench/results/kv_routing_weight1.json
 
 bench-migration: $(STAMP)
 	$(PY) -m bench.migration_bench --mode crash --repeats 2 --out bench/results/migration.json
