@@ -5,6 +5,11 @@ then shuts every child down in order) and logs to a file of its own. All sockets
 ``zmq_endpoint_base`` (a fresh ``ipc://`` path by default, so clusters never collide).
 ``tests/`` uses the same class as its cluster fixture.
 
+Every process is forked by one thread that lives until ``stop()`` has ended them all, and asks for
+SIGKILL when the launcher dies (``deploy.parent_guard``): a launcher killed with SIGKILL (or a benchmark
+or test run cut short) leaves no worker behind. The kernel ties that signal to the forking thread, which
+is why no other thread forks.
+
 Once ready, a background thread applies ``deploy.supervisor``'s restart policy: a process that exits is
 started again (same command, its log appended to) until it crashes ``max_restarts`` times in a row.
 Restarted workers re-register with the router by themselves. Every supervision event goes to
@@ -24,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -31,6 +37,7 @@ from typing import Callable
 import httpx
 import yaml
 
+from deploy.parent_guard import DIE_WITH_PARENT_ENV
 from deploy.supervisor import RestartPolicy, Supervisor, SupervisorEvent
 from pipeline.config import PipelineConfig
 from pipeline.core_list import format_core_list
@@ -75,6 +82,7 @@ class LocalCluster:
         self._is_forced = threading.Event()  # stop without waiting: the user asked twice
         self._supervisor: Supervisor | None = None
         self._supervision_thread: threading.Thread | None = None
+        self._spawner: ThreadPoolExecutor | None = None  # the one thread that forks (module docstring)
         self._workdir = Path(tempfile.mkdtemp(prefix="tandem-"))
         self.log_dir = Path(self.log_dir) if self.log_dir else self._workdir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -150,11 +158,13 @@ class LocalCluster:
                 log.write(f"\n===== {stamp} tandem: {name} restarted; the previous run's output is above =====\n"
                           .encode())
                 log.flush()
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-            proc = subprocess.Popen(
-                [sys.executable, "-m", self.entry_module, "--log-level", "INFO", *args],
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, DIE_WITH_PARENT_ENV: str(os.getpid())}
+            if self._spawner is None:
+                self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-spawner")
+            proc = self._spawner.submit(
+                subprocess.Popen, [sys.executable, "-m", self.entry_module, "--log-level", "INFO", *args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-            )
+            ).result()
         self.processes[name] = proc
         return proc.pid
 
@@ -274,6 +284,9 @@ class LocalCluster:
             _terminate(workers, timeout_s, self._is_forced)
         with self._lock:
             self.processes.clear()
+            spawner, self._spawner = self._spawner, None
+        if spawner is not None:  # every process has ended: its forking thread may go
+            spawner.shutdown(wait=True)
         for leftover in self._workdir.glob("zmq-*"):  # ipc socket files; logs stay for the user
             leftover.unlink(missing_ok=True)
         from kv_transfer.shm import remove_stale_shared_kv_caches

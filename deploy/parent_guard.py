@@ -1,14 +1,14 @@
 """A supervised process dies with its supervisor: Linux's parent-death signal.
 
-``tandem ray up``'s supervisor actors start each Tandem process with ``TANDEM_DIE_WITH_PARENT`` set
-to the actor's pid. The process then asks the kernel (``prctl(PR_SET_PDEATHSIG)``) for SIGKILL the
+``tandem ray up``'s supervisor actors and ``tandem up``'s launcher (``deploy.local_launcher``) start
+each Tandem process with ``TANDEM_DIE_WITH_PARENT`` set to their own pid. The process then asks the kernel (``prctl(PR_SET_PDEATHSIG)``) for SIGKILL the
 moment its parent goes, however it goes (``ray.kill``, a crash, the OOM killer), so a worker never
 outlives the actor that supervises it and never holds a port or a GPU nobody is watching.
 
 The request is made by the child itself, first thing in ``tandem``'s ``main``: asking for it between
 ``fork`` and ``exec`` (``preexec_fn``) is unsafe in a process with threads, and a Ray actor has many.
 The kernel ties the signal to the parent *thread* that forked, so the actor forks from the one thread
-that lives as long as it does.
+that lives as long as it does, and the launcher from one thread that ends only after its processes.
 """
 
 from __future__ import annotations

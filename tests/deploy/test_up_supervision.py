@@ -1,5 +1,6 @@
 """``tandem up`` keeps the service up: it restarts a killed worker (and says so), gives up with a clear
-error and a non-zero exit only when the cluster cannot serve, and on SIGTERM lets a running stream finish."""
+error and a non-zero exit only when the cluster cannot serve, on SIGTERM lets a running stream finish, and
+takes every process down with it when it is killed."""
 
 from __future__ import annotations
 
@@ -47,6 +48,26 @@ def test_killed_worker_is_restarted_and_the_cluster_keeps_serving(tiny_checkpoin
         up.proc.send_signal(signal.SIGTERM)
         assert up.exit_code(timeout_s=60) == 0, up.output
         assert not [pid for pid in children if is_alive(pid)]
+    finally:
+        up.cleanup()
+
+
+def test_a_killed_launcher_takes_every_process_down(tiny_checkpoint, tmp_path):
+    """SIGKILL of ``tandem up`` itself (no drain possible): its processes, a restarted one included, get
+    SIGKILL from the kernel (deploy.parent_guard) instead of serving on with nobody watching them."""
+    up = TandemUp(up_args(tiny_checkpoint, tmp_path, "--prefill", "1", "--decode", "1"))
+    try:
+        up.wait_ready()
+        os.kill(up.pids["decode-0"], signal.SIGKILL)
+        up.wait_for(r"^decode-0 restarted as pid (\d+)", 30)  # forked after start, by the supervision
+        children = children_of(up.proc.pid)
+        assert up.pids["decode-0"] in children and len(children) == 3
+        up.proc.kill()
+        up.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(is_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in children if is_alive(pid)], "processes outlived their launcher"
     finally:
         up.cleanup()
 
