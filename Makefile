@@ -44,15 +44,20 @@ bench-peer: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.peer_compare --out bench/results/peer_compare.json
 
-# multi-turn chat, KV-aware routing on vs off (docs/benchmarks.md); about 35 minutes
-KV_SESSIONS := --model-size medium --system-len 256 --user-len 64 --output-len 96 --sessions 48 --turns 6 \
-	--session-rate 3 --think-time 4.0 --num-blocks 1536
+# multi-turn chat, KV-aware routing on vs off (docs/benchmarks.md); about 35 minutes. Each worker's pool
+# (1120 blocks of 16) holds half the conversations at their longest (32 x 1120 tokens / 2).
+KV_SESSIONS := --model-size medium --system-len 256 --user-len 64 --output-len 96 --sessions 32 --turns 6 \
+	--session-rate 2 --think-time 4.0 --num-blocks 1120
 bench-kv-routing: $(STAMP)
 	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 32 --out bench/results/kv_routing.json
+	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --shapes 2p2d --routing on \
+		--no-warm-prefill-cache --out bench/results/kv_routing_no_warmup.json
 	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --shapes 2p2d --max-local-prefill-length 128 \
 		--out bench/results/kv_routing_local_prefill.json
 	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --shapes 2-colocated --routing on \
-		--kv-overlap-weight 1 --out bench/results/kv_routing_weight1.json
+		--kv-overlap-weight 8 --out bench/results/kv_routing_weight8.json
+	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --think-time-distribution exponential \
+		--out bench/results/kv_routing_exponential_think.json
 
 bench-migration: $(STAMP)
 	$(PY) -m bench.migration_bench --mode crash --repeats 2 --out bench/results/migration.json

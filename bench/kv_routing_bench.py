@@ -35,7 +35,8 @@ SHAPES = {"2-colocated": (0, 0, 2), "2p2d": (2, 2, 0)}  # (prefill, decode, colo
 
 def run_cluster(shape: str, kv_aware: bool, checkpoint: Path, cores: list[int], spec: SessionSpec,
                 random_prompts: int, max_local_prefill_length: int | None = None,
-                kv_overlap_weight: float | None = None, num_blocks: int | None = None) -> dict:
+                kv_overlap_weight: float | None = None, num_blocks: int | None = None,
+                warm_prefill_cache: bool = True) -> dict:
     from bench.peer_transformers import free_port
     from bench.serve import benchmark
     from bench.serve_client import ClientSettings
@@ -47,7 +48,7 @@ def run_cluster(shape: str, kv_aware: bool, checkpoint: Path, cores: list[int], 
 
     num_prefill, num_decode, num_colocated = SHAPES[shape]
     plan = plan_cores(cores, num_prefill, num_decode, num_colocated)
-    config = {"router": {"kv_aware_routing": kv_aware}}
+    config = {"router": {"kv_aware_routing": kv_aware, "warm_prefill_cache": warm_prefill_cache}}
     if max_local_prefill_length is not None:  # conditional disaggregation's threshold (the default otherwise)
         config["router"]["max_local_prefill_length"] = max_local_prefill_length
     if kv_overlap_weight is not None:
@@ -59,11 +60,14 @@ def run_cluster(shape: str, kv_aware: bool, checkpoint: Path, cores: list[int], 
                            router_cores=router_cores(plan), config=config)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     result: dict = {"shape": shape, "kv_aware_routing": kv_aware, "max_local_prefill_length": max_local_prefill_length,
-                    "kv_overlap_weight": kv_overlap_weight, "num_blocks": num_blocks}
+                    "kv_overlap_weight": kv_overlap_weight, "num_blocks": num_blocks,
+                    "warm_prefill_cache": warm_prefill_cache}
     with cluster, client_on(router_cores(plan)):
         model = httpx.get(f"{cluster.url}/v1/models", timeout=10).json()["data"][0]["id"]
-        warm = build_sessions(replace(spec, num_sessions=2, num_turns=1, seed=spec.seed + 1000), len(tokenizer),
-                              set(tokenizer.all_special_ids))
+        # Steady state: the warm-up's conversations open with the service's system prompt (as the ones before
+        # any measured conversation would), their messages are others.
+        warm = build_sessions(replace(spec, num_sessions=2, num_turns=1, seed=spec.seed + 1000, system_seed=spec.seed),
+                              len(tokenizer), set(tokenizer.all_special_ids))
         asyncio.run(run_sessions(cluster.url, model, spec, warm))
         before = tandem_scrape.wait_until_idle(cluster.url)
         sessions = build_sessions(spec, len(tokenizer), set(tokenizer.all_special_ids))
@@ -98,6 +102,9 @@ def compare(runs: list[dict]) -> dict:
         entry["prompt_tokens_computed_per_turn"] = {
             setting: sum(run["multi_turn"]["server"]["prompt_tokens_computed_per_request"].values())
             for setting, run in (("off", off), ("on", on))}
+        entry["warmup_tokens_computed_per_turn"] = {  # off the critical path, by prefill workers in idle steps
+            setting: sum(run["multi_turn"]["server"].get("warmup_tokens_computed_per_request", {}).values())
+            for setting, run in (("off", off), ("on", on))}
         bytes_off = off["multi_turn"]["server"]["kv_bytes_sent_per_request"]
         if bytes_off:
             entry["kv_bytes_per_turn_reduction"] = 1 - on["multi_turn"]["server"]["kv_bytes_sent_per_request"] / bytes_off
@@ -122,34 +129,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--session-rate", type=float, default=2.0)
     parser.add_argument("--think-time", type=float, default=0.5)
+    parser.add_argument("--think-time-distribution", choices=["fixed", "exponential"], default="fixed",
+                        help="every pause --think-time, or exponential draws with that mean")
     parser.add_argument("--random-prompts", type=int, default=64)
     parser.add_argument("--max-local-prefill-length", type=int, default=None,
                         help="router.max_local_prefill_length of every run (default: the config's, 32): with KV-aware "
                              "routing a turn whose uncached part is this short prefills on its decode worker")
     parser.add_argument("--kv-overlap-weight", type=float, default=None,
-                        help="router.kv_overlap_weight of the KV-aware runs (default: the config's, 1.0)")
+                        help="router.kv_overlap_weight of the KV-aware runs (default: the config's, 4.0)")
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="KV blocks per worker (default: kv_cache.cpu_kv_cache_gib's worth, far more than the "
                              "sessions need); fewer than the conversations' working set is where routing matters most")
     parser.add_argument("--routing", default="off,on", help="which settings of router.kv_aware_routing to run")
+    parser.add_argument("--no-warm-prefill-cache", action="store_true",
+                        help="router.warm_prefill_cache false: prefill workers recompute each turn's answer")
     args = parser.parse_args(argv)
     checkpoint = benchmark_checkpoint(args.model_size)
     cores = sorted(os.sched_getaffinity(0))
     spec = SessionSpec(num_sessions=args.sessions, num_turns=args.turns, system_len=args.system_len,
                        user_len=args.user_len, output_len=args.output_len, session_rate=args.session_rate,
-                       think_time_s=args.think_time)
+                       think_time_s=args.think_time, think_time_distribution=args.think_time_distribution)
     runs = []
     for shape in args.shapes.split(","):
         for kv_aware in [setting == "on" for setting in args.routing.split(",")]:
             print(f"== {shape}, kv_aware_routing={kv_aware}", flush=True)
             runs.append(run_cluster(shape, kv_aware, checkpoint, cores, spec, args.random_prompts,
-                                    args.max_local_prefill_length, args.kv_overlap_weight, args.num_blocks))
+                                    args.max_local_prefill_length, args.kv_overlap_weight, args.num_blocks,
+                                    warm_prefill_cache=not args.no_warm_prefill_cache))
             print(json.dumps(runs[-1]["multi_turn"]["later_turns"]), runs[-1]["multi_turn"]["server"], flush=True)
     report = {"benchmark": "kv_routing", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu_model(),
               "cores": cores, "machine": platform.machine(), "checkpoint": str(checkpoint),
               "model_size": args.model_size, "sessions": asdict(spec),
               "max_local_prefill_length": args.max_local_prefill_length, "kv_overlap_weight": args.kv_overlap_weight,
-              "num_blocks": args.num_blocks,
+              "num_blocks": args.num_blocks, "warm_prefill_cache": not args.no_warm_prefill_cache,
               "runs": runs, "comparisons": compare(runs)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

@@ -154,7 +154,8 @@ def run_sessions_from_args(args: argparse.Namespace, base_url: str, model: str, 
     spec = SessionSpec(num_sessions=args.multi_turn_sessions, num_turns=args.multi_turn_turns,
                        system_len=args.multi_turn_system_len, user_len=args.multi_turn_user_len,
                        output_len=args.multi_turn_output_len, session_rate=args.multi_turn_session_rate,
-                       think_time_s=args.multi_turn_think_time, seed=args.seed)
+                       think_time_s=args.multi_turn_think_time,
+                       think_time_distribution=args.multi_turn_think_time_distribution, seed=args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     before = tandem_scrape.wait_until_idle(base_url, headers)
     sessions = build_sessions(spec, len(tokenizer), set(tokenizer.all_special_ids))
@@ -172,8 +173,9 @@ def run_sessions_from_args(args: argparse.Namespace, base_url: str, model: str, 
         computed = ", ".join(f"{role} {n:.0f}" for role, n in server["prompt_tokens_computed_per_request"].items())
         hits = ", ".join(f"{side} {server[f'prefix_hit_rate_{side}']:.0%}" for side in ("decode", "prefill")
                          if f"prefix_hit_rate_{side}" in server)
-        print(f"per turn: prompt tokens computed {computed or 0}; KV bytes sent "
-              f"{server['kv_bytes_sent_per_request']:.0f}; prefix hit rate at routing {hits or 'n/a'}")
+        warmed = ", ".join(f"{role} {n:.0f}" for role, n in server["warmup_tokens_computed_per_request"].items())
+        print(f"per turn: prompt tokens computed {computed or 0} (warm-ups in idle steps: {warmed or 0}); "
+              f"KV bytes sent {server['kv_bytes_sent_per_request']:.0f}; prefix hit rate at routing {hits or 'n/a'}")
     return report
 
 

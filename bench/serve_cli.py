@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     turns.add_argument("--multi-turn-output-len", type=int, default=32, help="tokens of each answer")
     turns.add_argument("--multi-turn-session-rate", type=float, default=1.0, help="sessions started per second")
     turns.add_argument("--multi-turn-think-time", type=float, default=1.0, help="seconds between answer and next turn")
+    turns.add_argument("--multi-turn-think-time-distribution", choices=["fixed", "exponential"], default="fixed",
+                       help="every pause the think time, or exponential draws with that mean")
     work.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (a vLLM/Tandem extension)")
     work.add_argument("--seed", type=int, default=0)
     load = parser.add_argument_group("load")

@@ -4,7 +4,8 @@ Each session is a chat that grows: every turn's prompt is the previous prompt, t
 gave, and a new user message, all as token ids (the answer's ids come back with the stream through
 ``return_tokens_as_token_ids``, so a turn repeats the last one exactly, as a chat client that keeps
 token ids would). Every session opens with the same system prompt, so prefixes repeat across sessions
-too. Sessions start at a seeded Poisson rate; within one, the next turn is sent a think time after the
+too. Sessions start at a seeded Poisson rate; within one, the next turn is sent a think time (fixed, or
+drawn from a seeded exponential distribution) after the
 answer ended (closed loop: a slow server delays the later turns, as it would a user).
 
 What it reports: TTFT per turn index (turn 1 computes everything; later turns are where KV reuse shows),
@@ -34,8 +35,12 @@ class SessionSpec:
     user_len: int = 64  # each turn's new message
     output_len: int = 32  # each answer (sent with ignore_eos, so every answer has this length)
     session_rate: float = 1.0  # sessions started per second (Poisson)
-    think_time_s: float = 1.0  # between an answer's end and the next turn
+    think_time_s: float = 1.0  # between an answer's end and the next turn (the mean, when exponential)
+    # "fixed": every pause is think_time_s; "exponential": seeded draws with that mean, as people read and type
+    # at their own pace (fixed pauses keep conversations that started together in step, turn after turn)
+    think_time_distribution: str = "fixed"
     seed: int = 0
+    system_seed: int | None = None  # the system prompt's seed (None: ``seed``), so other sessions can share it
 
 
 @dataclass
@@ -55,6 +60,7 @@ class _Session:
     index: int
     start_s: float
     messages: list[list[int]]
+    think_times_s: list[float] = field(default_factory=list)  # after each turn but the last
     outcomes: list[TurnOutcome] = field(default_factory=list)
 
 
@@ -63,12 +69,20 @@ def build_sessions(spec: SessionSpec, vocab_size: int, special_ids: set[int]) ->
     rng = random.Random(spec.seed)
     ordinary = [t for t in range(vocab_size) if t not in special_ids]
     starts = np.cumsum(np.random.default_rng(spec.seed).exponential(1.0 / spec.session_rate, spec.num_sessions))
-    system = [rng.choice(ordinary) for _ in range(spec.system_len)]
+    system_rng = rng if spec.system_seed is None else random.Random(spec.system_seed)
+    system = [system_rng.choice(ordinary) for _ in range(spec.system_len)]
+    if spec.system_seed is not None:
+        [rng.choice(ordinary) for _ in range(spec.system_len)]  # the messages draw as they would with ``seed``
+    if spec.think_time_distribution not in ("fixed", "exponential"):
+        raise ValueError(f"think_time_distribution: 'fixed' or 'exponential', not {spec.think_time_distribution!r}")
+    pauses = np.random.default_rng([spec.seed, 1])
     sessions = []
     for i in range(spec.num_sessions):
         turns = [[rng.choice(ordinary) for _ in range(spec.user_len)] for _ in range(spec.num_turns)]
         turns[0] = system + turns[0]
-        sessions.append(_Session(i, float(starts[i] - starts[0]), turns))
+        think = ([spec.think_time_s] * (spec.num_turns - 1) if spec.think_time_distribution == "fixed"
+                 else pauses.exponential(spec.think_time_s, spec.num_turns - 1).tolist())
+        sessions.append(_Session(i, float(starts[i] - starts[0]), turns, think))
     return sessions
 
 
@@ -125,7 +139,7 @@ async def run_sessions(base_url: str, model: str, spec: SessionSpec, sessions: l
                     return  # the conversation cannot go on without its answer
                 prompt = prompt + answer
                 if turn < len(session.messages):
-                    await asyncio.sleep(spec.think_time_s)
+                    await asyncio.sleep(session.think_times_s[turn - 1])
 
         await asyncio.gather(*(one(s) for s in sessions))
         duration = time.perf_counter() - start

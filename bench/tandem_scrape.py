@@ -3,7 +3,8 @@
 Request outcomes (to check the client's counts against the server's), KV bytes and transfer time
 per request (received by DecodeOnly workers, sent by PrefillOnly workers), the prefix hit rates of
 KV-aware routing (prompt tokens the chosen workers already held) and the prompt tokens each role's
-workers computed (ran through the model: neither cached nor received), speculative decoding's
+workers computed (ran through the model: neither cached nor received) and, apart, what their prefix
+warm-ups computed in idle steps (``router.warm_prefill_cache``), speculative decoding's
 acceptance over the run (when workers speculate), and the leak check: once
 the run is over and the workers have reported in, no KV block may still be held
 (``tandem_kv_blocks_used`` summed over live workers back to 0). Any other server has no
@@ -39,6 +40,7 @@ class TandemSnapshot:
     routed_prompt_tokens: dict[str, float] = field(default_factory=dict)
     routed_cached_tokens: dict[str, float] = field(default_factory=dict)
     prompt_tokens_computed_by_role: dict[str, float] = field(default_factory=dict)
+    warmup_tokens_computed_by_role: dict[str, float] = field(default_factory=dict)
     routed_requests_by_worker: dict[str, float] = field(default_factory=dict)  # "side/worker" -> count
 
     @property
@@ -84,6 +86,8 @@ def scrape(base_url: str, headers: dict[str, str] | None = None) -> TandemSnapsh
                 _add(snapshot.routed_requests_by_worker, f"{labels['side']}/{labels['worker']}", value)
             elif sample.name == "tandem_worker_prompt_tokens_computed_total":
                 _add(snapshot.prompt_tokens_computed_by_role, labels["role"], value)
+            elif sample.name == "tandem_worker_warmup_tokens_computed_total":
+                _add(snapshot.warmup_tokens_computed_by_role, labels["role"], value)
             elif sample.name == "tandem_spec_decode_num_accepted_tokens_per_pos_total":
                 _add(snapshot.spec_accepted_per_position, int(labels["position"]), value)
     return snapshot
@@ -131,6 +135,10 @@ def run_report(before: TandemSnapshot, after: TandemSnapshot, num_completed: int
         "prompt_tokens_computed_per_request": {
             role: per_request(after.prompt_tokens_computed_by_role, before.prompt_tokens_computed_by_role, role)
             for role in after.prompt_tokens_computed_by_role},
+        # off the critical path: answers (and shared prefixes) prefill workers computed into their caches
+        "warmup_tokens_computed_per_request": {
+            role: per_request(after.warmup_tokens_computed_by_role, before.warmup_tokens_computed_by_role, role)
+            for role in after.warmup_tokens_computed_by_role if after.warmup_tokens_computed_by_role[role]},
         "routed_requests": {key: int(value - before.routed_requests_by_worker.get(key, 0.0))
                             for key, value in sorted(after.routed_requests_by_worker.items())},
         "kv_blocks_used_after": int(after.kv_blocks_used),

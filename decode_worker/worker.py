@@ -122,6 +122,9 @@ class DecodeWorker(WorkerBase):
                 self.handoff.decline(message.request_id)
         if self.is_disaggregated:
             outputs.extend(self._progress_remote())
+        # First tokens whose KV just arrived (and errors) go out now, not a step later.
+        self.link.send_outputs(outputs)
+        outputs = []
         if self.is_busy():
             for step in self.run_step():
                 outputs.append(self._delta(step))

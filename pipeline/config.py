@@ -89,6 +89,10 @@ class KVCacheConfig(_Section):
     )
     cpu_kv_cache_gib: float = Field(1.0, gt=0.0, description="KV pool size on CPU when num_blocks is None")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prompt prefixes")
+    warmup_chunk_tokens: int = Field(
+        32, ge=1, description="a prefix warm-up (a prefill worker computing a finished turn's answer into its prefix "
+        "cache, router.warm_prefill_cache) runs only in steps with nothing else to do, at most this many tokens a "
+        "step: a request that arrives meanwhile waits for one such chunk at most")
 
 
 class SamplingConfig(_Section):
@@ -148,6 +152,11 @@ class RouterConfig(_Section):
         4.0, ge=0.0, description="KV-aware routing: the cost of one prompt block a worker must compute or receive, "
         "against one block its running requests hold (Dynamo's overlap weight; 4 keeps a conversation where its "
         "KV is against a load gap of a few requests, docs/kv-routing.md)")
+    warm_prefill_cache: bool = Field(
+        True, description="when a disaggregated request ends, its prefill worker computes the KV of prompt + "
+        "answer into its prefix cache in idle steps, so a conversation's next turn there computes only the new "
+        "message; and prefill workers lacking a prefix conversations share (a system prompt) warm it up "
+        "(docs/kv-routing.md); false = neither")
     max_migrations: int = Field(
         3, ge=0, description="a stream whose worker dies after its first token moves to another worker, which "
         "recomputes its prompt and the tokens sent so far and goes on (docs/load.md); at most this often, then it "

@@ -25,6 +25,7 @@ from pipeline.kv_pool import build_kv_pool
 from pipeline.model_runner import TORCH_DTYPES, ModelRunner
 from pipeline.output_processor import OutputProcessor
 from pipeline.overlap import InFlightStep, needs_host_tokens
+from pipeline.prefix_warmup import warmup_tokens
 from pipeline.protocol import FinishReason, PromptLogprobs, SamplingParams
 from pipeline.protocol.requests import sibling_params
 from pipeline.protocol.cluster import WorkerLoad
@@ -96,6 +97,7 @@ class LLMEngine:
             max_queue_size=config.max_queue_size_tg,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             num_lookahead_tokens=num_lookahead,
+            warmup_chunk_tokens=config.kv_cache.warmup_chunk_tokens,
         )
         self.kernels = load_kernels(config.kernel_backend, self.device)
         for model in {id(m): m for m in (self.model, self.draft.model if self.draft else None) if m}.values():
@@ -114,6 +116,8 @@ class LLMEngine:
         self._held: dict[str, Sequence] = {}  # finished prefill-only requests whose blocks are not shipped yet
         self.last_plan = None  # the plan of the step whose outputs the last step() returned
         self.num_prompt_tokens_computed = 0  # cumulative: prompt tokens run through the model (not cached ones)
+        self.num_warmup_tokens_computed = 0  # cumulative: tokens prefix warm-ups ran through the model
+        self._num_warmups = 0
         # Overlap pipeline (pipeline/overlap.py): steps run on the execution stream, read one step late.
         self.stream = ExecutionStream(self.device) if config.enable_overlap_scheduler else None
         if self.stream is not None and not str(self.device).startswith("cuda"):
@@ -192,6 +196,30 @@ class LLMEngine:
             grammar=grammar,
         )
         return seq
+
+    def warm_prefix(self, token_ids: list[int], num_computed_here: int = 0) -> bool:
+        """Queue a prefix warm-up of ``token_ids`` (``pipeline/prefix_warmup.py``): their full blocks are
+        computed into the prefix cache in steps with nothing else to run. ``num_computed_here``: the leading
+        tokens this worker computed itself (a turn's prompt); a warm-up extends them only while the cache
+        still holds them (if it evicted them, the pool is short: warming would evict more). False (nothing
+        queued) when the prefix cache is off, already holds them all, or no longer holds what it computed."""
+        page_size = self.kv_manager.page_size
+        if not self.kv_manager.enable_prefix_caching or any(not 0 <= t < self.vocab_size for t in token_ids):
+            return False
+        tokens = warmup_tokens(token_ids, page_size)
+        if tokens is None or len(tokens) > self.max_length:
+            return False
+        num_cached = len(self.kv_manager.find_cached_prefix(tokens)) * page_size
+        if num_cached >= len(tokens) - 1 or num_cached < min(num_computed_here, len(tokens) - 1) // page_size * page_size:
+            return False
+        if self.scheduler.warmups.holds(tokens):  # asked twice (a shared prefix): one warm-up computes it
+            return False
+        self._num_warmups += 1
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        seq = self._new_sequence(f"warmup-{self._num_warmups}", tokens, params, prefill_only=True)
+        seq.num_cached_tokens = num_cached  # it must still find these cached when it runs, or it is dropped
+        self.scheduler.add_warmup(seq)
+        return True
 
     def get_choices(self, request_id: str) -> list[Sequence]:
         """Every choice of a request (n > 1: index order), finished or not, while the request is known."""
@@ -331,6 +359,7 @@ class LLMEngine:
             num_used_blocks=self.kv_manager.num_used_blocks,
             num_total_blocks=self.kv_manager.num_total_blocks,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_warmup_tokens_computed=self.num_warmup_tokens_computed,
             **transfer_counters,
             **(self.speculator.stats.load_fields() if self.speculator is not None else {}),
         )
@@ -373,11 +402,20 @@ class LLMEngine:
     def _schedule(self):
         plan = self.scheduler.schedule()
         for chunk in plan.chunks:  # prompt positions run through the model (a cached prefix never is)
-            self.num_prompt_tokens_computed += max(
-                0, min(chunk.start + chunk.num_tokens, chunk.seq.num_prompt_tokens) - chunk.start)
+            num_computed = max(0, min(chunk.start + chunk.num_tokens, chunk.seq.num_prompt_tokens) - chunk.start)
+            if chunk.seq.is_warmup:
+                self.num_warmup_tokens_computed += num_computed
+            else:
+                self.num_prompt_tokens_computed += num_computed
         for seq in plan.preempted:  # readmitted later with new blocks: a new row of the persistent batch
             self.runner.forget(seq.request_id)
+        self._forget_ended_warmups()  # dropped while scheduling (their room went to requests)
         return plan
+
+    def _forget_ended_warmups(self) -> None:
+        """Free the batch rows of the warm-ups that ended (complete, or dropped for real work)."""
+        for seq in self.scheduler.warmups.take_finished():
+            self.runner.forget(seq.request_id)
 
     def _step_at_once(self) -> list[StepOutput]:
         plan = self._schedule()
@@ -391,6 +429,7 @@ class LLMEngine:
         sampled = self.runner.execute(plan.chunks, self.kv_manager.block_table)
         token_ids = sampled.token_ids if sampled is not None else []
         advanced = self.scheduler.update(plan, token_ids)
+        self._forget_ended_warmups()
         outputs: list[StepOutput] = []
         for i, seq in enumerate(advanced):
             logprobs = sampled.logprobs[i] if sampled.logprobs is not None else None
@@ -409,9 +448,13 @@ class LLMEngine:
                 outputs.append(self._emit_tokens(seq, result.token_ids, result.logprobs))
         for chunk in plan.chunks:
             seq = chunk.seq
-            if not seq.is_finished:  # a block is cached only once both models' KV of it is written
+            # a block is cached only once both models' KV of it is written; a finished prefill-only request
+            # still holds its blocks (for the transfer), so its prompt is cached like any other
+            if not seq.is_finished or (seq.is_prefill_only and self.kv_manager.has_sequence(seq.request_id)):
                 self.kv_manager.register_computed(seq.request_id, seq.token_ids,
                                                   min(seq.num_computed_tokens, seq.num_draft_computed_tokens))
+        self.scheduler.warmups.end_if_complete()
+        self._forget_ended_warmups()
         return outputs
 
     def _emit_tokens(self, seq: Sequence, token_ids: list[int],
@@ -463,6 +506,7 @@ class LLMEngine:
         result = step.future.result()
         self.last_plan = step.plan
         self.scheduler.register(step.plan)
+        self._forget_ended_warmups()
         outputs: list[StepOutput] = []
         for row, (seq, position) in enumerate(zip(step.sampled, step.positions)):
             if seq.is_finished or self._sequences.get(seq.request_id) is not seq:

@@ -22,6 +22,10 @@ Request lifecycle (colocated PrefillAndDecode role):
 4. A finished or aborted sequence leaves the running list and frees its blocks at once, unless
    the caller keeps them (a PrefillOnly worker holds them until their KV has been shipped).
 
+Prefix warm-ups (``add_warmup``, ``pipeline/prefix_warmup.py``): KV computed for the prefix cache only,
+one at a time, in steps where nothing else runs; a warm-up gives way to any request that needs its
+blocks or its batch row, and ends once its last full block is published (``register``).
+
 Remote prefill (DecodeOnly role): ``add_remote`` queues a sequence whose prompt another worker
 will prefill; ``reserve_remote`` admits it under the same watermark and batch-size rules by
 reserving blocks for the prompt plus the first token (RESERVED); once its KV has arrived,
@@ -34,6 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pipeline.kv_cache import KVCacheManager
+from pipeline.prefix_warmup import PrefixWarmups
 from pipeline.sequence import Sequence, SequenceStatus
 
 
@@ -77,6 +82,7 @@ class Scheduler:
         max_queue_size: int | None = None,
         long_prefill_token_threshold: int | None = None,
         num_lookahead_tokens: int = 0,
+        warmup_chunk_tokens: int = 32,
     ) -> None:
         self.kv = kv_manager
         self.max_batch_size = max_batch_size
@@ -90,12 +96,14 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.waiting_remote: deque[Sequence] = deque()
         self.reserved: dict[str, Sequence] = {}
+        self.warmups = PrefixWarmups(kv_manager, warmup_chunk_tokens, max_usage=kvcache_ce_watermark)
 
     # -------------------------------------------------------------- requests
     def add(self, seq: Sequence) -> None:
         self._check_queue()
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.warmups.drop_covered(seq.token_ids)  # this request computes those blocks itself
 
     def add_remote(self, seq: Sequence) -> None:
         self._check_queue()
@@ -130,7 +138,7 @@ class Scheduler:
     def reserve_remote(self) -> list[Sequence]:
         """Admit queued remote-prefill sequences that fit; returns the newly reserved ones."""
         admitted: list[Sequence] = []
-        while self.waiting_remote and len(self.running) + len(self.reserved) < self.max_batch_size:
+        while self.waiting_remote and self._num_rows() + len(self.reserved) < self.max_batch_size:
             seq = self.waiting_remote[0]
             # Room for the prompt and the first token, whose KV this worker computes in its first step
             # (a migrated stream holds its last token already: its KV is computed here next).
@@ -181,7 +189,7 @@ class Scheduler:
         (less than a block, then its own first token). Without room in the pool or the batch it waits
         at the front of the queue (and is admitted like any request, reusing the prefix cache)."""
         num_shared = None
-        if len(self.running) < self.max_batch_size:
+        if self._num_rows() < self.max_batch_size or self.warmups.drop_active():
             num_shared = self.kv.fork(parent.request_id, child.request_id, child.num_tokens)
         if num_shared is None:
             child.status = SequenceStatus.WAITING
@@ -191,8 +199,22 @@ class Scheduler:
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
 
+    # ---------------------------------------------------------- prefix warm-ups
+    def add_warmup(self, seq: Sequence) -> None:
+        """Queue a prefix warm-up (``pipeline/prefix_warmup.py``); it holds no blocks until it runs."""
+        self.warmups.add(seq)
+
+    @property
+    def has_warmups(self) -> bool:
+        return len(self.warmups) > 0
+
+    def _num_rows(self) -> int:
+        """Rows of the persistent batch in use: the running requests and the running warm-up."""
+        return len(self.running) + (self.warmups.active is not None)
+
     @property
     def num_queued_prefill_tokens(self) -> int:
+        """Prompt tokens waiting to run (warm-ups not: they give way to every prompt)."""
         return sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
 
     # -------------------------------------------------------------- planning
@@ -240,6 +262,10 @@ class Scheduler:
             extra = min(budget, chunk.seq.num_tokens - chunk.start - chunk.num_tokens)
             chunk.num_tokens += extra
             budget -= extra
+        if not out.chunks and not self.waiting and not out.preempted:  # an idle step: warm-ups may run
+            chunk = self.warmups.next_chunk(has_row=self._num_rows() < self.max_batch_size)
+            if chunk is not None:
+                out.chunks.append(ScheduledChunk(*chunk))
         return out
 
     def _lookahead(self, seq: Sequence, budget: int) -> int:
@@ -252,6 +278,8 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Grow ``seq``'s blocks to ``num_tokens``, preempting from the back of the running list."""
         while not self.kv.ensure_capacity(seq.request_id, num_tokens):
+            if self.warmups.drop_active():
+                continue
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
@@ -269,11 +297,14 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, cap: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        while self.waiting and budget > 0 and (self._num_rows() < self.max_batch_size or self.warmups.drop_active()):
             seq = self.waiting[0]
             # a request asking for prompt logprobs computes every prompt position: no prefix reuse
             known = seq.token_ids if seq.prompt_logprobs is None else []
             num_cached = self.kv.allocate(seq.request_id, known, seq.num_tokens, max_usage=self.kvcache_ce_watermark)
+            if num_cached is None and self.warmups.drop_active():  # its blocks go to real work first
+                num_cached = self.kv.allocate(seq.request_id, known, seq.num_tokens,
+                                              max_usage=self.kvcache_ce_watermark)
             if num_cached is None and not self.running:
                 # Nothing runs, so nothing will free blocks: let it use the whole pool rather than stall.
                 num_cached = self.kv.allocate(seq.request_id, known, seq.num_tokens)
@@ -320,3 +351,5 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is SequenceStatus.RUNNING:
                 self.kv.register_computed(seq.request_id, seq.token_ids, chunk.start + chunk.num_tokens)
+                if seq.is_warmup:
+                    self.warmups.on_published(seq, chunk.start + chunk.num_tokens)

@@ -38,6 +38,7 @@ class Sequence:
     speculates: bool = False
     num_preemptions: int = 0
     is_prefill_only: bool = False  # PrefillOnly role: stop after the first token, keep blocks until shipped
+    is_warmup: bool = False  # a prefix warm-up (pipeline/prefix_warmup.py): computed in idle steps, never sampled
     family_id: str = ""  # the request this sequence is a choice of (its own id for choice 0)
     index: int = 0  # which choice (n > 1)
     status: SequenceStatus = SequenceStatus.WAITING

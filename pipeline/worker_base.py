@@ -107,7 +107,8 @@ class WorkerBase:
 
     def is_busy(self) -> bool:
         """Whether the engine has runnable work (so the loop must not sleep on its sockets)."""
-        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting or self.engine.has_pending_outputs())
+        scheduler = self.engine.scheduler
+        return bool(scheduler.running or scheduler.waiting or scheduler.has_warmups or self.engine.has_pending_outputs())
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.link.socket]

@@ -7,9 +7,10 @@ Request lifecycle on this worker:
    (it stops after the first token and keeps its blocks). A full queue answers ``PrefillRejected``
    (retryable).
 2. Batched chunked prefill under ``max_batch_input_tokens``; this worker's own prefix cache skips
-   compute for prompts it has seen. ``PrefillAccepted`` answers at once; when the request's first
-   chunk has run, ``PrefillStarted`` tells D and the TTL starts on both sides (time queued here
-   behind other prompts is load, not a fault).
+   compute for prompts it has seen (and for answers it was asked to warm up: ``WarmPrefix`` from the
+   router as a request ends, computed in idle steps, ``pipeline/prefix_warmup.py``).
+   ``PrefillAccepted`` answers at once; when the request's first chunk has run, ``PrefillStarted``
+   tells D and the TTL starts on both sides (time queued here behind other prompts is load, not a fault).
 3. After every step, blocks that became complete are pushed to D at once, so the transfer overlaps
    the next chunk's compute. Blocks D already holds (its own prefix hit) are not sent.
 4. When the prompt is done, the last (partial) block follows, then ``PrefillDone`` (first token,
@@ -42,6 +43,7 @@ from pipeline.protocol.cluster import (
     PrefillRejected,
     PrefillRequest,
     PrefillStarted,
+    WarmPrefix,
     decode_decode_to_prefill,
     encode,
 )
@@ -89,8 +91,11 @@ class PrefillWorker(WorkerBase):
 
     # ------------------------------------------------------------------ loop
     def run_once(self) -> None:
-        for message in self.link.receive():  # the router sends prefill workers nothing but acks today
-            logger.debug("ignored %s from the router", type(message).__name__)
+        for message in self.link.receive():
+            if isinstance(message, WarmPrefix) and not self.is_draining:
+                self.engine.warm_prefix(message.token_ids, message.num_prompt_tokens)
+            else:
+                logger.debug("ignored %s from the router", type(message).__name__)
         self._receive_requests()
         if self.is_busy():
             outputs = self.run_step()

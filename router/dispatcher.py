@@ -48,6 +48,7 @@ from router.kv_index import PromptHashes
 from router.metrics import RouterMetrics
 from router.migration import RetriesAndMigration
 from router.policy import NoRoute, Route, Saturated, WorkerView, choose_route
+from router.prefill_warmups import PrefillWarmups
 from router.registry import WorkerRegistry
 from router.request_handle import RequestFailed, RequestHandle
 from router.worker_socket import WorkerSocket
@@ -72,9 +73,11 @@ class Dispatcher(RetriesAndMigration):
         max_local_prefill_length: int = 0,
         kv_overlap_weight: float | None = None,
         max_migrations: int = 3,
+        warm_prefill_cache: bool = False,
     ) -> None:
         """``kv_overlap_weight``: route by where the prompt's KV lives (``router.policy``); None: by load alone.
-        ``max_migrations``: how often a stream whose worker died (or drained) moves to another worker."""
+        ``max_migrations``: how often a stream whose worker died (or drained) moves to another worker.
+        ``warm_prefill_cache``: prefill workers are asked to warm their prefix caches (``router.prefill_warmups``)."""
         self.socket = WorkerSocket(router_endpoint(zmq_endpoint_base), self._on_message, metrics.bad_frames_total.inc)
         self.registry = registry
         self.metrics = metrics
@@ -83,6 +86,7 @@ class Dispatcher(RetriesAndMigration):
         self.max_local_prefill_length = max_local_prefill_length
         self.kv_overlap_weight = kv_overlap_weight
         self.max_migrations = max_migrations
+        self.warmups = PrefillWarmups(registry, metrics, self._send) if warm_prefill_cache else None
         self.admission: AdmissionQueue[RequestHandle] = AdmissionQueue(
             self._try_dispatch, max_queued_requests, queue_timeout_s)
         metrics.admission_queue_depth.set_function(lambda: len(self.admission))
@@ -205,7 +209,8 @@ class Dispatcher(RetriesAndMigration):
             params = msgspec.structs.replace(params, prompt_logprobs=None)
         while True:
             # a migrated stream is recomputed where it will be decoded (its prompt + the tokens sent so far)
-            route = choose_route(self._views(prompt), needed, self._excluded(handle), num_prompt_tokens=num_prompt_tokens,
+            views = self._views(prompt)
+            route = choose_route(views, needed, self._excluded(handle), num_prompt_tokens=num_prompt_tokens,
                                  max_local_prefill_length=(needed if resume else self.max_local_prefill_length),
                                  kv_overlap_weight=self.kv_overlap_weight)
             handle.num_attempts += 1
@@ -222,6 +227,8 @@ class Dispatcher(RetriesAndMigration):
             if self._send(route.decode.worker_id, msg):
                 self._assign(handle, route)
                 self.metrics.note_route(route, num_prompt_tokens)
+                if self.warmups is not None and prompt is not None:
+                    self.warmups.after_route(views, route, handle.prompt_token_ids)
                 return
             self._exclude(handle, route.decode.worker_id)
 
@@ -251,8 +258,11 @@ class Dispatcher(RetriesAndMigration):
         if route.prefill is not None:
             prefill = self.registry.get(route.prefill.worker_id)
             if prefill is not None:
-                prefill.num_pending_prefill_tokens += len(handle.prompt_token_ids)
-                handle._pending_prefill = (prefill.worker_id, len(handle.prompt_token_ids))
+                # what it must compute: the prompt less what its prefix cache holds (0 without KV-aware routing)
+                num_new = len(handle.prompt_token_ids) - route.prefill.num_cached_prompt_tokens
+                prefill.num_pending_prefill_tokens += num_new
+                prefill.num_routed_prefill_blocks += -(-num_new // max(prefill.page_size, 1))
+                handle._pending_prefill = (prefill.worker_id, num_new)
 
     def _unassign(self, handle: RequestHandle) -> bool:
         """Take the request off its workers; True when that freed a decode slot (the queue is woken)."""
@@ -398,6 +408,8 @@ class Dispatcher(RetriesAndMigration):
             if delta.finish_reason == FinishCode.ERROR:
                 self._finish(handle)
             elif delta.finish_reason is not None:
+                if self.warmups is not None:
+                    self.warmups.after_turn(handle)
                 self._choice_finished(handle, delta.index)
 
     async def _housekeeping_loop(self) -> None:

@@ -111,6 +111,13 @@ class RouterMetrics:
             "tandem_routed_cached_prompt_tokens_total", "Prompt tokens the chosen worker already held when routed "
             "(the router's KV index), per side: divided by tandem_routed_prompt_tokens_total, the prefix hit rate",
             ["side"], registry=self.registry)
+        self.prefill_warmups_total = Counter(
+            "tandem_prefill_warmups_total", "Finished disaggregated requests whose prompt + answer the router asked "
+            "their prefill worker to warm its prefix cache with (router.warm_prefill_cache)", registry=self.registry)
+        self.prefix_spreads_total = Counter(
+            "tandem_prefix_spreads_total", "Prefill workers asked to warm up a prefix that conversations share "
+            "(held by two decode workers or more) and that they lacked, so new conversations spread by load",
+            registry=self.registry)
         for side in ("decode", "prefill"):
             self.routed_prompt_tokens.labels(side)
             self.routed_cached_tokens.labels(side)
@@ -165,6 +172,9 @@ class WorkerCollector(Collector):
             "prompt_computed": CounterMetricFamily(
                 "tandem_worker_prompt_tokens_computed", "Prompt tokens the worker ran through the model (its prefix "
                 "cache's hits and KV it received are not computed)", labels=labels),
+            "warmup_computed": CounterMetricFamily(
+                "tandem_worker_warmup_tokens_computed", "Tokens the worker's prefix warm-ups ran through the model in "
+                "idle steps (a finished turn's answer, for the conversation's next turn)", labels=labels),
             "kv_index": GaugeMetricFamily(
                 "tandem_kv_index_blocks", "Prefix-cache blocks the router's KV index holds for the worker",
                 labels=labels),
@@ -200,6 +210,7 @@ class WorkerCollector(Collector):
             families["max_step"].add_metric(values, load.max_step_s)
             families["steps"].add_metric(values, load.num_steps)
             families["prompt_computed"].add_metric(values, load.num_prompt_tokens_computed)
+            families["warmup_computed"].add_metric(values, load.num_warmup_tokens_computed)
             families["draining"].add_metric(values, 1.0 if load.is_draining else 0.0)
             families["kv_index"].add_metric(values, self._workers.kv_index.num_blocks(w.worker_id))
             if load.spec_accepted_per_position:  # a speculating worker

@@ -13,7 +13,8 @@ Rules, in order:
    prefill candidate with the fewest queued prefill tokens (reported plus what the router sent since),
    unless no prefill candidate is alive or the prompt has at most ``max_local_prefill_length`` tokens
    (conditional disaggregation, Dynamo's idea: shipping the KV of a short prompt costs more than
-   computing it where it will be decoded); then it prefills locally (prefill None).
+   computing it where it will be decoded); then it prefills locally (prefill None). Ties between
+   prefill workers go to the one the router has given the fewest prompt blocks to compute so far.
 5. No decode candidate -> ``NoRoute`` with the reason (the HTTP layer answers 503). Candidates that
    all run a full batch (router-side in-flight count >= their ``max_batch_size``) -> ``Saturated``
    (a ``NoRoute``): the request waits in the router's admission queue instead.
@@ -23,7 +24,8 @@ where the prompt's KV already lives (``num_cached_prompt_tokens``, from the rout
 Dynamo's form: ``cost = kv_overlap_weight x (prompt blocks the worker must compute or receive) +
 (blocks its running requests hold)``, the latter the larger of its report and the router's own count
 of what it sent there (each request's prompt plus its ``max_tokens``: the KV it may grow to). The decode worker is the cheapest (workers with free blocks first); the prefill
-worker the one with the fewest prompt blocks to compute plus queued prefill blocks; and local prefill on
+worker the one with the fewest prompt blocks to compute plus queued prefill blocks, both weighing 1 (its
+cost is time: both are the same compute); and local prefill on
 a DecodeOnly worker is decided on the prompt tokens it does not hold yet, not the prompt's length.
 """
 
@@ -55,6 +57,7 @@ class WorkerView:
     page_size: int = 16
     num_cached_prompt_tokens: int = 0  # this request's leading prompt tokens its prefix cache holds
     num_inflight_blocks: int = 0  # router-side: blocks (prompt + max_tokens) of the requests routed here, not finished
+    num_routed_prefill_blocks: int = 0  # router-side, cumulative: prompt blocks sent here to compute (prefill side)
 
     @property
     def is_saturated(self) -> bool:
@@ -105,8 +108,7 @@ def choose_route(
         return Route(decode=decode, prefill=None)
     if kv_overlap_weight is None:
         return Route(decode=decode, prefill=min(prefill, key=_prefill_key))
-    return Route(decode=decode, prefill=min(prefill, key=lambda w: _kv_prefill_key(w, num_prompt_tokens,
-                                                                                  kv_overlap_weight)))
+    return Route(decode=decode, prefill=min(prefill, key=lambda w: _kv_prefill_key(w, num_prompt_tokens)))
 
 
 def choose_handoff_target(
@@ -121,6 +123,25 @@ def choose_handoff_target(
         raise NoRoute("no other DecodeOnly worker to receive the stream's KV")
     return choose_route(receivers, num_tokens, exclude, num_prompt_tokens=num_cached_tokens,
                         kv_overlap_weight=kv_overlap_weight).decode
+
+
+def popular_prefix_gaps(workers: Sequence[WorkerView], route: Route) -> tuple[int, list[WorkerView]]:
+    """(tokens, prefill workers): the longest prefix of the routed prompt that at least two decode-capable
+    workers hold, and the other live prefill workers that lack it (KV-aware routing).
+
+    A prefix several decode workers hold is shared across conversations (a system prompt: each
+    conversation's own history lives on one decode worker). A prefill worker that lacks it loses every new
+    conversation to one that holds it, and a conversation stays where its first turn ran: all of them
+    would end up in one prefill worker's cache. The router has those workers warm it up instead
+    (``WarmPrefix``), so new conversations spread by load."""
+    held = sorted((w.num_cached_prompt_tokens for w in workers
+                   if w.role in (PipelineRole.PrefillAndDecode, PipelineRole.DecodeOnly)), reverse=True)
+    if route.prefill is None or len(held) < 2 or held[1] < route.prefill.page_size:
+        return 0, []
+    popular = held[1]
+    lacking = [w for w in workers if w.role == PipelineRole.PrefillOnly and w.prefill_endpoint and not w.is_draining
+               and w.worker_id != route.prefill.worker_id and w.num_cached_prompt_tokens < popular]
+    return popular, lacking
 
 
 def _decode_key(w: WorkerView) -> tuple:
@@ -138,14 +159,20 @@ def _kv_decode_key(w: WorkerView, num_prompt_tokens: int, weight: float) -> tupl
     return (w.num_free_blocks <= 0, weight * new_blocks + active_blocks, w.worker_id)
 
 
-def _kv_prefill_key(w: WorkerView, num_prompt_tokens: int, weight: float) -> tuple:
+def _kv_prefill_key(w: WorkerView, num_prompt_tokens: int) -> tuple:
+    # A prefill worker's cost is time: the prompt tokens it must compute for this request and those queued
+    # before it are the same work, so both weigh 1 (the overlap weight prices KV against memory load on
+    # the decode side). A weight above 1 here would let the first worker to cache a shared system prompt
+    # win every new conversation, whose later turns then stay: one prefill cache holding them all.
     new_blocks = _blocks(num_prompt_tokens - w.num_cached_prompt_tokens, w.page_size)
     queued_blocks = _blocks(w.num_queued_prefill_tokens + w.num_pending_prefill_tokens, w.page_size)
-    return (weight * new_blocks + queued_blocks, w.worker_id)
+    return (new_blocks + queued_blocks, w.num_routed_prefill_blocks, w.worker_id)
 
 
 def _prefill_key(w: WorkerView) -> tuple:
-    return (w.num_queued_prefill_tokens + w.num_pending_prefill_tokens, w.worker_id)
+    # ties (idle prefill workers) go to the one that was given less to compute so far: with KV reuse, the
+    # worker that takes a conversation's first turn computes its later ones too, so ties decide its home
+    return (w.num_queued_prefill_tokens + w.num_pending_prefill_tokens, w.num_routed_prefill_blocks, w.worker_id)
 
 
 def _why_none(workers: Sequence[WorkerView], excluded: set[str], num_tokens: int) -> str:

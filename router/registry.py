@@ -42,6 +42,7 @@ class WorkerInfo:
     max_batch_size: int = 0  # from registration; 0: unknown
     registered_at: float = field(default_factory=time.time)
     num_inflight_blocks: int = 0  # blocks (prompt + max_tokens) of the requests routed here (decode side), not finished
+    num_routed_prefill_blocks: int = 0  # cumulative: prompt blocks the router sent here to compute (prefill side)
 
     def view(self, num_cached_prompt_tokens: int = 0) -> WorkerView:
         """The snapshot the routing policy decides on (``num_cached_prompt_tokens``: of the request being routed)."""
@@ -54,6 +55,7 @@ class WorkerInfo:
             num_inflight=self.num_inflight, num_pending_prefill_tokens=self.num_pending_prefill_tokens,
             max_batch_size=self.max_batch_size, is_draining=load.is_draining, page_size=self.page_size,
             num_cached_prompt_tokens=num_cached_prompt_tokens, num_inflight_blocks=self.num_inflight_blocks,
+            num_routed_prefill_blocks=self.num_routed_prefill_blocks,
         )
 
     @property

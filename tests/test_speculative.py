@@ -274,3 +274,22 @@ def test_prefill_ships_draft_kv_and_decode_speculates_exactly(arch, kind, tiny_c
     assert preempted and decode.speculator.stats.num_draft_tokens > 0
     if kind == "self":
         assert decode.speculator.stats.acceptance_rate == 1.0
+
+
+def test_a_speculating_prefill_worker_caches_the_prompts_it_prefilled(tiny_checkpoint, drafts):
+    """A prefill-only request finishes in the step that computes its last chunk, while it still holds its
+    blocks for the transfer: those blocks (target and draft KV both written) go into the prefix cache, so
+    the conversation's next turn computes only what is new, as without a draft model."""
+    from pipeline.config import PipelineConfig
+    from pipeline.engine import LLMEngine
+
+    engine = LLMEngine(PipelineConfig.load(overrides={
+        "pipeline_role": "PrefillOnly", "model": {"model_path": tiny_checkpoint("llama")},
+        "draft_model": {"model_path": drafts("llama", "small")}, "speculative": {"num_speculative_tokens": K},
+        "kv_cache": {"page_size": 4, "num_blocks": 64}}))
+    prompt = list(range(20, 50))
+    engine.add_request("turn-1", prompt, greedy(), prefill_only=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.release_blocks("turn-1")
+    assert len(engine.kv_manager.find_cached_prefix(prompt + [7, 8])) == len(prompt) // 4

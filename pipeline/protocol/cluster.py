@@ -6,7 +6,7 @@ Sockets and who speaks on them (every frame is one msgpack-encoded tagged struct
    ``WorkerToRouter`` = RegisterWorker | Heartbeat | TokenBatch | KVEvents | HandoffOffer; decode with
    ``decode_worker_to_router``.
 2. router ROUTER -> worker DEALER, same connection: ``RouterToWorker`` = GenerateRequest | CancelRequest |
-   RegisterAck | HandoffDeclined; decode with ``decode_router_to_worker``.
+   RegisterAck | HandoffDeclined | WarmPrefix; decode with ``decode_router_to_worker``.
 3. decode DEALER -> prefill ROUTER at the prefill worker's ``prefill_endpoint``:
    ``DecodeToPrefill`` = PrefillRequest | CancelPrefill; decode with ``decode_decode_to_prefill``.
    A draining decode worker's handoff socket speaks the same (``PrefillRequest.source_request_id``).
@@ -140,6 +140,7 @@ class WorkerLoad(msgspec.Struct, **_HOT):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
+    num_warmup_tokens_computed: int = 0  # tokens prefix warm-ups ran through the model since start (WarmPrefix)
 
 
 class Heartbeat(msgspec.Struct, tag=True, **_HOT):
@@ -244,7 +245,16 @@ class HandoffDeclined(msgspec.Struct, tag=True, **_HOT):
     reason: str = ""
 
 
-RouterToWorker = Union[GenerateRequest, CancelRequest, RegisterAck, HandoffDeclined]
+class WarmPrefix(msgspec.Struct, tag=True, **_HOT):
+    """Router -> prefill worker, as a disaggregated request ends: compute the KV of these tokens (its prompt
+    and answer) into the prefix cache in idle steps, so the conversation's next turn computes only what is
+    new (``pipeline/prefix_warmup.py``). Best effort: nothing answers it."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int = 0  # the leading tokens (the request's prompt) the prefill worker computed
+
+
+RouterToWorker = Union[GenerateRequest, CancelRequest, RegisterAck, HandoffDeclined, WarmPrefix]
 
 
 # ---------------------------------------------------------------- decode <-> prefill
@@ -339,7 +349,9 @@ def decode_worker_to_router(frame: bytes | memoryview) -> RegisterWorker | Heart
     return _worker_to_router.decode(frame)
 
 
-def decode_router_to_worker(frame: bytes | memoryview) -> GenerateRequest | CancelRequest | RegisterAck | HandoffDeclined:
+def decode_router_to_worker(
+    frame: bytes | memoryview,
+) -> GenerateRequest | CancelRequest | RegisterAck | HandoffDeclined | WarmPrefix:
     return _router_to_worker.decode(frame)
 
 
@@ -359,7 +371,7 @@ __all__ = [
     "PROTOCOL_VERSION", "BUILTIN_MODEL_NAME", "DEFAULT_DEADLINE_S", "served_model_name",
     "WorkerRole", "FinishCode",
     "RegisterWorker", "WorkerLoad", "Heartbeat", "TokenDelta", "TokenBatch", "KVEvents", "HandoffOffer", "WorkerToRouter",
-    "GenerateRequest", "CancelRequest", "RegisterAck", "HandoffDeclined", "RouterToWorker",
+    "GenerateRequest", "CancelRequest", "RegisterAck", "HandoffDeclined", "WarmPrefix", "RouterToWorker",
     "PrefillRequest", "CancelPrefill", "PrefillRejected", "PrefillAccepted", "PrefillStarted", "DecodeToPrefill", "PrefillToDecode", "PrefillDone",
     "encode", "encode_prefill_done", "decode_worker_to_router", "decode_router_to_worker",
     "decode_decode_to_prefill", "decode_prefill_to_decode", "decode_prefill_done",

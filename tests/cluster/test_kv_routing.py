@@ -17,6 +17,7 @@ from tests.cluster.conftest import (CLUSTER_CONFIG, openai_client, running_clust
 NUM_BLOCKS = CLUSTER_CONFIG["kv_cache"]["num_blocks"]
 PAGE = CLUSTER_CONFIG["kv_cache"]["page_size"]
 COMPUTED = "tandem_worker_prompt_tokens_computed_total"
+WARMUP = "tandem_worker_warmup_tokens_computed_total"
 
 
 def routed(url: str) -> dict[tuple[str, str], float]:
@@ -42,6 +43,19 @@ def wait_indexed(url: str, worker: str, timeout_s: float = 5.0) -> None:
     while (worker_metric(url, "tandem_kv_index_blocks", worker) or 0) == 0:
         assert time.monotonic() < deadline, f"the router's index holds nothing for {worker}"
         time.sleep(0.05)
+
+
+def wait_for_warmup(url: str, worker: str, before: float, num_prompt_tokens: int, token_ids: list[int]) -> int:
+    """A turn under P/D ended: wait until its prefill worker (whose warm-up count was ``before`` the turn)
+    has warmed its cache with prompt + answer (router.warm_prefill_cache); returns the leading tokens it
+    then holds (full blocks)."""
+    warmed = len(token_ids) // PAGE * PAGE
+    expected = warmed - num_prompt_tokens // PAGE * PAGE  # its own prefill cached the prompt's full blocks
+    deadline = time.monotonic() + 10
+    while (worker_metric(url, WARMUP, worker) or 0.0) < before + expected:  # reported with the next heartbeat
+        assert time.monotonic() < deadline, f"{worker} never warmed up the {expected} tokens of the answer"
+        time.sleep(0.05)
+    return warmed
 
 
 def conversation(tokenizer, turns: int = 3):
@@ -161,11 +175,13 @@ def test_a_turn_under_pd_moves_only_the_blocks_its_decode_worker_lacks(tiny_chec
         prompt: list[int] = []
         moved = []
         first = None
+        warmed = 0  # leading tokens of the next prompt the prefill worker holds
         for message in conversation(tokenizer):
             prompt = prompt + message
             before, bytes_before = routed(cluster.url), worker_metric(cluster.url, "tandem_kv_transfer_bytes_total",
                                                                       "prefill-0") or 0.0
             computed_before = worker_metric(cluster.url, COMPUTED, "prefill-0") or 0.0
+            warmup_before = worker_metric(cluster.url, WARMUP, "prefill-0") or 0.0
             out = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
             worker = routed_to(cluster.url, before)
             first = first or worker
@@ -179,11 +195,13 @@ def test_a_turn_under_pd_moves_only_the_blocks_its_decode_worker_lacks(tiny_chec
                 time.sleep(0.05)
             cached = out.usage.prompt_tokens_details.cached_tokens if out.usage.prompt_tokens_details else 0
             moved.append((sent - bytes_before, -(-len(prompt) // PAGE) - cached // PAGE))
-            # the same report: the prefill worker computed only what its own cache lacked (the last answer,
-            # which the decode worker produced, and the new message), never the whole conversation again
+            # the same report: the prefill worker computed only what its own cache lacked: the whole prompt
+            # on the first turn, later only the new message (the last answer, which the decode worker
+            # produced, was warmed into its cache after that turn), never the conversation again
             computed = worker_metric(cluster.url, COMPUTED, "prefill-0") - computed_before
-            assert 0 < computed <= (len(message) + (8 + PAGE if moved[1:] else len(prompt)))
+            assert computed == len(prompt) - warmed
             wait_indexed(cluster.url, first)
+            warmed = wait_for_warmup(cluster.url, "prefill-0", warmup_before, len(prompt), prompt + ids)
             prompt = prompt + ids
         per_block = moved[0][0] / moved[0][1]
         for num_bytes, num_blocks in moved:  # each turn: exactly the blocks the decode worker did not hold

@@ -180,3 +180,46 @@ def test_a_reservation_queued_on_a_busy_prefill_worker_waits_then_the_ttl_runs_f
         stop.set()
         thread.join(10)
         router.close()
+
+
+def test_a_first_token_whose_kv_arrived_goes_out_before_the_next_step(tiny_checkpoint, base, monkeypatch):
+    """The decode worker reads a finished transfer between steps; the first token it carries is the
+    request's TTFT, so it goes to the router at once, not with the tokens of the step that follows
+    (a slow model here: every step of the decode worker takes half a second more)."""
+    router = FakeRouter(base)
+    batches = []
+    prefill = PrefillWorker(config(tiny_checkpoint("llama"), base, "PrefillOnly", transfer={"transport": "zmq"}), "p0")
+    decode = DecodeWorker(config(tiny_checkpoint("llama"), base, "DecodeOnly", transfer={"transport": "zmq"}), "d0")
+    step = decode.engine.step
+
+    def slow_step():
+        outputs = step()
+        time.sleep(0.5)
+        return outputs
+
+    monkeypatch.setattr(decode.engine, "step", slow_step)
+    send = decode.link.send_outputs
+    monkeypatch.setattr(decode.link, "send_outputs", lambda deltas: (batches.append(list(deltas)) if deltas else None,
+                                                                    send(deltas)))
+    threads = [run_in_thread(prefill), run_in_thread(decode)]
+    try:
+        router.pump(0.5)
+        greedy = dict(temperature=0.0, ignore_eos=True)
+        router.send("d0", GenerateRequest(request_id="busy", prompt_token_ids=list(range(3, 12)),
+                                          sampling_params=SamplingParams(max_tokens=40, **greedy)))
+        while not any(d.request_id == "busy" for d in router.deltas):
+            router.pump(0.1)
+        router.send("d0", GenerateRequest(request_id="new", prompt_token_ids=list(range(3, 40)),
+                                          sampling_params=SamplingParams(max_tokens=3, **greedy),
+                                          prefill_worker_id="p0", prefill_endpoint=prefill.endpoint))
+        deadline = time.monotonic() + 20
+        while not any(d.request_id == "new" and d.token_ids for d in router.deltas):
+            assert time.monotonic() < deadline, "no first token"
+            router.pump(0.1)
+        [with_first] = [b for b in batches if any(d.request_id == "new" and d.token_ids for d in b)][:1]
+        assert [d.request_id for d in with_first] == ["new"], "the first token waited for the next step's tokens"
+    finally:
+        for stop, thread in threads:
+            stop.set()
+            thread.join(10)
+        router.close()

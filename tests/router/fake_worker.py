@@ -28,6 +28,7 @@ from pipeline.protocol.cluster import (
     RegisterWorker,
     TokenBatch,
     TokenDelta,
+    WarmPrefix,
     WorkerLoad,
     WorkerRole,
     decode_router_to_worker,
@@ -98,6 +99,7 @@ class FakeWorker:
         self.requests: list[GenerateRequest] = []
         self.cancels: list[str] = []
         self.declined: list[str] = []  # handoff offers the router declined
+        self.warmups: list[list[int]] = []  # WarmPrefix token ids (a prefill worker's)
         self.acks: list[RegisterAck] = []
         self._raw_out: list[list[bytes]] = []
         self._scheduled: list[tuple[float, TokenDelta]] = []
@@ -171,6 +173,8 @@ class FakeWorker:
                 self._scheduled = [(t, d) for t, d in self._scheduled if d.request_id != msg.request_id]
         elif isinstance(msg, HandoffDeclined):
             self.declined.append(msg.request_id)
+        elif isinstance(msg, WarmPrefix):
+            self.warmups.append(msg.token_ids)
         elif isinstance(msg, RegisterAck):
             self.acks.append(msg)
             if not msg.accepted and msg.reregister:

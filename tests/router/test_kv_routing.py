@@ -5,6 +5,7 @@ last, the router's own count of those blocks, with scripted workers."""
 from __future__ import annotations
 
 import threading
+import time
 
 import openai
 import pytest
@@ -129,3 +130,96 @@ def test_a_long_generation_weighs_as_the_kv_it_may_grow_to(router, max_tokens, s
         threading.Thread(target=send, daemon=True).start()
         assert a.wait_for(lambda n=len(a.requests) + len(b.requests): len(a.requests) + len(b.requests) > n)
     assert len(a.requests) == 1 + (second_on == "a-cached") and len(b.requests) == (second_on == "b-cold")
+
+
+def _pd_pair(router, decode_script):
+    prefill = router.add_worker("p0", role=PipelineRole.PrefillOnly, prefill_endpoint="ipc:///tmp/p0-warm")
+    router.add_worker("d0", role=PipelineRole.DecodeOnly, script=decode_script)
+    return prefill, openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=10)
+
+
+def _choices_script(request):
+    """Four tokens per choice, every choice of the request (n > 1 too)."""
+    from pipeline.protocol.cluster import FinishCode, TokenDelta
+
+    out = []
+    for index in range(request.sampling_params.n):
+        for i, token_id in enumerate([21, 22, 23, 24]):
+            out.append((0.005 * (i + 1), TokenDelta(
+                request_id=request.request_id, token_ids=[token_id], index=index,
+                finish_reason=FinishCode.LENGTH if i == 3 else None,
+                num_prompt_tokens=len(request.prompt_token_ids) if i == 0 else 0)))
+    return out
+
+
+def test_a_disaggregated_turn_that_ends_warms_its_prefill_worker_with_prompt_and_answer(router):
+    prefill, client = _pd_pair(router, _choices_script)
+    prompt = list(range(40, 52))
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=4)
+    assert out.choices[0].finish_reason == "length"
+    assert prefill.wait_for(lambda: prefill.warmups == [prompt + [21, 22, 23, 24]])
+    assert router.metric("tandem_prefill_warmups_total") == 1
+    # n > 1: which answer the conversation keeps is the client's choice, so nothing is warmed
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=4, n=2)
+    assert router.metric("tandem_prefill_warmups_total") == 1 and len(prefill.warmups) == 1
+
+
+def test_no_warmup_for_a_failed_turn_or_when_switched_off(router_factory):
+    from pipeline.protocol.cluster import FinishCode
+    from tests.router.fake_worker import tokens_script
+
+    router = router_factory()
+    prefill, client = _pd_pair(router, tokens_script([21, 22], finish=FinishCode.ERROR))
+    with pytest.raises(openai.APIError):
+        client.completions.create(model="tiny", prompt=list(range(40, 52)), max_tokens=2)
+    off = router_factory(config={"router": {"max_local_prefill_length": 0, "warm_prefill_cache": False}})
+    off_prefill, off_client = _pd_pair(off, tokens_script([21, 22]))
+    off_client.completions.create(model="tiny", prompt=list(range(40, 52)), max_tokens=2)
+    time.sleep(0.3)
+    assert prefill.warmups == [] and off_prefill.warmups == []
+
+
+def test_a_prefix_two_decode_workers_hold_is_popular_and_prefill_workers_lacking_it_are_named():
+    from router.policy import Route, popular_prefix_gaps
+
+    system = 256  # every conversation opens with it: both decode workers hold it, each its own conversations too
+    views = [w("d0", D, num_cached_prompt_tokens=900), w("d1", D, num_cached_prompt_tokens=system),
+             w("p0", P, num_cached_prompt_tokens=900), w("p1", P, num_cached_prompt_tokens=16),
+             w("p2", P, num_cached_prompt_tokens=system), w("p3", P, is_draining=True)]
+    route = choose_route(views, 1000, num_prompt_tokens=960, kv_overlap_weight=4.0)
+    assert route.prefill.worker_id == "p0"
+    num_tokens, lacking = popular_prefix_gaps(views, route)
+    assert num_tokens == system and [v.worker_id for v in lacking] == ["p1"]
+    # one decode worker holds it: a conversation's own history, nothing to spread; no prefill worker: nothing
+    assert popular_prefix_gaps([views[0], w("d1", D), *views[2:]], route) == (0, [])
+    assert popular_prefix_gaps(views, Route(decode=views[0], prefill=None)) == (0, [])
+
+
+def test_a_prefill_worker_lacking_the_shared_system_prompt_is_asked_to_warm_it(router):
+    """Without it, every new conversation would go to the prefill worker that cached the system prompt
+    first, and stay there with its later turns."""
+    system = list(range(100, 116))  # 4 blocks of 4
+    hashes = PromptHashes(system + [0]).hashes(PAGE)
+    workers = {}
+    for name, role, holds in (("d0", D, True), ("d1", D, True), ("p0", P, True), ("p1", P, False)):
+        extra = {"prefill_endpoint": f"ipc:///tmp/{name}-spread"} if role == P else {}
+        workers[name] = router.add_worker(name, role=role, page_size=PAGE, max_length=1024, script=held, **extra)
+        if holds:
+            workers[name].send_raw(encode(KVEvents(worker_id=name, seq=0, stored=hashes, full=True)))
+    index = router.state.dispatcher.registry.kv_index
+    assert workers["d0"].wait_for(lambda: all(index.num_blocks(n) == 4 for n in ("d0", "d1", "p0")))
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=10)
+
+    def send() -> None:  # held until the workers stop with the test
+        try:
+            client.completions.create(model="tiny", prompt=system + [7, 8, 9, 10], max_tokens=2)
+        except openai.APIError:
+            pass
+
+    for _ in range(2):
+        threading.Thread(target=send, daemon=True).start()
+    p1 = workers["p1"]
+    assert p1.wait_for(lambda: p1.warmups == [system])
+    time.sleep(0.3)  # the second request within the resend window: asked once
+    assert p1.warmups == [system] and workers["p0"].warmups == []
+    assert router.metric("tandem_prefix_spreads_total") == 1
