@@ -69,10 +69,10 @@ def build_sessions(spec: SessionSpec, vocab_size: int, special_ids: set[int]) ->
     rng = random.Random(spec.seed)
     ordinary = [t for t in range(vocab_size) if t not in special_ids]
     starts = np.cumsum(np.random.default_rng(spec.seed).exponential(1.0 / spec.session_rate, spec.num_sessions))
-    system_rng = rng if spec.system_seed is None else random.Random(spec.system_seed)
-    system = [system_rng.choice(ordinary) for _ in range(spec.system_len)]
-    if spec.system_seed is not None:
-        [rng.choice(ordinary) for _ in range(spec.system_len)]  # the messages draw as they would with ``seed``
+    system = [rng.choice(ordinary) for _ in range(spec.system_len)]
+    if spec.system_seed is not None:  # another seed's system prompt; the messages still draw from ``seed``
+        system_rng = random.Random(spec.system_seed)
+        system = [system_rng.choice(ordinary) for _ in range(spec.system_len)]
     if spec.think_time_distribution not in ("fixed", "exponential"):
         raise ValueError(f"think_time_distribution: 'fixed' or 'exponential', not {spec.think_time_distribution!r}")
     pauses = np.random.default_rng([spec.seed, 1])

@@ -25,7 +25,6 @@ from pipeline.kv_pool import build_kv_pool
 from pipeline.model_runner import TORCH_DTYPES, ModelRunner
 from pipeline.output_processor import OutputProcessor
 from pipeline.overlap import InFlightStep, needs_host_tokens
-from pipeline.prefix_warmup import warmup_tokens
 from pipeline.protocol import FinishReason, PromptLogprobs, SamplingParams
 from pipeline.protocol.requests import sibling_params
 from pipeline.protocol.cluster import WorkerLoad
@@ -203,19 +202,16 @@ class LLMEngine:
         tokens this worker computed itself (a turn's prompt); a warm-up extends them only while the cache
         still holds them (if it evicted them, the pool is short: warming would evict more). False (nothing
         queued) when the prefix cache is off, already holds them all, or no longer holds what it computed."""
-        page_size = self.kv_manager.page_size
-        if not self.kv_manager.enable_prefix_caching or any(not 0 <= t < self.vocab_size for t in token_ids):
+        planned = self.scheduler.warmups.plan(token_ids, num_computed_here)
+        if planned is None:
             return False
-        tokens = warmup_tokens(token_ids, page_size)
-        if tokens is None or len(tokens) > self.max_length:
-            return False
-        num_cached = len(self.kv_manager.find_cached_prefix(tokens)) * page_size
-        if num_cached >= len(tokens) - 1 or num_cached < min(num_computed_here, len(tokens) - 1) // page_size * page_size:
-            return False
-        if self.scheduler.warmups.holds(tokens):  # asked twice (a shared prefix): one warm-up computes it
+        tokens, num_cached = planned
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        try:
+            validate_request(tokens, params, self.vocab_size, self.max_length)
+        except RequestError:  # not this model's token ids, or longer than it takes
             return False
         self._num_warmups += 1
-        params = SamplingParams(max_tokens=1, temperature=0.0)
         seq = self._new_sequence(f"warmup-{self._num_warmups}", tokens, params, prefill_only=True)
         seq.num_cached_tokens = num_cached  # it must still find these cached when it runs, or it is dropped
         self.scheduler.add_warmup(seq)
@@ -409,13 +405,11 @@ class LLMEngine:
                 self.num_prompt_tokens_computed += num_computed
         for seq in plan.preempted:  # readmitted later with new blocks: a new row of the persistent batch
             self.runner.forget(seq.request_id)
-        self._forget_ended_warmups()  # dropped while scheduling (their room went to requests)
-        return plan
-
-    def _forget_ended_warmups(self) -> None:
-        """Free the batch rows of the warm-ups that ended (complete, or dropped for real work)."""
+        # warm-ups that ended since (complete, or dropped for real work) leave the persistent batch before
+        # this step takes rows: every step schedules first, so this is the one place that frees theirs
         for seq in self.scheduler.warmups.take_finished():
             self.runner.forget(seq.request_id)
+        return plan
 
     def _step_at_once(self) -> list[StepOutput]:
         plan = self._schedule()
@@ -429,7 +423,6 @@ class LLMEngine:
         sampled = self.runner.execute(plan.chunks, self.kv_manager.block_table)
         token_ids = sampled.token_ids if sampled is not None else []
         advanced = self.scheduler.update(plan, token_ids)
-        self._forget_ended_warmups()
         outputs: list[StepOutput] = []
         for i, seq in enumerate(advanced):
             logprobs = sampled.logprobs[i] if sampled.logprobs is not None else None
@@ -448,13 +441,12 @@ class LLMEngine:
                 outputs.append(self._emit_tokens(seq, result.token_ids, result.logprobs))
         for chunk in plan.chunks:
             seq = chunk.seq
-            # a block is cached only once both models' KV of it is written; a finished prefill-only request
-            # still holds its blocks (for the transfer), so its prompt is cached like any other
-            if not seq.is_finished or (seq.is_prefill_only and self.kv_manager.has_sequence(seq.request_id)):
+            # a block is cached only once both models' KV of it is written, by any sequence that still holds
+            # its blocks (a finished prefill-only request does: they wait for the transfer)
+            if self.kv_manager.has_sequence(seq.request_id):
                 self.kv_manager.register_computed(seq.request_id, seq.token_ids,
                                                   min(seq.num_computed_tokens, seq.num_draft_computed_tokens))
         self.scheduler.warmups.end_if_complete()
-        self._forget_ended_warmups()
         return outputs
 
     def _emit_tokens(self, seq: Sequence, token_ids: list[int],
@@ -506,7 +498,6 @@ class LLMEngine:
         result = step.future.result()
         self.last_plan = step.plan
         self.scheduler.register(step.plan)
-        self._forget_ended_warmups()
         outputs: list[StepOutput] = []
         for row, (seq, position) in enumerate(zip(step.sampled, step.positions)):
             if seq.is_finished or self._sequences.get(seq.request_id) is not seq:

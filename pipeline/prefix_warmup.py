@@ -69,11 +69,22 @@ class PrefixWarmups:
         while len(self.queued) > self.max_queued:
             self._drop(self.queued.popleft())
 
-    def holds(self, tokens: list[int]) -> bool:
-        """Whether a queued or running warm-up computes every full block of ``tokens`` (``warmup_tokens``' form)."""
+    def plan(self, token_ids: list[int], num_computed_here: int = 0) -> tuple[list[int], int] | None:
+        """(``warmup_tokens``, leading tokens cached now) of a warm-up worth queueing for ``token_ids``; None
+        when the prefix cache is off, holds them all already, no longer holds the ``num_computed_here``
+        leading tokens this worker computed itself (evicted: the pool is short), or a queued or running
+        warm-up computes them already (a shared prefix asked for twice)."""
+        page_size = self.kv.page_size
+        tokens = warmup_tokens(token_ids, page_size) if self.kv.enable_prefix_caching else None
+        if tokens is None:
+            return None
         num_full = len(tokens) - 1
-        return any(seq.num_tokens - 1 >= num_full and seq.token_ids[:num_full] == tokens[:num_full]
-                   for seq in self._all())
+        num_cached = len(self.kv.find_cached_prefix(tokens)) * page_size
+        if num_cached >= num_full or num_cached < min(num_computed_here, num_full) // page_size * page_size:
+            return None
+        if any(seq.num_tokens - 1 >= num_full and seq.token_ids[:num_full] == tokens[:num_full] for seq in self._all()):
+            return None
+        return tokens, num_cached
 
     # ------------------------------------------------------------ running
     def next_chunk(self, has_row: bool) -> tuple[Sequence, int, int] | None:
