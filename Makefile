@@ -54,8 +54,10 @@ bench-kv-routing: $(STAMP)
 		--no-warm-prefill-cache --out bench/results/kv_routing_no_warmup.json
 	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --shapes 2p2d --max-local-prefill-length 128 \
 		--out bench/results/kv_routing_local_prefill.json
-	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --shapes 2-colocated --routing on \
-		--kv-overlap-weight 8 --out bench/results/kv_routing_weight8.json
+	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --shapes 2p2d --routing on \
+		--no-early-prefill --out bench/results/kv_routing_no_early_prefill.json
+	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --shapes 2-colocated,2p2d --routing on \
+		--kv-overlap-weight 4 --out bench/results/kv_routing_weight4.json
 	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --think-time-distribution exponential \
 		--out bench/results/kv_routing_exponential_think.json
 

@@ -36,7 +36,7 @@ SHAPES = {"2-colocated": (0, 0, 2), "2p2d": (2, 2, 0)}  # (prefill, decode, colo
 def run_cluster(shape: str, kv_aware: bool, checkpoint: Path, cores: list[int], spec: SessionSpec,
                 random_prompts: int, max_local_prefill_length: int | None = None,
                 kv_overlap_weight: float | None = None, num_blocks: int | None = None,
-                warm_prefill_cache: bool = True) -> dict:
+                warm_prefill_cache: bool = True, early_prefill: bool = True) -> dict:
     from bench.peer_transformers import free_port
     from bench.serve import benchmark
     from bench.serve_client import ClientSettings
@@ -48,7 +48,8 @@ def run_cluster(shape: str, kv_aware: bool, checkpoint: Path, cores: list[int], 
 
     num_prefill, num_decode, num_colocated = SHAPES[shape]
     plan = plan_cores(cores, num_prefill, num_decode, num_colocated)
-    config = {"router": {"kv_aware_routing": kv_aware, "warm_prefill_cache": warm_prefill_cache}}
+    config = {"router": {"kv_aware_routing": kv_aware, "warm_prefill_cache": warm_prefill_cache,
+                         "early_prefill": early_prefill}}
     if max_local_prefill_length is not None:  # conditional disaggregation's threshold (the default otherwise)
         config["router"]["max_local_prefill_length"] = max_local_prefill_length
     if kv_overlap_weight is not None:
@@ -61,7 +62,7 @@ def run_cluster(shape: str, kv_aware: bool, checkpoint: Path, cores: list[int], 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     result: dict = {"shape": shape, "kv_aware_routing": kv_aware, "max_local_prefill_length": max_local_prefill_length,
                     "kv_overlap_weight": kv_overlap_weight, "num_blocks": num_blocks,
-                    "warm_prefill_cache": warm_prefill_cache}
+                    "warm_prefill_cache": warm_prefill_cache, "early_prefill": early_prefill}
     with cluster, client_on(router_cores(plan)):
         model = httpx.get(f"{cluster.url}/v1/models", timeout=10).json()["data"][0]["id"]
         # Steady state: the warm-up's conversations open with the service's system prompt (as the ones before
@@ -99,6 +100,8 @@ def compare(runs: list[dict]) -> dict:
                                                  "on": on["multi_turn"]["later_turns"]["cached_fraction"]},
                  "later_turns_median_tpot_ms": {"off": off["multi_turn"]["later_turns"].get("median_tpot_ms"),
                                                 "on": on["multi_turn"]["later_turns"].get("median_tpot_ms")}}
+        entry["later_turns_that_missed_the_previous_turn"] = {  # the serving worker lacked its conversation
+            setting: run["multi_turn"]["later_turns_missed_previous"]["count"] for setting, run in (("off", off), ("on", on))}
         entry["prompt_tokens_computed_per_turn"] = {
             setting: sum(run["multi_turn"]["server"]["prompt_tokens_computed_per_request"].values())
             for setting, run in (("off", off), ("on", on))}
@@ -143,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routing", default="off,on", help="which settings of router.kv_aware_routing to run")
     parser.add_argument("--no-warm-prefill-cache", action="store_true",
                         help="router.warm_prefill_cache false: prefill workers recompute each turn's answer")
+    parser.add_argument("--no-early-prefill", action="store_true",
+                        help="router.early_prefill false: a prefill starts when the decode worker asks for it")
     args = parser.parse_args(argv)
     checkpoint = benchmark_checkpoint(args.model_size)
     cores = sorted(os.sched_getaffinity(0))
@@ -155,13 +160,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {shape}, kv_aware_routing={kv_aware}", flush=True)
             runs.append(run_cluster(shape, kv_aware, checkpoint, cores, spec, args.random_prompts,
                                     args.max_local_prefill_length, args.kv_overlap_weight, args.num_blocks,
-                                    warm_prefill_cache=not args.no_warm_prefill_cache))
+                                    warm_prefill_cache=not args.no_warm_prefill_cache,
+                                    early_prefill=not args.no_early_prefill))
             print(json.dumps(runs[-1]["multi_turn"]["later_turns"]), runs[-1]["multi_turn"]["server"], flush=True)
     report = {"benchmark": "kv_routing", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu_model(),
               "cores": cores, "machine": platform.machine(), "checkpoint": str(checkpoint),
               "model_size": args.model_size, "sessions": asdict(spec),
               "max_local_prefill_length": args.max_local_prefill_length, "kv_overlap_weight": args.kv_overlap_weight,
               "num_blocks": args.num_blocks, "warm_prefill_cache": not args.no_warm_prefill_cache,
+              "early_prefill": not args.no_early_prefill,
               "runs": runs, "comparisons": compare(runs)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

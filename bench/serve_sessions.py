@@ -26,6 +26,8 @@ import numpy as np
 
 from bench.serve_client import sse_lines
 
+PAGE_SIZE = 16  # the workers' default KV page: a held prompt is held to its last full page
+
 
 @dataclass(frozen=True)
 class SessionSpec:
@@ -147,7 +149,8 @@ async def run_sessions(base_url: str, model: str, spec: SessionSpec, sessions: l
 
 
 def summarize_turns(outcomes: list[TurnOutcome], duration_s: float) -> dict:
-    """Per turn index and over later turns (>= 2): TTFT percentiles, median TPOT, prompt and held tokens."""
+    """Per turn index and over later turns (>= 2): TTFT percentiles, median TPOT, prompt and held tokens;
+    the later turns again, split by whether the serving worker held the previous turn's prompt."""
     done = [o for o in outcomes if o.error is None and o.ttft_s is not None]
 
     def stats(items: list[TurnOutcome]) -> dict:
@@ -164,10 +167,18 @@ def summarize_turns(outcomes: list[TurnOutcome], duration_s: float) -> dict:
                 "cached_fraction": cached / prompt if prompt else 0.0}
 
     turns = sorted({o.turn for o in done})
+    later = [o for o in done if o.turn >= 2]
+    # a later turn found its conversation when the serving worker held all of the previous turn's prompt
+    # (to its last full page): what it lacked was the last answer's tail and the new message
+    previous = {(o.session, o.turn): o.prompt_tokens for o in outcomes}
+    held = [o for o in later if o.cached_tokens >= previous.get((o.session, o.turn - 1), 10**9) - PAGE_SIZE]
+    missed = [o for o in later if o not in held]
     return {
         "completed_turns": len(done), "failed_turns": len(outcomes) - len(done), "duration_s": duration_s,
         "output_throughput": sum(o.output_tokens for o in done) / duration_s if duration_s else 0.0,
         "per_turn": {str(t): stats([o for o in done if o.turn == t]) for t in turns},
-        "later_turns": stats([o for o in done if o.turn >= 2]),
+        "later_turns": stats(later),
+        "later_turns_held_previous": stats(held),
+        "later_turns_missed_previous": stats(missed),
         "errors": sorted({o.error for o in outcomes if o.error})[:5],
     }

@@ -149,14 +149,18 @@ class RouterConfig(_Section):
         True, description="route each request to the workers whose prefix caches hold most of its prompt, weighed "
         "against their load (workers report their cached blocks; docs/kv-routing.md); false = by load alone")
     kv_overlap_weight: float = Field(
-        4.0, ge=0.0, description="KV-aware routing: the cost of one prompt block a worker must compute or receive, "
-        "against one block its running requests hold (Dynamo's overlap weight; 4 keeps a conversation where its "
-        "KV is against a load gap of a few requests, docs/kv-routing.md)")
+        16.0, ge=0.0, description="KV-aware routing: the cost of one prompt block a worker must compute or receive, "
+        "against one block its running requests hold (Dynamo's overlap weight; 16 keeps a conversation where its "
+        "KV is unless the other worker is lighter by about a dozen requests, docs/kv-routing.md)")
     warm_prefill_cache: bool = Field(
         True, description="when a disaggregated request ends, its prefill worker computes the KV of prompt + "
         "answer into its prefix cache in idle steps, so a conversation's next turn there computes only the new "
         "message; and prefill workers lacking a prefix conversations share (a system prompt) warm it up "
         "(docs/kv-routing.md); false = neither")
+    early_prefill: bool = Field(
+        True, description="a disaggregated request's prompt goes to its prefill worker at once, beside the request "
+        "to its decode worker, so the prefill starts before the decode worker has reserved blocks and asked for it "
+        "(the decode worker's request then claims it; docs/kv-routing.md); false = the prefill starts when asked")
     max_migrations: int = Field(
         3, ge=0, description="a stream whose worker dies after its first token moves to another worker, which "
         "recomputes its prompt and the tokens sent so far and goes on (docs/load.md); at most this often, then it "

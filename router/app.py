@@ -81,6 +81,7 @@ def create_app(
         kv_overlap_weight=router_config.kv_overlap_weight if router_config.kv_aware_routing else None,
         max_migrations=router_config.max_migrations,
         warm_prefill_cache=router_config.warm_prefill_cache,
+        early_prefill=router_config.early_prefill,
     )
     state = RouterState(model, dispatcher, metrics, config.sampling,
                         _or(request_timeout_s, router_config.request_timeout_s))

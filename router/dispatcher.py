@@ -38,7 +38,9 @@ from pipeline.protocol.cluster import (
     KVEvents,
     RegisterAck,
     RegisterWorker,
+    StartPrefill,
     TokenBatch,
+    TokenDelta,
     WorkerRole,
     WorkerToRouter,
 )
@@ -74,10 +76,13 @@ class Dispatcher(RetriesAndMigration):
         kv_overlap_weight: float | None = None,
         max_migrations: int = 3,
         warm_prefill_cache: bool = False,
+        early_prefill: bool = False,
     ) -> None:
         """``kv_overlap_weight``: route by where the prompt's KV lives (``router.policy``); None: by load alone.
         ``max_migrations``: how often a stream whose worker died (or drained) moves to another worker.
-        ``warm_prefill_cache``: prefill workers are asked to warm their prefix caches (``router.prefill_warmups``)."""
+        ``warm_prefill_cache``: prefill workers are asked to warm their prefix caches (``router.prefill_warmups``).
+        ``early_prefill``: a disaggregated request's prefill worker gets the prompt (``StartPrefill``) as its
+        decode worker gets the request, and starts before the decode worker has reserved blocks and asked."""
         self.socket = WorkerSocket(router_endpoint(zmq_endpoint_base), self._on_message, metrics.bad_frames_total.inc)
         self.registry = registry
         self.metrics = metrics
@@ -87,6 +92,7 @@ class Dispatcher(RetriesAndMigration):
         self.kv_overlap_weight = kv_overlap_weight
         self.max_migrations = max_migrations
         self.warmups = PrefillWarmups(registry, metrics, self._send) if warm_prefill_cache else None
+        self.early_prefill = early_prefill
         self.admission: AdmissionQueue[RequestHandle] = AdmissionQueue(
             self._try_dispatch, max_queued_requests, queue_timeout_s)
         metrics.admission_queue_depth.set_function(lambda: len(self.admission))
@@ -225,6 +231,9 @@ class Dispatcher(RetriesAndMigration):
                 resume_token_ids=resume,
             )
             if self._send(route.decode.worker_id, msg):
+                if route.prefill is not None and self.early_prefill:
+                    self._send(route.prefill.worker_id, StartPrefill(request_id=handle.wire_id, sampling_params=params,
+                                                                     prompt_token_ids=handle.prompt_token_ids))
                 self._assign(handle, route)
                 self.metrics.note_route(route, num_prompt_tokens)
                 if self.warmups is not None and prompt is not None:
@@ -268,6 +277,7 @@ class Dispatcher(RetriesAndMigration):
         """Take the request off its workers; True when that freed a decode slot (the queue is woken)."""
         self._requests.pop(handle.wire_id, None)
         self._release_prefill(handle)
+        handle.first_token_from_prefill = False  # a next attempt resumes after it
         handle.decode_worker_id = handle.prefill_worker_id = None
         decode = self.registry.get(handle._inflight_on) if handle._inflight_on else None
         handle._inflight_on = None
@@ -370,6 +380,11 @@ class Dispatcher(RetriesAndMigration):
         now = time.monotonic()
         for delta in batch.outputs:
             handle = self._requests.get(delta.request_id)
+            if handle is not None and worker_id == handle.prefill_worker_id != handle.decode_worker_id:
+                self._on_prefill_first_token(handle, delta, now)
+                continue
+            if (info := self.registry.get(worker_id)) is not None and not info.can_decode:
+                continue  # a prefill worker's first token for an attempt that has moved on
             if handle is None or handle.decode_worker_id != worker_id:
                 if delta.finish_reason is None and delta.request_id not in self._cancelled:
                     self._remember_cancel(delta.request_id)
@@ -386,24 +401,10 @@ class Dispatcher(RetriesAndMigration):
                 self._retry_or_fail(handle, culprit, f"worker {worker_id}: {delta.error or 'error'}", 503,
                                     cause="worker_error")
                 continue
+            if handle.first_token_from_prefill and delta.token_ids:
+                self._drop_streamed_first_token(handle, delta)
             if delta.token_ids:
-                if handle.num_choices == 1:
-                    handle.output_token_ids.extend(delta.token_ids)
-                if not handle.has_tokens:
-                    handle.has_tokens = True
-                    self._release_prefill(handle)
-                    self.metrics.queue_depth.dec()
-                    self.metrics.ttft_seconds.observe(now - handle.created_at)
-                elif handle.paused_since is not None:  # the first tokens after a migration
-                    self.metrics.migration_pause_seconds.observe(now - handle.paused_since)
-                    handle.paused_since = None
-                    if handle.kv_source is not None:  # a handoff is complete: the draining worker has let it go
-                        self._handoff_done(handle, delta.num_migrated_kv_bytes)
-                else:  # tokens that arrive together share the gap since the previous ones
-                    gap = (now - handle.last_token_at) / len(delta.token_ids)
-                    for _ in delta.token_ids:
-                        self.metrics.itl_seconds.observe(gap)
-                handle.last_token_at = now
+                self._note_tokens(handle, delta, now)
             handle.queue.put_nowait(delta)
             if delta.finish_reason == FinishCode.ERROR:
                 self._finish(handle)
@@ -411,6 +412,49 @@ class Dispatcher(RetriesAndMigration):
                 if self.warmups is not None:
                     self.warmups.after_turn(handle)
                 self._choice_finished(handle, delta.index)
+
+    def _note_tokens(self, handle: RequestHandle, delta: TokenDelta, now: float) -> None:
+        """Bookkeeping of tokens on their way to the client: the tokens a migration resumes after, TTFT,
+        inter-token gaps, the end of a migration's pause."""
+        if handle.num_choices == 1:
+            handle.output_token_ids.extend(delta.token_ids)
+        if not handle.has_tokens:
+            handle.has_tokens = True
+            self._release_prefill(handle)
+            self.metrics.queue_depth.dec()
+            self.metrics.ttft_seconds.observe(now - handle.created_at)
+        elif handle.paused_since is not None:  # the first tokens after a migration
+            self.metrics.migration_pause_seconds.observe(now - handle.paused_since)
+            handle.paused_since = None
+            if handle.kv_source is not None:  # a handoff is complete: the draining worker has let it go
+                self._handoff_done(handle, delta.num_migrated_kv_bytes)
+        else:  # tokens that arrive together share the gap since the previous ones
+            gap = (now - handle.last_token_at) / len(delta.token_ids)
+            for _ in delta.token_ids:
+                self.metrics.itl_seconds.observe(gap)
+        handle.last_token_at = now
+
+    def _on_prefill_first_token(self, handle: RequestHandle, delta: TokenDelta, now: float) -> None:
+        """A prefill worker's first token, sent beside the KV: streamed at once, unless the decode worker's
+        copy came first (the KV arrived and was verified before this message). Only while the request may
+        still migrate: should the transfer then fail, its retry resumes after this token (by replay)."""
+        if (handle.has_tokens or not self._can_migrate(handle) or len(delta.token_ids) != 1
+                or delta.finish_reason is not None):
+            return
+        handle.first_token_from_prefill = True
+        self.metrics.prefill_first_tokens_total.inc()
+        self._note_tokens(handle, delta, now)
+        handle.queue.put_nowait(delta)
+
+    @staticmethod
+    def _drop_streamed_first_token(handle: RequestHandle, delta: TokenDelta) -> None:
+        """The decode worker's first delta repeats the first token its prefill worker streamed (it emits the
+        one ``PrefillDone`` brought): strip it, its logprobs and the prompt's."""
+        handle.first_token_from_prefill = False
+        delta.token_ids = delta.token_ids[1:]
+        if delta.logprobs is not None:
+            delta.logprobs = delta.logprobs[1:]
+        delta.prompt_logprobs = None
 
     async def _housekeeping_loop(self) -> None:
         interval = min(0.25, self.registry.heartbeat_interval_s / 2)

@@ -118,6 +118,9 @@ class RouterMetrics:
             "tandem_prefix_spreads_total", "Prefill workers asked to warm up a prefix that conversations share "
             "(held by two decode workers or more) and that they lacked, so new conversations spread by load",
             registry=self.registry)
+        self.prefill_first_tokens_total = Counter(
+            "tandem_prefill_first_tokens_total", "Disaggregated requests whose first token was streamed as its prefill "
+            "worker sent it, before the decode worker had verified the KV", registry=self.registry)
         for side in ("decode", "prefill"):
             self.routed_prompt_tokens.labels(side)
             self.routed_cached_tokens.labels(side)

@@ -36,6 +36,8 @@ class RequestHandle:
     admission: asyncio.Future | None = None  # done once dispatched (see Dispatcher.wait_admitted)
     is_admitted: bool = False  # dispatched once: counted in the in-flight gauges until finished
     has_tokens: bool = False
+    # the prefill worker streamed the first token: the decode worker's copy of it is dropped
+    first_token_from_prefill: bool = False
     output_token_ids: list[int] = field(default_factory=list)  # n == 1: every token forwarded (a migration resumes after them)
     num_migrations: int = 0  # times it moved to another worker after its first token
     paused_since: float | None = None  # migrating: when its last token before the move arrived

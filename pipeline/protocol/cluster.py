@@ -4,9 +4,10 @@ Sockets and who speaks on them (every frame is one msgpack-encoded tagged struct
 
 1. worker DEALER (routing id = ``worker_id``) -> router ROUTER at ``router_endpoint(base)``:
    ``WorkerToRouter`` = RegisterWorker | Heartbeat | TokenBatch | KVEvents | HandoffOffer; decode with
-   ``decode_worker_to_router``.
+   ``decode_worker_to_router``. A prefill worker's TokenBatch carries first tokens only (streamed while
+   the decode worker still verifies their KV; the router drops the decode worker's copy).
 2. router ROUTER -> worker DEALER, same connection: ``RouterToWorker`` = GenerateRequest | CancelRequest |
-   RegisterAck | HandoffDeclined | WarmPrefix; decode with ``decode_router_to_worker``.
+   RegisterAck | HandoffDeclined | WarmPrefix | StartPrefill; decode with ``decode_router_to_worker``.
 3. decode DEALER -> prefill ROUTER at the prefill worker's ``prefill_endpoint``:
    ``DecodeToPrefill`` = PrefillRequest | CancelPrefill; decode with ``decode_decode_to_prefill``.
    A draining decode worker's handoff socket speaks the same (``PrefillRequest.source_request_id``).
@@ -254,7 +255,18 @@ class WarmPrefix(msgspec.Struct, tag=True, **_HOT):
     num_prompt_tokens: int = 0  # the leading tokens (the request's prompt) the prefill worker computed
 
 
-RouterToWorker = Union[GenerateRequest, CancelRequest, RegisterAck, HandoffDeclined, WarmPrefix]
+class StartPrefill(msgspec.Struct, tag=True, **_HOT):
+    """Router -> prefill worker, beside the ``GenerateRequest`` to the decode worker: start the prompt now.
+    The decode worker's ``PrefillRequest`` for the same ``request_id`` (its destination blocks) joins the
+    computation under way, or finds it done, instead of waiting for its own turn. Best effort: nothing
+    answers it; unclaimed, it ends after a short hold and leaves its KV in the prefix cache."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+RouterToWorker = Union[GenerateRequest, CancelRequest, RegisterAck, HandoffDeclined, WarmPrefix, StartPrefill]
 
 
 # ---------------------------------------------------------------- decode <-> prefill
@@ -371,7 +383,7 @@ __all__ = [
     "PROTOCOL_VERSION", "BUILTIN_MODEL_NAME", "DEFAULT_DEADLINE_S", "served_model_name",
     "WorkerRole", "FinishCode",
     "RegisterWorker", "WorkerLoad", "Heartbeat", "TokenDelta", "TokenBatch", "KVEvents", "HandoffOffer", "WorkerToRouter",
-    "GenerateRequest", "CancelRequest", "RegisterAck", "HandoffDeclined", "WarmPrefix", "RouterToWorker",
+    "GenerateRequest", "CancelRequest", "RegisterAck", "HandoffDeclined", "WarmPrefix", "StartPrefill", "RouterToWorker",
     "PrefillRequest", "CancelPrefill", "PrefillRejected", "PrefillAccepted", "PrefillStarted", "DecodeToPrefill", "PrefillToDecode", "PrefillDone",
     "encode", "encode_prefill_done", "decode_worker_to_router", "decode_router_to_worker",
     "decode_decode_to_prefill", "decode_prefill_to_decode", "decode_prefill_done",

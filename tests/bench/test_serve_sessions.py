@@ -39,3 +39,20 @@ def test_other_sessions_can_share_the_system_prompt_of_a_seed():
     measured = build_sessions(SPEC, 500, set())
     assert warm[0].messages[0][:16] == measured[0].messages[0][:16]
     assert warm[0].messages[0][16:] != measured[0].messages[0][16:]
+
+
+def test_later_turns_are_split_by_whether_the_worker_held_the_previous_turn():
+    from bench.serve_sessions import PAGE_SIZE, TurnOutcome, summarize_turns
+
+    def turn(session, index, prompt, cached, ttft_s):
+        return TurnOutcome(session, index, prompt, cached, ttft_s, None if ttft_s is None else ttft_s + 1.0, 10)
+
+    outcomes = [turn(0, 1, 100, 0, 0.2), turn(0, 2, 300, 100 - PAGE_SIZE, 0.1),  # held turn 1's prompt to a page
+                turn(1, 1, 100, 0, 0.2), turn(1, 2, 300, 64, 0.9),  # another worker: only the system prompt
+                turn(2, 1, 100, 0, 0.2), turn(2, 2, 300, 0, None)]  # failed: in neither
+    outcomes[-1].error = "boom"
+    report = summarize_turns(outcomes, 10.0)
+    assert report["later_turns"]["count"] == 2
+    assert report["later_turns_held_previous"]["count"] == 1
+    assert report["later_turns_held_previous"]["median_ttft_ms"] == 100.0
+    assert report["later_turns_missed_previous"]["median_ttft_ms"] == 900.0

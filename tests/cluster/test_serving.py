@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import httpx
 import openai
 import pytest
 import torch
@@ -111,6 +112,26 @@ def test_logprobs_match_transformers(cluster, client, tokenizer, hf_reference, t
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+
+
+def test_a_pd_stream_starts_with_the_prefill_workers_first_token(cluster, client, tokenizer, reference_text):
+    """Under P/D the router streams the first token as the prefill worker sent it, beside the KV, and drops
+    the decode worker's copy: still transformers' text, one logprob per token, each token once."""
+    ids = tokenizer(PROMPTS[3])["input_ids"]
+    want_ids, want_text = reference_text(ids, 12)
+    before = router_metric(cluster.url, "tandem_prefill_first_tokens_total")
+    chunks = list(client.completions.create(model=model_name(client), prompt=ids, max_tokens=12, temperature=0,
+                                            logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want_text
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs) \
+        == len(want_ids) > 1
+    streamed_early = router_metric(cluster.url, "tandem_prefill_first_tokens_total") - before
+    assert streamed_early == (1 if cluster.num_prefill else 0)
+
+
+def router_metric(url: str, name: str) -> float:
+    line = next(line for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines() if line.startswith(name + " "))
+    return float(line.rsplit(" ", 1)[1])
 
 
 def test_seeded_sampling_is_reproducible_across_requests(cluster, client):

@@ -30,7 +30,7 @@ from prefill_worker.worker import PrefillWorker
 
 
 class FakeRouter:
-    """A ROUTER socket that acknowledges registrations and collects token deltas."""
+    """A ROUTER socket that acknowledges registrations and collects token deltas (``senders``: whose each was)."""
 
     def __init__(self, base: str) -> None:
         self.ctx = zmq.Context()
@@ -38,6 +38,7 @@ class FakeRouter:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(router_endpoint(base))
         self.deltas = []
+        self.senders: list[str] = []
 
     def pump(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -50,6 +51,7 @@ class FakeRouter:
                 self.sock.send_multipart([identity, encode(RegisterAck(accepted=True, heartbeat_interval_s=0.2))])
             elif isinstance(message, TokenBatch):
                 self.deltas.extend(message.outputs)
+                self.senders.extend([identity.decode()] * len(message.outputs))
 
     def send(self, worker_id: str, message) -> None:
         self.sock.send_multipart([worker_id.encode(), encode(message)])
@@ -57,6 +59,22 @@ class FakeRouter:
     def close(self) -> None:
         self.sock.close()
         self.ctx.term()
+
+
+def pd_pair_with_slow_decode(model_path: str, base: str, monkeypatch, delay_s: float = 0.5):
+    """A prefill worker "p0" and a decode worker "d0" in this process (zmq transport); each decode step takes
+    ``delay_s`` more, as on a slow model."""
+    prefill = PrefillWorker(config(model_path, base, "PrefillOnly", transfer={"transport": "zmq"}), "p0")
+    decode = DecodeWorker(config(model_path, base, "DecodeOnly", transfer={"transport": "zmq"}), "d0")
+    step = decode.engine.step
+
+    def slow_step():
+        outputs = step()
+        time.sleep(delay_s)
+        return outputs
+
+    monkeypatch.setattr(decode.engine, "step", slow_step)
+    return prefill, decode
 
 
 def run_in_thread(worker):
@@ -188,16 +206,7 @@ def test_a_first_token_whose_kv_arrived_goes_out_before_the_next_step(tiny_check
     (a slow model here: every step of the decode worker takes half a second more)."""
     router = FakeRouter(base)
     batches = []
-    prefill = PrefillWorker(config(tiny_checkpoint("llama"), base, "PrefillOnly", transfer={"transport": "zmq"}), "p0")
-    decode = DecodeWorker(config(tiny_checkpoint("llama"), base, "DecodeOnly", transfer={"transport": "zmq"}), "d0")
-    step = decode.engine.step
-
-    def slow_step():
-        outputs = step()
-        time.sleep(0.5)
-        return outputs
-
-    monkeypatch.setattr(decode.engine, "step", slow_step)
+    prefill, decode = pd_pair_with_slow_decode(tiny_checkpoint("llama"), base, monkeypatch)
     send = decode.link.send_outputs
     monkeypatch.setattr(decode.link, "send_outputs", lambda deltas: (batches.append(list(deltas)) if deltas else None,
                                                                     send(deltas)))
@@ -213,7 +222,8 @@ def test_a_first_token_whose_kv_arrived_goes_out_before_the_next_step(tiny_check
                                           sampling_params=SamplingParams(max_tokens=3, **greedy),
                                           prefill_worker_id="p0", prefill_endpoint=prefill.endpoint))
         deadline = time.monotonic() + 20
-        while not any(d.request_id == "new" and d.token_ids for d in router.deltas):
+        # (the prefill worker streams the first token too, beside the KV: the decode worker's is the one tested)
+        while not any(d.request_id == "new" and d.token_ids and who == "d0" for d, who in zip(router.deltas, router.senders)):
             assert time.monotonic() < deadline, "no first token"
             router.pump(0.1)
         [with_first] = [b for b in batches if any(d.request_id == "new" and d.token_ids for d in b)][:1]

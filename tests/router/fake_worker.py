@@ -26,6 +26,7 @@ from pipeline.protocol.cluster import (
     Heartbeat,
     RegisterAck,
     RegisterWorker,
+    StartPrefill,
     TokenBatch,
     TokenDelta,
     WarmPrefix,
@@ -100,6 +101,7 @@ class FakeWorker:
         self.cancels: list[str] = []
         self.declined: list[str] = []  # handoff offers the router declined
         self.warmups: list[list[int]] = []  # WarmPrefix token ids (a prefill worker's)
+        self.early_starts: list[StartPrefill] = []  # prompts the router started here early (a prefill worker's)
         self.acks: list[RegisterAck] = []
         self._raw_out: list[list[bytes]] = []
         self._scheduled: list[tuple[float, TokenDelta]] = []
@@ -175,6 +177,8 @@ class FakeWorker:
             self.declined.append(msg.request_id)
         elif isinstance(msg, WarmPrefix):
             self.warmups.append(msg.token_ids)
+        elif isinstance(msg, StartPrefill):
+            self.early_starts.append(msg)
         elif isinstance(msg, RegisterAck):
             self.acks.append(msg)
             if not msg.accepted and msg.reregister:

@@ -108,10 +108,11 @@ def test_prefill_worker_by_cache_and_local_prefill_by_uncached_length():
 
 
 @pytest.mark.parametrize("max_tokens, second_on", [(4, "a-cached"), (50, "b-cold")])
-def test_a_long_generation_weighs_as_the_kv_it_may_grow_to(router, max_tokens, second_on):
+def test_a_long_generation_weighs_as_the_kv_it_may_grow_to(router_factory, max_tokens, second_on):
     """Two requests whose prompt only worker a caches (page 4: 2 of its 3 blocks): short ones both go to a
     (a cached block outweighs a short request's load); long ones spread, because the router counts a
     request at its prompt plus max_tokens, the KV it may grow to, not at its prompt alone."""
+    router = router_factory(config={"router": {"max_local_prefill_length": 0, "kv_overlap_weight": 4.0}})
     prompt = list(range(40, 49))  # 9 tokens
     cached = PromptHashes(prompt).hashes(4)
     a = router.add_worker("a-cached", script=held, role=PipelineRole.DecodeOnly, page_size=4, max_length=1024)

@@ -1,0 +1,97 @@
+"""The router starts a disaggregated prompt on its prefill worker at once (``StartPrefill``), beside the
+request to the decode worker: workers in this process, the test playing the router."""
+
+from __future__ import annotations
+
+import time
+
+from pipeline.protocol import SamplingParams
+from pipeline.protocol.cluster import GenerateRequest, StartPrefill
+from prefill_worker.worker import EARLY_PREFILL_HOLD_S, PrefillWorker
+from tests.cluster.test_worker_deadlines import (  # noqa: F401 (base: a fixture)
+    FakeRouter,
+    base,
+    config,
+    pd_pair_with_slow_decode,
+    run_in_thread,
+)
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def _tokens(router: FakeRouter, request_id: str, sender: str = "d0") -> list[int]:
+    return [t for d, who in zip(router.deltas, router.senders) if d.request_id == request_id and who == sender
+            for t in d.token_ids]
+
+
+def _finished(router: FakeRouter, request_id: str) -> bool:
+    return any(d.request_id == request_id and d.finish_reason is not None for d in router.deltas)
+
+
+def test_the_decode_workers_request_claims_the_prefill_started_before_it_asked(tiny_checkpoint, base, monkeypatch):
+    """The decode worker is in a slow step when the request comes, so it asks only after that step; by then
+    the prefill worker has run the prompt it got from the router. The claim ships it at once: the prompt is
+    computed once, and the tokens are those of the decode worker prefilling the same prompt itself."""
+    router = FakeRouter(base)
+    prefill, decode = pd_pair_with_slow_decode(tiny_checkpoint("llama"), base, monkeypatch)
+    claims = []
+    claim = prefill._claim
+    monkeypatch.setattr(prefill, "_claim", lambda job, *args: (claims.append(job.early_output is not None),
+                                                               claim(job, *args)))
+    free_at_start = prefill.engine.kv_manager.num_free_blocks
+    threads = [run_in_thread(prefill), run_in_thread(decode)]
+    prompt = list(range(3, 40))
+    try:
+        router.pump(0.5)
+        router.send("d0", GenerateRequest(request_id="busy", prompt_token_ids=list(range(3, 12)),
+                                          sampling_params=SamplingParams(max_tokens=40, temperature=0.0,
+                                                                         ignore_eos=True)))
+        while not _tokens(router, "busy"):
+            router.pump(0.05)
+        router.send("d0", GenerateRequest(request_id="new", prompt_token_ids=prompt, sampling_params=GREEDY,
+                                          prefill_worker_id="p0", prefill_endpoint=prefill.endpoint))
+        router.send("p0", StartPrefill(request_id="new", prompt_token_ids=prompt, sampling_params=GREEDY))
+        router.send("d0", GenerateRequest(request_id="local", prompt_token_ids=prompt, sampling_params=GREEDY))
+        deadline = time.monotonic() + 30
+        while not (_finished(router, "new") and _finished(router, "local")):
+            assert time.monotonic() < deadline, "no answer"
+            router.pump(0.1)
+        assert claims == [True]  # claimed once, after the prefill was done
+        assert _tokens(router, "new") == _tokens(router, "local") and len(_tokens(router, "new")) == 4
+        assert _tokens(router, "new", sender="p0") == _tokens(router, "local")[:1]  # the first, streamed early
+        assert prefill.engine.num_prompt_tokens_computed == len(prompt)  # once: the claim ran nothing again
+        while prefill.jobs or prefill.engine.kv_manager.num_free_blocks != free_at_start:
+            assert time.monotonic() < deadline, "the prefill worker still holds blocks"
+            router.pump(0.1)
+    finally:
+        for stop, thread in threads:
+            stop.set()
+            thread.join(10)
+        router.close()
+
+
+def test_an_early_prefill_nobody_claims_ends_after_its_hold_and_leaves_its_kv_cached(tiny_checkpoint, base):
+    router = FakeRouter(base)
+    prefill = PrefillWorker(config(tiny_checkpoint("llama"), base, "PrefillOnly", transfer={"transport": "zmq"}), "p0")
+    kv = prefill.engine.kv_manager
+    free_at_start = kv.num_free_blocks
+    stop, thread = run_in_thread(prefill)
+    prompt = list(range(3, 40))  # 37 tokens: 9 full pages of 4
+    try:
+        router.pump(0.3)
+        sent = time.monotonic()
+        router.send("p0", StartPrefill(request_id="orphan", prompt_token_ids=prompt, sampling_params=GREEDY))
+        while not (prefill.jobs and prefill.jobs["orphan"].early_output is not None):
+            assert time.monotonic() < sent + 10, "the early prefill never ran"
+            router.pump(0.02)
+        assert kv.num_free_blocks < free_at_start  # held for the decode worker's claim
+        while prefill.jobs or kv.num_free_blocks != free_at_start:
+            assert time.monotonic() < sent + EARLY_PREFILL_HOLD_S + 10, "the hold never ended"
+            router.pump(0.1)
+        assert time.monotonic() - sent >= EARLY_PREFILL_HOLD_S
+        assert len(kv.find_cached_prefix(prompt)) == len(prompt) // kv.page_size  # a later request reuses it
+        assert not router.deltas  # nothing was streamed for it
+    finally:
+        stop.set()
+        thread.join(10)
+        router.close()
