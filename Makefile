@@ -56,6 +56,8 @@ bench-kv-routing: $(STAMP)
 		--out bench/results/kv_routing_local_prefill.json
 	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --shapes 2p2d --routing on \
 		--no-early-prefill --out bench/results/kv_routing_no_early_prefill.json
+	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --sessions 24 --session-rate 1.5 --num-blocks 840 --random-prompts 0 \
+		--shapes 2p2d --max-local-prefill-length 128 --out bench/results/kv_routing_local_prefill_24_sessions.json
 	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --shapes 2-colocated,2p2d --routing on \
 		--kv-overlap-weight 4 --out bench/results/kv_routing_weight4.json
 	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --think-time-distribution exponential \
