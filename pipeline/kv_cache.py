@@ -6,6 +6,13 @@ prefix (``hash(parent_hash, tokens)``), so a later sequence with the same prefix
 counts). A block whose ref count drops to 0 goes back to the free queue but keeps its hash until it
 is handed out again: prefix-cached blocks that no live request holds count as free.
 
+A sequence's last, partly filled block is kept too when it ends (a *partial tail*: the tokens whose
+KV it holds, under the hash of the full blocks before it). A chat's next turn repeats the previous
+turn's whole text, so its prompt begins with those tokens; the next sequence whose prompt continues
+the same full blocks with them takes that block over and computes only the rest (nobody else can have
+it: it is written on from there). Without this, up to ``page_size - 1`` tokens of every turn are
+computed again. Partial tails are never published (the router's index counts full blocks only).
+
 With ``record_events`` the manager also keeps what changed in its prefix cache since the last
 ``drain_events`` (hashes published, hashes forgotten): a worker reports them to the router, whose
 index then knows which prompts each worker can reuse (``router.kv_index``).
@@ -27,11 +34,15 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...]
     return digest.digest()
 
 
+_ROOT = b"root"  # the parent hash of a sequence's first block
+
+
 @dataclass
 class _Block:
     block_id: int
     ref_count: int = 0
     content_hash: bytes | None = None
+    partial_parent: bytes | None = None  # free and kept as a partial tail under this parent hash
 
 
 @dataclass
@@ -39,6 +50,7 @@ class _SequenceBlocks:
     block_ids: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     last_hash: bytes | None = None
+    tail_token_ids: tuple[int, ...] = ()  # the tokens with KV in block ``num_hashed_blocks`` (not full)
 
 
 class KVCacheManager:
@@ -51,6 +63,7 @@ class KVCacheManager:
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self._cached: dict[bytes, int] = {}  # content hash -> block id
+        self._partials: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # parent hash -> (free block, its tokens)
         self._sequences: dict[str, _SequenceBlocks] = {}
         self._events: dict[bytes, bool] | None = None  # hash -> cached now (True) or forgotten (False)
 
@@ -121,23 +134,29 @@ class KVCacheManager:
     def allocate(self, seq_id: str, token_ids: list[int], num_tokens: int, max_usage: float = 1.0) -> int | None:
         """Reserve blocks for ``num_tokens`` tokens of a new sequence whose known tokens are ``token_ids``.
 
-        Returns the number of leading tokens whose KV is already cached (a multiple of page_size), or
-        None (and changes nothing) when the pool cannot hold it under ``max_usage``.
+        Returns the number of leading tokens whose KV is already cached (full blocks, then the tokens of a
+        partial tail it took over), or None (and changes nothing) when the pool cannot hold it under
+        ``max_usage``.
         """
         if seq_id in self._sequences:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
         hits = self.find_cached_prefix(token_ids)
-        if self._num_blocks_after(hits, num_tokens) > self._budget(max_usage):
+        last_hash = self._blocks[hits[-1]].content_hash if hits else None
+        tail_block, num_tail_tokens = self._find_partial_tail(token_ids, len(hits), last_hash)
+        reused = hits + [tail_block] if num_tail_tokens else hits
+        if self._num_blocks_after(reused, num_tokens) > self._budget(max_usage):
             return None
         seq = _SequenceBlocks()
-        for block_id in hits:
+        for block_id in reused:
             self._take(block_id)
             seq.block_ids.append(block_id)
+        if num_tail_tokens:
+            self._drop_partial(self._blocks[tail_block])
         seq.num_hashed_blocks = len(hits)
-        seq.last_hash = self._blocks[hits[-1]].content_hash if hits else None
+        seq.last_hash = last_hash
         self._sequences[seq_id] = seq
         self._grow(seq, self.num_blocks_for(num_tokens))
-        return len(hits) * self.page_size
+        return len(hits) * self.page_size + num_tail_tokens
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> int | None:
         """Give ``child_id`` the parent's KV of its first ``num_tokens`` tokens (a prompt both share):
@@ -183,6 +202,9 @@ class KVCacheManager:
                     self._events[content_hash] = True
             seq.last_hash = content_hash
             seq.num_hashed_blocks = i + 1
+        start = seq.num_hashed_blocks * self.page_size
+        has_tail = seq.num_hashed_blocks == num_full < len(seq.block_ids) and num_computed_tokens > start
+        seq.tail_token_ids = tuple(token_ids[start:num_computed_tokens]) if has_tail else ()
 
     def free(self, seq_id: str) -> None:
         """Release every block ``seq_id`` holds. Unknown ids are ignored (free is idempotent)."""
@@ -195,10 +217,48 @@ class KVCacheManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+        if seq.tail_token_ids and self.enable_prefix_caching:
+            self._keep_partial(self._blocks[seq.block_ids[seq.num_hashed_blocks]], seq.last_hash or _ROOT,
+                               seq.tail_token_ids)
 
     def reset_prefix_cache(self) -> None:
         for block_id in self._free:
             self._forget(self._blocks[block_id])
+
+    # ----------------------------------------------------------- partial tails
+    def _find_partial_tail(self, token_ids: list[int], num_hits: int, last_hash: bytes | None) -> tuple[int, int]:
+        """(block, tokens): a kept partial tail that continues the ``num_hits`` cached full blocks of
+        ``token_ids``, and how many leading tokens of it they share (0: none). The last token stays
+        uncached, as with full blocks."""
+        if not self.enable_prefix_caching or not token_ids:
+            return -1, 0
+        kept = self._partials.get(last_hash or _ROOT)
+        if kept is None:
+            return -1, 0
+        block_id, kept_tokens = kept
+        start = num_hits * self.page_size
+        wanted = token_ids[start:len(token_ids) - 1]
+        num_shared = 0
+        for mine, theirs in zip(wanted, kept_tokens):
+            if mine != theirs:
+                break
+            num_shared += 1
+        return block_id, num_shared
+
+    def _keep_partial(self, block: _Block, parent: bytes, token_ids: tuple[int, ...]) -> None:
+        """A sequence ended with ``token_ids`` written in ``block``, its last (not full) one."""
+        if block.ref_count != 0:  # still held (cannot happen: partial blocks are never shared)
+            return
+        previous = self._partials.get(parent)
+        if previous is not None:  # the newest tail under a parent wins
+            self._blocks[previous[0]].partial_parent = None
+        self._partials[parent] = (block.block_id, token_ids)
+        block.partial_parent = parent
+
+    def _drop_partial(self, block: _Block) -> None:
+        if block.partial_parent is not None and self._partials.get(block.partial_parent, (None,))[0] == block.block_id:
+            del self._partials[block.partial_parent]
+        block.partial_parent = None
 
     # ---------------------------------------------------------------- helpers
     def _budget(self, max_usage: float) -> int:
@@ -227,6 +287,7 @@ class KVCacheManager:
             seq.block_ids.append(block_id)
 
     def _forget(self, block: _Block) -> None:
+        self._drop_partial(block)
         if block.content_hash is not None and self._cached.get(block.content_hash) == block.block_id:
             del self._cached[block.content_hash]
             if self._events is not None:

@@ -125,3 +125,33 @@ def test_chunked_prefill_disabled_matches_too(tiny_checkpoint, references):
     llm = LLM(model=tiny_checkpoint("qwen2"), enable_chunked_prefill=False, max_batch_input_tokens=64,
               kv_cache={"page_size": 8, "num_blocks": 128})
     generate_and_check(llm, prompts, expected)
+
+
+@pytest.mark.parametrize("mode", ["plain", "overlap", "speculative"])
+def test_a_chats_next_turn_computes_only_what_is_new_and_stays_exact(mode, tiny_checkpoint, hf_reference, drafts):
+    """Each turn repeats the last one's prompt and answer: the worker that produced them holds the KV of
+    all but the answer's last token (its last block only partly filled), so the next turn computes that
+    token and the new message, nothing more, and its tokens stay transformers'."""
+    path = tiny_checkpoint("llama")
+    model, _ = hf_reference(path)
+    extra = {"overlap": dict(enable_overlap_scheduler=True),
+             "speculative": dict(draft_model={"model_path": drafts("llama", "small")},
+                                 speculative={"num_speculative_tokens": 2})}.get(mode, {})
+    llm = LLM(model=path, kv_cache={"page_size": 4, "num_blocks": 128}, **extra)
+    free_at_start = llm.engine.kv_manager.num_free_blocks
+    prompt: list[int] = []
+    for turn, message in enumerate(make_prompts(model.config.vocab_size, [22, 6, 7], seed=5)):
+        prompt = prompt + message
+        computed_before = llm.engine.num_prompt_tokens_computed
+        out = llm.generate([prompt], greedy(13))[0]
+        assert out.token_ids == hf_greedy(model, prompt, 13), f"turn {turn + 1} diverged"
+        computed = llm.engine.num_prompt_tokens_computed - computed_before
+        if turn == 0:
+            assert computed == len(prompt)
+        elif mode == "speculative":  # the draft's KV may end a little earlier: never more than a block
+            assert len(message) + 1 <= computed <= len(message) + 1 + 4
+        else:  # everything but the last answer token was held, its partly filled last block included
+            assert (len(prompt) - len(message) - 1) % 4, "the held tokens should end inside a block"
+            assert computed == len(message) + 1
+        prompt = prompt + out.token_ids
+    assert_no_leaks(llm.engine.kv_manager, free_at_start)

@@ -50,7 +50,7 @@ def wait_for_warmup(url: str, worker: str, before: float, num_prompt_tokens: int
     has warmed its cache with prompt + answer (router.warm_prefill_cache); returns the leading tokens it
     then holds (full blocks)."""
     warmed = len(token_ids) // PAGE * PAGE
-    expected = warmed - num_prompt_tokens // PAGE * PAGE  # its own prefill cached the prompt's full blocks
+    expected = warmed - num_prompt_tokens  # its own prefill holds the prompt's KV, its last partial block too
     deadline = time.monotonic() + 10
     while (worker_metric(url, WARMUP, worker) or 0.0) < before + expected:  # reported with the next heartbeat
         assert time.monotonic() < deadline, f"{worker} never warmed up the {expected} tokens of the answer"
