@@ -26,11 +26,11 @@ from tests.conftest import hf_greedy
 NUM_BLOCKS = 2048  # two long streams fit on one decode worker: no preemption muddles the timing
 CONFIG = {"kv_cache": {**CLUSTER_CONFIG["kv_cache"], "num_blocks": NUM_BLOCKS}, "router": CLUSTER_CONFIG["router"],
           "transfer": {"transport": "shm", "ttl_s": 3.0, "heartbeat_interval_s": 0.2}}
-LONG_TOKENS = 2000  # with 2 ms more per step, 4 s or more: still running when a worker dies, even on a busy machine
+LONG_TOKENS = 600  # with 8 ms more per step, 4.8 s or more: still running when a worker dies, even on a busy machine
 PROMPTS = [f"story number {i}: once upon a time" for i in range(4)]
 # Five processes on 2 cores: with a torch thread per core each, two decode workers spin against each
 # other and these streams take minutes instead of seconds.
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "TANDEM_TEST_STEP_DELAY_S": "0.002"}
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "TANDEM_TEST_STEP_DELAY_S": "0.008"}
 
 
 @pytest.fixture(scope="module")
