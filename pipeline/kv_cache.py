@@ -42,7 +42,9 @@ class _Block:
     block_id: int
     ref_count: int = 0
     content_hash: bytes | None = None
-    partial_parent: bytes | None = None  # free and kept as a partial tail under this parent hash
+    # free and kept as a partial tail: the parent hash it continues and the tokens whose KV it holds
+    partial_parent: bytes | None = None
+    partial_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -63,7 +65,7 @@ class KVCacheManager:
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self._cached: dict[bytes, int] = {}  # content hash -> block id
-        self._partials: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # parent hash -> (free block, its tokens)
+        self._partials: dict[bytes, int] = {}  # parent hash -> the free block kept as its partial tail
         self._sequences: dict[str, _SequenceBlocks] = {}
         self._events: dict[bytes, bool] | None = None  # hash -> cached now (True) or forgotten (False)
 
@@ -142,8 +144,8 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
         hits = self.find_cached_prefix(token_ids)
         last_hash = self._blocks[hits[-1]].content_hash if hits else None
-        tail_block, num_tail_tokens = self._find_partial_tail(token_ids, len(hits), last_hash)
-        reused = hits + [tail_block] if num_tail_tokens else hits
+        tail, num_tail_tokens = self._find_partial_tail(token_ids, len(hits), last_hash)
+        reused = hits + [tail.block_id] if num_tail_tokens else hits
         if self._num_blocks_after(reused, num_tokens) > self._budget(max_usage):
             return None
         seq = _SequenceBlocks()
@@ -151,7 +153,7 @@ class KVCacheManager:
             self._take(block_id)
             seq.block_ids.append(block_id)
         if num_tail_tokens:
-            self._drop_partial(self._blocks[tail_block])
+            self._drop_partial(tail)
         seq.num_hashed_blocks = len(hits)
         seq.last_hash = last_hash
         self._sequences[seq_id] = seq
@@ -217,7 +219,7 @@ class KVCacheManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
-        if seq.tail_token_ids and self.enable_prefix_caching:
+        if seq.tail_token_ids:  # (only recorded with prefix caching on)
             self._keep_partial(self._blocks[seq.block_ids[seq.num_hashed_blocks]], seq.last_hash or _ROOT,
                                seq.tail_token_ids)
 
@@ -226,39 +228,36 @@ class KVCacheManager:
             self._forget(self._blocks[block_id])
 
     # ----------------------------------------------------------- partial tails
-    def _find_partial_tail(self, token_ids: list[int], num_hits: int, last_hash: bytes | None) -> tuple[int, int]:
-        """(block, tokens): a kept partial tail that continues the ``num_hits`` cached full blocks of
-        ``token_ids``, and how many leading tokens of it they share (0: none). The last token stays
-        uncached, as with full blocks."""
-        if not self.enable_prefix_caching or not token_ids:
-            return -1, 0
-        kept = self._partials.get(last_hash or _ROOT)
-        if kept is None:
-            return -1, 0
-        block_id, kept_tokens = kept
-        start = num_hits * self.page_size
-        wanted = token_ids[start:len(token_ids) - 1]
+    def _find_partial_tail(self, token_ids: list[int], num_hits: int,
+                           last_hash: bytes | None) -> tuple[_Block | None, int]:
+        """(block, tokens): the partial tail kept after the ``num_hits`` cached full blocks of ``token_ids``,
+        and how many of its leading tokens ``token_ids`` shares (0: none). The last token stays uncached,
+        as with full blocks."""
+        block_id = self._partials.get(last_hash or _ROOT)
+        if block_id is None:
+            return None, 0
+        tail = self._blocks[block_id]
+        wanted = token_ids[num_hits * self.page_size:len(token_ids) - 1]
         num_shared = 0
-        for mine, theirs in zip(wanted, kept_tokens):
+        for mine, theirs in zip(wanted, tail.partial_token_ids):
             if mine != theirs:
                 break
             num_shared += 1
-        return block_id, num_shared
+        return tail, num_shared
 
     def _keep_partial(self, block: _Block, parent: bytes, token_ids: tuple[int, ...]) -> None:
-        """A sequence ended with ``token_ids`` written in ``block``, its last (not full) one."""
-        if block.ref_count != 0:  # still held (cannot happen: partial blocks are never shared)
-            return
+        """A sequence ended with ``token_ids`` written in ``block``, its last (not full, never shared) one;
+        the newest tail under a parent replaces the one kept before."""
         previous = self._partials.get(parent)
-        if previous is not None:  # the newest tail under a parent wins
-            self._blocks[previous[0]].partial_parent = None
-        self._partials[parent] = (block.block_id, token_ids)
-        block.partial_parent = parent
+        if previous is not None:
+            self._drop_partial(self._blocks[previous])
+        self._partials[parent] = block.block_id
+        block.partial_parent, block.partial_token_ids = parent, token_ids
 
     def _drop_partial(self, block: _Block) -> None:
-        if block.partial_parent is not None and self._partials.get(block.partial_parent, (None,))[0] == block.block_id:
+        if block.partial_parent is not None and self._partials.get(block.partial_parent) == block.block_id:
             del self._partials[block.partial_parent]
-        block.partial_parent = None
+        block.partial_parent, block.partial_token_ids = None, ()
 
     # ---------------------------------------------------------------- helpers
     def _budget(self, max_usage: float) -> int:

@@ -7,7 +7,8 @@ Each request has a ``RequestHandle`` with an asyncio queue that receives its ``T
 ``RequestFailed`` when the request cannot finish. When a worker dies (missed heartbeats, a send that
 cannot reach it, or an error it marks retryable) or drains, the request is retried or migrates:
 ``router/migration.py``. Token batches reach each request's queue through ``router/token_delivery.py``.
-Every attempt has a fresh wire id, so late messages of an old one cannot mix in. A heartbeat that claims another worker's id counts as a bad frame.
+Every attempt has a fresh wire id, so late messages of an old one cannot mix in. A heartbeat that
+claims another worker's id counts as a bad frame.
 
 Admission: a request goes to a worker only while one has a free slot in its batch (router-side
 in-flight count < the ``max_batch_size`` it registered with). When none has, ``submit`` queues it in

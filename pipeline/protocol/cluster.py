@@ -276,8 +276,9 @@ class PrefillRequest(msgspec.Struct, tag=True, **_HOT):
     """Decode -> prefill: compute this prompt and push its KV into ``dst_block_ids`` at ``transfer_endpoint``.
 
     The first ``num_cached_tokens`` tokens' KV is already on the decode worker (prefix reuse); the
-    prefill worker does not send their full blocks (a block they fill only partly is sent whole). ``ttl_s`` after ``PrefillStarted`` the decode worker gives
-    up on this request (and ``ttl_s`` after sending it, until ``PrefillAccepted``).
+    prefill worker does not send their full blocks (a block they fill only partly is sent whole).
+    ``ttl_s`` after ``PrefillStarted`` the decode worker gives up on this request (and ``ttl_s`` after
+    sending it, until ``PrefillAccepted``).
     """
 
     request_id: str
