@@ -16,7 +16,6 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -25,9 +24,8 @@ from router.errors import APIError, bad_request
 from router.openai_schema import ChatCompletionRequest
 from router.preprocess import PreparedRequest
 from router.responses_schema import ResponsesRequest, chat_body
+from router.sse import sse_event
 from router.serving import RouterState, admit, chunks, collect, event_stream
-
-_json = msgspec.json.Encoder()
 
 
 def install_responses_route(app: FastAPI, state: RouterState, dependencies: list,
@@ -212,7 +210,7 @@ async def _events(shell: _ResponseShell, chat_chunks: AsyncIterator[dict | APIEr
         nonlocal sequence
         payload["sequence_number"] = sequence
         sequence += 1
-        return b"event: " + payload["type"].encode() + b"\ndata: " + _json.encode(payload) + b"\n\n"
+        return sse_event(payload, event=payload["type"])
 
     writer = _OutputItems()
     finish_reason, usage = None, None

@@ -20,7 +20,6 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Awaitable, AsyncIterator, TypeVar
 
-import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -36,11 +35,10 @@ from router.metrics import RouterMetrics
 from router.policy import NoRoute
 from router.preprocess import PreparedRequest
 from router.served_model import ServedModel
+from router.sse import sse_event
 from router.streaming import ChoiceResult, OutputBuilder, Piece, ResponseShape, total_usage
 
 logger = logging.getLogger(__name__)
-
-_json = msgspec.json.Encoder()
 
 T = TypeVar("T")
 
@@ -59,7 +57,7 @@ class RouterState:
 
 
 def _sse(payload: dict) -> bytes:
-    return b"data: " + _json.encode(payload) + b"\n\n"
+    return sse_event(payload)
 
 
 def _error_event(error: APIError) -> bytes:
