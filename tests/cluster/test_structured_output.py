@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 from pipeline import LLM, SamplingParams
 from pipeline.protocol import StructuredOutput
 from tests.cluster.conftest import CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks
-from tests.test_structured_output import BACKENDS, SCHEMAS
+from tests.pipeline.test_structured_output import BACKENDS, SCHEMAS
 
 pytest.importorskip("llguidance")
 

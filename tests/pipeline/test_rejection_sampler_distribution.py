@@ -11,7 +11,7 @@ import torch
 
 from pipeline.speculative.rejection_sampler import rejection_sample
 from tests.chi_square import assert_matches, assert_same_distribution
-from tests.test_rejection_sampler import seeded, token_counts
+from tests.pipeline.test_rejection_sampler import seeded, token_counts
 
 # ------------------------------------------------------------------------------- one-token exactness
 

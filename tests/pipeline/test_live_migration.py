@@ -13,8 +13,8 @@ import pytest
 from pipeline import LLM
 from pipeline.sequence import SequenceStatus
 from tests.conftest import assert_no_leaks
-from tests.test_engine_exactness import make_prompts
-from tests.test_resume import CASES, run
+from tests.pipeline.test_engine_exactness import make_prompts
+from tests.pipeline.test_resume import CASES, run
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pipeline import LLM, SamplingParams
 from pipeline.engine import RequestError
 from pipeline.protocol import StructuredOutput
 from tests.conftest import assert_no_leaks
-from tests.test_engine_exactness import make_prompts
+from tests.pipeline.test_engine_exactness import make_prompts
 
 SCHEMA = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
           "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}, "b": {"enum": ["x", "yy", "zzz"]}}}

@@ -293,6 +293,6 @@ def test_model_modules_import_without_transformers_or_triton():
         "import sys, pipeline.weights, pipeline.models.registry; "
         "print(sorted(m for m in ('transformers', 'triton', 'safetensors') if m in sys.modules))"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

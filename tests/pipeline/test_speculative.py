@@ -15,8 +15,8 @@ from pipeline.checkpoint_errors import CheckpointError
 from pipeline.config import ConfigError
 from tests.chi_square import assert_same_distribution
 from tests.conftest import ARCHITECTURES, TINY_CONFIGS, assert_no_leaks
-from tests.test_engine_exactness import NUM_NEW_TOKENS, make_prompts, record_preemptions
-from tests.test_engine_exactness import references  # noqa: F401 (a fixture: transformers' greedy outputs)
+from tests.pipeline.test_engine_exactness import NUM_NEW_TOKENS, make_prompts, record_preemptions
+from tests.pipeline.test_engine_exactness import references  # noqa: F401 (a fixture: transformers' greedy outputs)
 
 K = 3
 

@@ -8,7 +8,7 @@ import pytest
 from pipeline import LLM, SamplingParams
 from pipeline.protocol.requests import choice_seed
 from tests.conftest import assert_no_leaks, hf_greedy
-from tests.test_engine_exactness import make_prompts
+from tests.pipeline.test_engine_exactness import make_prompts
 
 PAGE = 4
 CACHE = {"page_size": PAGE, "num_blocks": 256}

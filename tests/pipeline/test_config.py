@@ -77,7 +77,7 @@ def test_configuration_page_is_current():
 
     from deploy.config_docs import render
 
-    page = Path(__file__).parent.parent / "docs" / "configuration.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert page.read_text() == render(), "regenerate: python -m deploy.config_docs > docs/configuration.md"
 
 

@@ -1,6 +1,6 @@
 """Speculative-decoding verification: greedy rules, seeded reproducibility by output position, draw
 order, and the q(d) = 0 / p(d) = 0 / p == q edge cases. That the target's distribution is kept exactly:
-``tests/test_rejection_sampler_distribution.py``."""
+``tests/pipeline/test_rejection_sampler_distribution.py``."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import pytest
 
 from pipeline import LLM, SamplingParams
 from tests.conftest import ARCHITECTURES, assert_no_leaks, hf_logprobs
-from tests.test_engine_exactness import make_prompts
+from tests.pipeline.test_engine_exactness import make_prompts
 
 TOLERANCE = 1e-4
 LENGTHS = [1, 2, 9, 37, 20]
