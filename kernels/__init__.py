@@ -14,6 +14,7 @@ from typing import Callable
 from kernels.activation_ref import silu_and_mul_ref
 from kernels.kv_pack_ref import pack_kv_blocks_ref, unpack_kv_blocks_ref
 from kernels.kv_store_ref import store_kv_ref
+from kernels.moe_ref import fused_moe_ref
 from kernels.norm_rope_ref import apply_rotary_ref, rms_norm_ref
 from kernels.paged_attention_ref import paged_attention_ref
 
@@ -30,6 +31,9 @@ class Kernels:
     pack_kv_blocks: Callable
     unpack_kv_blocks: Callable
     silu_and_mul: Callable
+    # fused_moe(hidden, gate_up, down, topk_weights, topk_ids): a mixture-of-experts MLP's experts over
+    # tokens grouped by expert (kernels/moe_ref.py)
+    fused_moe: Callable
     # prepare_model(model, prepack_weights): one-time model preparation after its weights are loaded
     # (the CPU set gives each linear layer its GEMM, kernels/cpu_gemm.py); a no-op elsewhere
     prepare_model: Callable = lambda model, prepack_weights=True: None
@@ -44,6 +48,7 @@ TORCH_KERNELS = Kernels(
     pack_kv_blocks=pack_kv_blocks_ref,
     unpack_kv_blocks=unpack_kv_blocks_ref,
     silu_and_mul=silu_and_mul_ref,
+    fused_moe=fused_moe_ref,
 )
 
 

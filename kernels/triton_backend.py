@@ -10,6 +10,7 @@ from kernels import Kernels
 from kernels.activation_ref import silu_and_mul_ref
 from kernels.triton_kv_pack import pack_kv_blocks_triton, unpack_kv_blocks_triton
 from kernels.triton_kv_store import store_kv_triton
+from kernels.triton_moe import fused_moe_triton
 from kernels.triton_norm_rope import apply_rotary_triton, rms_norm_triton
 from kernels.triton_paged_attention import paged_attention_triton
 
@@ -22,4 +23,5 @@ TRITON_KERNELS = Kernels(
     pack_kv_blocks=pack_kv_blocks_triton,
     unpack_kv_blocks=unpack_kv_blocks_triton,
     silu_and_mul=silu_and_mul_ref,  # one elementwise op torch already runs as one kernel on the GPU
+    fused_moe=fused_moe_triton,
 )

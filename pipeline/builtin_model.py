@@ -47,6 +47,8 @@ ARCHITECTURES: dict[str, str] = {
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "mixtral": "MixtralConfig",
 }
 
 BUILTIN_CONFIG: dict[str, Any] = dict(
@@ -93,7 +95,7 @@ def build_checkpoint(
     seed: int = 0,
     **config_overrides: Any,
 ) -> Path:
-    """Write a random-weight checkpoint of ``architecture`` (llama, mistral, qwen2, qwen3) to ``path``.
+    """Write a random-weight checkpoint of ``architecture`` (one of ``ARCHITECTURES``) to ``path``.
 
     The model's vocabulary is the tokenizer's plus ``extra_vocab`` unused ids (real checkpoints pad
     their embedding tables the same way). Returns ``path``.

@@ -1,10 +1,12 @@
-"""Building blocks of the Llama-family models: uninitialised linear/norm weights and the RoPE cache.
+"""Building blocks of the models: uninitialised linear/norm weights and the RoPE cache.
 
 Weights are allocated with ``torch.empty`` on the target device: every one of them is overwritten by
 the checkpoint (a missing tensor is an error), so random initialisation would only waste load time.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +20,17 @@ from pipeline.checkpoint_errors import CheckpointError
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
-def _empty_parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+def empty_parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    """Where one checkpoint tensor lands: a parameter, one expert of a stacked one, one row block of a fused one."""
+
+    param_name: str
+    expert: int | None = None
+    part: int | None = None
 
 
 class Linear(nn.Module):
@@ -33,8 +44,8 @@ class Linear(nn.Module):
         super().__init__()
         self.shard_sizes = list(shard_sizes)
         out_features = sum(self.shard_sizes)
-        self.weight = _empty_parameter(out_features, in_features, dtype=dtype, device=device)  # [out, in]
-        self.bias = _empty_parameter(out_features, dtype=dtype, device=device) if bias else None
+        self.weight = empty_parameter(out_features, in_features, dtype=dtype, device=device)  # [out, in]
+        self.bias = empty_parameter(out_features, dtype=dtype, device=device) if bias else None
         self.gemm = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
@@ -49,7 +60,7 @@ class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device):
         super().__init__()
         self.eps = eps
-        self.weight = _empty_parameter(size, dtype=dtype, device=device)  # [size]
+        self.weight = empty_parameter(size, dtype=dtype, device=device)  # [size]
 
     def forward(self, x: torch.Tensor, kernels, residual: torch.Tensor | None = None):
         return kernels.rms_norm(x, self.weight, self.eps, residual)
@@ -58,7 +69,7 @@ class RMSNorm(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device):
         super().__init__()
-        self.weight = _empty_parameter(num_embeddings, embedding_dim, dtype=dtype, device=device)  # [vocab, hidden]
+        self.weight = empty_parameter(num_embeddings, embedding_dim, dtype=dtype, device=device)  # [vocab, hidden]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
         return F.embedding(input_ids, self.weight)

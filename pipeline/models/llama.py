@@ -2,7 +2,8 @@
 
 The architectures differ only in small switches (read from the transformers config): biases on the
 attention projections, RMSNorm of q and k per head (Qwen3), an explicit ``head_dim``, tied
-embeddings, scaled RoPE, a sliding attention window on some layers. Numerics follow transformers
+embeddings, scaled RoPE, a sliding attention window on some layers. The decoder layer takes its MLP
+as a part (``build_mlp``), so the mixture-of-experts families (``llama_moe.py``) reuse all the rest. Numerics follow transformers
 step by step, so fp32 on CPU is token-exact with it. Every hot-path op goes through the ``Kernels``
 object passed to ``forward``, so the torch and triton backends are interchangeable.
 """
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from kernels import Kernels
 from pipeline.forward_batch import ForwardBatch
-from pipeline.models.layers import Embedding, Linear, RMSNorm, build_rope_cache
+from pipeline.models.layers import Embedding, Linear, RMSNorm, WeightSlot, build_rope_cache
 from pipeline.checkpoint_errors import CheckpointError
 
 # Projections fused into one matmul, and the checkpoint tensors they are concatenated from (in row order).
@@ -65,7 +66,7 @@ class Attention(nn.Module):
         hidden, q_size, kv_size = hf_config.hidden_size, self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(hidden, [q_size, kv_size, kv_size], has_bias or is_qwen2, dtype, device)
         self.o_proj = Linear(q_size, [hidden], has_bias and not is_qwen2, dtype, device)
-        self.has_qk_norm = hf_config.model_type == "qwen3"
+        self.has_qk_norm = hf_config.model_type in ("qwen3", "qwen3_moe")
         if self.has_qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
@@ -113,13 +114,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config, sliding_window: int | None, dtype: torch.dtype, device):
+    """Pre-norm attention, then an MLP of any kind: dense ``MLP`` or ``moe.SparseMoeBlock`` (``mlp(x, kernels)``)."""
+
+    def __init__(self, hf_config, sliding_window: int | None, mlp: nn.Module, dtype: torch.dtype, device):
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype, device)
         self.self_attn = Attention(hf_config, sliding_window, dtype, device)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype, device)
-        self.mlp = MLP(hf_config, dtype, device)
+        self.mlp = mlp
 
     def forward(self, hidden, residual, batch, k_cache, v_cache, cos_sin_cache, kernels):
         # hidden is this layer's input delta; residual the running sum (None before the first layer)
@@ -134,11 +137,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config, dtype: torch.dtype, device):
+    def __init__(self, hf_config, mlps: list[nn.Module], dtype: torch.dtype, device):
         super().__init__()
         self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, window, dtype, device) for window in _sliding_windows(hf_config)
+            DecoderLayer(hf_config, window, mlp, dtype, device) for window, mlp in zip(_sliding_windows(hf_config), mlps)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype, device)
 
@@ -159,11 +162,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.head_dim = _head_dim(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.is_tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = LlamaModel(hf_config, dtype, device)
+        mlps = [self.build_mlp(hf_config, index, dtype, device) for index in range(self.num_layers)]
+        self.model = LlamaModel(hf_config, mlps, dtype, device)
         self.lm_head = None if self.is_tied else Linear(hf_config.hidden_size, [hf_config.vocab_size], False, dtype, device)
         # fp32 whatever the model dtype: rotary casts it to the activations' dtype as transformers does
         self.register_buffer("cos_sin_cache", build_rope_cache(hf_config, self.head_dim, device), persistent=False)
         self.logits_gemm = None  # the output projection's GEMM when a kernel set prepared one (see Linear.gemm)
+
+    def build_mlp(self, hf_config, layer_index: int, dtype: torch.dtype, device) -> nn.Module:
+        """Layer ``layer_index``'s MLP: the dense kind here; the mixture-of-experts families override it."""
+        return MLP(hf_config, dtype, device)
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         """Run every token of ``batch``, writing its K/V into ``kv_cache``; returns ``[num_tokens, hidden]`` after the final norm.
@@ -196,45 +204,44 @@ class LlamaFamilyForCausalLM(nn.Module):
         Raises ``CheckpointError`` on a shape mismatch, an unexpected tensor, or a missing one.
         """
         params = dict(self.named_parameters())
-        expected = set(self._checkpoint_names(params))
+        expected = {name for param_name in params for name in self._checkpoint_names(param_name)}
         loaded: set[str] = set()
         for name, tensor in named_tensors:
             if ".rotary_emb." in name or (self.is_tied and name == "lm_head.weight"):
                 continue  # derived from the config / the embedding: the checkpoint copy adds nothing
-            param_name, part = self._param_for(name)
-            if param_name not in params:
+            slot = self._slot_for(name)
+            target = params[slot.param_name].data if slot.param_name in params else None
+            if target is not None and slot.expert is not None:
+                target = target[slot.expert] if slot.expert < target.shape[0] else None
+            if target is None:
                 raise CheckpointError(f"unexpected tensor {name} in the checkpoint: this model config has no such weight")
-            param = params[param_name]
-            target = param.data
-            if part is not None:
-                sizes = self._module_of(param_name).shard_sizes
-                target = target.narrow(0, sum(sizes[:part]), sizes[part])
+            if slot.part is not None:
+                sizes = self._module_of(slot.param_name).shard_sizes
+                target = target.narrow(0, sum(sizes[:slot.part]), sizes[slot.part])
             if tuple(tensor.shape) != tuple(target.shape):
                 raise CheckpointError(
                     f"tensor {name} has shape {tuple(tensor.shape)} in the checkpoint; the model expects {tuple(target.shape)}"
                 )
             target.copy_(tensor)
-            loaded.add(name)
+            is_whole = slot.expert is None and slot.part is None  # e.g. all experts stacked in one tensor
+            loaded.update(self._checkpoint_names(slot.param_name) if is_whole else [name])
         missing = sorted(expected - loaded)
         if missing:
             shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
             raise CheckpointError(f"the checkpoint is missing tensor(s): {shown}")
 
-    @staticmethod
-    def _param_for(checkpoint_name: str) -> tuple[str, int | None]:
-        """Checkpoint name -> (parameter name, row block of a fused projection or None)."""
+    def _slot_for(self, checkpoint_name: str) -> WeightSlot:
+        """Where a checkpoint tensor goes: its parameter, and the row block of a fused projection."""
         parts = checkpoint_name.split(".")
         if len(parts) >= 2 and parts[-2] in _PART_OF:
             fused, index = _PART_OF[parts[-2]]
-            return ".".join(parts[:-2] + [fused, parts[-1]]), index
-        return checkpoint_name, None
+            return WeightSlot(".".join(parts[:-2] + [fused, parts[-1]]), part=index)
+        return WeightSlot(checkpoint_name)
 
-    def _module_of(self, param_name: str) -> Linear:
+    def _module_of(self, param_name: str) -> nn.Module:
         return self.get_submodule(param_name.rsplit(".", 1)[0])
 
-    @staticmethod
-    def _checkpoint_names(params: dict[str, nn.Parameter]) -> Iterable[str]:
-        for name in params:
-            *prefix, module, leaf = name.split(".")
-            for part in FUSED_PROJECTIONS.get(module, (module,)):
-                yield ".".join([*prefix, part, leaf])
+    def _checkpoint_names(self, param_name: str) -> list[str]:
+        """The checkpoint tensors that fill parameter ``param_name`` (the parts of a fused projection)."""
+        *prefix, module, leaf = param_name.split(".")
+        return [".".join([*prefix, part, leaf]) for part in FUSED_PROJECTIONS.get(module, (module,))]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipeline.models.llama import LlamaFamilyForCausalLM
+from pipeline.models.llama_moe import LlamaMoeFamilyForCausalLM
 from pipeline.checkpoint_errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES: dict[str, type] = {
@@ -10,6 +11,8 @@ SUPPORTED_ARCHITECTURES: dict[str, type] = {
     "MistralForCausalLM": LlamaFamilyForCausalLM,
     "Qwen2ForCausalLM": LlamaFamilyForCausalLM,
     "Qwen3ForCausalLM": LlamaFamilyForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaMoeFamilyForCausalLM,
+    "MixtralForCausalLM": LlamaMoeFamilyForCausalLM,
 }
 
 
