@@ -23,13 +23,13 @@ import os
 import time
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 
 from kv_transfer.sender import KVSender
 from pipeline.endpoints import worker_bind_endpoint
 from pipeline.protocol.cluster import (
     CancelPrefill,
+    DecodeToPrefill,
     HandoffOffer,
     PrefillDone,
     PrefillRejected,
@@ -38,6 +38,7 @@ from pipeline.protocol.cluster import (
     decode_decode_to_prefill,
     encode,
 )
+from pipeline.protocol.typed_socket import TypedSocket
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +59,17 @@ class KVHandoff:
         self.engine = engine
         self.layout = layout
         self.config = config
-        self.socket: zmq.Socket | None = None  # bound on the first offer: a worker that never drains has none
+        # Bound on the first offer: a worker that never drains has none.
+        self.socket: TypedSocket[DecodeToPrefill] | None = None
         self.endpoint = ""
         self.sender: KVSender | None = None
         self._streams: dict[str, _Handoff] = {}  # paused streams by their id here
         self._by_transfer: dict[str, _Handoff] = {}
         self._declined_at: dict[str, float] = {}  # streams the router declined, when
-        self.num_bad_frames = 0
+
+    @property
+    def num_bad_frames(self) -> int:
+        return self.socket.num_bad_frames if self.socket is not None else 0
 
     # ------------------------------------------------------------ offers
     def offer(self, link, stream_ids: list[str]) -> None:
@@ -137,20 +142,7 @@ class KVHandoff:
         return left
 
     def _receive(self) -> None:
-        while True:
-            try:
-                identity, frame = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except ValueError:
-                self.num_bad_frames += 1
-                continue
-            try:
-                message = decode_decode_to_prefill(frame)
-            except msgspec.DecodeError as exc:
-                self.num_bad_frames += 1
-                logger.warning("dropped a malformed frame on the handoff socket: %s", exc)
-                continue
+        for message, identity, _ in self.socket.receive_ready():
             if isinstance(message, CancelPrefill):
                 handoff = self._by_transfer.get(message.request_id)
                 if handoff is not None:
@@ -167,12 +159,11 @@ class KVHandoff:
         elif request.prompt_token_ids != seq.token_ids:
             error = "the tokens asked for are not this stream's"
         if error is not None:
-            self.socket.send_multipart([identity, encode(PrefillRejected(request_id=request.request_id,
-                                                                         error=error))])
+            self.socket.send(PrefillRejected(request_id=request.request_id, error=error), to=identity)
             return
         handoff.transfer_id = request.request_id
         self._by_transfer[request.request_id] = handoff
-        self.socket.send_multipart([identity, encode(PrefillStarted(request_id=request.request_id))])
+        self.socket.send(PrefillStarted(request_id=request.request_id), to=identity)
         page_size = self.engine.kv_manager.page_size
         first = request.num_cached_tokens // page_size  # blocks the target's prefix cache holds
         upto = min(-(-(seq.num_tokens - 1) // page_size), len(request.dst_block_ids))
@@ -189,19 +180,18 @@ class KVHandoff:
 
     # ------------------------------------------------------------ lifecycle
     def _start(self) -> None:
-        self.socket = self.ctx.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(worker_bind_endpoint(self.config.zmq_endpoint_base, self.worker_id,
-                                              f"handoff-{os.getpid()}", host=self.config.resolved_bind_host()))
-        self.endpoint = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.socket = TypedSocket(self.ctx, zmq.ROUTER, decode_decode_to_prefill, "handoff socket", logger=logger)
+        self.endpoint = self.socket.bind(worker_bind_endpoint(self.config.zmq_endpoint_base, self.worker_id,
+                                                              f"handoff-{os.getpid()}",
+                                                              host=self.config.resolved_bind_host()))
         self.sender = KVSender(self.engine.kv_cache, self.layout, kernel_backend=self.config.kernel_backend,
                                name="kv-handoff")
 
     def sockets(self) -> list[zmq.Socket]:
-        return [self.socket] if self.socket is not None else []
+        return [self.socket.socket] if self.socket is not None else []
 
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
         if self.socket is not None:
-            self.socket.close(linger=0)
+            self.socket.close()

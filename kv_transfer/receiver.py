@@ -31,9 +31,10 @@ from kv_transfer.io_thread import IOThread
 from kv_transfer.layout import check_kv_cache
 from kv_transfer.shm import free_shared_kv_cache, host_id, shared_kv_path
 from pipeline.protocol.transfer import (
-    FRAME_ENCODER, SENDER_FRAME_DECODER, Begin, Blocks, Finish, Hello, HelloReply, Grant, FinishAck, KVLayout,
-    Revoke, RevokeAck, SenderAbort, Written,
+    SENDER_FRAME_DECODER, Begin, Blocks, Finish, Hello, HelloReply, Grant, FinishAck, KVLayout, Revoke, RevokeAck,
+    SenderAbort, SenderFrame, Written,
 )
+from pipeline.protocol.typed_socket import TypedSocket
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +154,12 @@ class KVReceiver(IOThread):
     # ---- I/O thread: lifecycle -----------------------------------------------------------------
 
     def _setup(self) -> None:
-        self._sock = self.ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 64)  # pieces are <= 4 MiB: bounds what queues in memory
-        self._sock.bind(self._bind)
-        self._endpoint = self._advertised(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        self.poller.register(self._sock, zmq.POLLIN)
+        # A Blocks header carries one raw data frame; pieces are <= 4 MiB: RCVHWM bounds what queues in memory.
+        self._sock: TypedSocket[SenderFrame] = TypedSocket(
+            self.ctx, zmq.ROUTER, SENDER_FRAME_DECODER.decode, "KV receiver", max_data_frames=1, zero_copy=True,
+            on_bad_frame=lambda: self._stats.count("num_bad_frames"), logger=log, rcvhwm=64)
+        self._endpoint = self._advertised(self._sock.bind(self._bind))
+        self.poller.register(self._sock.socket, zmq.POLLIN)
 
     def _advertised(self, bound: str) -> str:
         parts = urlsplit(bound)
@@ -202,29 +203,17 @@ class KVReceiver(IOThread):
     # ---- I/O thread: messages ------------------------------------------------------------------
 
     def _on_readable(self, sock: zmq.Socket) -> None:
-        for _ in range(_RECV_BATCH):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for msg, identity, data in self._sock.receive_ready(limit=_RECV_BATCH):
             self._run_commands()  # an expect() issued before these bytes were sent must be in place
             try:
-                self._handle(frames)
+                self._handle(identity, msg, data)
             except Exception as exc:  # one bad message must not stop the service
                 log.exception("KV receiver: error while handling a message")
-                self._bad_frame(frames[0].bytes, f"handler error ({exc!r})")
+                self._sock.count_bad_frame(identity, f"handler error ({exc!r})")
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
-        identity = frames[0].bytes
-        if len(frames) < 2:
-            return self._bad_frame(identity, "empty message")
-        try:
-            msg = SENDER_FRAME_DECODER.decode(frames[1].buffer)
-        except msgspec.DecodeError as exc:
-            return self._bad_frame(identity, f"undecodable header ({exc})")
-        data = frames[2:]
+    def _handle(self, identity: bytes, msg: SenderFrame, data: list[zmq.Frame]) -> None:
         if len(data) != (1 if isinstance(msg, Blocks) else 0):
-            return self._bad_frame(identity, f"{type(msg).__name__} with {len(data)} data frames")
+            return self._sock.count_bad_frame(identity, f"{type(msg).__name__} with {len(data)} data frames")
         if isinstance(msg, Hello):
             return self._on_hello(identity, msg)
         peer = self._peers.get(identity)
@@ -362,14 +351,9 @@ class KVReceiver(IOThread):
 
     def _send(self, identity: bytes, msg) -> None:
         try:
-            self._sock.send_multipart([identity, FRAME_ENCODER.encode(msg)], zmq.NOBLOCK)
+            self._sock.send(msg, to=identity, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # a ROUTER drops replies to unknown peers; anything else we log
             log.warning("KV receiver: could not send %s to %s: %s", type(msg).__name__, identity.hex(), exc)
 
     def _count_late(self) -> None:
         self._stats.count("num_late_dropped")
-
-    def _bad_frame(self, identity: bytes, reason: str) -> None:
-        count = self._stats.count("num_bad_frames")
-        if count <= 10 or count % 1000 == 0:
-            log.warning("KV receiver: dropped a bad frame from %s: %s (%d so far)", identity.hex(), reason, count)

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import msgspec
 import numpy as np
 import torch
 import zmq
@@ -32,7 +31,7 @@ from kv_transfer.sender_peers import SEND_HWM, Peer, PeerTable
 from kv_transfer.layout import check_kv_cache
 from kv_transfer.shm import host_id
 from pipeline.protocol.transfer import (
-    FRAME_ENCODER, RECEIVER_FRAME_DECODER, Begin, Blocks, Finish, FinishAck, Grant, Hello, HelloReply, KVLayout,
+    Begin, Blocks, Finish, FinishAck, Grant, Hello, HelloReply, KVLayout,
     Revoke, RevokeAck, SenderAbort, Written,
 )
 
@@ -52,7 +51,7 @@ class _Request:
     started: float
     last_progress: float
     ops: collections.deque = field(default_factory=collections.deque)  # Piece | bytes (finish payload)
-    outbox: list | None = None  # prepared frames of ops[0], sent once the socket takes them
+    outbox: tuple | None = None  # ops[0] prepared: (header, raw data frames), sent once the socket takes them
     outbox_buffer: np.ndarray | None = None  # the pack buffer the outbox lives in, reused once ZMQ sent it
     is_started: bool = False  # shm: Begin sent
     grant: set[int] | None = None  # shm: blocks the receiver allows us to write
@@ -97,8 +96,8 @@ class KVSender(IOThread):
         # to travel (zmq) or on the first page that just landed in the receiver's cache (shm).
         self.corrupt_hook: Callable[[str, torch.Tensor], None] | None = None
         super().__init__(name, num_torch_threads)
-        hello = FRAME_ENCODER.encode(Hello(layout=layout, host_id=host_id()))
-        self._peers = PeerTable(self.ctx, self.poller, hello, layout, kv_cache)  # I/O thread only
+        self._peers = PeerTable(self.ctx, self.poller, Hello(layout=layout, host_id=host_id()), layout, kv_cache,
+                                lambda: self._stats.count("num_bad_frames"), log)  # I/O thread only
         self._start()
 
     # ---- caller side ---------------------------------------------------------------------------
@@ -202,7 +201,7 @@ class KVSender(IOThread):
         req = self._requests.get(request_id)
         if req is not None and req.gen == gen:
             # Queued behind our Hello, so even a receiver mid-handshake learns it (D frees its blocks now).
-            self._send(req.peer, [FRAME_ENCODER.encode(SenderAbort(request_id=request_id))])
+            self._send(req.peer, SenderAbort(request_id=request_id))
             self._complete(req, False, "aborted by sender")
 
     # ---- I/O thread: progress ------------------------------------------------------------------
@@ -247,7 +246,7 @@ class KVSender(IOThread):
             return False
         if peer.transport == "shm" and req.grant is None:
             if not req.is_started:
-                req.is_started = self._send(peer, [FRAME_ENCODER.encode(Begin(request_id=req.request_id))])
+                req.is_started = self._send(peer, Begin(request_id=req.request_id))
                 if not req.is_started:
                     peer.blocked_until = now + _RETRY_S
             return False
@@ -259,9 +258,9 @@ class KVSender(IOThread):
                     return False
             else:
                 checksum = req.checksum
-                req.outbox = [FRAME_ENCODER.encode(Finish(request_id=req.request_id, num_bytes=checksum.num_bytes,
-                                                          checksum=checksum.value, payload=op))]
-        if not self._send(peer, req.outbox, req.outbox_buffer):
+                req.outbox = (Finish(request_id=req.request_id, num_bytes=checksum.num_bytes,
+                                     checksum=checksum.value, payload=op), [])
+        if not self._send(peer, *req.outbox, buffer=req.outbox_buffer):
             peer.blocked_until = now + _RETRY_S
             return False
         op = req.ops.popleft()
@@ -271,8 +270,9 @@ class KVSender(IOThread):
             req.is_finishing = True
         return True
 
-    def _prepare_piece(self, req: _Request, piece: Piece) -> list | None:
-        """Pack (zmq) or write in place (shm) one piece; returns the frames that announce / carry it."""
+    def _prepare_piece(self, req: _Request, piece: Piece) -> tuple | None:
+        """Pack (zmq) or write in place (shm) one piece; returns the header that announces it and the raw
+        frame that carries it (zmq)."""
         start = time.perf_counter()
         fields = dict(request_id=req.request_id, layer_start=piece.layer_start, layer_stop=piece.layer_stop,
                       dst_block_ids=piece.dst_block_ids, num_bytes=piece.num_bytes(self.layout.page_bytes))
@@ -281,7 +281,7 @@ class KVSender(IOThread):
                                                    self._buffers)
             if self.corrupt_hook is not None:
                 self.corrupt_hook(req.request_id, torch.from_numpy(packed))
-            frames = [FRAME_ENCODER.encode(Blocks(**fields)), packed]
+            prepared = (Blocks(**fields), [packed])
         else:
             outside = [b for b in piece.dst_block_ids if b not in req.grant]
             if outside:
@@ -291,14 +291,15 @@ class KVSender(IOThread):
             if self.corrupt_hook is not None:
                 page = req.peer.shm_pages[piece.layer_start, 0, piece.dst_block_ids[0]]
                 self.corrupt_hook(req.request_id, torch.from_numpy(page))
-            frames = [FRAME_ENCODER.encode(Written(**fields))]
+            prepared = (Written(**fields), [])
         self._stats.add_bytes(req.peer.transport, fields["num_bytes"], time.perf_counter() - start)
-        return frames
+        return prepared
 
-    def _send(self, peer: Peer, frames: list, buffer: np.ndarray | None = None) -> bool:
-        """Queue ``frames`` without blocking; a pack ``buffer`` they live in is reused once ZMQ sent them."""
+    def _send(self, peer: Peer, header, data: Sequence = (), buffer: np.ndarray | None = None) -> bool:
+        """Queue ``header`` and its raw ``data`` frames without blocking; a pack ``buffer`` the data lives in
+        is reused once ZMQ sent it."""
         try:
-            tracker = peer.sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=buffer is not None)
+            tracker = peer.sock.send(header, *data, flags=zmq.NOBLOCK, track=buffer is not None)
         except zmq.Again:
             return False
         if buffer is not None:
@@ -310,16 +311,10 @@ class KVSender(IOThread):
     def _on_readable(self, sock: zmq.Socket) -> None:
         peer = self._peers.of_socket(sock)
         while peer is not None and self._peers.is_open(peer):
-            try:
-                raw = sock.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            got = peer.sock.receive()  # (bad frames are counted into the stats and dropped on the way)
+            if got is None:
                 return
-            try:
-                msg = RECEIVER_FRAME_DECODER.decode(raw.buffer)
-            except msgspec.DecodeError as exc:
-                self._stats.count("num_bad_frames")
-                log.warning("KV sender: dropped a bad frame from %s: %s", peer.endpoint, exc)
-                continue
+            msg = got.message
             if isinstance(msg, HelloReply):
                 self._on_hello_reply(peer, msg)
                 continue
@@ -333,7 +328,7 @@ class KVSender(IOThread):
             elif isinstance(msg, Revoke):
                 if req is not None:
                     self._complete(req, False, f"revoked by receiver: {msg.reason}")
-                self._send(peer, [FRAME_ENCODER.encode(RevokeAck(request_id=msg.request_id))])  # we stopped
+                self._send(peer, RevokeAck(request_id=msg.request_id))  # we stopped
 
     def _on_hello_reply(self, peer: Peer, reply: HelloReply) -> None:
         if peer.is_ready:
@@ -372,6 +367,6 @@ class KVSender(IOThread):
 
     def _teardown(self) -> None:
         for req in list(self._requests.values()):  # best effort: D should not wait for its TTL
-            self._send(req.peer, [FRAME_ENCODER.encode(SenderAbort(request_id=req.request_id, reason="sender closed"))])
+            self._send(req.peer, SenderAbort(request_id=req.request_id, reason="sender closed"))
         for peer in self._peers.all():
             self._peers.close(peer, linger=200 if any(r.peer is peer for r in self._requests.values()) else 0)

@@ -2,11 +2,14 @@
 
 Owned by the sender's I/O thread. A connection is opened (and ``Hello`` queued) on first use of an
 endpoint; after a failure or a long idle spell it is closed and the next request opens a fresh one.
+Each is a typed socket (``pipeline/protocol/typed_socket.py``) that decodes the receiver's frames.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -14,7 +17,8 @@ import zmq
 
 from kv_transfer.data_path import byte_pages
 from kv_transfer.shm import open_shared_kv_cache
-from pipeline.protocol.transfer import HelloReply, KVLayout
+from pipeline.protocol.transfer import RECEIVER_FRAME_DECODER, Hello, HelloReply, KVLayout, ReceiverFrame
+from pipeline.protocol.typed_socket import TypedSocket
 
 SEND_HWM = 16  # queued messages per receiver (pieces are <= 4 MiB): back-pressure instead of memory
 
@@ -22,7 +26,7 @@ SEND_HWM = 16  # queued messages per receiver (pieces are <= 4 MiB): back-pressu
 @dataclass(eq=False)
 class Peer:
     endpoint: str
-    sock: zmq.Socket
+    sock: TypedSocket[ReceiverFrame]
     since: float
     is_ready: bool = False
     transport: str = ""
@@ -32,31 +36,32 @@ class Peer:
 
 
 class PeerTable:
-    def __init__(self, ctx: zmq.Context, poller: zmq.Poller, hello: bytes, layout: KVLayout,
-                 kv_cache: torch.Tensor) -> None:
+    def __init__(self, ctx: zmq.Context, poller: zmq.Poller, hello: Hello, layout: KVLayout,
+                 kv_cache: torch.Tensor, on_bad_frame: Callable[[], object], logger: logging.Logger) -> None:
         self._ctx = ctx
         self._poller = poller
         self._hello = hello
+        self._on_bad_frame = on_bad_frame
+        self._logger = logger
         self._layout = layout
         self._kv_cache = kv_cache
         self._by_endpoint: dict[str, Peer] = {}
-        self._by_socket: dict[zmq.Socket, Peer] = {}
+        self._by_socket: dict[zmq.Socket, Peer] = {}  # by the zmq socket the poller reports
 
     def get(self, endpoint: str, now: float) -> Peer:
         """The connection to ``endpoint``, opened (with ``Hello`` queued first) if there is none."""
         peer = self._by_endpoint.get(endpoint)
         if peer is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock = TypedSocket(self._ctx, zmq.DEALER, RECEIVER_FRAME_DECODER.decode, "KV sender", zero_copy=True,
+                               on_bad_frame=self._on_bad_frame, logger=self._logger, sndhwm=SEND_HWM)
             try:
                 sock.connect(endpoint)
-                sock.send(self._hello, zmq.NOBLOCK)  # first message on a fresh pipe: always queued
+                sock.send(self._hello, flags=zmq.NOBLOCK)  # first message on a fresh pipe: always queued
             except zmq.ZMQError:
                 sock.close()
                 raise
-            peer = self._by_endpoint[endpoint] = self._by_socket[sock] = Peer(endpoint, sock, now)
-            self._poller.register(sock, zmq.POLLIN)
+            peer = self._by_endpoint[endpoint] = self._by_socket[sock.socket] = Peer(endpoint, sock, now)
+            self._poller.register(sock.socket, zmq.POLLIN)
         peer.last_used = now
         return peer
 
@@ -82,7 +87,7 @@ class PeerTable:
 
     def close(self, peer: Peer, linger: int) -> None:
         self._by_endpoint.pop(peer.endpoint, None)
-        self._by_socket.pop(peer.sock, None)
-        self._poller.unregister(peer.sock)
+        self._by_socket.pop(peer.sock.socket, None)
+        self._poller.unregister(peer.sock.socket)
         peer.sock.close(linger=linger)
         peer.shm_pages = None  # unmaps once no piece refers to it

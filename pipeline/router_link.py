@@ -11,7 +11,8 @@ The worker's loop thread talks to that thread through an inproc PAIR socket (``s
 loop's poller waits on; it becomes readable when requests arrive) and plain attributes written by
 the loop and read by the heartbeat (``load``, ``step_started_at``). ZMQ sockets are never shared
 between threads. Registration is retried until the router acknowledges it, so workers may start
-before the router. Frames that fail to decode are counted, logged and dropped.
+before the router. Sockets open through ``pipeline/protocol/typed_socket.py``, whose wrapper decodes the
+router's frames: one that fails to decode is counted, logged and dropped there.
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ from pipeline.protocol.cluster import (
     KVEvents,
     RegisterAck,
     RegisterWorker,
+    RouterToWorker,
     TokenBatch,
     TokenDelta,
     WorkerLoad,
     decode_router_to_worker,
     encode,
 )
+from pipeline.protocol.typed_socket import TypedSocket, open_socket
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,6 @@ class RouterLink:
         self.max_heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.step_stall_timeout_s = step_stall_timeout_s
-        self.num_bad_frames = 0
         self.is_registered = False
         self.kv_snapshot_wanted = False  # set on each registration (IO thread), cleared by the loop thread
         self._kv_seq = 0
@@ -73,18 +75,22 @@ class RouterLink:
         self._rejection: str | None = None
         self._stopping = False
         address = f"inproc://router-link-{id(self)}"
-        self._io_end = ctx.socket(zmq.PAIR)
-        self._io_end.setsockopt(zmq.LINGER, 0)
+        # The inproc pair carries wake-ups and messages encoded already (forwarded as they are): no decoder.
+        self._io_end = open_socket(ctx, zmq.PAIR)
         self._io_end.bind(address)
-        self.socket = ctx.socket(zmq.PAIR)  # the loop thread's end
-        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket = open_socket(ctx, zmq.PAIR)  # the loop thread's end
         self.socket.connect(address)
-        self._dealer = ctx.socket(zmq.DEALER)
-        self._dealer.setsockopt(zmq.IDENTITY, self.worker_id.encode())
-        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer: TypedSocket[RouterToWorker] = TypedSocket(
+            ctx, zmq.DEALER, decode_router_to_worker, f"router link {self.worker_id}", logger=logger,
+            identity=self.worker_id)
         self._dealer.connect(router_endpoint(zmq_endpoint_base))
         self._thread = threading.Thread(target=self._main, name=f"router-link-{self.worker_id}", daemon=True)
         self._thread.start()
+
+    @property
+    def num_bad_frames(self) -> int:
+        """Frames from the router dropped undecoded (read by the loop thread for the load report)."""
+        return self._dealer.num_bad_frames
 
     # ------------------------------------------------------------ loop thread
     def receive(self) -> list[GenerateRequest | CancelRequest | HandoffDeclined]:
@@ -153,23 +159,23 @@ class RouterLink:
     # -------------------------------------------------------------- I/O thread
     def _main(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._dealer.socket, zmq.POLLIN)
         poller.register(self._io_end, zmq.POLLIN)
         last_register = last_heartbeat = 0.0
         try:
             while not self._stopping:
                 for sock, _ in poller.poll(50):
-                    if sock is self._dealer:
+                    if sock is self._dealer.socket:
                         self._read_router()
                     else:
                         self._forward_outputs()
                 now = time.monotonic()
                 if not self.is_registered:
                     if now - last_register >= REGISTER_RETRY_S:
-                        self._dealer.send(encode(self.registration))
+                        self._dealer.send(self.registration)
                         last_register = now
                 elif now - last_heartbeat >= self.heartbeat_interval_s:
-                    self._dealer.send(encode(Heartbeat(worker_id=self.worker_id, load=self._heartbeat_load(now))))
+                    self._dealer.send(Heartbeat(worker_id=self.worker_id, load=self._heartbeat_load(now)))
                     last_heartbeat = now
                 self._watch_for_stall(now)
         except Exception:
@@ -181,17 +187,7 @@ class RouterLink:
 
     def _read_router(self) -> None:
         has_requests = False
-        while True:
-            try:
-                frame = self._dealer.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            try:
-                message = decode_router_to_worker(frame)
-            except msgspec.DecodeError as exc:
-                self.num_bad_frames += 1
-                logger.warning("dropped a malformed frame from the router (%d so far): %s", self.num_bad_frames, exc)
-                continue
+        for message, _, _ in self._dealer.receive_ready():
             if isinstance(message, RegisterAck):
                 self._on_ack(message)
             else:
@@ -209,7 +205,7 @@ class RouterLink:
                 frame = self._io_end.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._dealer.send(frame)
+            self._dealer.send_frames([frame])
 
     def _on_ack(self, ack: RegisterAck) -> None:
         if ack.accepted:

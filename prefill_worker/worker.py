@@ -32,7 +32,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 
 from kv_transfer.layout import kv_layout
@@ -42,6 +41,7 @@ from pipeline.endpoints import worker_bind_endpoint
 from pipeline.engine import RequestError, StepOutput
 from pipeline.protocol.cluster import (
     CancelPrefill,
+    DecodeToPrefill,
     PrefillAccepted,
     PrefillDone,
     PrefillRejected,
@@ -53,6 +53,7 @@ from pipeline.protocol.cluster import (
     decode_decode_to_prefill,
     encode,
 )
+from pipeline.protocol.typed_socket import TypedSocket
 from pipeline.scheduler import QueueFullError
 from pipeline.worker_base import WorkerBase, logprobs_to_wire, transfer_counters
 
@@ -80,26 +81,25 @@ class PrefillJob:
 class PrefillWorker(WorkerBase):
     def __init__(self, config: PipelineConfig, worker_id: str) -> None:
         super().__init__(config, worker_id)
-        self.requests = self.ctx.socket(zmq.ROUTER)
-        self.requests.setsockopt(zmq.LINGER, 0)
+        self.requests: TypedSocket[DecodeToPrefill] = TypedSocket(self.ctx, zmq.ROUTER, decode_decode_to_prefill,
+                                                                  "prefill socket", logger=logger)
         # Per incarnation (pid): a restarted worker must not receive what decode workers queued for its predecessor.
-        self.requests.bind(worker_bind_endpoint(config.zmq_endpoint_base, worker_id, f"prefill-{os.getpid()}",
-                                                host=config.resolved_bind_host()))
-        self.endpoint = self.requests.getsockopt(zmq.LAST_ENDPOINT).decode()
+        address = worker_bind_endpoint(config.zmq_endpoint_base, worker_id, f"prefill-{os.getpid()}",
+                                       host=config.resolved_bind_host())
+        self.endpoint = self.requests.bind(address)
         layout = kv_layout(self.engine.kv_cache, self.model_fingerprint, config.transfer.transport)
         self.sender = KVSender(self.engine.kv_cache, layout, kernel_backend=config.kernel_backend)
         self.jobs: dict[str, PrefillJob] = {}
-        self.num_bad_frames = 0
         self.connect_router(prefill_endpoint=self.endpoint)
 
     def listen_endpoints(self) -> list[str]:
         return [self.endpoint]
 
     def sockets(self) -> list[zmq.Socket]:
-        return [self.link.socket, self.requests]
+        return [self.link.socket, self.requests.socket]
 
     def transfer_counters(self) -> dict:
-        return transfer_counters(self.sender.stats(), self.link.num_bad_frames + self.num_bad_frames)
+        return transfer_counters(self.sender.stats(), self.link.num_bad_frames + self.requests.num_bad_frames)
 
     # ------------------------------------------------------------------ loop
     def run_once(self) -> None:
@@ -122,21 +122,7 @@ class PrefillWorker(WorkerBase):
         self.tick()
 
     def _receive_requests(self) -> None:
-        while True:
-            try:
-                identity, frame = self.requests.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except ValueError:  # not two frames
-                self.num_bad_frames += 1
-                continue
-            try:
-                message = decode_decode_to_prefill(frame)
-            except msgspec.DecodeError as exc:
-                self.num_bad_frames += 1
-                logger.warning("dropped a malformed frame on the prefill socket (%d so far): %s",
-                               self.num_bad_frames, exc)
-                continue
+        for message, identity, _ in self.requests.receive_ready():
             if isinstance(message, CancelPrefill):
                 self._drop(message.request_id, "cancelled by the decode worker")
             else:
@@ -174,7 +160,7 @@ class PrefillWorker(WorkerBase):
         page_size = self.engine.kv_manager.page_size
         self.jobs[rid] = PrefillJob(request, identity, float("inf"),
                                     num_sent_blocks=request.num_cached_tokens // page_size)
-        self.requests.send_multipart([identity, encode(PrefillAccepted(request_id=rid))])
+        self.requests.send(PrefillAccepted(request_id=rid), to=identity)
 
     def _claim(self, job: PrefillJob, identity: bytes, request: PrefillRequest) -> None:
         """The decode worker's request for a prompt started early: done already, everything ships now (with
@@ -182,19 +168,18 @@ class PrefillWorker(WorkerBase):
         rid = request.request_id
         job.request, job.decode_identity, job.early, job.deadline = request, identity, None, float("inf")
         job.num_sent_blocks = request.num_cached_tokens // self.engine.kv_manager.page_size
-        self.requests.send_multipart([identity, encode(PrefillAccepted(request_id=rid))])
+        self.requests.send(PrefillAccepted(request_id=rid), to=identity)
         seq = self.engine.get_sequence(rid)
         if job.early_output is not None or (seq is not None and seq.num_computed_tokens > seq.num_cached_tokens):
             job.is_started = True  # the TTL starts now, as it would have with the first chunk
             job.deadline = time.monotonic() + request.ttl_s
-            self.requests.send_multipart([identity, encode(PrefillStarted(request_id=rid))])
+            self.requests.send(PrefillStarted(request_id=rid), to=identity)
         if job.early_output is not None:
             output, job.early_output = job.early_output, None
             self._finish(output)
 
     def _reject(self, identity: bytes, rid: str, error: str, retryable: bool) -> None:
-        self.requests.send_multipart([identity, encode(PrefillRejected(request_id=rid, error=error,
-                                                                       retryable=retryable))])
+        self.requests.send(PrefillRejected(request_id=rid, error=error, retryable=retryable), to=identity)
 
     # --------------------------------------------------------------- shipping
     def _ship_progress(self) -> None:
@@ -210,8 +195,7 @@ class PrefillWorker(WorkerBase):
             if not job.is_started:
                 job.is_started = True
                 job.deadline = now + job.request.ttl_s
-                self.requests.send_multipart([job.decode_identity,
-                                              encode(PrefillStarted(request_id=job.request.request_id))])
+                self.requests.send(PrefillStarted(request_id=job.request.request_id), to=job.decode_identity)
             self._send_blocks(job, (chunk.start + chunk.num_tokens) // page_size)  # what that step wrote
 
     def _send_blocks(self, job: PrefillJob, upto: int) -> None:
@@ -294,7 +278,7 @@ class PrefillWorker(WorkerBase):
 
     def close(self) -> None:
         self.sender.close()
-        self.requests.close(linger=0)
+        self.requests.close()
         super().close()
 
 

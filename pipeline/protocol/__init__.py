@@ -2,7 +2,8 @@
 
 One module per socket group: ``requests`` (sampling parameters and outputs, shared by all),
 ``transfer`` (the KV transfer service's frames and handshake), ``cluster`` (router <-> workers,
-decode <-> prefill). Each group exposes a tagged union and one typed decoder.
+decode <-> prefill). Each group exposes a tagged union and one typed decoder, which ``typed_socket``'s
+``TypedSocket`` (the one socket wrapper) receives with.
 """
 
 from pipeline.protocol.requests import (CompletionOutput, FinishReason, PromptLogprobs, SamplingParams, StructuredOutput,
