@@ -1,7 +1,8 @@
 """The CPU kernel set, for ``load_kernels("cpu")`` (and "auto" on a CPU device): the native kernels of
 ``kernels/native`` where they apply, the torch references for every other op and wherever a native
 kernel does not take its inputs (so the set is always complete, built or not), and linear layers on
-oneDNN with packed weights (``kernels/cpu_gemm.py``)."""
+oneDNN with packed weights (``kernels/cpu_gemm.py``). A mixture-of-experts MLP's experts run the
+reference (``kernels/moe_ref.py``): one MKL GEMM pair per expert over its tokens."""
 
 from __future__ import annotations
 

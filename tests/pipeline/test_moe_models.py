@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from kernels.moe_ref import fused_moe_ref
 from pipeline import LLM
+from pipeline.builtin_model import build_checkpoint
 from pipeline.models.moe import SparseMoeBlock, route
 from pipeline.weights import CheckpointError, iter_safetensors, load_model
 from tests.conftest import assert_no_leaks, hf_greedy, hf_logprobs
@@ -107,6 +108,20 @@ def test_batch_over_cached_prefix_matches_transformers(loaded, name, backend):
                           for step, step_logits in zip(steps, got)])
         torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0)
         assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_sliding_window_matches_transformers(tmp_path, hf_reference, name):
+    """Both families window every layer when the config asks (Qwen3-MoE: use_sliding_window)."""
+    architecture, settings = MOE_CONFIGS[name]
+    window = dict(sliding_window=5, **({"use_sliding_window": True} if architecture == "qwen3_moe" else {}))
+    path = str(build_checkpoint(tmp_path, architecture, **settings, **window))
+    model, hf_config = load_model(path, torch.float32, "cpu")
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [5] * hf_config.num_hidden_layers
+    tokens = random_tokens(hf_config.vocab_size, 18, seed=3)
+    paged = PagedSequences(model, num_seqs=1, max_len=len(tokens))
+    logits = torch.cat([run_logits(model, paged, [tokens[:15]]), run_logits(model, paged, [tokens[15:]])])
+    torch.testing.assert_close(logits, hf_logits(hf_reference(path)[0], tokens), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
