@@ -1,14 +1,15 @@
-"""Requests in flight between the HTTP layer and the workers: admission, routing, token delivery, cancels.
+"""Requests in flight between the HTTP layer and the workers: admission, routing, cancels, worker messages.
 
 Worker messages arrive through ``WorkerSocket`` (registration, heartbeats, token batches) and requests
 and cancels leave through it. Everything runs on the HTTP server's event loop, so no locks.
 
-Each request has a ``RequestHandle`` with an asyncio queue that receives its ``TokenDelta``s, or one
-``RequestFailed`` when the request cannot finish. When a worker dies (missed heartbeats, a send that
-cannot reach it, or an error it marks retryable) or drains, the request is retried or migrates:
-``router/migration.py``. Token batches reach each request's queue through ``router/token_delivery.py``.
-Every attempt has a fresh wire id, so late messages of an old one cannot mix in. A heartbeat that
-claims another worker's id counts as a bad frame.
+Each request has a ``RequestHandle`` (its ``RequestStatus`` and an asyncio queue that receives its
+``TokenDelta``s, or one ``RequestFailed`` when the request cannot finish). The dispatcher owns three
+collaborators and hands each what it needs explicitly: ``InFlightRequests`` (which request each wire id
+names and the load it puts on its workers), ``Migration`` (retries and moves when a worker dies, fails a
+request or drains: ``router/migration.py``) and ``TokenDelivery`` (token batches to each request's queue:
+``router/token_delivery.py``). Every attempt has a fresh wire id, so late messages of an old one cannot
+mix in. A heartbeat that claims another worker's id counts as a bad frame.
 
 Admission: a request goes to a worker only while one has a free slot in its batch (router-side
 in-flight count < the ``max_batch_size`` it registered with). When none has, ``submit`` queues it in
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 
 import msgspec
 
@@ -47,21 +47,24 @@ from pipeline.protocol.requests import SamplingParams
 from router.admission import AdmissionQueue, Overloaded, estimate_retry_after_s
 from router.kv_index import PromptHashes
 from router.metrics import RouterMetrics
-from router.migration import RetriesAndMigration
-from router.policy import NoRoute, Route, Saturated, WorkerView, choose_route
+from router.in_flight import InFlightRequests
+from router.migration import Migration
+from router.policy import NoRoute, Saturated, WorkerView, choose_route
 from router.prefill_warmups import PrefillWarmups
-from router.registry import WorkerRegistry
-from router.request_handle import RequestFailed, RequestHandle
+from router.registry import WorkerInfo, WorkerRegistry
+from router.request_handle import RequestFailed, RequestHandle, RequestStatus
 from router.token_delivery import TokenDelivery
 from router.worker_socket import WorkerSocket
 
 logger = logging.getLogger(__name__)
 
-_MAX_REMEMBERED_CANCELS = 4096
 _SLOT_HOLD_EWMA_WEIGHT = 0.1  # weight of the newest sample in the mean time a request holds a slot
 
 
-class Dispatcher(TokenDelivery, RetriesAndMigration):
+class Dispatcher:
+    """The HTTP layer's side: ``submit``, ``wait_admitted``, ``cancel``, ``cancel_choice``, ``retry_after_s``,
+    and ``start`` / ``stop`` around the app's life (see the module docstring)."""
+
     def __init__(
         self,
         zmq_endpoint_base: str,
@@ -87,18 +90,23 @@ class Dispatcher(TokenDelivery, RetriesAndMigration):
         self.registry = registry
         self.metrics = metrics
         self.model_name = model_name
-        self.max_attempts = max_attempts
         self.max_local_prefill_length = max_local_prefill_length
         self.kv_overlap_weight = kv_overlap_weight
-        self.max_migrations = max_migrations
         self.warmups = PrefillWarmups(registry, metrics, self._send) if warm_prefill_cache else None
         self.early_prefill = early_prefill
         self.admission: AdmissionQueue[RequestHandle] = AdmissionQueue(
             self._try_dispatch, max_queued_requests, queue_timeout_s)
         metrics.admission_queue_depth.set_function(lambda: len(self.admission))
+        self.in_flight = InFlightRequests(registry, on_slot_freed=self.admission.wake)
+        self.migration = Migration(
+            registry, self.in_flight, metrics, send=self._send, views=self._views, requeue=self._requeue,
+            fail=self._fail, max_attempts=max_attempts, max_migrations=max_migrations,
+            kv_overlap_weight=kv_overlap_weight)
+        self.delivery = TokenDelivery(
+            registry, self.in_flight, metrics, self.migration, send=self._send, finish=self._finish,
+            finish_choice=self._choice_finished,
+            after_turn=self.warmups.after_turn if self.warmups is not None else None)
         self._mean_slot_hold_s: float | None = None  # feeds the Retry-After estimate
-        self._requests: dict[str, RequestHandle] = {}  # wire id -> handle
-        self._cancelled: OrderedDict[str, None] = OrderedDict()  # wire ids we cancelled: ignore their deltas
         self._housekeeping: asyncio.Task | None = None
         registry.on_worker_dead = self._on_worker_dead
 
@@ -114,7 +122,7 @@ class Dispatcher(TokenDelivery, RetriesAndMigration):
             await asyncio.gather(self._housekeeping, return_exceptions=True)
             self._housekeeping = None
         self.admission.close(NoRoute("the router is shutting down"))
-        for handle in list(self._requests.values()):
+        for handle in self.in_flight.handles():
             self._fail(handle, "the router is shutting down", 503)
         await self.socket.stop()
 
@@ -164,7 +172,7 @@ class Dispatcher(TokenDelivery, RetriesAndMigration):
         if handle.decode_worker_id is not None:
             self._send(handle.decode_worker_id, CancelRequest(request_id=handle.wire_id))
         if handle.wire_id:
-            self._remember_cancel(handle.wire_id)
+            self.in_flight.remember_cancel(handle.wire_id)
         self._finish(handle)
 
     def cancel_choice(self, handle: RequestHandle, index: int) -> None:
@@ -197,8 +205,8 @@ class Dispatcher(TokenDelivery, RetriesAndMigration):
             self._dispatch(handle)
         except Saturated:
             return False
-        if not handle.is_admitted:
-            handle.is_admitted = True
+        if handle.status is RequestStatus.QUEUED:
+            handle.set_status(RequestStatus.ROUTED)
             self.metrics.queue_depth.inc()
             self.metrics.requests_in_flight.inc()
             self.metrics.admission_wait_seconds.observe(time.monotonic() - handle.created_at)
@@ -216,13 +224,12 @@ class Dispatcher(TokenDelivery, RetriesAndMigration):
         while True:
             # a migrated stream is recomputed where it will be decoded (its prompt + the tokens sent so far)
             views = self._views(prompt)
-            route = choose_route(views, needed, self._excluded(handle), num_prompt_tokens=num_prompt_tokens,
+            route = choose_route(views, needed, self.in_flight.excluded(handle), num_prompt_tokens=num_prompt_tokens,
                                  max_local_prefill_length=(needed if resume else self.max_local_prefill_length),
                                  kv_overlap_weight=self.kv_overlap_weight)
-            handle.num_attempts += 1
-            handle.wire_id = handle.request_id if handle.num_attempts == 1 else f"{handle.request_id}~{handle.num_attempts}"
+            wire_id = handle.new_attempt()
             msg = GenerateRequest(
-                request_id=handle.wire_id,
+                request_id=wire_id,
                 prompt_token_ids=handle.prompt_token_ids,
                 sampling_params=params,
                 prefill_worker_id=route.prefill.worker_id if route.prefill else None,
@@ -232,80 +239,34 @@ class Dispatcher(TokenDelivery, RetriesAndMigration):
             )
             if self._send(route.decode.worker_id, msg):
                 if route.prefill is not None and self.early_prefill:
-                    self._send(route.prefill.worker_id, StartPrefill(request_id=handle.wire_id, sampling_params=params,
+                    self._send(route.prefill.worker_id, StartPrefill(request_id=wire_id, sampling_params=params,
                                                                      prompt_token_ids=handle.prompt_token_ids))
-                self._assign(handle, route)
+                self.in_flight.assign(handle, route, wire_id)
                 self.metrics.note_route(route, num_prompt_tokens)
                 if self.warmups is not None and prompt is not None:
                     self.warmups.after_route(views, route, handle.prompt_token_ids)
                 return
-            self._exclude(handle, route.decode.worker_id)
+            self.in_flight.exclude(handle, route.decode.worker_id)
 
-    def _exclude(self, handle: RequestHandle, worker_id: str) -> None:
-        info = self.registry.get(worker_id)
-        handle.excluded[worker_id] = info.pid if info is not None else -1
-
-    def _excluded(self, handle: RequestHandle) -> set[str]:
-        """The workers a request must avoid: those that failed it, while they are still the same process."""
-        return {worker_id for worker_id, pid in handle.excluded.items()
-                if (info := self.registry.get(worker_id)) is None or info.pid == pid or pid == -1}
-
-    def _assign(self, handle: RequestHandle, route: Route) -> None:
-        handle.dispatched_at = time.monotonic()
-        handle.decode_worker_id = route.decode.worker_id
-        handle.prefill_worker_id = route.prefill.worker_id if route.prefill else None
-        self._requests[handle.wire_id] = handle
-        decode = self.registry.get(route.decode.worker_id)
-        if decode is not None:
-            decode.num_inflight += handle.num_choices  # n > 1: n sequences in its batch
-            handle._inflight_on = decode.worker_id
-            # the KV it may grow to, as far as the client said (max_tokens): a long generation weighs as
-            # what it will hold, so requests whose prefix one worker caches do not pile onto it
-            potential = len(handle.prompt_token_ids) + (handle.sampling_params.max_tokens or 0)
-            handle._inflight_blocks = -(-potential // max(decode.page_size, 1)) * handle.num_choices
-            decode.num_inflight_blocks += handle._inflight_blocks
-        if route.prefill is not None:
-            prefill = self.registry.get(route.prefill.worker_id)
-            if prefill is not None:
-                # what it must compute: the prompt less what its prefix cache holds (0 without KV-aware routing)
-                num_new = len(handle.prompt_token_ids) - route.prefill.num_cached_prompt_tokens
-                prefill.num_pending_prefill_tokens += num_new
-                prefill.num_routed_prefill_blocks += -(-num_new // max(prefill.page_size, 1))
-                handle._pending_prefill = (prefill.worker_id, num_new)
-
-    def _unassign(self, handle: RequestHandle) -> bool:
-        """Take the request off its workers; True when that freed a decode slot (the queue is woken)."""
-        self._requests.pop(handle.wire_id, None)
-        self._release_prefill(handle)
-        handle.first_token_from_prefill = False  # a next attempt resumes after it
-        handle.decode_worker_id = handle.prefill_worker_id = None
-        decode = self.registry.get(handle._inflight_on) if handle._inflight_on else None
-        handle._inflight_on = None
-        if decode is None:
-            return False
-        decode.num_inflight = max(0, decode.num_inflight - handle.num_choices)
-        decode.num_inflight_blocks = max(0, decode.num_inflight_blocks - handle._inflight_blocks)
-        self.admission.wake()
-        return True
-
-    def _release_prefill(self, handle: RequestHandle) -> None:
-        if handle._pending_prefill is not None:
-            worker_id, num_tokens = handle._pending_prefill
-            handle._pending_prefill = None
-            prefill = self.registry.get(worker_id)
-            if prefill is not None:
-                prefill.num_pending_prefill_tokens = max(0, prefill.num_pending_prefill_tokens - num_tokens)
+    def _requeue(self, handle: RequestHandle) -> asyncio.Future:
+        """A request admitted once (a retry, a migration) goes ahead of everyone who waits, and waits if
+        every worker is saturated; raises ``NoRoute`` when no worker can serve it."""
+        handle.admission = self.admission.enqueue(
+            handle, at_front=True, timeout_s=max(0.001, handle.deadline - time.monotonic()))
+        return handle.admission
 
     def _finish(self, handle: RequestHandle) -> None:
         if handle.is_done:
             return
-        self._abandon_handoff(handle)
+        self.migration.abandon_handoff(handle)
         self.admission.discard(handle)  # it may be waiting (new, or a retry) rather than on a worker
-        if self._unassign(handle):
-            self._note_slot_hold(time.monotonic() - handle.dispatched_at)
-        handle.is_done = True
-        if handle.is_admitted:
-            if not handle.has_tokens:
+        slot_held_s = self.in_flight.unassign(handle)
+        if slot_held_s is not None:
+            self._note_slot_hold(slot_held_s)
+        status = handle.status
+        handle.set_status(RequestStatus.FINISHED)
+        if status is not RequestStatus.QUEUED:  # admitted: counted in the gauges until now
+            if status is RequestStatus.ROUTED:  # no token yet
                 self.metrics.queue_depth.dec()
             self.metrics.requests_in_flight.dec()
 
@@ -328,14 +289,9 @@ class Dispatcher(TokenDelivery, RetriesAndMigration):
     def _send(self, worker_id: str, msg: msgspec.Struct) -> bool:
         return self.socket.send(worker_id, msg)
 
-    def _remember_cancel(self, wire_id: str) -> None:
-        self._cancelled[wire_id] = None
-        while len(self._cancelled) > _MAX_REMEMBERED_CANCELS:
-            self._cancelled.popitem(last=False)
-
     def _on_message(self, worker_id: str, msg: WorkerToRouter) -> None:
         if isinstance(msg, TokenBatch):
-            self._on_token_batch(worker_id, msg)
+            self.delivery.on_token_batch(worker_id, msg)
         elif isinstance(msg, Heartbeat):
             if msg.worker_id != worker_id:
                 self.socket.count_bad_frame(worker_id, f"heartbeat for {msg.worker_id!r} from routing id {worker_id!r}")
@@ -349,13 +305,17 @@ class Dispatcher(TokenDelivery, RetriesAndMigration):
             if msg.worker_id != worker_id:
                 self.socket.count_bad_frame(worker_id, f"handoff offer for {msg.worker_id!r} from routing id {worker_id!r}")
             else:
-                self._on_handoff_offer(worker_id, msg)
+                self.migration.on_handoff_offer(worker_id, msg)
         elif isinstance(msg, KVEvents):
             if msg.worker_id != worker_id:
                 self.socket.count_bad_frame(worker_id, f"KV events for {msg.worker_id!r} from routing id {worker_id!r}")
             elif not self.registry.kv_events(msg):  # unknown to the index (or events lost): start over from a snapshot
                 self._send(worker_id, RegisterAck(accepted=False, reregister=True,
                                                   error="KV index out of step: register again"))
+
+    def _on_worker_dead(self, worker: WorkerInfo) -> None:
+        self.migration.on_worker_dead(worker)
+        self.admission.wake()  # queued requests that only this worker could serve now fail (503)
 
     def _on_register(self, worker_id: str, msg: RegisterWorker) -> None:
         error = None
@@ -382,7 +342,7 @@ class Dispatcher(TokenDelivery, RetriesAndMigration):
             try:
                 self.registry.check_liveness()
                 now = time.monotonic()
-                for handle in list(self._requests.values()):
+                for handle in self.in_flight.handles():
                     if now > handle.deadline + 5.0:  # its consumer vanished without cancelling
                         self.cancel(handle)
             except Exception:

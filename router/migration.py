@@ -1,17 +1,16 @@
 """Retries and migration: where a request goes when its worker dies, fails it, or drains.
 
-``RetriesAndMigration`` is a part of ``router.dispatcher.Dispatcher`` (a mixin: it uses the dispatcher's
-routing, bookkeeping and socket), kept apart because it is one concern of its own:
+``Migration`` is the dispatcher's collaborator for this one concern:
 
 * **Retry** (no token yet): the request goes to another route under a fresh wire id, while attempts
-  remain (``max_attempts``).
-* **Migration by replay** (tokens sent; a single choice; at most ``max_migrations`` times): the new
-  worker gets the prompt plus every token the client already has (``resume_token_ids``), recomputes
-  their KV and goes on from the next position.
+  remain (``max_attempts``). It stays ROUTED.
+* **Migration by replay** (tokens sent; a single choice; at most ``max_migrations`` times): the request
+  is MIGRATING until the new worker's first tokens. That worker gets the prompt plus every token the
+  client already has (``resume_token_ids``), recomputes their KV and goes on from the next position.
 * **Live migration** (a draining DecodeOnly worker's ``HandoffOffer``): another DecodeOnly worker gets
   the stream with ``kv_source_request_id`` and fetches its KV from the draining one, so nothing is
-  recomputed. No target: ``HandoffDeclined``, and the stream decodes on where it is. A handoff that
-  fails before the new worker's first tokens falls back to replay.
+  recomputed; the request is HANDING_OFF meanwhile. No target: ``HandoffDeclined``, and the stream
+  decodes on where it is. A handoff that fails before the new worker's first tokens falls back to replay.
 
 A retry or migration that finds every worker saturated waits at the front of the admission queue.
 """
@@ -21,61 +20,98 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 import msgspec
 
 from pipeline.protocol.cluster import CancelRequest, GenerateRequest, HandoffDeclined, HandoffOffer
+from router.in_flight import InFlightRequests
 from router.kv_index import PromptHashes
-from router.policy import NoRoute, Route, choose_handoff_target
-from router.registry import WorkerInfo
-from router.request_handle import RequestHandle
+from router.metrics import RouterMetrics
+from router.policy import NoRoute, Route, WorkerView, choose_handoff_target
+from router.registry import WorkerInfo, WorkerRegistry
+from router.request_handle import RequestHandle, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 
-class RetriesAndMigration:
-    """The dispatcher's answer to workers that die, fail a request, or drain (see the module docstring)."""
+class Migration:
+    """Moves requests off workers that die, fail them, or drain (see the module docstring).
 
-    def _can_migrate(self, handle: RequestHandle) -> bool:
+    What it needs from the dispatcher comes in explicitly: ``send`` (a message to a worker; False when it
+    cannot go out), ``views`` (the live workers as routing sees them), ``requeue`` (a request admitted once
+    goes back to the front of the admission queue: its admission future; raises ``NoRoute`` when nobody
+    can serve it) and ``fail`` (end a request with an error).
+    """
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        in_flight: InFlightRequests,
+        metrics: RouterMetrics,
+        *,
+        send: Callable[[str, msgspec.Struct], bool],
+        views: Callable[[PromptHashes | None], list[WorkerView]],
+        requeue: Callable[[RequestHandle], asyncio.Future],
+        fail: Callable[[RequestHandle, str, int], None],
+        max_attempts: int,
+        max_migrations: int,
+        kv_overlap_weight: float | None,
+    ) -> None:
+        self.registry = registry
+        self.in_flight = in_flight
+        self.metrics = metrics
+        self.send = send
+        self.views = views
+        self.requeue = requeue
+        self.fail = fail
+        self.max_attempts = max_attempts
+        self.max_migrations = max_migrations
+        self.kv_overlap_weight = kv_overlap_weight
+
+    def can_migrate(self, handle: RequestHandle) -> bool:
         """A stream with tokens moves on (the new worker recomputes them) when it is one choice and migrations remain."""
         return handle.num_choices == 1 and handle.num_migrations < self.max_migrations
 
-    def _retry_or_fail(self, handle: RequestHandle, failed_worker: str, message: str, status_code: int = 503,
-                       cause: str = "worker_died") -> None:
+    def retry_or_fail(self, handle: RequestHandle, failed_worker: str, message: str, status_code: int = 503,
+                      cause: str = "worker_died") -> None:
         """Send the request elsewhere: before its first token while attempts remain, after it as a migration
         (the client's stream goes on where it stopped); else fail it."""
         if handle.is_done:
             return
+        is_migration = handle.has_tokens
         if time.monotonic() >= handle.deadline or (
-                not self._can_migrate(handle) if handle.has_tokens else handle.num_attempts >= self.max_attempts):
-            self._fail(handle, message, status_code)
+                not self.can_migrate(handle) if is_migration else handle.num_attempts >= self.max_attempts):
+            self.fail(handle, message, status_code)
             return
-        if handle.has_tokens:
+        if is_migration:
             handle.num_migrations += 1
-            handle.paused_since = handle.paused_since or handle.last_token_at
+            if handle.status not in (RequestStatus.MIGRATING, RequestStatus.HANDING_OFF):  # else paused already
+                handle.paused_since = handle.last_token_at
             self.metrics.migrations_total.labels(cause).inc()
             self.metrics.migration_recomputed_tokens.inc(len(handle.prompt_token_ids) + len(handle.output_token_ids))
             logger.warning("request %s migrates off %s after %d tokens (%s)", handle.request_id, failed_worker,
                            len(handle.output_token_ids), message)
-        self._abandon_handoff(handle)
+        self.abandon_handoff(handle)
+        if is_migration:
+            handle.set_status(RequestStatus.MIGRATING)
         old_decode = handle.decode_worker_id
         if old_decode and old_decode != failed_worker and self.registry.is_alive(old_decode):
-            self._send(old_decode, CancelRequest(request_id=handle.wire_id))
-        self._remember_cancel(handle.wire_id)
-        self._unassign(handle)
-        self._exclude(handle, failed_worker)
+            self.send(old_decode, CancelRequest(request_id=handle.wire_id))
+        self.in_flight.remember_cancel(handle.wire_id)
+        self.in_flight.unassign(handle)
+        self.in_flight.exclude(handle, failed_worker)
         try:  # it was admitted once: it goes ahead of everyone who waits, and waits if all are saturated
-            handle.admission = self.admission.enqueue(
-                handle, at_front=True, timeout_s=max(0.001, handle.deadline - time.monotonic()))
+            admission = self.requeue(handle)
         except NoRoute as exc:
-            self._fail(handle, f"{message}; no other worker to retry on ({exc})", status_code)
+            self.fail(handle, f"{message}; no other worker to retry on ({exc})", status_code)
             return
         self.metrics.retries_total.inc()
-        if handle.admission.done():
+        if admission.done():
             logger.info("request %s retried as %s after: %s", handle.request_id, handle.wire_id, message)
             return
         logger.info("request %s waits for a free worker to retry on after: %s", handle.request_id, message)
-        handle.admission.add_done_callback(
+        admission.add_done_callback(
             lambda admission: self._on_retry_admission(handle, admission, message, status_code))
 
     def _on_retry_admission(self, handle: RequestHandle, admission: asyncio.Future, message: str,
@@ -84,24 +120,27 @@ class RetriesAndMigration:
             return
         error = admission.exception()
         if error is not None:
-            self._fail(handle, f"{message}; no worker free to retry on ({error})", status_code)
+            self.fail(handle, f"{message}; no worker free to retry on ({error})", status_code)
 
-    def _on_worker_dead(self, worker: WorkerInfo) -> None:
-        for handle in list(self._requests.values()):
+    def on_worker_dead(self, worker: WorkerInfo) -> None:
+        """Every request on ``worker`` (decoding there, prefilling there before its first token, or handing
+        off from there) moves on or fails."""
+        for handle in self.in_flight.handles():
             if handle.decode_worker_id == worker.worker_id:
-                self._retry_or_fail(handle, worker.worker_id, f"decode worker {worker.worker_id} died")
+                self.retry_or_fail(handle, worker.worker_id, f"decode worker {worker.worker_id} died")
             elif handle.prefill_worker_id == worker.worker_id and not handle.has_tokens:
-                self._retry_or_fail(handle, worker.worker_id, f"prefill worker {worker.worker_id} died")
-            elif handle.kv_source is not None and handle.kv_source[0] == worker.worker_id:
+                self.retry_or_fail(handle, worker.worker_id, f"prefill worker {worker.worker_id} died")
+            elif (handle.status is RequestStatus.HANDING_OFF and handle.kv_source is not None
+                  and handle.kv_source[0] == worker.worker_id):
                 handle.kv_source = None  # nobody to tell: its KV is gone, the new worker recomputes it
-                self._retry_or_fail(handle, worker.worker_id, f"decode worker {worker.worker_id} died handing off")
-        self.admission.wake()  # queued requests that only this worker could serve now fail (503)
+                handle.set_status(RequestStatus.MIGRATING)
+                self.retry_or_fail(handle, worker.worker_id, f"decode worker {worker.worker_id} died handing off")
 
     # ------------------------------------------------------------------ live migration (drain)
 
-    def _on_handoff_offer(self, worker_id: str, offer: HandoffOffer) -> None:
+    def on_handoff_offer(self, worker_id: str, offer: HandoffOffer) -> None:
         """A draining worker paused a stream: move it, with its KV, to another DecodeOnly worker, or decline."""
-        handle = self._requests.get(offer.request_id)
+        handle = self.in_flight.get(offer.request_id)
         if handle is None or handle.is_done or handle.decode_worker_id != worker_id:
             self._decline(worker_id, offer.request_id, "unknown stream")
             return
@@ -109,70 +148,69 @@ class RetriesAndMigration:
         num_tokens = len(handle.prompt_token_ids) + len(resume)
         prompt = PromptHashes(handle.prompt_token_ids + resume) if self.kv_overlap_weight is not None else None
         try:
-            if not self._can_migrate(handle) or not resume:
+            if not self.can_migrate(handle) or not resume:
                 raise NoRoute("no migrations left")
             target = choose_handoff_target(
-                self._views(prompt), len(handle.prompt_token_ids) + (handle.sampling_params.max_tokens or 0),
-                self._excluded(handle) | {worker_id}, num_cached_tokens=num_tokens,
+                self.views(prompt), len(handle.prompt_token_ids) + (handle.sampling_params.max_tokens or 0),
+                self.in_flight.excluded(handle) | {worker_id}, num_cached_tokens=num_tokens,
                 kv_overlap_weight=self.kv_overlap_weight)
         except NoRoute as exc:
             self._decline(worker_id, offer.request_id, str(exc))
             return
-        wire_id = f"{handle.request_id}~{handle.num_attempts + 1}"
+        wire_id = handle.new_attempt()
         params = handle.sampling_params
         if params.prompt_logprobs is not None:  # the client has them already
             params = msgspec.structs.replace(params, prompt_logprobs=None)
-        if not self._send(target.worker_id, GenerateRequest(
+        if not self.send(target.worker_id, GenerateRequest(
                 request_id=wire_id, prompt_token_ids=handle.prompt_token_ids, sampling_params=params,
                 prefill_worker_id=worker_id, prefill_endpoint=offer.endpoint,
                 deadline_s=max(0.001, handle.deadline - time.monotonic()), resume_token_ids=resume,
                 kv_source_request_id=offer.request_id)):
             self._decline(worker_id, offer.request_id, "the target is unreachable")
             return
-        self._unassign(handle)
-        handle.num_attempts += 1
-        handle.wire_id = wire_id
+        self.in_flight.unassign(handle)
+        self.in_flight.assign(handle, Route(decode=target, prefill=None), wire_id)
         handle.num_migrations += 1
         handle.paused_since = handle.last_token_at
-        self._assign(handle, Route(decode=target, prefill=None))
-        handle.prefill_worker_id = worker_id  # a failed transfer is the draining worker's: retry without it
         handle.kv_source = (worker_id, offer.request_id)
+        handle.set_status(RequestStatus.HANDING_OFF)
         logger.info("request %s hands off from draining %s to %s after %d tokens", handle.request_id, worker_id,
                     target.worker_id, len(resume))
 
     def _decline(self, worker_id: str, stream_id: str, reason: str) -> None:
         self.metrics.handoffs_declined_total.inc()
-        self._send(worker_id, HandoffDeclined(request_id=stream_id, reason=reason))
+        self.send(worker_id, HandoffDeclined(request_id=stream_id, reason=reason))
 
-    def _handoff_done(self, handle: RequestHandle, num_kv_bytes: int) -> None:
-        """The new worker's first tokens after a handoff: the stream moved with its KV."""
-        handle.kv_source = handle.prefill_worker_id = None
+    def handoff_done(self, handle: RequestHandle, num_kv_bytes: int) -> None:
+        """The new worker's first tokens after a handoff: the stream moved with its KV (the draining worker
+        has let it go). The caller, who delivers those tokens, moves the request back to STREAMING."""
+        handle.kv_source = None
         self.metrics.migrations_total.labels("drain").inc()
         self.metrics.migration_kv_bytes.inc(num_kv_bytes)
 
-    def _return_handoff(self, handle: RequestHandle, target_id: str, reason: str) -> bool:
-        """The target refused the stream before asking for its KV (it drains too, or its queue is full): the
-        stream goes back to the draining worker, which still holds it paused, and decodes on there. False
-        when that worker is gone (then the stream is replayed)."""
+    def return_handoff(self, handle: RequestHandle, target_id: str, reason: str) -> bool:
+        """The target refused the HANDING_OFF stream before asking for its KV (it drains too, or its queue is
+        full): the stream goes back to the draining worker, which still holds it paused, and decodes on
+        there. False when that worker is gone (then the stream is replayed)."""
         source, stream_id = handle.kv_source
-        view = next((v for v in self._views() if v.worker_id == source), None)
+        view = next((v for v in self.views(None) if v.worker_id == source), None)
         if view is None:
             return False
-        self._remember_cancel(handle.wire_id)
-        self._unassign(handle)
-        self._exclude(handle, target_id)
+        self.in_flight.remember_cancel(handle.wire_id)
+        self.in_flight.unassign(handle)
+        self.in_flight.exclude(handle, target_id)
         handle.kv_source = None
         handle.num_migrations -= 1
-        handle.paused_since = None
-        handle.wire_id = stream_id
-        self._assign(handle, Route(decode=view, prefill=None))
+        handle.set_status(RequestStatus.STREAMING)
+        self.in_flight.assign(handle, Route(decode=view, prefill=None), stream_id)
         logger.info("request %s stays on %s: %s refused it (%s)", handle.request_id, source, target_id, reason)
         self._decline(source, stream_id, f"{target_id} refused it: {reason}")
         return True
 
-    def _abandon_handoff(self, handle: RequestHandle) -> None:
-        """The request ends or moves on before its handoff completed: the draining worker frees the stream."""
-        if handle.kv_source is not None:
+    def abandon_handoff(self, handle: RequestHandle) -> None:
+        """The request ends or moves on before its handoff completed: the draining worker frees the stream.
+        The caller moves it on (MIGRATING or FINISHED)."""
+        if handle.status is RequestStatus.HANDING_OFF and handle.kv_source is not None:
             source, stream_id = handle.kv_source
             handle.kv_source = None
-            self._send(source, CancelRequest(request_id=stream_id))
+            self.send(source, CancelRequest(request_id=stream_id))

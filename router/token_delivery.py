@@ -1,81 +1,123 @@
 """Token delivery: a worker's token deltas on their way to each request's queue.
 
-``TokenDelivery`` is a part of ``router.dispatcher.Dispatcher`` (a mixin, as ``router.migration`` is: it
-uses the dispatcher's requests, registry, metrics and socket), kept apart because it is one concern:
+``TokenDelivery`` is the dispatcher's collaborator for ``TokenBatch`` messages:
 
 * A decode (or colocated) worker's deltas go to their request's queue, with TTFT, inter-token gaps and
   the tokens a migration would resume after; a delta for a request it should not have gets a cancel.
-* A retryable error before any token sends the request elsewhere (``router.migration``).
+  The first tokens move the request to STREAMING (from ROUTED, or back from MIGRATING / HANDING_OFF).
+* A retryable error before any token of an attempt sends the request elsewhere (``router.migration``).
 * Under P/D the prefill worker sends the first token beside the KV. It streams at once (only while the
-  request may still migrate: a failed transfer then resumes after it), and the decode worker's copy of
-  it is dropped from its first delta. A late one, or one for an attempt that moved on, is ignored.
+  request may still migrate: a failed transfer then resumes after it; FIRST_TOKEN_FROM_PREFILL), and the
+  decode worker's copy of it is dropped from its first delta. A late one, or one for an attempt that
+  moved on, is ignored.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
+
+import msgspec
 
 from pipeline.protocol.cluster import CancelRequest, FinishCode, TokenBatch, TokenDelta
-from router.request_handle import RequestHandle
+from router.in_flight import InFlightRequests
+from router.metrics import RouterMetrics
+from router.migration import Migration
+from router.registry import WorkerRegistry
+from router.request_handle import RequestHandle, RequestStatus
 
 
 class TokenDelivery:
-    """The dispatcher's handling of ``TokenBatch`` messages (see the module docstring)."""
+    """Delivers ``TokenBatch`` messages (see the module docstring).
 
-    def _on_token_batch(self, worker_id: str, batch: TokenBatch) -> None:
+    Explicit dependencies: ``send`` (a message to a worker), ``migration`` (retries, handoffs), and the
+    dispatcher's ``finish`` (the request ends: off its workers, out of the gauges) and ``finish_choice``
+    (one choice ended; the request ends with its last). ``after_turn``, when given, hears of each request
+    that ended well (``PrefillWarmups.after_turn``).
+    """
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        in_flight: InFlightRequests,
+        metrics: RouterMetrics,
+        migration: Migration,
+        *,
+        send: Callable[[str, msgspec.Struct], bool],
+        finish: Callable[[RequestHandle], None],
+        finish_choice: Callable[[RequestHandle, int], None],
+        after_turn: Callable[[RequestHandle], None] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.in_flight = in_flight
+        self.metrics = metrics
+        self.migration = migration
+        self.send = send
+        self.finish = finish
+        self.finish_choice = finish_choice
+        self.after_turn = after_turn
+
+    def on_token_batch(self, worker_id: str, batch: TokenBatch) -> None:
         """A worker's token deltas, each to its request (or a cancel back, for a request it no longer has)."""
         self.registry.touch(worker_id)
         now = time.monotonic()
         for delta in batch.outputs:
-            handle = self._requests.get(delta.request_id)
-            if handle is not None and worker_id == handle.prefill_worker_id != handle.decode_worker_id:
-                self._on_prefill_first_token(handle, delta, now)
+            handle = self.in_flight.get(delta.request_id)
+            if handle is not None and worker_id == handle.kv_source_worker_id != handle.decode_worker_id:
+                self._on_prefill_first_token(handle, delta, now)  # ignored unless it is the first token
                 continue
             if handle is None or handle.decode_worker_id != worker_id:
                 if (info := self.registry.get(worker_id)) is not None and not info.can_decode:
                     continue  # a prefill worker's first token for an attempt that has moved on
-                if delta.finish_reason is None and delta.request_id not in self._cancelled:
-                    self._remember_cancel(delta.request_id)
-                    self._send(worker_id, CancelRequest(request_id=delta.request_id))
+                if delta.finish_reason is None and not self.in_flight.was_cancelled(delta.request_id):
+                    self.in_flight.remember_cancel(delta.request_id)
+                    self.send(worker_id, CancelRequest(request_id=delta.request_id))
                 continue
             if delta.finish_reason == FinishCode.ERROR and delta.retryable and not delta.token_ids:
-                if (handle.kv_source is not None and not delta.is_prefill_failure
-                        and self._return_handoff(handle, worker_id, delta.error or "error")):
-                    continue
-                # Blame the prefill worker when the decode worker says its side failed: the retry may
-                # go back to this decode worker (the only one, perhaps) with another prefill worker,
-                # or prefill locally when none is left.
-                culprit = handle.prefill_worker_id if delta.is_prefill_failure and handle.prefill_worker_id else worker_id
-                self._retry_or_fail(handle, culprit, f"worker {worker_id}: {delta.error or 'error'}", 503,
-                                    cause="worker_error")
+                self._on_retryable_error(handle, worker_id, delta)
                 continue
-            if handle.first_token_from_prefill and delta.token_ids:
+            if handle.status is RequestStatus.FIRST_TOKEN_FROM_PREFILL and delta.token_ids:
                 self._drop_streamed_first_token(handle, delta)
             if delta.token_ids:
                 self._note_tokens(handle, delta, now)
             handle.queue.put_nowait(delta)
             if delta.finish_reason == FinishCode.ERROR:
-                self._finish(handle)
+                self.finish(handle)
             elif delta.finish_reason is not None:
-                if self.warmups is not None:
-                    self.warmups.after_turn(handle)
-                self._choice_finished(handle, delta.index)
+                if self.after_turn is not None:
+                    self.after_turn(handle)
+                self.finish_choice(handle, delta.index)
 
-    def _note_tokens(self, handle: RequestHandle, delta: TokenDelta, now: float) -> None:
+    def _on_retryable_error(self, handle: RequestHandle, worker_id: str, delta: TokenDelta) -> None:
+        """The worker failed this attempt before a token: back to the draining worker of a refused handoff,
+        else a retry (or migration) elsewhere."""
+        reason = delta.error or "error"
+        if (handle.status is RequestStatus.HANDING_OFF and not delta.is_prefill_failure
+                and self.migration.return_handoff(handle, worker_id, reason)):
+            return
+        # Blame where the KV came from when the decode worker says that side failed: the retry may go back
+        # to this decode worker (the only one, perhaps) with another prefill worker, or prefill locally when
+        # none is left.
+        kv_source = handle.kv_source_worker_id
+        culprit = kv_source if delta.is_prefill_failure and kv_source else worker_id
+        self.migration.retry_or_fail(handle, culprit, f"worker {worker_id}: {reason}", 503, cause="worker_error")
+
+    def _note_tokens(self, handle: RequestHandle, delta: TokenDelta, now: float, *,
+                     is_from_prefill: bool = False) -> None:
         """Bookkeeping of tokens on their way to the client: the tokens a migration resumes after, TTFT,
         inter-token gaps, the end of a migration's pause."""
         if handle.num_choices == 1:
             handle.output_token_ids.extend(delta.token_ids)
-        if not handle.has_tokens:
-            handle.has_tokens = True
-            self._release_prefill(handle)
+        if handle.status is RequestStatus.ROUTED:  # its first token
+            handle.set_status(RequestStatus.FIRST_TOKEN_FROM_PREFILL if is_from_prefill else RequestStatus.STREAMING)
+            self.in_flight.release_prefill(handle)
             self.metrics.queue_depth.dec()
             self.metrics.ttft_seconds.observe(now - handle.created_at)
-        elif handle.paused_since is not None:  # the first tokens after a migration
+        elif handle.status in (RequestStatus.MIGRATING, RequestStatus.HANDING_OFF):  # the first tokens after a move
             self.metrics.migration_pause_seconds.observe(now - handle.paused_since)
-            handle.paused_since = None
-            if handle.kv_source is not None:  # a handoff is complete: the draining worker has let it go
-                self._handoff_done(handle, delta.num_migrated_kv_bytes)
+            if handle.status is RequestStatus.HANDING_OFF:
+                self.migration.handoff_done(handle, delta.num_migrated_kv_bytes)
+            handle.set_status(RequestStatus.STREAMING)
         else:  # tokens that arrive together share the gap since the previous ones
             gap = (now - handle.last_token_at) / len(delta.token_ids)
             for _ in delta.token_ids:
@@ -86,19 +128,18 @@ class TokenDelivery:
         """A prefill worker's first token, sent beside the KV: streamed at once, unless the decode worker's
         copy came first (the KV arrived and was verified before this message). Only while the request may
         still migrate: should the transfer then fail, its retry resumes after this token (by replay)."""
-        if (handle.has_tokens or not self._can_migrate(handle) or len(delta.token_ids) != 1
+        if (handle.has_tokens or not self.migration.can_migrate(handle) or len(delta.token_ids) != 1
                 or delta.finish_reason is not None):
             return
-        handle.first_token_from_prefill = True
         self.metrics.prefill_first_tokens_total.inc()
-        self._note_tokens(handle, delta, now)
+        self._note_tokens(handle, delta, now, is_from_prefill=True)
         handle.queue.put_nowait(delta)
 
     @staticmethod
     def _drop_streamed_first_token(handle: RequestHandle, delta: TokenDelta) -> None:
         """The decode worker's first delta repeats the first token its prefill worker streamed (it emits the
         one ``PrefillDone`` brought): strip it, its logprobs and the prompt's."""
-        handle.first_token_from_prefill = False
+        handle.set_status(RequestStatus.STREAMING)
         delta.token_ids = delta.token_ids[1:]
         if delta.logprobs is not None:
             delta.logprobs = delta.logprobs[1:]
