@@ -1,24 +1,42 @@
-# Two entry points: `make run` (the main job) and `make test` (the suite). Both set up .venv first.
+# Two entry points: `make run` (the main job; PORT=8000 by default) and `make test` (the suite). Both set up
+# .venv first: `make run` installs only what running needs, with pip's progress shown; `make test` adds the
+# test extras (the clients the API is tested with, Ray, lm-eval, ...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+PORT ?= 8000
+STAMP := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test bench bench-serve bench-peer bench-kv-routing bench-migration
+.PHONY: run test test-fast test-cluster bench bench-serve bench-peer bench-kv-routing bench-migration
 
 $(STAMP): pyproject.toml setup.py kv_transfer/_copysum.c $(wildcard kernels/native/*.c kernels/native/*.h)
+	@echo "== setting up $(VENV): torch (CPU build) first, then Tandem and what it needs to run"
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0  # first: on CPU-only machines this is the CPU build
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install torch==2.13.0  # first: on CPU-only machines this is the CPU build
+	$(PY) -m pip install -e .
 	touch $(STAMP)
 
-run: $(STAMP)
-	$(VENV)/bin/tandem up --prefill 1 --decode 1 --port 8000
+$(TEST_STAMP): $(STAMP)
+	@echo "== adding the test extras to $(VENV)"
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(TEST_STAMP)
 
-test: $(STAMP)
+run: $(STAMP)
+	$(VENV)/bin/tandem up --prefill 1 --decode 1 --port $(PORT)
+
+test: $(TEST_STAMP)
 	$(VENV)/bin/pytest -q
 
-bench: $(STAMP)
+# the fast lane: no process started, no cluster (pytest -m "not cluster")
+test-fast: $(TEST_STAMP)
+	$(VENV)/bin/pytest -q -m "not cluster and not slow and not gpu"
+
+# the cluster lane: real routers and workers as processes
+test-cluster: $(TEST_STAMP)
+	$(VENV)/bin/pytest -q -m "cluster and not slow and not gpu"
+
+bench: $(TEST_STAMP)
 	$(PY) -m bench.offline_throughput --out bench/results/offline_throughput.json
 	$(PY) -m bench.transfer_bench --out bench/results/transfer_bench.json
 	$(PY) -m bench.plot bench/results/offline_throughput.json
@@ -48,7 +66,7 @@ bench-peer: $(STAMP)
 # (1120 blocks of 16) holds half the conversations at their longest (32 x 1120 tokens / 2).
 KV_SESSIONS := --model-size medium --system-len 256 --user-len 64 --output-len 96 --sessions 32 --turns 6 \
 	--session-rate 2 --think-time 4.0 --num-blocks 1120
-bench-kv-routing: $(STAMP)
+bench-kv-routing: $(TEST_STAMP)
 	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 32 --out bench/results/kv_routing.json
 	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --shapes 2p2d --routing on \
 		--no-warm-prefill-cache --out bench/results/kv_routing_no_warmup.json
@@ -63,7 +81,7 @@ bench-kv-routing: $(STAMP)
 	$(PY) -m bench.kv_routing_bench $(KV_SESSIONS) --random-prompts 0 --think-time-distribution exponential \
 		--out bench/results/kv_routing_exponential_think.json
 
-bench-migration: $(STAMP)
+bench-migration: $(TEST_STAMP)
 	$(PY) -m bench.migration_bench --mode crash --repeats 2 --out bench/results/migration.json
 	$(PY) -m bench.migration_bench --mode drain --repeats 2 --out bench/results/migration_drain.json
 	$(PY) -m bench.migration_bench --mode drain-replay --repeats 2 --out bench/results/migration_drain_replay.json

@@ -19,7 +19,6 @@ import sys
 import threading
 
 from deploy.config_flags import add_config_flags, config_from_args
-from pipeline.config import PipelineConfig
 
 
 def register(sub) -> None:
@@ -46,6 +45,7 @@ def add_supervision_flags(parser: argparse.ArgumentParser, share_cores_help: str
 
 
 def run(args: argparse.Namespace) -> int:
+    from deploy.checkpoint_check import check_checkpoint
     from deploy.cpu_plan import describe_plan, plan_cores, router_cores
     from deploy.local_launcher import ClusterError, LocalCluster
     from pipeline.core_list import format_core_list
@@ -56,18 +56,14 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill is None and args.decode is None:
         args.prefill, args.decode = (1, 1) if not args.colocated else (0, 0)
     config = config_from_args(args)  # validates every flag and the file section before anything starts
-    if config.model.model_path is not None:  # a broken checkpoint is one clear error, not three crashed processes
-        from pipeline.weights import load_hf_config, weight_files
-
-        load_hf_config(config.model.model_path)
-        weight_files(config.model.model_path)
+    check_checkpoint(config.model.model_path)  # a checkpoint we cannot serve: one clear error, nothing started
     pool = allowed_cores(config.cpu_cores)  # a core that is not ours is an error here, not in every worker
     cpu_plan = plan_cores(pool, args.prefill or 0, args.decode or 0, args.colocated, share=args.share_cores)
     router_pool = router_cores(cpu_plan)
+    # Only what the operator set (flag, file section, TANDEM_* variable) travels: a default written out
+    # would read as the operator's choice in every process (the API's max_tokens default among them).
     overrides = config.model_dump(mode="json", exclude={"config_file", "section_name", "pipeline_role"},
-                                  exclude_unset=False)
-    if config.zmq_endpoint_base == PipelineConfig.model_fields["zmq_endpoint_base"].default:
-        overrides.pop("zmq_endpoint_base")  # not chosen by the user: a fresh ipc path per cluster
+                                  exclude_unset=True)
     cluster = LocalCluster(
         num_prefill=args.prefill or 0, num_decode=args.decode or 0, num_colocated=args.colocated,
         host=args.host, port=args.port, config=overrides, api_key=args.api_key, log_dir=args.log_dir,

@@ -5,13 +5,20 @@ then shuts every child down in order) and logs to a file of its own. All sockets
 ``zmq_endpoint_base`` (a fresh ``ipc://`` path by default, so clusters never collide).
 ``tests/`` uses the same class as its cluster fixture.
 
-Every process is forked by one thread that lives until ``stop()`` has ended them all, and asks for
-SIGKILL when the launcher dies (``deploy.parent_guard``): a launcher killed with SIGKILL (or a benchmark
-or test run cut short) leaves no worker behind. The kernel ties that signal to the forking thread, which
-is why no other thread forks.
+Workers are forked from a fork server (``deploy.zygote``) that imported torch and transformers once, so
+a worker, first start or restart, begins serving in about a second instead of paying those imports
+again; the router (which never loads torch) is exec'd by one thread that lives until ``stop()`` has
+ended it and asks for SIGKILL when the launcher dies (``deploy.parent_guard``; the kernel ties that
+signal to the forking thread, which is why no other thread forks). The fork server's children get
+SIGKILL when it dies, and it kills them itself when the launcher goes (its socket closes): a launcher
+killed with SIGKILL (or a benchmark or test run cut short) leaves no process behind. ``TANDEM_ZYGOTE=0``
+exec's every process afresh instead.
 
-Once ready, a background thread applies ``deploy.supervisor``'s restart policy: a process that exits is
-started again (same command, its log appended to) until it crashes ``max_restarts`` times in a row.
+The router serves from its first ``/ready`` 200; from that moment a background thread applies
+``deploy.supervisor``'s restart policy (a worker that dies while ``start()`` still waits for the others
+is restarted, never a start-up failure): a process that exits is started again (same command, its log
+appended to) until it crashes ``max_restarts`` times in a row. An exited process's shared-memory KV
+cache is removed as soon as its exit is seen, and every started process's at ``stop()``.
 Restarted workers re-register with the router by themselves. Every supervision event goes to
 ``on_event`` (``tandem up`` prints it; default: this module's logger) and to ``launcher.log``.
 ``failure`` says why the cluster cannot serve any more (router or every decode-capable worker given up).
@@ -39,6 +46,8 @@ import yaml
 
 from deploy.parent_guard import DIE_WITH_PARENT_ENV
 from deploy.supervisor import RestartPolicy, Supervisor, SupervisorEvent
+from deploy.zygote_client import ForkedProcess, fork_server_enabled, shared_fork_server
+from kv_transfer.shm_files import remove_shared_kv_files_of
 from pipeline.config import PipelineConfig
 from pipeline.core_list import format_core_list
 
@@ -72,7 +81,9 @@ class LocalCluster:
     # {worker name: cores}: each worker gets "--cpu-cores" (deploy.cpu_plan); None: no binding
     cpu_plan: dict[str, list[int]] | None = None
     router_cores: list[int] | None = None  # the router's "--cpu-cores" (deploy.cpu_plan.router_cores); None: unbound
-    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    # Workers forked from a warm fork server (deploy.zygote), unless TANDEM_ZYGOTE=0 or not on Linux
+    use_fork_server: bool = field(default_factory=fork_server_enabled)
+    processes: dict[str, subprocess.Popen | ForkedProcess] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.restart_policy = RestartPolicy(max_restarts=self.max_restarts)
@@ -84,6 +95,7 @@ class LocalCluster:
         self._supervision_thread: threading.Thread | None = None
         self._spawner: ThreadPoolExecutor | None = None  # the one thread that forks (module docstring)
         self._workdir = Path(tempfile.mkdtemp(prefix="tandem-"))
+        self.started_pids: set[int] = set()  # every process this cluster ever started (restarts included)
         self.log_dir = Path(self.log_dir) if self.log_dir else self._workdir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.config = dict(self.config)
@@ -135,6 +147,8 @@ class LocalCluster:
         if self.router_cores:
             router_args += ["--cpu-cores", format_core_list(self.router_cores)]
         try:
+            if self.use_fork_server and self.worker_names:
+                shared_fork_server(self.log_dir / "zygote.log")  # its imports overlap the router's start
             self._spawn("router", router_args + common)
             roles = {"prefill": "PrefillOnly", "decode": "DecodeOnly", "colocated": "PrefillAndDecode"}
             for name in self.worker_names:
@@ -145,39 +159,57 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
-        self._start_supervision()
         return self
 
     def _spawn(self, name: str, args: list[str]) -> int:
-        """Start ``name`` (first start: a fresh log; a restart: the same command, appended to its log)."""
+        """Start ``name`` (first start: a fresh log; a restart: the same command, appended to its log).
+
+        Workers are forked by the fork server (``deploy.zygote``: torch and transformers imported once
+        per launcher, not once per process); the router, which never loads torch, is exec'd afresh."""
         is_restart = name in self._commands
         self._commands[name] = args
-        with open(self.log_path(name), "ab" if is_restart else "wb") as log:
+        log_path = self.log_path(name)
+        with open(log_path, "ab" if is_restart else "wb") as log:
             if is_restart:
                 stamp = time.strftime("%Y-%m-%d %H:%M:%S")
                 log.write(f"\n===== {stamp} tandem: {name} restarted; the previous run's output is above =====\n"
                           .encode())
-                log.flush()
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, DIE_WITH_PARENT_ENV: str(os.getpid())}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, DIE_WITH_PARENT_ENV: str(os.getpid())}
+        argv = ["--log-level", "INFO", *args]
+        if name != "router" and self.use_fork_server:
+            proc = shared_fork_server(self.log_dir / "zygote.log").spawn(self.entry_module, argv, env, log_path)
+        else:
             if self._spawner is None:
                 self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-spawner")
-            proc = self._spawner.submit(
-                subprocess.Popen, [sys.executable, "-m", self.entry_module, "--log-level", "INFO", *args],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-            ).result()
+            with open(log_path, "ab") as log:
+                proc = self._spawner.submit(
+                    subprocess.Popen, [sys.executable, "-m", self.entry_module, *argv],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                ).result()
         self.processes[name] = proc
+        self.started_pids.add(proc.pid)
+        self._log_event(f"{name} started as pid {proc.pid}")
         return proc.pid
 
     # ----------------------------------------------------------- supervision
     def _start_supervision(self) -> None:
         self._supervisor = Supervisor(
             list(self.processes), self.restart_policy,
-            poll_exit=lambda name: self.processes[name].poll(),
+            poll_exit=self._poll_exit,
             respawn=lambda name: self._spawn(name, self._commands[name]),
             why_cannot_serve=_why_cannot_serve, log_path_of=lambda name: str(self.log_path(name)),
         )
         self._supervision_thread = threading.Thread(target=self._supervise, name="tandem-supervisor", daemon=True)
         self._supervision_thread.start()
+
+    def _poll_exit(self, name: str) -> int | None:
+        """``name``'s exit code (None while it runs); an exited process's shared KV cache is removed at
+        once: one killed by a signal could not remove it, and a crash loop would fill memory."""
+        proc = self.processes[name]
+        returncode = proc.poll()
+        if returncode is not None:
+            remove_shared_kv_files_of({proc.pid})
+        return returncode
 
     def _supervise(self) -> None:
         while not self._is_stopping.wait(SUPERVISE_INTERVAL_S):
@@ -191,9 +223,12 @@ class LocalCluster:
                 except Exception:  # noqa: BLE001 - a failed report must not end supervision
                     logger.exception("could not report: %s", event.message)
 
-    def _report(self, event: SupervisorEvent) -> None:
+    def _log_event(self, message: str) -> None:
         with open(self.log_dir / "launcher.log", "a") as log:
-            log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {event.message}\n")
+            log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+
+    def _report(self, event: SupervisorEvent) -> None:
+        self._log_event(event.message)
         if self.on_event is not None:
             self.on_event(event)
         else:
@@ -207,22 +242,45 @@ class LocalCluster:
             self._supervision_thread.join(timeout=5)
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Until the router reports ready with every worker alive; fails fast if a process exits."""
+        """Until the router reports ready with every worker alive.
+
+        Two phases, split at the moment the router first answers ``/ready`` 200 (it serves from then on):
+        before it, a process that exits is a start-up failure (``ClusterError`` with its log tail, fast);
+        from it on, supervision runs, so a process that exits is restarted like any later crash and
+        the wait goes on for the new process. Only a cluster that can no longer serve fails then."""
         deadline = time.monotonic() + timeout_s
         expected = set(self.worker_names)
         while time.monotonic() < deadline:
-            for name, proc in self.processes.items():
-                if proc.poll() is not None:
-                    raise ClusterError(f"{name} exited with code {proc.returncode}:\n{self.log_tail(name)}")
-            try:
-                body = httpx.get(f"{self.url}/ready", timeout=2.0).json()
+            body = self._ready_body()
+            if self._supervisor is None:
+                if body is not None and body.get("ready"):
+                    self._start_supervision()  # the router serves: every death is a restart from now on
+                else:
+                    exited = [(name, proc) for name, proc in self.processes.items() if proc.poll() is not None]
+                    if exited and not self._router_serves():  # ready meanwhile: supervision restarts it
+                        name, proc = exited[0]
+                        remove_shared_kv_files_of({proc.pid})
+                        raise ClusterError(f"{name} exited with code {proc.returncode}:\n{self.log_tail(name)}")
+                    if exited:
+                        self._start_supervision()
+            elif self.failure is not None:
+                raise ClusterError(f"the cluster cannot serve: {self.failure}; logs in {self.log_dir}")
+            if body is not None and body.get("ready"):
                 alive = {w["worker_id"] for w in body.get("workers", []) if w.get("alive")}
-                if body.get("ready") and expected <= alive:
+                if expected <= alive | (self._supervisor.given_up if self._supervisor else set()):
                     return
-            except (httpx.HTTPError, ValueError):
-                pass
             time.sleep(0.2)
         raise ClusterError(f"cluster not ready after {timeout_s:.0f}s; logs in {self.log_dir}")
+
+    def _ready_body(self) -> dict | None:
+        try:
+            return httpx.get(f"{self.url}/ready", timeout=2.0).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def _router_serves(self) -> bool:
+        body = self._ready_body()
+        return bool(body and body.get("ready"))
 
     def rolling_restart(self, names: list[str] | None = None, ready_timeout_s: float = 120.0) -> None:
         """Replace workers one at a time (default: every worker, prefill first) with no failed request:
@@ -289,9 +347,7 @@ class LocalCluster:
             spawner.shutdown(wait=True)
         for leftover in self._workdir.glob("zmq-*"):  # ipc socket files; logs stay for the user
             leftover.unlink(missing_ok=True)
-        from kv_transfer.shm import remove_stale_shared_kv_caches
-
-        remove_stale_shared_kv_caches()  # shared KV caches of workers that had to be killed
+        remove_shared_kv_files_of(self.started_pids)  # shared KV caches of workers that had to be killed
 
     def force_stop(self) -> None:
         """Cut a ``stop()`` in progress short (from another thread or a signal handler): whatever

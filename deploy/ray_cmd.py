@@ -107,6 +107,7 @@ def run_up(args: argparse.Namespace) -> int:
 
 def _up_options(args: argparse.Namespace):
     from deploy.ray_cluster.deployment import UpOptions
+    from deploy.checkpoint_check import check_checkpoint
     from deploy.ray_cluster.spec import check_deployment_name, parse_resources
     from pipeline.core_list import parse_core_list
 
@@ -123,9 +124,11 @@ def _up_options(args: argparse.Namespace):
     if config.zmq_endpoint_base.startswith("ipc://") and "zmq_endpoint_base" in given:
         raise ValueError("zmq_endpoint_base: a Ray deployment spans nodes, so it needs tcp://HOST:PORT "
                          "(or leave it unset: tcp://ROUTER_NODE:--zmq-port)")
-    overrides = config.model_dump(mode="json", exclude={"config_file", "section_name", "pipeline_role"})
-    if "zmq_endpoint_base" not in given:
-        overrides.pop("zmq_endpoint_base")
+    check_checkpoint(config.model.model_path)  # a checkpoint we cannot serve: one clear error, no actor started
+    # Only what the operator set travels: a default written out would read as the operator's choice in
+    # every process (the API's max_tokens default among them).
+    overrides = config.model_dump(mode="json", exclude={"config_file", "section_name", "pipeline_role"},
+                                  exclude_unset=True)
     if overrides.get("bind_host") is None:
         overrides.pop("bind_host", None)  # each worker binds on its own node's address
     return UpOptions(

@@ -10,7 +10,7 @@ Modules, one sentence each:
 - ``blocks``: argument and piece checks, runs of consecutive blocks, splitting a send into <= 4 MiB pieces.
 - ``data_path``: moving a piece's bytes (pack for the wire, in-place copy, landing), checksummed as they go.
 - ``checksum``: the position-weighted 64-bit checksum both ends compute over their own cache.
-- ``shm``: KV caches in /dev/shm for the same-host transport, and cleanup of crash leftovers.
+- ``shm``: KV caches in /dev/shm for the same-host transport; ``shm_files``: their names and removal (torch-free).
 
 Transports ("auto" picks the first both ends accept, shared memory only on the same host):
 ``"shm"`` (the sender copies straight into the receiver's shared cache) and ``"zmq"`` (packed blocks as
@@ -18,17 +18,28 @@ raw zero-copy frames over the receiver's tcp:// or ipc:// address).
 Measured throughput against raw baselines: ``bench/transfer_bench.py``, ``docs/benchmarks.md``.
 """
 
-from kv_transfer.interface import ReceivedTransfer, SendStatus, TransferStats, TransportStats
-from kv_transfer.layout import check_kv_cache, kv_layout
-from kv_transfer.receiver import KVReceiver
-from kv_transfer.sender import KVSender
-from kv_transfer.shm import (
-    allocate_shared_kv_cache,
-    free_shared_kv_cache,
-    remove_stale_shared_kv_caches,
-    shared_kv_path,
-)
-from pipeline.protocol.transfer import TRANSPORTS, KVLayout
+import importlib
+
+# Names load on first use (PEP 562), so torch-free parts such as ``kv_transfer.shm_files`` can be
+# imported by a launcher without the package pulling in torch.
+_EXPORTS = {
+    "ReceivedTransfer": "kv_transfer.interface", "SendStatus": "kv_transfer.interface",
+    "TransferStats": "kv_transfer.interface", "TransportStats": "kv_transfer.interface",
+    "check_kv_cache": "kv_transfer.layout", "kv_layout": "kv_transfer.layout",
+    "KVReceiver": "kv_transfer.receiver", "KVSender": "kv_transfer.sender",
+    "allocate_shared_kv_cache": "kv_transfer.shm", "free_shared_kv_cache": "kv_transfer.shm",
+    "remove_stale_shared_kv_caches": "kv_transfer.shm", "shared_kv_path": "kv_transfer.shm",
+    "TRANSPORTS": "pipeline.protocol.transfer", "KVLayout": "pipeline.protocol.transfer",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kv_transfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "TRANSPORTS",

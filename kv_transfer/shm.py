@@ -27,10 +27,10 @@ import threading
 
 import torch
 
+from kv_transfer.shm_files import SHM_DIR, remove_stale_shared_kv_files, shared_kv_file_path, unlink_quietly
+
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-_PREFIX = "tandem-kv."
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
 _lock = threading.Lock()
 _owned: dict[int, str] = {}  # storage data_ptr -> file path, for caches this process allocated
@@ -44,7 +44,7 @@ def allocate_shared_kv_cache(shape: tuple[int, ...] | torch.Size, dtype: torch.d
     """
     if not _NAME_RE.match(name):
         raise ValueError(f"name: only letters, digits, '_', '.', '-' (1-100 chars) are allowed (got {name!r})")
-    path = os.path.join(SHM_DIR, f"{_PREFIX}{os.getpid()}.{name}")
+    path = shared_kv_file_path(os.getpid(), name)
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # never clobber another cache
@@ -75,7 +75,7 @@ def free_shared_kv_cache(kv_cache: torch.Tensor) -> None:
     with _lock:
         path = _owned.pop(kv_cache.untyped_storage().data_ptr(), None)
     if path is not None:
-        _unlink(path)
+        unlink_quietly(path)
 
 
 def open_shared_kv_cache(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -139,35 +139,7 @@ def host_id() -> str:
 
 def remove_stale_shared_kv_caches() -> list[str]:
     """Delete ``/dev/shm/tandem-kv.<pid>.*`` files of processes that no longer run; returns the paths."""
-    removed = []
-    for entry in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []:
-        if not entry.startswith(_PREFIX):
-            continue
-        pid_text = entry[len(_PREFIX) :].split(".", 1)[0]
-        if pid_text.isdigit() and not _is_running(int(pid_text)):
-            path = os.path.join(SHM_DIR, entry)
-            _unlink(path)
-            removed.append(path)
-    return removed
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("could not remove shared KV cache %s: %s", path, exc)
+    return remove_stale_shared_kv_files()
 
 
 @atexit.register
@@ -176,4 +148,4 @@ def _remove_owned_files() -> None:
         paths = list(_owned.values())
         _owned.clear()
     for path in paths:
-        _unlink(path)
+        unlink_quietly(path)

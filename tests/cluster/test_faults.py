@@ -16,6 +16,7 @@ import openai
 import pytest
 import zmq
 
+from kv_transfer.shm_files import shared_kv_files_of
 from pipeline.endpoints import router_endpoint, worker_bind_endpoint
 from tests.cluster.conftest import (CLUSTER_CONFIG, kv_gauges, migrations, start_cluster, wait_for_idle_blocks,
                                     worker_metric)
@@ -35,7 +36,8 @@ def cluster(tiny_checkpoint, tmp_path_factory):
         yield c
     finally:
         c.stop()
-    assert not list(Path("/dev/shm").glob("tandem-kv.*")), "a shared KV cache outlived the cluster"
+    leftovers = shared_kv_files_of(c.started_pids)  # this cluster's only: others may run on the host
+    assert not leftovers, f"a shared KV cache outlived the cluster: {leftovers}"
 
 
 @pytest.fixture

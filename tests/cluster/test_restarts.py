@@ -9,15 +9,14 @@ transformers' greedy text.
 
 from __future__ import annotations
 
-import re
 import signal
 import threading
 import time
-from pathlib import Path
 
 import openai
 import pytest
 
+from kv_transfer.shm_files import shared_kv_files_of
 from tests.cluster.conftest import (
     CLUSTER_CONFIG, migrations, start_cluster, wait_for_idle_blocks, wait_for_incarnation, wait_for_metric, worker_metric,
 )
@@ -40,13 +39,11 @@ def cluster(tiny_checkpoint, tmp_path_factory):
                       num_decode=2, config=CONFIG, max_restarts=3, on_event=events.append, env=WORKER_ENV,
                       entry_module="tests.cluster.slow_steps")
     c.events = events
-    pids = set(c.pids.values())
     try:
         yield c
     finally:
         c.stop()
-    pids |= {int(m.group(1)) for e in events if (m := re.search(r"as pid (\d+)", e.message))}
-    leftovers = [p for p in Path("/dev/shm").glob("tandem-kv.*") if int(p.name.split(".")[1]) in pids]
+    leftovers = shared_kv_files_of(c.started_pids)  # restarted workers' too
     assert not leftovers, f"a shared KV cache outlived the cluster: {leftovers}"
 
 

@@ -27,6 +27,21 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def descendants_of(pid: int) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for parent in frontier for child in children_of(parent)]
+        found += children
+        frontier = children
+    return found
+
+
+def cluster_processes(launcher_pid: int) -> list[int]:
+    """The Tandem processes a launcher runs: its descendants that run ``deploy.cli`` (the router, exec'd,
+    and the workers, forked by the fork server under their own command line), not the fork server."""
+    return [pid for pid in descendants_of(launcher_pid) if b"deploy.cli" in _cmdline(pid)]
+
+
 def is_alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -98,12 +113,12 @@ class TandemUp:
 
     def cleanup(self) -> None:
         """Kill whatever is left (a failed test): the launcher's group and each child's."""
-        pids = self.all_pids | set(children_of(self.proc.pid))
+        pids = self.all_pids | set(descendants_of(self.proc.pid))
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
         for pid in pids:
-            if is_alive(pid) and b"deploy.cli" in _cmdline(pid):  # ours, not a reused pid
+            if is_alive(pid) and (b"deploy.cli" in _cmdline(pid) or b"deploy.zygote" in _cmdline(pid)):  # ours
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.cluster.conftest import free_port
-from tests.deploy.conftest import TANDEM, children_of, is_alive
+from tests.deploy.conftest import TANDEM, cluster_processes, is_alive
 
 
 def wait_ready(url: str, procs: list[subprocess.Popen], num_workers: int, timeout_s: float = 180) -> None:
@@ -48,7 +48,7 @@ def test_tandem_up_serves_and_stops_every_process_on_sigterm(tiny_checkpoint, tm
             if "ready at" in line:
                 break
         assert f"http://127.0.0.1:{port}/v1" in lines[-1]
-        children = children_of(launcher.pid)
+        children = cluster_processes(launcher.pid)
         assert len(children) == 3  # router, prefill, decode
         out = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                          json={"model": Path(tiny_checkpoint("llama")).name, "prompt": "Hi", "max_tokens": 4},
@@ -126,3 +126,18 @@ def test_worker_processes_let_idle_openmp_threads_sleep(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # a user's explicit choice stands
     quiet_openmp_waits()
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_an_unsupported_checkpoint_is_refused_before_anything_starts(tmp_path):
+    """A real architecture Tandem has no model class for (GPT-2) is named in the error, and no router or
+    worker is started for it (no log of theirs)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    checkpoint = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(checkpoint)
+    log_dir = tmp_path / "logs"
+    result = subprocess.run([*TANDEM, "up", "--model", str(checkpoint), "--log-dir", str(log_dir)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM" in result.stderr
+    assert "Traceback" not in result.stderr and not list(log_dir.glob("*.log"))

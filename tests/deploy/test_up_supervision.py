@@ -4,17 +4,22 @@ takes every process down with it when it is killed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from tests.cluster.conftest import free_port, wait_for_incarnation
-from tests.deploy.conftest import TandemUp, children_of, is_alive
+from tests.deploy.conftest import TandemUp, cluster_processes, is_alive
 
 
 def up_args(tiny_checkpoint, tmp_path, *args: str) -> list[str]:
@@ -39,15 +44,84 @@ def test_killed_worker_is_restarted_and_the_cluster_keeps_serving(tiny_checkpoin
         assert f"log: {tmp_path}/decode-0.log" in line
         complete(url, tiny_checkpoint, "while decode-0 is down")  # decode-1 serves (after a retry, if need be)
         new_pid = int(up.wait_for(r"^decode-0 restarted as pid (\d+)", 30).group(1))
+        assert not list(Path("/dev/shm").glob(f"tandem-kv.{old_pid}.*"))  # its shared KV cache reclaimed
         wait_for_incarnation(url, "decode-0", new_pid, timeout_s=30)
         complete(url, tiny_checkpoint, "after the restart")
         assert "tandem: decode-0 restarted" in (tmp_path / "decode-0.log").read_text()  # appended, marked
         assert "decode-0 restarted as pid" in (tmp_path / "launcher.log").read_text()
-        children = children_of(up.proc.pid)
+        children = cluster_processes(up.proc.pid)
         assert new_pid in children and old_pid not in children and len(children) == 4
         up.proc.send_signal(signal.SIGTERM)
         assert up.exit_code(timeout_s=60) == 0, up.output
         assert not [pid for pid in children if is_alive(pid)]
+    finally:
+        up.cleanup()
+
+
+@contextlib.contextmanager
+def busy_machine(is_busy: bool):
+    """As many spinning processes as cores while the block runs (or nothing)."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)] \
+        if is_busy else []
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def started_pid(log_dir: Path, name: str) -> int | None:
+    """The pid ``name`` was last started as (the launcher writes every start to launcher.log)."""
+    path = log_dir / "launcher.log"
+    found = re.findall(rf"^\S+ \S+ {re.escape(name)} started as pid (\d+)$", path.read_text() if path.exists() else "",
+                       flags=re.MULTILINE)
+    return int(found[-1]) if found else None
+
+
+@pytest.mark.parametrize("is_busy", [False, True], ids=["quiet", "busy"])
+def test_a_worker_killed_as_the_router_turns_ready_is_restarted(tiny_checkpoint, tmp_path, is_busy):
+    """The router serves from its first /ready 200, while ``tandem up`` may still wait for other workers
+    to register: a worker killed then is restarted like any later crash, never a start-up failure that
+    stops the cluster. Also: a request without max_tokens runs to the end of the context (the launcher
+    passes on only what the operator set, so the API's default is the workers' rest-of-context)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["--model", tiny_checkpoint("llama"), "--port", str(port), "--log-dir", str(tmp_path),
+            "--kv-cache-num-blocks", "128", "--max-length", "40", "--prefill", "1", "--decode", "2"]
+    with busy_machine(is_busy):
+        up = TandemUp(args)
+        try:
+            deadline = time.monotonic() + 240
+            while True:
+                assert time.monotonic() < deadline and up.proc.poll() is None, up.output
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                        break
+                time.sleep(0.02)
+            ready_body = httpx.get(f"{url}/ready", timeout=5).json()
+            victim = "decode-1" if "decode-1" not in {w["worker_id"] for w in ready_body["workers"]} else "decode-0"
+            victim_pid = started_pid(tmp_path, victim)
+            os.kill(victim_pid, signal.SIGKILL)
+            line = up.wait_for(rf"^{victim} ", 60).string
+            assert f"{victim} was killed by signal SIGKILL; restarting in 1 s" in line, up.output
+            new_pid = int(up.wait_for(rf"^{victim} restarted as pid (\d+)", 60).group(1))
+            wait_for_incarnation(url, victim, new_pid, timeout_s=120)
+            if "Tandem is ready at" not in up.output:  # the kill may have come before the launcher said so
+                up.wait_for("Tandem is ready at", 240)
+            assert up.proc.poll() is None, up.output
+            assert not list(Path("/dev/shm").glob(f"tandem-kv.{victim_pid}.*"))
+        finally:
+            if up.proc.poll() is not None:
+                up.cleanup()
+    try:
+        complete(url, tiny_checkpoint)
+        prompt_ids = [5, 6, 7, 8]
+        out = httpx.post(f"{url}/v1/completions", json={"model": Path(tiny_checkpoint("llama")).name,
+                                                         "prompt": prompt_ids, "ignore_eos": True}, timeout=60)
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 40 - len(prompt_ids), out.text
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.exit_code(timeout_s=60) == 0, up.output
     finally:
         up.cleanup()
 
@@ -60,7 +134,7 @@ def test_a_killed_launcher_takes_every_process_down(tiny_checkpoint, tmp_path):
         up.wait_ready()
         os.kill(up.pids["decode-0"], signal.SIGKILL)
         up.wait_for(r"^decode-0 restarted as pid (\d+)", 30)  # forked after start, by the supervision
-        children = children_of(up.proc.pid)
+        children = cluster_processes(up.proc.pid)
         assert up.pids["decode-0"] in children and len(children) == 3
         up.proc.kill()
         up.proc.wait(10)
@@ -122,7 +196,7 @@ def test_sigterm_lets_a_running_stream_finish(tiny_checkpoint, tmp_path):
     up = TandemUp(up_args(tiny_checkpoint, tmp_path, "--prefill", "1", "--decode", "1"))
     try:
         result, reader = read_a_long_stream(up.wait_ready(), tiny_checkpoint)
-        children = children_of(up.proc.pid)
+        children = cluster_processes(up.proc.pid)
         up.proc.send_signal(signal.SIGTERM)
         signalled_at = time.monotonic()
         assert up.exit_code(timeout_s=60) == 0, up.output
@@ -139,7 +213,7 @@ def test_a_second_sigterm_stops_at_once_without_waiting_for_the_drain(tiny_check
     try:
         # A request is in flight: the first signal drains, and would wait for it.
         result, reader = read_a_long_stream(up.wait_ready(), tiny_checkpoint)
-        children = children_of(up.proc.pid)
+        children = cluster_processes(up.proc.pid)
         up.proc.send_signal(signal.SIGTERM)
         up.wait_for("shutting down")
         up.proc.send_signal(signal.SIGTERM)
