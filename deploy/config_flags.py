@@ -8,6 +8,8 @@ command line override the config file and ``TANDEM_*`` environment variables.
 from __future__ import annotations
 
 import argparse
+import enum
+import typing
 from typing import Any
 
 from pydantic import BaseModel
@@ -17,17 +19,19 @@ from pipeline.config import PipelineConfig, parse_scalar
 _SKIP = {"config_file", "section_name", "model"}
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Every PipelineConfig field as a flag, but the ``skip`` ones (a launcher sets each process's role)."""
     group = parser.add_argument_group("pipeline config (any PipelineConfig field; see docs/configuration.md)")
-    group.add_argument("--config", dest="config_file", default=None, help="YAML or TOML config file")
-    group.add_argument("--section", dest="section_name", default=None, help="section of the config file")
-    group.add_argument("--model", dest="cfg:model.model_path", default=argparse.SUPPRESS,
+    group.add_argument("--config", dest="config_file", default=None, metavar="FILE", help="YAML or TOML config file")
+    group.add_argument("--section", dest="section_name", default=None, metavar="NAME",
+                       help="section of the config file")
+    group.add_argument("--model", dest="cfg:model.model_path", default=argparse.SUPPRESS, metavar="PATH",
                        help="Hugging Face checkpoint directory (default: the built-in random model)")
     group.add_argument("--served-model-name", dest="cfg:model.served_model_name", default=argparse.SUPPRESS,
                        metavar="NAME[,ALIAS...]", help="the names the API serves the model under (vLLM's flag; "
                        "default: the checkpoint folder's name)")
     for name, field in PipelineConfig.model_fields.items():
-        if name in _SKIP:
+        if name in _SKIP or name in skip:
             continue
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -42,10 +46,25 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 def _add(group, flag_name: str, dest: str, field) -> None:
     help_text = field.description or ""
     default = field.default if field.default_factory is None else None
+    if isinstance(default, enum.Enum):
+        default = default.value
+    shown = "unset" if default is None else str(default).lower() if isinstance(default, bool) else default
     group.add_argument(
-        "--" + flag_name.replace("_", "-"), dest=dest, default=argparse.SUPPRESS, metavar="VALUE",
-        help=f"{help_text} (default: {default})".strip(),
+        "--" + flag_name.replace("_", "-"), dest=dest, default=argparse.SUPPRESS, metavar=_metavar(field.annotation),
+        help=f"{help_text} (default: {shown})".strip(),
     )
+
+
+def _metavar(annotation) -> str:
+    """What a value looks like: {a,b,c} for a choice, BOOL, INT, FLOAT, else VALUE."""
+    options = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    if len(options) == 1 and typing.get_origin(options[0]) is typing.Literal:
+        return "{" + ",".join(str(v) for v in typing.get_args(options[0])) + "}"
+    if len(options) == 1 and isinstance(options[0], type) and issubclass(options[0], enum.Enum):
+        return "{" + ",".join(str(m.value) for m in options[0]) + "}"
+    names = {bool: "BOOL", int: "INT", float: "FLOAT", str: "TEXT"}
+    kinds = [names.get(option) for option in options]
+    return kinds[0] if len(kinds) == 1 and kinds[0] else "VALUE"
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -22,24 +22,35 @@ from deploy.config_flags import add_config_flags, config_from_args
 
 
 def register(sub) -> None:
-    parser = sub.add_parser("up", help="start a local cluster: router, prefill and decode workers")
-    parser.add_argument("--prefill", type=int, default=None, help="PrefillOnly workers (default 1)")
-    parser.add_argument("--decode", type=int, default=None, help="DecodeOnly workers (default 1)")
-    parser.add_argument("--colocated", type=int, default=0, help="PrefillAndDecode workers (default 0)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--log-dir", default=None, help="where each process logs (default: a temp dir)")
-    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser = sub.add_parser(
+        "up", help="start a local cluster: router, prefill and decode workers",
+        usage="tandem up [--prefill N] [--decode N] [--colocated N] [--model PATH] [--port PORT] [options]",
+        description="Start a router and workers on this host, each its own process, until Ctrl-C / SIGTERM "
+                    "(which drains first). A process that exits is restarted; SIGHUP replaces every worker "
+                    "one at a time.")
+    parser.add_argument("--prefill", type=int, default=None, metavar="N",
+                        help="prefill workers (PrefillOnly; default 1, or 0 with --colocated)")
+    parser.add_argument("--decode", type=int, default=None, metavar="N",
+                        help="decode workers (DecodeOnly; default 1, or 0 with --colocated)")
+    parser.add_argument("--colocated", type=int, default=0, metavar="N",
+                        help="colocated workers that prefill and decode themselves (PrefillAndDecode; default 0)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port of the HTTP API (default 8000)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on the API (default: no key)")
+    parser.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="where each process logs (default: a temp dir)")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="give up if the cluster is not serving by then (default 300)")
     add_supervision_flags(parser, share_cores_help="let every worker use every core of the pool (default: prefill and "
                           "decode workers get disjoint cores; the pool is --cpu-cores, else every core this process may use)")
-    add_config_flags(parser)
+    add_config_flags(parser, skip=("pipeline_role",))  # the launcher gives each process its role
     parser.set_defaults(handler=run)
 
 
 def add_supervision_flags(parser: argparse.ArgumentParser, share_cores_help: str) -> None:
     """``--max-restarts`` and ``--share-cores``, shared by ``tandem up`` and ``tandem ray up``."""
-    parser.add_argument("--max-restarts", type=int, default=5,
+    parser.add_argument("--max-restarts", type=int, default=5, metavar="N",
                         help="restart a process that exits up to N times in a row, with backoff; 0: never (default 5)")
     parser.add_argument("--share-cores", action="store_true", help=share_cores_help)
 

@@ -44,7 +44,7 @@ def register(sub) -> None:
     up.add_argument("--ready-timeout", type=float, default=300.0)
     add_supervision_flags(up, share_cores_help="CPU nodes: let every worker use every core of its node (default: "
                           "prefill and decode workers on one node get disjoint cores, as in tandem up)")
-    add_config_flags(up)
+    add_config_flags(up, skip=("pipeline_role",))  # the deployment gives each process its role
     up.set_defaults(handler=run_up)
 
     down = commands.add_parser("down", help="stop every process a deployment started, and its actors; with "

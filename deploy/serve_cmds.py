@@ -27,7 +27,7 @@ def register(sub) -> None:
     router.add_argument("--port", type=int, default=8000)
     router.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $TANDEM_API_KEY)")
-    add_config_flags(router)
+    add_config_flags(router, skip=("pipeline_role",))  # a router has no role
     router.set_defaults(handler=run_router_cmd)
     for name, role in _ROLE_COMMANDS.items():
         parser = sub.add_parser(name, help=f"run a {role.value} worker")
@@ -41,7 +41,7 @@ def register(sub) -> None:
 
 def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default=None, help="unique id (default: ROLE-HOST-PID)")
-    add_config_flags(parser)
+    add_config_flags(parser, skip=("pipeline_role",))  # the subcommand (or --role) is the role
 
 
 def run_router_cmd(args: argparse.Namespace) -> int:

@@ -10,8 +10,10 @@ Per process:
 
 1. It exits (any code, any signal): that is a crash. If it had been up for ``stable_after_s`` it had
    recovered, so the count of consecutive crashes starts over; then the count goes up by one.
-2. Count <= ``max_restarts``: restart it after ``initial_backoff_s * 2**(count-1)``, capped at
-   ``max_backoff_s``. Otherwise it is given up: it stays down.
+2. Count <= ``max_restarts``: restart it — at once after a first crash (a process that had been up
+   is back in about a second: a worker is forked warm, ``deploy.zygote``), then after
+   ``initial_backoff_s * 2**(count-2)`` for each further crash in a row, capped at ``max_backoff_s``
+   (a crash loop backs off). Otherwise it is given up: it stays down.
 3. After each give-up, ``why_cannot_serve(names not given up)`` decides whether the cluster is still
    useful; a reason (not None) is the supervisor's ``failure`` and its owner should stop.
 """
@@ -44,8 +46,11 @@ class RestartPolicy:
                              f"(got {self.initial_backoff_s}, {self.max_backoff_s})")
 
     def backoff_s(self, num_consecutive_crashes: int) -> float:
-        """Delay before the restart that follows the ``num_consecutive_crashes``-th crash in a row (>= 1)."""
-        exponent = min(num_consecutive_crashes - 1, 62)  # 2**62 s is past any cap; avoids huge ints
+        """Delay before the restart that follows the ``num_consecutive_crashes``-th crash in a row (>= 1):
+        none after the first, then ``initial_backoff_s`` doubling up to ``max_backoff_s``."""
+        if num_consecutive_crashes <= 1:
+            return 0.0
+        exponent = min(num_consecutive_crashes - 2, 62)  # 2**62 s is past any cap; avoids huge ints
         return min(self.initial_backoff_s * 2 ** exponent, self.max_backoff_s)
 
 
@@ -126,7 +131,7 @@ class Supervisor:
                     events.append(self._restart(name, state, now, planned=True))
                 elif returncode is not None:
                     events.append(self._on_crash(name, state, describe_exit(returncode), now))
-            elif now >= state.restart_at:
+            if state.restart_at is not None and now >= state.restart_at:  # due (at once after a first crash)
                 events.append(self._restart(name, state, now))
         if self.failure is None and any(e.kind == "given_up" for e in events):
             reason = self._why_cannot_serve(set(self._states) - self.given_up)
@@ -150,9 +155,9 @@ class Supervisor:
             return SupervisorEvent("given_up", name, f"{name} {how}; not restarted: {why}{where}")
         delay = self.policy.backoff_s(state.num_consecutive_crashes)
         state.restart_at = now + delay
+        when = "restarting now" if delay == 0 else f"restarting in {delay:g} s"
         return SupervisorEvent(
-            "exited", name,
-            f"{name} {how}; restarting in {delay:g} s (attempt {state.num_consecutive_crashes} of {limit}){where}")
+            "exited", name, f"{name} {how}; {when} (attempt {state.num_consecutive_crashes} of {limit}){where}")
 
     def _restart(self, name: str, state: _ProcessState, now: float, planned: bool = False) -> SupervisorEvent:
         state.restart_at = None

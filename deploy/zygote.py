@@ -41,6 +41,12 @@ import msgspec
 PRELOAD = (
     "numpy", "torch", "safetensors.torch", "tokenizers", "jinja2", "yaml", "zmq", "msgspec", "pydantic",
     "httpx", "prometheus_client", "llguidance", "transformers",
+    # AutoConfig imports an architecture's configuration module on first use, and the first one pulls
+    # transformers' model-loading machinery behind it (seconds of CPU): the architectures Tandem runs
+    "transformers.activations", "transformers.models.llama.configuration_llama",
+    "transformers.models.mistral.configuration_mistral", "transformers.models.qwen2.configuration_qwen2",
+    "transformers.models.qwen3.configuration_qwen3", "transformers.models.qwen3_moe.configuration_qwen3_moe",
+    "transformers.models.mixtral.configuration_mixtral", "transformers.models.gemma3.configuration_gemma3",
 )
 # transformers loads lazily: name the parts a worker uses (config, tokenizer, rope functions).
 PRELOAD_ATTRIBUTES = (

@@ -6,6 +6,8 @@ import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -38,6 +40,21 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 ARCHITECTURES = list(TINY_CONFIGS)
+
+# The cluster lane: tests that start real processes (routers, workers, `tandem up`, Ray, pip). The rest is
+# the fast lane (`make test-fast`, `pytest -m "not cluster"`): in-process, a few minutes on 2 cores.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CLUSTER_LANE = ("tests/cluster/", "tests/deploy/test_cli_processes.py", "tests/deploy/test_up_supervision.py",
+                "tests/deploy/test_cpu_binding.py", "tests/deploy/test_ray_up_local_provider.py",
+                "tests/bench/test_serve_bench_live.py", "tests/cpu_kernels/test_native_fallback.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        relative = path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else ""
+        if relative.startswith(CLUSTER_LANE):
+            item.add_marker(pytest.mark.cluster)
 
 
 @pytest.fixture(scope="session")

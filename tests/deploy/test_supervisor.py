@@ -49,8 +49,8 @@ def make(names=("router", "decode-0"), why_cannot_serve=lambda left: None, **pol
 def crash_and_restart(supervisor, procs, clock, name="decode-0", code=-9) -> float:
     """Crash ``name`` now; advance the clock to its restart; returns the backoff it waited."""
     procs.exit_codes[name] = code
-    [event] = supervisor.step()
-    assert event.kind == "exited"
+    events = supervisor.step()
+    assert events[0].kind == "exited"
     crashed_at = clock.now
     while procs.exit_codes[name] is not None:
         clock.now += 0.25
@@ -60,29 +60,33 @@ def crash_and_restart(supervisor, procs, clock, name="decode-0", code=-9) -> flo
 
 def test_backoff_doubles_up_to_the_cap():
     policy = RestartPolicy(initial_backoff_s=1.0, max_backoff_s=30.0)
-    assert [policy.backoff_s(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]
+    assert [policy.backoff_s(n) for n in range(1, 9)] == [0, 1, 2, 4, 8, 16, 30, 30]
     assert policy.backoff_s(10_000) == 30.0
 
 
-def test_a_crash_is_restarted_after_the_backoff_and_reported_with_signal_and_log():
+def test_a_first_crash_is_restarted_at_once_and_the_next_after_the_backoff():
     supervisor, procs, clock = make(max_restarts=5)
     procs.exit_codes["decode-0"] = -signal.SIGKILL
+    exited, restarted = supervisor.step()
+    assert exited.kind == "exited" and exited.name == "decode-0"
+    assert "killed by signal SIGKILL" in exited.message and "/logs/decode-0.log" in exited.message
+    assert "restarting now (attempt 1 of 5)" in exited.message
+    assert restarted.kind == "restarted" and "as pid 101" in restarted.message and procs.respawned == ["decode-0"]
+    procs.exit_codes["decode-0"] = -signal.SIGKILL  # again, at once: a crash loop backs off
     [event] = supervisor.step()
-    assert event.kind == "exited" and event.name == "decode-0"
-    assert "killed by signal SIGKILL" in event.message and "/logs/decode-0.log" in event.message
-    assert "restarting in 1 s" in event.message
+    assert "restarting in 1 s (attempt 2 of 5)" in event.message
     clock.now += 0.9
-    assert supervisor.step() == [] and procs.respawned == []  # still backing off: no busy restart loop
+    assert supervisor.step() == [] and procs.respawned == ["decode-0"]  # still backing off: no busy restart loop
     clock.now += 0.1
     [event] = supervisor.step()
-    assert event.kind == "restarted" and "as pid 101" in event.message
-    assert procs.respawned == ["decode-0"] and supervisor.step() == []
+    assert event.kind == "restarted" and "as pid 102" in event.message
+    assert procs.respawned == ["decode-0"] * 2 and supervisor.step() == []
 
 
 def test_consecutive_crashes_back_off_exponentially_then_give_up():
     supervisor, procs, clock = make(max_restarts=3)
     waits = [crash_and_restart(supervisor, procs, clock) for _ in range(3)]
-    assert waits == [1.0, 2.0, 4.0]
+    assert waits == [0.0, 1.0, 2.0]
     procs.exit_codes["decode-0"] = 1
     [event] = supervisor.step()
     assert event.kind == "given_up" and "exited with code 1" in event.message
@@ -94,11 +98,11 @@ def test_consecutive_crashes_back_off_exponentially_then_give_up():
 
 def test_the_count_starts_over_after_a_process_stayed_up():
     supervisor, procs, clock = make(max_restarts=2, stable_after_s=60.0)
+    assert crash_and_restart(supervisor, procs, clock) == 0.0
     assert crash_and_restart(supervisor, procs, clock) == 1.0
-    assert crash_and_restart(supervisor, procs, clock) == 2.0
     clock.now += 60.0  # up for a minute: recovered
+    assert crash_and_restart(supervisor, procs, clock) == 0.0
     assert crash_and_restart(supervisor, procs, clock) == 1.0
-    assert crash_and_restart(supervisor, procs, clock) == 2.0
     procs.exit_codes["decode-0"] = -9
     assert [e.kind for e in supervisor.step()] == ["given_up"]
 
@@ -128,13 +132,11 @@ def test_why_cannot_serve_sees_the_processes_not_given_up():
 def test_a_failed_start_counts_as_another_crash():
     supervisor, procs, clock = make(max_restarts=2)
     procs.exit_codes["decode-0"] = -9
-    supervisor.step()
     procs.fail_next_start = True
+    exited, failed = supervisor.step()  # restarted at once: the start fails
+    assert exited.kind == failed.kind == "exited" and "failed to start (no such file)" in failed.message
+    assert "restarting in 1 s (attempt 2 of 2)" in failed.message
     clock.now += 1.0
-    [event] = supervisor.step()
-    assert event.kind == "exited" and "failed to start (no such file)" in event.message
-    assert "restarting in 2 s" in event.message
-    clock.now += 2.0
     assert [e.kind for e in supervisor.step()] == ["restarted"]
 
 
@@ -142,9 +144,11 @@ def test_processes_are_independent():
     supervisor, procs, clock = make(names=("router", "decode-0"), max_restarts=1)
     procs.exit_codes["router"] = -15
     procs.exit_codes["decode-0"] = -9
-    assert sorted(e.name for e in supervisor.step()) == ["decode-0", "router"]
-    clock.now += 1.0
-    assert sorted(e.kind for e in supervisor.step()) == ["restarted", "restarted"]
+    events = supervisor.step()
+    assert sorted((e.name, e.kind) for e in events) == [("decode-0", "exited"), ("decode-0", "restarted"),
+                                                         ("router", "exited"), ("router", "restarted")]
+    procs.exit_codes["decode-0"] = -9  # a second crash in a row: decode-0 backs off, the router is untouched
+    assert [(e.name, e.kind) for e in supervisor.step()] == [("decode-0", "given_up")]
 
 
 @pytest.mark.parametrize("code, text", [(-9, "was killed by signal SIGKILL"), (-15, "was killed by signal SIGTERM"),

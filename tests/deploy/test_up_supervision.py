@@ -40,7 +40,7 @@ def test_killed_worker_is_restarted_and_the_cluster_keeps_serving(tiny_checkpoin
         old_pid = up.pids["decode-0"]
         os.kill(old_pid, signal.SIGKILL)
         line = up.wait_for(r"^decode-0 ", 10).string
-        assert "decode-0 was killed by signal SIGKILL; restarting in 1 s (attempt 1 of 5)" in line
+        assert "decode-0 was killed by signal SIGKILL; restarting now (attempt 1 of 5)" in line
         assert f"log: {tmp_path}/decode-0.log" in line
         complete(url, tiny_checkpoint, "while decode-0 is down")  # decode-1 serves (after a retry, if need be)
         new_pid = int(up.wait_for(r"^decode-0 restarted as pid (\d+)", 30).group(1))
@@ -104,7 +104,7 @@ def test_a_worker_killed_as_the_router_turns_ready_is_restarted(tiny_checkpoint,
             victim_pid = started_pid(tmp_path, victim)
             os.kill(victim_pid, signal.SIGKILL)
             line = up.wait_for(rf"^{victim} ", 60).string
-            assert f"{victim} was killed by signal SIGKILL; restarting in 1 s" in line, up.output
+            assert f"{victim} was killed by signal SIGKILL; restarting now" in line, up.output
             new_pid = int(up.wait_for(rf"^{victim} restarted as pid (\d+)", 60).group(1))
             wait_for_incarnation(url, victim, new_pid, timeout_s=120)
             if "Tandem is ready at" not in up.output:  # the kill may have come before the launcher said so
