@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kernels.activation_ref import silu_and_mul_ref
+from kernels.gelu_and_mul_ref import gelu_tanh_and_mul_ref
 from kernels.kv_pack_ref import pack_kv_blocks_ref, unpack_kv_blocks_ref
 from kernels.kv_store_ref import store_kv_ref
 from kernels.moe_ref import fused_moe_ref
 from kernels.norm_rope_ref import apply_rotary_ref, rms_norm_ref
+from kernels.offset_rms_norm_ref import offset_rms_norm_ref
 from kernels.paged_attention_ref import paged_attention_ref
 
 BACKENDS = ("torch", "cpu", "triton", "auto")
@@ -34,6 +36,11 @@ class Kernels:
     # fused_moe(hidden, gate_up, down, topk_weights, topk_ids): a mixture-of-experts MLP's experts over
     # tokens grouped by expert (kernels/moe_ref.py)
     fused_moe: Callable
+    # offset_rms_norm(x, weight, eps, residual=None): Gemma's RMSNorm, scaled by 1 + weight in fp32
+    # (kernels/offset_rms_norm_ref.py)
+    offset_rms_norm: Callable
+    # gelu_tanh_and_mul(gate_up): GELU-tanh(gate) * up, the GELU-gated MLP's activation (Gemma)
+    gelu_tanh_and_mul: Callable
     # prepare_model(model, prepack_weights): one-time model preparation after its weights are loaded
     # (the CPU set gives each linear layer its GEMM, kernels/cpu_gemm.py); a no-op elsewhere
     prepare_model: Callable = lambda model, prepack_weights=True: None
@@ -49,6 +56,8 @@ TORCH_KERNELS = Kernels(
     unpack_kv_blocks=unpack_kv_blocks_ref,
     silu_and_mul=silu_and_mul_ref,
     fused_moe=fused_moe_ref,
+    offset_rms_norm=offset_rms_norm_ref,
+    gelu_tanh_and_mul=gelu_tanh_and_mul_ref,
 )
 
 

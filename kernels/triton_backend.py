@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from kernels import Kernels
 from kernels.activation_ref import silu_and_mul_ref
+from kernels.gelu_and_mul_ref import gelu_tanh_and_mul_ref
+from kernels.offset_rms_norm_ref import offset_rms_norm_ref
 from kernels.triton_kv_pack import pack_kv_blocks_triton, unpack_kv_blocks_triton
 from kernels.triton_kv_store import store_kv_triton
 from kernels.triton_moe import fused_moe_triton
@@ -24,4 +26,7 @@ TRITON_KERNELS = Kernels(
     unpack_kv_blocks=unpack_kv_blocks_triton,
     silu_and_mul=silu_and_mul_ref,  # one elementwise op torch already runs as one kernel on the GPU
     fused_moe=fused_moe_triton,
+    # Gemma's ops run their torch references (a few elementwise kernels each on the GPU; no triton twin yet)
+    offset_rms_norm=offset_rms_norm_ref,
+    gelu_tanh_and_mul=gelu_tanh_and_mul_ref,
 )

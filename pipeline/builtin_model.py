@@ -49,7 +49,10 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3Config",
     "qwen3_moe": "Qwen3MoeConfig",
     "mixtral": "MixtralConfig",
+    "gemma3": "Gemma3TextConfig",
 }
+# The model class where it is not the config's name with "ForCausalLM" for "Config".
+_MODEL_CLASSES: dict[str, str] = {"gemma3": "Gemma3ForCausalLM"}
 
 BUILTIN_CONFIG: dict[str, Any] = dict(
     hidden_size=256,
@@ -117,9 +120,14 @@ def build_checkpoint(
     )
     settings.update(config_overrides)
     config = config_cls(**settings)
-    model_cls = getattr(transformers, config_cls.__name__.replace("Config", "ForCausalLM"))
+    model_cls = getattr(transformers, _MODEL_CLASSES.get(architecture, config_cls.__name__.replace("Config", "ForCausalLM")))
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
+    if architecture == "gemma3":  # Gemma initialises its norms' weights (offsets from one) to zero: make them count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

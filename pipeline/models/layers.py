@@ -66,26 +66,49 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as an offset from one, applied in fp32 (``kernels.offset_rms_norm``)."""
+
+    def forward(self, x: torch.Tensor, kernels, residual: torch.Tensor | None = None):
+        return kernels.offset_rms_norm(x, self.weight, self.eps, residual)
+
+
 class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device):
+    """Token embeddings, times ``scale`` when given (Gemma: sqrt(hidden_size), rounded to the model dtype first)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device, scale: float | None = None):
         super().__init__()
         self.weight = empty_parameter(num_embeddings, embedding_dim, dtype=dtype, device=device)  # [vocab, hidden]
+        # rounded through fp32 to the model dtype exactly as transformers rounds it (bf16: sqrt(3072) -> 55.5)
+        scale_tensor = None if scale is None else torch.tensor(scale, dtype=torch.float32).to(dtype=dtype, device=device)
+        self.register_buffer("scale", scale_tensor, persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
-        return F.embedding(input_ids, self.weight)
+        embedded = F.embedding(input_ids, self.weight)
+        return embedded if self.scale is None else embedded * self.scale
 
 
-def rope_parameters(hf_config) -> dict:
-    """The config's RoPE settings as one dict with ``rope_type`` and ``rope_theta`` (transformers 5 and 4 layouts)."""
+def has_rope_per_layer_type(hf_config) -> bool:
+    """Whether the config sets RoPE per kind of layer (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return any(isinstance(value, dict) for value in params.values())
+
+
+def rope_parameters(hf_config, layer_type: str = "full_attention") -> dict:
+    """The config's RoPE settings as one dict with ``rope_type`` and ``rope_theta`` (transformers 5 and 4 layouts),
+    those of ``layer_type``'s layers where the config sets them per kind of layer."""
+    if has_rope_per_layer_type(hf_config):  # transformers fills in each kind's rope_theta
+        return {"rope_type": "default", **hf_config.rope_parameters[layer_type]}
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     return params
 
 
-def build_rope_cache(hf_config, head_dim: int, device) -> torch.Tensor:
-    """cos/sin cache ``[max_position_embeddings, head_dim]`` (fp32), frequencies exactly as transformers computes them."""
-    params = rope_parameters(hf_config)
+def build_rope_cache(hf_config, head_dim: int, device, layer_type: str = "full_attention") -> torch.Tensor:
+    """cos/sin cache ``[max_position_embeddings, head_dim]`` (fp32), frequencies exactly as transformers computes them
+    (for ``layer_type``'s layers where the config sets RoPE per kind of layer)."""
+    params = rope_parameters(hf_config, layer_type)
     rope_type = params["rope_type"]
     if rope_type in _DYNAMIC_ROPE_TYPES:
         raise CheckpointError(f"rope_type {rope_type!r} is not supported (its frequencies depend on the sequence length)")
@@ -100,7 +123,8 @@ def build_rope_cache(hf_config, head_dim: int, device) -> torch.Tensor:
 
         if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise CheckpointError(f"unknown rope_type {rope_type!r} in the model config")
-        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        extra = {"layer_type": layer_type} if has_rope_per_layer_type(hf_config) else {}
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **extra)
     if inv_freq.numel() * 2 != head_dim:
         raise CheckpointError(f"rotary dim {inv_freq.numel() * 2} != head_dim {head_dim} is not supported")
     cache = rope_cos_sin_cache(inv_freq, hf_config.max_position_embeddings, attention_scaling)

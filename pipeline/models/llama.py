@@ -54,22 +54,30 @@ def _sliding_windows(hf_config) -> list[int | None]:
 
 
 class Attention(nn.Module):
-    def __init__(self, hf_config, sliding_window: int | None, dtype: torch.dtype, device):
+    """q/k/v projections, optional per-head q/k norms, rotary, the paged KV cache and attention, o projection.
+
+    ``scale`` defaults to ``head_dim ** -0.5``; ``qk_norm`` is the norm class of the per-head q/k norms
+    (Qwen3: ``RMSNorm`` by default; Gemma passes its own).
+    """
+
+    def __init__(self, hf_config, sliding_window: int | None, dtype: torch.dtype, device,
+                 scale: float | None = None, qk_norm: type[RMSNorm] | None = None):
         super().__init__()
         self.num_q_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads or self.num_q_heads
         self.head_dim = _head_dim(hf_config)
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
         has_bias = bool(getattr(hf_config, "attention_bias", False))
         is_qwen2 = hf_config.model_type == "qwen2"  # Qwen2 always biases q/k/v and never o
         hidden, q_size, kv_size = hf_config.hidden_size, self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(hidden, [q_size, kv_size, kv_size], has_bias or is_qwen2, dtype, device)
         self.o_proj = Linear(q_size, [hidden], has_bias and not is_qwen2, dtype, device)
-        self.has_qk_norm = hf_config.model_type in ("qwen3", "qwen3_moe")
+        self.has_qk_norm = qk_norm is not None or hf_config.model_type in ("qwen3", "qwen3_moe")
         if self.has_qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
+            norm = qk_norm or RMSNorm
+            self.q_norm = norm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
+            self.k_norm = norm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
 
     def forward(
         self,
@@ -86,7 +94,7 @@ class Attention(nn.Module):
         q = q.reshape(num_tokens, self.num_q_heads, self.head_dim)  # [num_tokens, num_q_heads, head_dim]
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        if self.has_qk_norm:  # per-head RMSNorm before rope, as Qwen3 does
+        if self.has_qk_norm:  # per-head RMSNorm before rope, as Qwen3 and Gemma 3 do
             q = self.q_norm(q.reshape(-1, self.head_dim), kernels).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim), kernels).view_as(k)
         q, k = kernels.apply_rotary(q, k, batch.positions, cos_sin_cache)
@@ -98,11 +106,25 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_q_heads * self.head_dim))
 
 
+# The gated MLP's activations transformers names in a config's hidden_act / hidden_activation, and the
+# kernel that computes act(gate) * up for each.
+GATED_ACTIVATIONS: dict[str, str] = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
+
+
+def gated_activation_kernel(hf_config) -> str:
+    """The ``Kernels`` field computing act(gate) * up for the config's activation; ``CheckpointError`` if none does."""
+    name = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", None) or "silu"
+    if name not in GATED_ACTIVATIONS:
+        raise CheckpointError(f"hidden activation {name!r} is not supported (supported: {', '.join(GATED_ACTIVATIONS)})")
+    return GATED_ACTIVATIONS[name]
+
+
 class MLP(nn.Module):
+    """Gated dense MLP: ``down(act(gate(x)) * up(x))``, gate and up fused into one projection."""
+
     def __init__(self, hf_config, dtype: torch.dtype, device):
         super().__init__()
-        if getattr(hf_config, "hidden_act", "silu") != "silu":
-            raise CheckpointError(f"hidden_act {hf_config.hidden_act!r} is not supported (only silu)")
+        self.activation = gated_activation_kernel(hf_config)
         hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
         has_bias = bool(getattr(hf_config, "mlp_bias", False))
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], has_bias, dtype, device)
@@ -110,7 +132,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:  # [num_tokens, hidden]
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        return self.down_proj(kernels.silu_and_mul(gate_up))  # silu(gate) * up: [num_tokens, intermediate]
+        return self.down_proj(getattr(kernels, self.activation)(gate_up))  # act(gate) * up: [num_tokens, intermediate]
 
 
 class DecoderLayer(nn.Module):
@@ -162,12 +184,18 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.head_dim = _head_dim(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.is_tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        mlps = [self.build_mlp(hf_config, index, dtype, device) for index in range(self.num_layers)]
-        self.model = LlamaModel(hf_config, mlps, dtype, device)
+        self.model = self.build_model(hf_config, dtype, device)
         self.lm_head = None if self.is_tied else Linear(hf_config.hidden_size, [hf_config.vocab_size], False, dtype, device)
         # fp32 whatever the model dtype: rotary casts it to the activations' dtype as transformers does
         self.register_buffer("cos_sin_cache", build_rope_cache(hf_config, self.head_dim, device), persistent=False)
+        # tanh softcapping of the logits, where the config sets it (Gemma)
+        self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
         self.logits_gemm = None  # the output projection's GEMM when a kernel set prepared one (see Linear.gemm)
+
+    def build_model(self, hf_config, dtype: torch.dtype, device) -> nn.Module:
+        """The decoder (``model.``: embeddings, layers, final norm); other families with these weights' names override it."""
+        mlps = [self.build_mlp(hf_config, index, dtype, device) for index in range(self.num_layers)]
+        return LlamaModel(hf_config, mlps, dtype, device)
 
     def build_mlp(self, hf_config, layer_index: int, dtype: torch.dtype, device) -> nn.Module:
         """Layer ``layer_index``'s MLP: the dense kind here; the mixture-of-experts families override it."""
@@ -182,16 +210,24 @@ class LlamaFamilyForCausalLM(nn.Module):
         residual = None
         for index, layer in enumerate(self.model.layers):
             hidden, residual = layer(
-                hidden, residual, batch, kv_cache[index, 0], kv_cache[index, 1], self.cos_sin_cache, kernels
+                hidden, residual, batch, kv_cache[index, 0], kv_cache[index, 1], self.cos_sin_cache_of(index), kernels
             )
         hidden, _ = self.model.norm(hidden, kernels, residual)
         return hidden
 
+    def cos_sin_cache_of(self, layer_index: int) -> torch.Tensor:
+        """``[max_positions, head_dim]``: the RoPE cos/sin cache layer ``layer_index`` rotates with (one for all here)."""
+        return self.cos_sin_cache
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden]`` -> fp32 logits ``[n, vocab]`` (the matmul runs in the model dtype, like transformers)."""
+        """``[n, hidden]`` -> fp32 logits ``[n, vocab]`` (the matmul and any softcapping run in the model dtype, like transformers)."""
         if self.logits_gemm is not None:
-            return self.logits_gemm(hidden).float()
-        return F.linear(hidden, self.output_weight()).float()
+            logits = self.logits_gemm(hidden)
+        else:
+            logits = F.linear(hidden, self.output_weight())
+        if self.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return logits.float()
 
     def output_weight(self) -> torch.Tensor:
         """``[vocab, hidden]``: the output projection's weight (the embedding's when tied)."""

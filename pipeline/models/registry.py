@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pipeline.models.gemma3 import Gemma3ForCausalLM
 from pipeline.models.llama import LlamaFamilyForCausalLM
 from pipeline.models.llama_moe import LlamaMoeFamilyForCausalLM
 from pipeline.checkpoint_errors import CheckpointError
@@ -13,6 +14,7 @@ SUPPORTED_ARCHITECTURES: dict[str, type] = {
     "Qwen3ForCausalLM": LlamaFamilyForCausalLM,
     "Qwen3MoeForCausalLM": LlamaMoeFamilyForCausalLM,
     "MixtralForCausalLM": LlamaMoeFamilyForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
