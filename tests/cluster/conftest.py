@@ -46,6 +46,17 @@ def openai_client(cluster, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=api_key, max_retries=0, timeout=60)
 
 
+@pytest.fixture
+def client(cluster) -> openai.OpenAI:
+    """The official SDK pointed at the module's ``cluster`` fixture (each cluster module defines one)."""
+    return openai_client(cluster)
+
+
+def model_name(client: openai.OpenAI) -> str:
+    """The name the cluster serves its model under (the first of /v1/models)."""
+    return client.models.list().data[0].id
+
+
 def kv_gauges(url: str) -> dict[tuple[str, str], float]:
     """{(metric, worker): value} for tandem_kv_blocks_used / tandem_kv_blocks_free."""
     text = httpx.get(f"{url}/metrics", timeout=5).text

@@ -40,11 +40,6 @@ def cluster(tiny_checkpoint, tmp_path_factory):
     assert not leftovers, f"a shared KV cache outlived the cluster: {leftovers}"
 
 
-@pytest.fixture
-def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=60)
-
-
 def name(client) -> str:
     return client.models.list().data[0].id
 

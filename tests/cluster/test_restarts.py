@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from kv_transfer.shm_files import shared_kv_files_of
-from tests.cluster.conftest import (
+from tests.cluster.conftest import (model_name, 
     CLUSTER_CONFIG, migrations, start_cluster, wait_for_idle_blocks, wait_for_incarnation, wait_for_metric, worker_metric,
 )
 from tests.conftest import hf_greedy
@@ -47,11 +47,6 @@ def cluster(tiny_checkpoint, tmp_path_factory):
     assert not leftovers, f"a shared KV cache outlived the cluster: {leftovers}"
 
 
-@pytest.fixture
-def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=60)
-
-
 @pytest.fixture(scope="module")
 def hf(tiny_checkpoint, hf_reference):
     return hf_reference(tiny_checkpoint("llama"))
@@ -70,10 +65,6 @@ def long_reference(hf):
         return cache[i]
 
     return get
-
-
-def model_name(client) -> str:
-    return client.models.list().data[0].id
 
 
 MIN_PROBES = 5

@@ -32,11 +32,6 @@ def cluster(request, tiny_checkpoint, tmp_path_factory):
         yield c
 
 
-@pytest.fixture
-def client(cluster):
-    return openai_client(cluster)
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint, hf_reference):
     return hf_reference(tiny_checkpoint("llama"))

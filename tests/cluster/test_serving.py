@@ -14,7 +14,8 @@ import openai
 import pytest
 import torch
 
-from tests.cluster.conftest import CLUSTER_CONFIG, check_concurrent_greedy_streams, start_cluster, wait_for_idle_blocks
+from tests.cluster.conftest import (CLUSTER_CONFIG, check_concurrent_greedy_streams, model_name, start_cluster,
+                                    wait_for_idle_blocks)
 from tests.conftest import hf_logprobs
 
 SHAPES = {
@@ -42,15 +43,6 @@ def cluster(request, tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tokenizer(tiny_checkpoint, hf_reference):
     return hf_reference(tiny_checkpoint("llama"))[1]
-
-
-@pytest.fixture
-def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def model_name(client) -> str:
-    return client.models.list().data[0].id
 
 
 def test_completions_match_transformers(cluster, client, tokenizer, reference_text):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.cluster.conftest import (CLUSTER_CONFIG, check_concurrent_greedy_streams, openai_client, running_cluster,
+from tests.cluster.conftest import (CLUSTER_CONFIG, check_concurrent_greedy_streams, running_cluster,
                                     wait_for_idle_blocks, worker_metric)
 from tests.conftest import hf_greedy, hf_logprobs
 
@@ -32,11 +32,6 @@ def cluster(request, tiny_checkpoint, drafts, tmp_path_factory):
                          config=config) as c:
         c.draft_kind = kind
         yield c
-
-
-@pytest.fixture
-def client(cluster):
-    return openai_client(cluster)
 
 
 def decoding_worker(cluster) -> str:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from pipeline import LLM, SamplingParams
 from pipeline.protocol import StructuredOutput
-from tests.cluster.conftest import CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks
+from tests.cluster.conftest import CLUSTER_CONFIG, running_cluster, wait_for_idle_blocks
 from tests.pipeline.test_structured_output import BACKENDS, SCHEMAS
 
 pytest.importorskip("llguidance")
@@ -41,11 +41,6 @@ def cluster(request, tiny_checkpoint, tmp_path_factory):
                          **SHAPES[request.param]) as c:
         c.engine_config = SHAPES[request.param].get("config", {})  # what an offline engine must match
         yield c
-
-
-@pytest.fixture
-def client(cluster):
-    return openai_client(cluster)
 
 
 def test_json_schema_outputs_validate_greedy_and_sampled(cluster, client):
