@@ -2,7 +2,8 @@
 ``kernels/native`` where they apply, the torch references for every other op and wherever a native
 kernel does not take its inputs (so the set is always complete, built or not), and linear layers on
 oneDNN with packed weights (``kernels/cpu_gemm.py``). A mixture-of-experts MLP's experts run the
-reference (``kernels/moe_ref.py``): one MKL GEMM pair per expert over its tokens."""
+reference (``kernels/moe_ref.py``): one MKL GEMM pair per expert over its tokens. Gemma's offset RMSNorm and
+GELU-tanh gated activation run their torch references too (no native kernel yet)."""
 
 from __future__ import annotations
 
