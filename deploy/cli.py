@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from deploy import bench_cmd, generate_cmd, launch_cmd, ray_cmd, serve_cmds
+from deploy import bench_cmd, generate_cmd, keygen_cmd, launch_cmd, ray_cmd, serve_cmds
 from deploy.parent_guard import die_with_parent_if_asked
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch_cmd.register(sub)
     bench_cmd.register(sub)
     ray_cmd.register(sub)
+    keygen_cmd.register(sub)
     return parser
 
 

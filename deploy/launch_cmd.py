@@ -19,6 +19,7 @@ import sys
 import threading
 
 from deploy.config_flags import add_config_flags, config_from_args
+from deploy.keygen_cmd import add_http_security_flags, add_security_flags, parse_api_keys
 
 
 def register(sub) -> None:
@@ -36,15 +37,15 @@ def register(sub) -> None:
                         help="colocated workers that prefill and decode themselves (PrefillAndDecode; default 0)")
     parser.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port of the HTTP API (default 8000)")
-    parser.add_argument("--api-key", default=None, metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on the API (default: no key)")
+    add_http_security_flags(parser)
     parser.add_argument("--log-dir", default=None, metavar="DIR",
                         help="where each process logs (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="give up if the cluster is not serving by then (default 300)")
     add_supervision_flags(parser, share_cores_help="let every worker use every core of the pool (default: prefill and "
                           "decode workers get disjoint cores; the pool is --cpu-cores, else every core this process may use)")
-    add_config_flags(parser, skip=("pipeline_role",))  # the launcher gives each process its role
+    add_config_flags(parser, skip=("pipeline_role", "security"))  # the launcher gives each process its role
+    add_security_flags(parser, launcher=True)
     parser.set_defaults(handler=run)
 
 
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         args.prefill, args.decode = (1, 1) if not args.colocated else (0, 0)
     config = config_from_args(args)  # validates every flag and the file section before anything starts
     check_checkpoint(config.model.model_path)  # a checkpoint we cannot serve: one clear error, nothing started
+    api_key = _checked_http_security(args, config)
     pool = allowed_cores(config.cpu_cores)  # a core that is not ours is an error here, not in every worker
     cpu_plan = plan_cores(pool, args.prefill or 0, args.decode or 0, args.colocated, share=args.share_cores)
     router_pool = router_cores(cpu_plan)
@@ -77,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
                                   exclude_unset=True)
     cluster = LocalCluster(
         num_prefill=args.prefill or 0, num_decode=args.decode or 0, num_colocated=args.colocated,
-        host=args.host, port=args.port, config=overrides, api_key=args.api_key, log_dir=args.log_dir,
+        host=args.host, port=args.port, config=overrides, api_key=api_key, log_dir=args.log_dir,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         max_restarts=args.max_restarts, on_event=_print_event, cpu_plan=cpu_plan, router_cores=router_pool,
     )
     stop = threading.Event()
@@ -133,6 +136,26 @@ def run(args: argparse.Namespace) -> int:
               "(Ctrl-C again to stop at once)...", flush=True)
         cluster.stop()
     return 0
+
+
+def _checked_http_security(args: argparse.Namespace, config) -> str | None:
+    """Fail before anything starts on a bad --api-key, TLS pair or cluster key; returns the router's
+    --api-key with an @FILE made absolute. With none given, the cluster makes its own cluster key."""
+    from pipeline.security import load_cluster_key
+
+    if config.security.cluster_key_file:
+        load_cluster_key(config.security.cluster_key_file)
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together (the certificate and its private key)")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+        if path and not os.path.isfile(path):
+            raise ValueError(f"{flag}: no such file {path!r}")
+    args.ssl_keyfile = args.ssl_keyfile and os.path.abspath(args.ssl_keyfile)
+    args.ssl_certfile = args.ssl_certfile and os.path.abspath(args.ssl_certfile)
+    parse_api_keys(args.api_key)
+    if args.api_key and args.api_key.startswith("@"):
+        return "@" + os.path.abspath(args.api_key[1:])
+    return args.api_key
 
 
 def _print_event(event) -> None:

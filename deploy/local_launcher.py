@@ -70,7 +70,11 @@ class LocalCluster:
     host: str = "127.0.0.1"
     port: int = 8000
     config: dict = field(default_factory=dict)  # PipelineConfig overrides shared by every process
-    api_key: str | None = None
+    api_key: str | None = None  # the router's --api-key: KEY, KEY1,KEY2 or @FILE
+    # With ssl_certfile: the router serves HTTPS (the launcher's own /ready polls skip verifying it: they
+    # read only readiness, from the router it started, whose certificate may name another host)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
     router_options: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     # 0: a process that exits stays down (the test fixture's choice: fault tests kill on purpose).
@@ -102,10 +106,23 @@ class LocalCluster:
         self.config.setdefault("zmq_endpoint_base", f"ipc://{self._workdir}/zmq")
         if self.model_path is not None:
             self.config.setdefault("model", {})["model_path"] = str(self.model_path)
+        self._make_cluster_key()
+
+    def _make_cluster_key(self) -> None:
+        """A ``tcp://`` cluster given no key (and not told ``insecure_cluster``) gets a fresh one in its
+        work dir, owner-only, passed to every process through the config file (docs/security.md)."""
+        security = self.config.get("security") or {}
+        if (not str(self.config["zmq_endpoint_base"]).startswith("tcp://") or security.get("cluster_key_file")
+                or security.get("insecure_cluster")):
+            return
+        from pipeline.security import generate_cluster_key
+
+        key_file = generate_cluster_key(self._workdir / "cluster-key")  # the work dir is 0700 (mkdtemp)
+        self.config["security"] = {**security, "cluster_key_file": str(key_file)}
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.ssl_certfile else 'http'}://{self.host}:{self.port}"
 
     @property
     def worker_names(self) -> list[str]:
@@ -144,6 +161,8 @@ class LocalCluster:
         router_args = ["router", "--host", self.host, "--port", str(self.port), *self.router_options]
         if self.api_key:
             router_args += ["--api-key", self.api_key]
+        if self.ssl_certfile:
+            router_args += ["--ssl-keyfile", str(self.ssl_keyfile), "--ssl-certfile", str(self.ssl_certfile)]
         if self.router_cores:
             router_args += ["--cpu-cores", format_core_list(self.router_cores)]
         try:
@@ -274,7 +293,7 @@ class LocalCluster:
 
     def _ready_body(self) -> dict | None:
         try:
-            return httpx.get(f"{self.url}/ready", timeout=2.0).json()
+            return httpx.get(f"{self.url}/ready", timeout=2.0, verify=False).json()
         except (httpx.HTTPError, ValueError):
             return None
 
@@ -309,7 +328,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                workers = httpx.get(f"{self.url}/ready", timeout=2.0).json().get("workers", [])
+                workers = httpx.get(f"{self.url}/ready", timeout=2.0, verify=False).json().get("workers", [])
                 if any(w["worker_id"] == name and w["alive"] and w.get("pid") == pid for w in workers):
                     return
             except (httpx.HTTPError, ValueError):

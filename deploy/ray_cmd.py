@@ -14,6 +14,7 @@ import json
 import sys
 
 from deploy.config_flags import add_config_flags, config_from_args
+from deploy.keygen_cmd import add_security_flags
 from deploy.launch_cmd import add_supervision_flags
 
 
@@ -44,7 +45,8 @@ def register(sub) -> None:
     up.add_argument("--ready-timeout", type=float, default=300.0)
     add_supervision_flags(up, share_cores_help="CPU nodes: let every worker use every core of its node (default: "
                           "prefill and decode workers on one node get disjoint cores, as in tandem up)")
-    add_config_flags(up, skip=("pipeline_role",))  # the deployment gives each process its role
+    add_config_flags(up, skip=("pipeline_role", "security"))  # the deployment gives each process its role
+    add_security_flags(up, launcher=True)
     up.set_defaults(handler=run_up)
 
     down = commands.add_parser("down", help="stop every process a deployment started, and its actors; with "
@@ -131,6 +133,9 @@ def _up_options(args: argparse.Namespace):
                                   exclude_unset=True)
     if overrides.get("bind_host") is None:
         overrides.pop("bind_host", None)  # each worker binds on its own node's address
+    cluster_key = _cluster_key_text(config)
+    if cluster_key is not None:  # a path on this machine means nothing on the others: the actors get the key
+        overrides.get("security", {}).pop("cluster_key_file", None)
     return UpOptions(
         num_prefill=args.prefill or 0, num_decode=args.decode or 0, num_colocated=args.colocated,
         deployment=check_deployment_name(args.name), config=overrides, http_port=args.port, http_host=args.host,
@@ -139,8 +144,20 @@ def _up_options(args: argparse.Namespace):
         prefill_resources=parse_resources(args.prefill_resources, "--prefill-resources"),
         decode_resources=parse_resources(args.decode_resources, "--decode-resources"),
         share_cores=args.share_cores,
-        cpu_pool=parse_core_list(config.cpu_cores) if config.cpu_cores else None,
+        cpu_pool=parse_core_list(config.cpu_cores) if config.cpu_cores else None, cluster_key=cluster_key,
     )
+
+
+def _cluster_key_text(config) -> str | None:
+    """The cluster key every process gets: the operator's file (checked here), else a fresh one; None
+    only when the operator chose an insecure cluster."""
+    from pipeline.security import cluster_key_text, load_cluster_key
+
+    if config.security.cluster_key_file:
+        load_cluster_key(config.security.cluster_key_file)  # a bad file: one clear error, no actor started
+        with open(config.security.cluster_key_file) as f:
+            return f.read()
+    return None if config.security.insecure_cluster else cluster_key_text()
 
 
 @_on_ray

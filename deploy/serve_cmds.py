@@ -13,6 +13,7 @@ import socket
 import threading
 
 from deploy.config_flags import add_config_flags, config_from_args
+from deploy.keygen_cmd import add_http_security_flags, add_security_flags, parse_api_keys
 from pipeline.config import PipelineRole
 from pipeline.cpu_placement import allowed_cores, apply_cpu_placement, bind_to_cores, describe_placement
 
@@ -25,9 +26,10 @@ def register(sub) -> None:
     router = sub.add_parser("router", help="run the OpenAI-compatible HTTP router")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
-    router.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 (default: $TANDEM_API_KEY)")
-    add_config_flags(router, skip=("pipeline_role",))  # a router has no role
+    add_http_security_flags(router, api_key_default=os.environ.get("TANDEM_API_KEY"),
+                            api_key_default_text="$TANDEM_API_KEY")
+    add_config_flags(router, skip=("pipeline_role", "security"))  # a router has no role
+    add_security_flags(router)
     router.set_defaults(handler=run_router_cmd)
     for name, role in _ROLE_COMMANDS.items():
         parser = sub.add_parser(name, help=f"run a {role.value} worker")
@@ -41,17 +43,21 @@ def register(sub) -> None:
 
 def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default=None, help="unique id (default: ROLE-HOST-PID)")
-    add_config_flags(parser, skip=("pipeline_role",))  # the subcommand (or --role) is the role
+    add_config_flags(parser, skip=("pipeline_role", "security"))  # the subcommand (or --role) is the role
+    add_security_flags(parser)
 
 
 def run_router_cmd(args: argparse.Namespace) -> int:
     from router.app import run_router
 
+    from pipeline.security import configure_cluster_security
+
     config = config_from_args(args)
+    configure_cluster_security(config)  # a tcp:// cluster with no key stops here, before anything binds
     if config.cpu_cores is not None:  # the router binds only: it runs no torch
         bind_to_cores(allowed_cores(config.cpu_cores))
-    run_router(config, host=args.host, port=args.port, api_key=args.api_key,
-               model_path=config.model.model_path)
+    run_router(config, host=args.host, port=args.port, api_key=parse_api_keys(args.api_key),
+               model_path=config.model.model_path, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     return 0
 
 
@@ -70,6 +76,9 @@ def quiet_openmp_waits() -> None:
 def run_worker_cmd(args: argparse.Namespace) -> int:
     quiet_openmp_waits()
     config = config_from_args(args, pipeline_role=args.role)
+    from pipeline.security import configure_cluster_security
+
+    configure_cluster_security(config)  # a tcp:// cluster with no key stops here, before anything binds
     worker_id = args.worker_id or f"{config.pipeline_role.value}-{socket.gethostname()}-{os.getpid()}"
     cores, num_threads = apply_cpu_placement(config)  # before any thread starts (and before torch's pool)
     logger.warning("worker %s placement: %s", worker_id, describe_placement(cores, num_threads))

@@ -174,6 +174,17 @@ class RouterConfig(_Section):
         "after it; None = the thinking stays in the content")
 
 
+class SecurityConfig(_Section):
+    """Cluster socket security (docs/security.md): CurveZMQ with one cluster key on every tcp:// socket."""
+
+    cluster_key_file: str | None = Field(
+        None, description="the cluster key (cluster.key_secret from `tandem keygen`); every process of a cluster "
+        "needs the same one; tcp:// sockets then admit only peers that hold it and are encrypted")
+    insecure_cluster: bool = Field(
+        False, description="let a process with a tcp:// endpoint base and no cluster key start anyway (anyone "
+        "who reaches its ports can then join the cluster, read prompts and write KV)")
+
+
 class PipelineConfig(_Section):
     config_file: str | None = Field(None, description="YAML/TOML file this config was read from")
     section_name: str | None = Field(None, description="section of config_file")
@@ -217,6 +228,7 @@ class PipelineConfig(_Section):
     router: RouterConfig = Field(default_factory=RouterConfig)
     draft_model: DraftModelConfig = Field(default_factory=DraftModelConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @field_validator("zmq_endpoint_base")
     @classmethod

@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 def create_app(
     config: PipelineConfig,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     model_path: str | None = None,
     *,
     served_model: ServedModel | None = None,
@@ -63,7 +63,8 @@ def create_app(
     name is ``served_model_name(model_path)``, which workers must register with (they derive it the
     same way from their config). ``served_model`` replaces loading (tests share one tokenizer).
     Timings and admission limits left None come from ``config.router`` (the heartbeat interval from
-    ``config.transfer``); ``max_attempts`` is how often a request is sent before it fails.
+    ``config.transfer``); ``max_attempts`` is how often a request is sent before it fails. ``api_key``:
+    one key or several (any of them is accepted: rotate by adding the new one, then removing the old).
     """
     router_config = config.router
     model = served_model or load_served_model(model_path or config.model.model_path, max_length=config.max_length,
@@ -103,12 +104,16 @@ def create_app(
     install_error_handlers(app, on_rejected=lambda: metrics.requests_total.labels("rejected").inc())
     created = int(time.time())
 
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+
     async def check_api_key(request: Request) -> None:
-        if api_key is None:
+        if not api_keys:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        given = token.strip().encode()
+        matches = [hmac.compare_digest(given, key.encode()) for key in api_keys]  # every key compared: no early out
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
                            code="invalid_api_key")
 
@@ -178,11 +183,14 @@ def run_router(
     config: PipelineConfig,
     host: str = "127.0.0.1",
     port: int = 8000,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     model_path: str | None = None,
+    ssl_keyfile: str | None = None,
+    ssl_certfile: str | None = None,
     **app_options: Any,
 ) -> None:
-    """Serve the router until interrupted (blocking). ``app_options`` go to ``create_app``.
+    """Serve the router until interrupted (blocking). ``app_options`` go to ``create_app``; with
+    ``ssl_keyfile`` and ``ssl_certfile`` (PEM) it serves HTTPS (uvicorn's TLS).
 
     SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections at once, lets the requests in
     flight (streams included) finish for up to ``config.drain_timeout_s`` (a second Ctrl-C ends
@@ -194,12 +202,16 @@ def run_router(
 
     if not keep_torch_out():
         logger.warning("torch or transformers was imported before run_router: the router process holds torch")
+    if bool(ssl_keyfile) != bool(ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together (the certificate and its private key)")
     app = create_app(config, api_key=api_key, model_path=model_path, **app_options)
-    logger.info("router serving %s on http://%s:%d", app.state.router.model.name, host, port)
+    scheme = "https" if ssl_certfile else "http"
+    logger.info("router serving %s on %s://%s:%d", app.state.router.model.name, scheme, host, port)
     previous = _exit_zero_on_sigterm()
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", access_log=False,
-                    timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.router.http_keep_alive_s)
+                    timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.router.http_keep_alive_s,
+                    ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -12,6 +12,8 @@ reported:
 * ``tandem_kv_transfer_bytes_total`` / ``tandem_kv_transfer_seconds_total`` / ``tandem_kv_transfers_total``:
   cumulative, as reported.
 * ``tandem_worker_bad_frames_total`` (reported) and ``tandem_worker_up`` (1 alive, 0 declared dead).
+* ``tandem_cluster_handshakes_refused_total``: connections to the router's cluster socket that never
+  completed a CURVE handshake (no key, another cluster's key; ``pipeline.security``). Workers log theirs.
 * ``tandem_worker_busy_in_step_seconds`` (how long the current step has run: busy, not dead),
   ``tandem_worker_max_step_seconds``, ``tandem_worker_steps_total`` and ``tandem_worker_draining``.
 * Speculating workers: ``tandem_spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
@@ -125,6 +127,7 @@ class RouterMetrics:
             self.routed_prompt_tokens.labels(side)
             self.routed_cached_tokens.labels(side)
         self.registry.register(WorkerCollector(registry))
+        self.registry.register(HandshakeCollector())
 
     def note_route(self, route, num_prompt_tokens: int) -> None:
         """Count one routing decision and how much of the prompt its workers held (0 without KV-aware routing)."""
@@ -223,3 +226,19 @@ class WorkerCollector(Collector):
                 for position, count in enumerate(load.spec_accepted_per_position):
                     families["spec_per_position"].add_metric([*values, str(position)], count)
         yield from families.values()
+
+
+class HandshakeCollector(Collector):
+    """The process's refused cluster handshakes (``pipeline.security``), read at scrape time."""
+
+    def describe(self) -> Iterator:
+        return iter(())
+
+    def collect(self) -> Iterator:
+        from pipeline.security import num_handshakes_refused
+
+        family = CounterMetricFamily(
+            "tandem_cluster_handshakes_refused", "Connections to the router's cluster socket refused before any "
+            "message: no CURVE, a key that is not the cluster's, or a client key ZAP denied")
+        family.add_metric([], num_handshakes_refused())
+        yield family

@@ -50,6 +50,7 @@ class UpOptions:
     decode_resources: dict = field(default_factory=dict)
     share_cores: bool = False
     cpu_pool: list[int] | None = None  # the user's cpu_cores, applied on every node
+    cluster_key: str | None = field(default=None, repr=False)  # the key file's text, given to every process
 
 
 def connect(address: str | None) -> None:
@@ -104,7 +105,8 @@ def up(options: UpOptions, say: Callable[[str], None] = print) -> str:
     try:
         for name in specs.process_names(options.num_prefill, options.num_decode, options.num_colocated):
             spec = ProcessSpec(options.deployment, name, config, log_dir, options.max_restarts,
-                               http_port=options.http_port, http_host=options.http_host, env=env)
+                               http_port=options.http_port, http_host=options.http_host, env=env,
+                               cluster_key=options.cluster_key)
             if name == ROUTER:
                 placement = specs.actor_options({}, pin_to=specs.router_pin(options.router_node))
             else:

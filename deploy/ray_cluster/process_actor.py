@@ -38,6 +38,7 @@ from deploy.parent_guard import DIE_WITH_PARENT_ENV
 from deploy.ray_cluster.spec import ProcessSpec
 from deploy.supervisor import RestartPolicy, Supervisor
 from pipeline.core_list import format_core_list
+from pipeline.security import write_private_file
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +197,9 @@ class ProcessSupervisor:
         config = dict(self.spec.config)
         if not self.spec.is_router and config.get("zmq_endpoint_base", "").startswith("tcp://"):
             config.setdefault("bind_host", self.node_ip)  # peers on other nodes reach it here
+        if self.spec.cluster_key:
+            key_path = write_private_file(self.log_dir / f"{self.spec.name}.cluster.key_secret", self.spec.cluster_key)
+            config["security"] = {**config.get("security", {}), "cluster_key_file": str(key_path)}
         config_path = self.log_dir / f"{self.spec.name}.config.yaml"
         config_path.write_text(yaml.safe_dump({_CONFIG_SECTION: config}))
         argv = [sys.executable, "-m", "deploy.cli", "--log-level", "INFO", *self.spec.cli_args(self.node_ip),

@@ -46,6 +46,8 @@ class ProcessSpec:
     http_port: int = 8000  # the router's
     http_host: str | None = None  # the router's; None = its node's address
     env: dict = field(default_factory=dict)  # set in the process's environment (e.g. TANDEM_API_KEY)
+    # The cluster key file's text (docs/security.md); the actor writes it owner-only beside the log
+    cluster_key: str | None = field(default=None, repr=False)
 
     @property
     def actor_name(self) -> str:

@@ -1,9 +1,12 @@
 """The one typed socket wrapper: every cluster socket's options set in one place, messages decoded by the
 socket's tagged-union decoder, and a frame that fails to decode counted, logged (rate-limited) and dropped.
 
-Every ZMQ socket a Tandem process opens comes from ``open_socket``, so socket options (and, across hosts,
-CURVE security) live here once. ``TypedSocket`` wraps one such socket with the decode function of what it
-receives (``pipeline.protocol.cluster.decode_*``, ``pipeline.protocol.transfer.*_DECODER.decode``)::
+Every ZMQ socket a Tandem process opens comes from ``open_socket``, so socket options live here once, and
+every cluster socket binds and connects through ``TypedSocket``, so security does too: once the process has
+a cluster key (``pipeline.security``), a ``tcp://`` bind is a CURVE server guarded by the ZAP handler and a
+``tcp://`` connect a CURVE client; an ``ipc://`` bind is owner-only. ``TypedSocket`` wraps one such socket
+with the decode function of what it receives (``pipeline.protocol.cluster.decode_*``,
+``pipeline.protocol.transfer.*_DECODER.decode``)::
 
     requests = TypedSocket(ctx, zmq.ROUTER, decode_decode_to_prefill, "prefill requests")
     endpoint = requests.bind(address)
@@ -25,6 +28,8 @@ from typing import Callable, Generic, Iterator, NamedTuple, TypeVar
 
 import msgspec
 import zmq
+
+from pipeline.security import bind_securely, connect_securely
 
 M = TypeVar("M")
 
@@ -89,12 +94,14 @@ class TypedSocket(Generic[M]):
 
     # ---------------------------------------------------------------- endpoints
     def bind(self, endpoint: str) -> str:
-        """Bind; returns the bound address (a port 0 or ``*`` resolved)."""
-        self.socket.bind(endpoint)
+        """Bind (CURVE server on ``tcp://`` with a cluster key; owner-only on ``ipc://``); returns the bound
+        address (a port 0 or ``*`` resolved)."""
+        bind_securely(self.socket, endpoint)
         return self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def connect(self, endpoint: str) -> None:
-        self.socket.connect(endpoint)
+        """Connect (a CURVE client of the cluster's key on ``tcp://`` when the process has one)."""
+        connect_securely(self.socket, endpoint)
         self._peer = endpoint
 
     def close(self, linger: int = 0) -> None:
