@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import LLM
+from pipeline import LLM, SamplingParams
 from pipeline.weights import CheckpointError, load_model
 from tests.conftest import assert_no_leaks, hf_greedy, hf_logprobs
 from tests.gemma_checkpoints import GEMMA3_CONFIGS, LOCAL_LAYERS, gemma3_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import greedy, make_prompts
 from tests.pipeline.test_models import KERNELS, PagedSequences, hf_logits, random_tokens, run_logits
+from tests.pipeline.test_prompt_logprobs import check_against_transformers
 
 ATOL = 1e-4
 
@@ -137,4 +138,19 @@ def test_llm_greedy_and_logprobs_match_transformers(name, backend, gemma3_checkp
     for prompt, out in zip(again, llm.generate(again, greedy(6))):
         assert out.token_ids == hf_greedy(hf_model, prompt, 6)
     assert llm.engine.num_prompt_tokens_computed - computed_before < sum(map(len, again)) - 40
+    assert_no_leaks(llm.engine.kv_manager, free_at_start)
+
+
+def test_overlap_pipeline_and_prompt_logprobs_match_transformers(gemma3_checkpoint, hf_reference):
+    """The overlap scheduler in 8-token chunks: greedy tokens and prompt logprobs (of softcapped logits) as transformers'."""
+    path = gemma3_checkpoint("gemma3")
+    hf_model = hf_reference(path)[0]
+    prompts = make_prompts(hf_model.config.vocab_size, [21, 34, 2], seed=2)
+    llm = LLM(model=path, enable_overlap_scheduler=True, max_batch_input_tokens=8,
+              kv_cache={"page_size": 4, "num_blocks": 64})
+    free_at_start = llm.engine.kv_manager.num_free_blocks
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=3))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf_model, prompt, 6)
+        check_against_transformers(hf_model, prompt, out.prompt_logprobs, 3)
     assert_no_leaks(llm.engine.kv_manager, free_at_start)
