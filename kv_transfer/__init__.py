@@ -10,6 +10,7 @@ Modules, one sentence each:
 - ``blocks``: argument and piece checks, runs of consecutive blocks, splitting a send into <= 4 MiB pieces.
 - ``data_path``: moving a piece's bytes (pack for the wire, in-place copy, landing), checksummed as they go.
 - ``checksum``: the position-weighted 64-bit checksum both ends compute over their own cache.
+- ``connector``: the KV connector pair every cross-worker KV move goes through (``KVSource``, ``KVSink``).
 - ``shm``: KV caches in /dev/shm for the same-host transport; ``shm_files``: their names and removal (torch-free).
 
 Transports ("auto" picks the first both ends accept, shared memory only on the same host):

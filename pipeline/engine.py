@@ -2,8 +2,9 @@
 
 ``add_request`` validates and queues; ``step`` schedules one batch, runs it and returns what each
 request produced in that step; ``abort_request`` ends a request and frees its blocks at once.
-The offline ``LLM`` and the decode worker both drive it. KV that arrives from another worker or
-leaves for one (P/D, live migration) enters and leaves through ``pipeline/engine_kv_moves.py``.
+The offline ``LLM`` and the workers drive it. KV that arrives from another worker or leaves for one
+(P/D, live migration, prefix warm-ups) passes the engine's narrow KV-move interface (the section "KV
+moves across workers" below): the connector halves in ``kv_transfer/connector`` see only that.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Container
 
 import msgspec
 import torch
@@ -19,7 +21,6 @@ from kernels import load_kernels
 from pipeline.builtin_model import BUILTIN_NOTICE, builtin_model_path
 from pipeline.config import PipelineConfig
 from pipeline.choices import RequestChoices
-from pipeline.engine_kv_moves import KVMoves
 from pipeline.execution_stream import ExecutionStream
 from pipeline.generation_config import generation_eos_ids, read_generation_config
 from pipeline.kv_pool import build_kv_pool
@@ -61,7 +62,7 @@ class StepOutput:
     is_stop_token: bool = False
 
 
-class LLMEngine(KVMoves):
+class LLMEngine:
     def __init__(self, config: PipelineConfig, kv_cache_allocator=None) -> None:
         """``kv_cache_allocator(shape, dtype, device)`` places the KV cache (e.g. in shared memory
         for the same-host transfer transport); default: a plain zeroed tensor."""
@@ -321,6 +322,91 @@ class LLMEngine(KVMoves):
 
     def get_sequence(self, request_id: str) -> Sequence | None:
         return self._sequences.get(request_id)
+
+    # ------------------------------------------------------ KV moves across workers
+    # The one door for KV that crosses workers (kv_transfer/connector's ``SourceEngine`` / ``SinkEngine``):
+    # a prefill-only request's blocks held until shipped, a remote prefill's reservation and first token, a
+    # live-migrated stream's arrival, and pausing streams for a drain's handoff. Nothing else of the engine's
+    # state (block manager, cache tensor, sequences) is for workers.
+    @property
+    def page_size(self) -> int:
+        return self.kv_manager.page_size
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.kv_manager.num_total_blocks
+
+    def kv_cache_for_transfer(self):
+        """The tensor the transfer service reads and writes ``[num_layers, 2, num_blocks, page_size, kv_heads,
+        head_dim]`` (a draft model's layers after the target's, so its KV travels in the same transfer)."""
+        return self.kv_cache
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The blocks ``request_id`` holds, in token order (reserved, running, paused or held)."""
+        return list(self.kv_manager.block_table(request_id))
+
+    def kv_written_last_step(self) -> list[tuple[str, int]]:
+        """For each chunk of the step whose outputs the last ``step()`` returned: (request id, number of its
+        leading tokens whose KV is now written)."""
+        plan = self.last_plan
+        return [] if plan is None else [(c.seq.request_id, c.start + c.num_tokens) for c in plan.chunks]
+
+    def release_blocks(self, request_id: str) -> None:
+        """Free the blocks a finished prefill-only request (or one aborted with ``keep_blocks``) kept for shipping."""
+        if self._held.pop(request_id, None) is not None:
+            self.kv_manager.free(request_id)
+
+    def reserve_remote(self) -> list[Sequence]:
+        """Reserve blocks for queued remote-prefill requests that fit (watermark, batch size); the newly
+        reserved ones (``request_id``, ``token_ids``, ``num_cached_tokens``: the prefix this worker holds)."""
+        return self.scheduler.reserve_remote()
+
+    def activate_remote(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None,
+                        prompt_logprobs: PromptLogprobs | None = None) -> StepOutput:
+        """The prompt's KV arrived: record the first token (sampled by the prefill worker, with the
+        prompt's logprobs when asked for), run stop checks on it, and let the sequence decode from the next step."""
+        seq = self._sequences[request_id]
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs = prompt_logprobs or PromptLogprobs()
+        self.scheduler.activate_remote(seq, first_token_id)
+        return self._emit(seq, first_token_id, first_logprobs)
+
+    def activate_migrated(self, request_id: str, num_draft_computed_tokens: int | None = None) -> None:
+        """A migrated stream's KV arrived from the worker that decoded it so far (every token but the last,
+        which the client has already): decode on from the next step, emitting nothing now."""
+        seq = self._sequences[request_id]
+        seq.prompt_logprobs_sent = True  # sent with the first token, before the move
+        self.scheduler.activate_migrated(seq, num_draft_computed_tokens)
+
+    def pause_decoding(self, skip: Container[str] = ()) -> tuple[list[StepOutput], list[Sequence]]:
+        """Live migration on drain: stop decoding every single-choice request that is decoding (its KV
+        then covers every token but the last, which it emitted), keeping its blocks for the handoff;
+        requests in ``skip`` go on. Returns the outputs of a step still in flight (read first, so nothing
+        is computed past them) and the requests paused now; ``resume_paused`` or ``abort_request`` ends a
+        pause."""
+        def pausable() -> list[Sequence]:
+            return [seq for seq in self.scheduler.running
+                    if seq.params.num_sequences == 1 and not seq.is_prefill_only and seq.request_id not in skip
+                    and seq.num_output_tokens > 0]
+        if not pausable():
+            return [], []
+        outputs = self._read(self._take_in_flight()) if self._in_flight is not None else []
+        paused = [seq for seq in pausable() if seq.num_computed_tokens == seq.num_tokens - 1]
+        for seq in paused:
+            self.scheduler.pause(seq)
+            self.runner.forget(seq.request_id)  # back as a new row of the persistent batch, if resumed
+        return outputs, paused
+
+    def resume_paused(self, request_id: str) -> None:
+        """A paused stream nobody took (the router declined its handoff): it decodes on here."""
+        seq = self._sequences.get(request_id)
+        if seq is not None and seq.status is SequenceStatus.PAUSED:
+            self.scheduler.unpause(seq)
+
+    def has_runnable_work(self) -> bool:
+        """Whether the next ``step()`` has something to run or read (so a worker must not sleep on its sockets)."""
+        scheduler = self.scheduler
+        return bool(scheduler.running or scheduler.waiting or scheduler.has_warmups or self._in_flight is not None)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:

@@ -44,8 +44,8 @@ class WorkerBase:
             role=WorkerRole.from_pipeline_role(self.config.pipeline_role),
             model_name=served_model_name(self.config.model.model_path),
             max_length=self.engine.max_length,
-            page_size=self.engine.kv_manager.page_size,
-            num_total_blocks=self.engine.kv_manager.num_total_blocks,
+            page_size=self.engine.page_size,
+            num_total_blocks=self.engine.num_total_blocks,
             prefill_endpoint=prefill_endpoint,
             pid=os.getpid(),
             max_batch_size=self.config.max_batch_size,
@@ -107,8 +107,7 @@ class WorkerBase:
 
     def is_busy(self) -> bool:
         """Whether the engine has runnable work (so the loop must not sleep on its sockets)."""
-        scheduler = self.engine.scheduler
-        return bool(scheduler.running or scheduler.waiting or scheduler.has_warmups or self.engine.has_pending_outputs())
+        return self.engine.has_runnable_work()
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.link.socket]

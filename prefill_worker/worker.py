@@ -1,6 +1,8 @@
 """The prefill worker (PrefillOnly role): prompts in, KV and first tokens out.
 
-Request lifecycle on this worker:
+Request lifecycle on this worker (the shipping, TTLs, drops and every block's way back are the connector's
+source half, ``kv_transfer/connector/source.py``: one record per request, ``SourceStatus``; this worker
+decides what to accept and claim and builds ``PrefillDone``):
 
 1. ``PrefillRequest`` arrives from a decode worker D on this worker's ROUTER socket, carrying D's
    destination block ids and transfer endpoint. It joins the engine as a prefill-only request
@@ -29,31 +31,13 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from dataclasses import dataclass
 
-import zmq
-
-from kv_transfer.layout import kv_layout
-from kv_transfer.sender import KVSender
+from kv_transfer.connector.setup import ConnectorSetup
+from kv_transfer.connector.source import SourceStatus, SourceTransfer
 from pipeline.config import PipelineConfig
 from pipeline.endpoints import worker_bind_endpoint
 from pipeline.engine import RequestError, StepOutput
-from pipeline.protocol.cluster import (
-    CancelPrefill,
-    DecodeToPrefill,
-    PrefillAccepted,
-    PrefillDone,
-    PrefillRejected,
-    PrefillRequest,
-    PrefillStarted,
-    StartPrefill,
-    TokenDelta,
-    WarmPrefix,
-    decode_decode_to_prefill,
-    encode,
-)
-from pipeline.protocol.typed_socket import TypedSocket
+from pipeline.protocol.cluster import PrefillDone, PrefillRequest, StartPrefill, TokenDelta, WarmPrefix, encode
 from pipeline.scheduler import QueueFullError
 from pipeline.worker_base import WorkerBase, logprobs_to_wire, transfer_counters
 
@@ -64,42 +48,31 @@ logger = logging.getLogger(__name__)
 EARLY_PREFILL_HOLD_S = 2.0
 
 
-@dataclass
-class PrefillJob:
-    request: PrefillRequest | None  # None: started early (``early``), no decode worker has claimed it yet
-    decode_identity: bytes | None
-    deadline: float  # the TTL, counted from the first chunk (a job queued here waits for its turn)
-    num_sent_blocks: int  # leading destination blocks already sent (or already on D)
-    is_finished: bool = False  # PrefillDone handed to the sender
-    is_dropped: bool = False
-    has_sent: bool = False  # the sender knows this request (so it will report it once)
-    is_started: bool = False  # its first chunk ran and the decode worker was told (PrefillStarted)
-    early: StartPrefill | None = None  # the router's early start, until a decode worker claims it
-    early_output: StepOutput | None = None  # an unclaimed early prefill's result, kept for the claim
-
-
 class PrefillWorker(WorkerBase):
     def __init__(self, config: PipelineConfig, worker_id: str) -> None:
         super().__init__(config, worker_id)
-        self.requests: TypedSocket[DecodeToPrefill] = TypedSocket(self.ctx, zmq.ROUTER, decode_decode_to_prefill,
-                                                                  "prefill socket", logger=logger)
+        setup = ConnectorSetup.build(worker_id, self.engine.kv_cache_for_transfer(), self.model_fingerprint,
+                                     config.transfer.transport, config.kernel_backend)
         # Per incarnation (pid): a restarted worker must not receive what decode workers queued for its predecessor.
-        address = worker_bind_endpoint(config.zmq_endpoint_base, worker_id, f"prefill-{os.getpid()}",
-                                       host=config.resolved_bind_host())
-        self.endpoint = self.requests.bind(address)
-        layout = kv_layout(self.engine.kv_cache, self.model_fingerprint, config.transfer.transport)
-        self.sender = KVSender(self.engine.kv_cache, layout, kernel_backend=config.kernel_backend)
-        self.jobs: dict[str, PrefillJob] = {}
+        self.source = setup.open_source(self.ctx, self.engine, worker_bind_endpoint(
+            config.zmq_endpoint_base, worker_id, f"prefill-{os.getpid()}", host=config.resolved_bind_host()),
+            logger=logger)
+        self.endpoint = self.source.endpoint
         self.connect_router(prefill_endpoint=self.endpoint)
+
+    @property
+    def jobs(self) -> dict[str, SourceTransfer]:
+        """Every request this worker prefills or holds for a decode worker (the source's records)."""
+        return self.source.transfers
 
     def listen_endpoints(self) -> list[str]:
         return [self.endpoint]
 
-    def sockets(self) -> list[zmq.Socket]:
-        return [self.link.socket, self.requests.socket]
+    def sockets(self):
+        return [self.link.socket, self.source.socket.socket]
 
     def transfer_counters(self) -> dict:
-        return transfer_counters(self.sender.stats(), self.link.num_bad_frames + self.requests.num_bad_frames)
+        return transfer_counters(self.source.stats(), self.link.num_bad_frames + self.source.num_bad_frames)
 
     # ------------------------------------------------------------------ loop
     def run_once(self) -> None:
@@ -110,115 +83,71 @@ class PrefillWorker(WorkerBase):
                 self._start_early(message)
             else:
                 logger.debug("ignored %s from the router", type(message).__name__)
-        self._receive_requests()
+        for identity, request in self.source.receive():
+            self._accept(identity, request)
         if self.is_busy():
             outputs = self.run_step()
-            self._ship_progress()
+            self.source.on_kv_written(self.engine.kv_written_last_step())
             for out in outputs:
                 if out.finish_reason is not None:
                     self._finish(out)
-        self._reap_sends()
-        self._expire()
+        self.source.reap()
+        self.source.expire()
         self.tick()
-
-    def _receive_requests(self) -> None:
-        for message, identity, _ in self.requests.receive_ready():
-            if isinstance(message, CancelPrefill):
-                self._drop(message.request_id, "cancelled by the decode worker")
-            else:
-                self._accept(identity, message)
 
     def _start_early(self, start: StartPrefill) -> None:
         """The router's early start: prefill now, for the decode worker's ``PrefillRequest`` to claim."""
-        if start.request_id in self.jobs:  # the decode worker's request came first
+        if start.request_id in self.source:  # the decode worker's request came first
             return
         try:
             self.engine.add_request(start.request_id, start.prompt_token_ids, start.sampling_params, prefill_only=True)
         except (QueueFullError, RequestError, ValueError):
             return  # the decode worker's own request gets the answer
-        self.jobs[start.request_id] = PrefillJob(None, None, time.monotonic() + EARLY_PREFILL_HOLD_S,
-                                                 num_sent_blocks=0, early=start)
+        self.source.hold(start.request_id, EARLY_PREFILL_HOLD_S, early=start)
 
     def _accept(self, identity: bytes, request: PrefillRequest) -> None:
         rid = request.request_id
         if self.is_draining:
-            return self._reject(identity, rid, f"prefill worker {self.worker_id} is shutting down", retryable=True)
-        job = self.jobs.get(rid)
-        if job is not None and job.request is None:
+            return self.source.reject(identity, rid, f"prefill worker {self.worker_id} is shutting down", retryable=True)
+        job = self.source.get(rid)
+        if job is not None and job.status is SourceStatus.UNCLAIMED:
             if (job.early.prompt_token_ids == request.prompt_token_ids
                     and job.early.sampling_params == request.sampling_params):
                 return self._claim(job, identity, request)
-            self._drop(rid, "the decode worker asked for another prompt than the router started")
+            self.source.drop(rid, "the decode worker asked for another prompt than the router started")
         try:
-            if rid in self.jobs:
+            if rid in self.source:
                 raise RequestError(f"request {rid} is already being prefilled here")
             self.engine.add_request(rid, request.prompt_token_ids, request.sampling_params, prefill_only=True)
         except QueueFullError as exc:
-            return self._reject(identity, rid, str(exc), retryable=True)
+            return self.source.reject(identity, rid, str(exc), retryable=True)
         except (RequestError, ValueError) as exc:
-            return self._reject(identity, rid, str(exc), retryable=False)
-        page_size = self.engine.kv_manager.page_size
-        self.jobs[rid] = PrefillJob(request, identity, float("inf"),
-                                    num_sent_blocks=request.num_cached_tokens // page_size)
-        self.requests.send(PrefillAccepted(request_id=rid), to=identity)
+            return self.source.reject(identity, rid, str(exc), retryable=False)
+        self.source.accept(identity, request)
 
-    def _claim(self, job: PrefillJob, identity: bytes, request: PrefillRequest) -> None:
+    def _claim(self, job: SourceTransfer, identity: bytes, request: PrefillRequest) -> None:
         """The decode worker's request for a prompt started early: done already, everything ships now (with
         ``PrefillDone``); under way, the blocks computed so far ship with those of the next chunk."""
         rid = request.request_id
-        job.request, job.decode_identity, job.early, job.deadline = request, identity, None, float("inf")
-        job.num_sent_blocks = request.num_cached_tokens // self.engine.kv_manager.page_size
-        self.requests.send(PrefillAccepted(request_id=rid), to=identity)
+        self.source.claim(rid, identity, request)
         seq = self.engine.get_sequence(rid)
         if job.early_output is not None or (seq is not None and seq.num_computed_tokens > seq.num_cached_tokens):
-            job.is_started = True  # the TTL starts now, as it would have with the first chunk
-            job.deadline = time.monotonic() + request.ttl_s
-            self.requests.send(PrefillStarted(request_id=rid), to=identity)
+            self.source.start(rid)  # the TTL starts now, as it would have with the first chunk
         if job.early_output is not None:
             output, job.early_output = job.early_output, None
             self._finish(output)
 
-    def _reject(self, identity: bytes, rid: str, error: str, retryable: bool) -> None:
-        self.requests.send(PrefillRejected(request_id=rid, error=error, retryable=retryable), to=identity)
-
     # --------------------------------------------------------------- shipping
-    def _ship_progress(self) -> None:
-        """After a step: jobs whose first chunk just ran start their TTL (and tell their decode worker),
-        and every block that became complete is pushed (the last, partial one follows in ``_finish``)."""
-        plan = self.engine.last_plan
-        page_size = self.engine.kv_manager.page_size
-        now = time.monotonic()
-        for chunk in plan.chunks if plan is not None else []:
-            job = self.jobs.get(chunk.seq.request_id)
-            if job is None or job.request is None or job.is_finished or job.is_dropped:
-                continue  # (unclaimed: ``_claim`` ships what is computed by then)
-            if not job.is_started:
-                job.is_started = True
-                job.deadline = now + job.request.ttl_s
-                self.requests.send(PrefillStarted(request_id=job.request.request_id), to=job.decode_identity)
-            self._send_blocks(job, (chunk.start + chunk.num_tokens) // page_size)  # what that step wrote
-
-    def _send_blocks(self, job: PrefillJob, upto: int) -> None:
-        rid = job.request.request_id
-        upto = min(upto, len(job.request.dst_block_ids))
-        if upto <= job.num_sent_blocks:
+    def _finish(self, out: StepOutput) -> None:
+        """A prompt is done: the last (partial) block and ``PrefillDone`` follow its KV; the first token also
+        goes straight to the router. An early prefill nobody claimed yet keeps its result (and blocks)."""
+        job = self.source.get(out.request_id)
+        if job is None or job.status is SourceStatus.DROPPING:
             return
-        table = self.engine.kv_manager.block_table(rid)
-        self.sender.send_blocks(rid, job.request.transfer_endpoint, table[job.num_sent_blocks:upto],
-                                job.request.dst_block_ids[job.num_sent_blocks:upto])
-        job.num_sent_blocks = upto
-        job.has_sent = True
-
-    def _finish(self, out) -> None:
-        job = self.jobs.get(out.request_id)
-        if job is None or job.is_dropped:
-            return
-        if job.request is None:  # started early and done before its decode worker asked: kept, blocks too
+        if job.status is SourceStatus.UNCLAIMED:
             job.early_output = out
             return
-        page_size = self.engine.kv_manager.page_size
         num_prompt_tokens = len(job.request.prompt_token_ids)
-        self._send_blocks(job, -(-num_prompt_tokens // page_size))  # the last, partial block too
         first_token = out.new_token_ids[0]
         logprobs = None
         if out.new_logprobs is not None:
@@ -232,53 +161,19 @@ class PrefillWorker(WorkerBase):
             prefill_worker_id=self.worker_id,
             prompt_logprobs=out.prompt_logprobs,
         )
-        self.sender.finish(out.request_id, encode(done))
-        job.is_finished = job.has_sent = True
+        self.source.finish(out.request_id, encode(done), upto_block=-(-num_prompt_tokens // self.engine.page_size))
         early = first_token_delta(job.request, done, self.engine.eos_token_ids, self.engine.max_length)
         if early is not None:
             self.link.send_outputs([early])
 
-    def _reap_sends(self) -> None:
-        for status in self.sender.poll():
-            job = self.jobs.pop(status.request_id, None)
-            if not status.ok:
-                logger.warning("request %s: KV transfer failed: %s", status.request_id, status.error)
-            if job is not None:
-                self.engine.abort_request(status.request_id)  # frees (or releases held) blocks
-
-    def _drop(self, rid: str, reason: str) -> None:
-        job = self.jobs.get(rid)
-        if job is None or job.is_dropped:
-            return
-        logger.info("request %s dropped: %s", rid, reason)
-        job.is_dropped = True
-        if not job.has_sent:
-            del self.jobs[rid]
-            self.engine.abort_request(rid)
-            return
-        # The sender may still read these blocks: stop computing now, free once it reports back.
-        self.engine.abort_request(rid, keep_blocks=True)
-        self.sender.abort(rid)
-
     def has_work_in_flight(self) -> bool:
-        return bool(self.jobs) or super().has_work_in_flight()
+        return self.source.has_work() or super().has_work_in_flight()
 
     def fail_in_flight(self, reason: str) -> None:
-        for rid, job in list(self.jobs.items()):
-            if not job.has_sent and job.decode_identity is not None:
-                self._reject(job.decode_identity, rid, reason, retryable=True)
-            self._drop(rid, reason)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for rid, job in list(self.jobs.items()):
-            if now > job.deadline and not job.is_dropped:
-                self._drop(rid, "no decode worker claimed the early prefill" if job.request is None
-                           else "TTL passed before the decode worker acknowledged the KV")
+        self.source.fail_all(reason)
 
     def close(self) -> None:
-        self.sender.close()
-        self.requests.close()
+        self.source.close()
         super().close()
 
 

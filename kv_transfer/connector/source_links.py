@@ -1,4 +1,5 @@
-"""Decode-side connections to prefill workers: one DEALER per prefill endpoint, opened on first use."""
+"""The sink's connections to sources (prefill workers, draining decode workers): one DEALER per source
+endpoint, opened on first use."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pipeline.protocol.typed_socket import TypedSocket
 logger = logging.getLogger(__name__)
 
 
-class PrefillLinks:
+class SourceLinks:
     def __init__(self, ctx: zmq.Context, worker_id: str) -> None:
         self.ctx = ctx
         self.worker_id = worker_id

@@ -1,0 +1,336 @@
+"""The KV connector halves' state machines without processes or sockets: a source's request walks
+UNCLAIMED/QUEUED -> SHIPPING -> FINISHING -> reaped (or DROPPING), a sink's WAITING_FOR_BLOCKS -> REQUESTED ->
+QUEUED_AT_SOURCE / TRANSFERRING -> activated (or ABORTING); deadlines, drops and every block's way back."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from kv_transfer.connector.sink import KVSink, SinkStatus
+from kv_transfer.connector.source import KVSource, SourceStatus
+from kv_transfer.interface import ReceivedTransfer, SendStatus
+from pipeline.protocol import SamplingParams
+from pipeline.protocol.cluster import (
+    CancelPrefill,
+    GenerateRequest,
+    PrefillAccepted,
+    PrefillDone,
+    PrefillRejected,
+    PrefillRequest,
+    PrefillStarted,
+    StartPrefill,
+    encode,
+)
+
+PAGE = 4
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+class FakeEngine:
+    page_size = PAGE
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[int]] = {}
+        self.aborted: list[tuple[str, bool]] = []
+        self.to_reserve: list = []
+        self.activated: list = []
+
+    def block_table(self, request_id):
+        return self.tables[request_id]
+
+    def abort_request(self, request_id, keep_blocks=False):
+        self.aborted.append((request_id, keep_blocks))
+        return True
+
+    def reserve_remote(self):
+        reserved, self.to_reserve = self.to_reserve, []
+        return reserved
+
+    def activate_remote(self, request_id, first_token_id, first_logprobs, prompt_logprobs=None):
+        self.activated.append(("remote", request_id, first_token_id))
+        return SimpleNamespace(request_id=request_id, new_token_ids=[first_token_id])
+
+    def activate_migrated(self, request_id, num_draft_computed_tokens=None):
+        self.activated.append(("migrated", request_id, num_draft_computed_tokens))
+
+
+class FakeSender:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, list[int], list[int]]] = []
+        self.finished: list[str] = []
+        self.aborted: list[str] = []
+        self.results: list[SendStatus] = []
+
+    def send_blocks(self, request_id, endpoint, src, dst):
+        self.sent.append((request_id, list(src), list(dst)))
+
+    def finish(self, request_id, payload):
+        self.finished.append(request_id)
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def poll(self):
+        out, self.results = self.results, []
+        return out
+
+
+class FakeSocket:
+    num_bad_frames = 0
+
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.incoming: list = []
+
+    def send(self, message, to=None):
+        self.sent.append((message, to))
+
+    def receive_ready(self):
+        out, self.incoming = self.incoming, []
+        return [(message, identity, []) for message, identity in out]
+
+    def kinds(self) -> list[str]:
+        return [type(message).__name__ for message, _ in self.sent]
+
+
+def prefill_request(rid="r", num_cached_tokens=0, num_blocks=3, source_request_id=None) -> PrefillRequest:
+    return PrefillRequest(request_id=rid, prompt_token_ids=list(range(10)), sampling_params=GREEDY,
+                          dst_block_ids=list(range(100, 100 + num_blocks)), num_cached_tokens=num_cached_tokens,
+                          transfer_endpoint="ipc://d", decode_worker_id="d0", ttl_s=5.0,
+                          source_request_id=source_request_id)
+
+
+@pytest.fixture
+def source():
+    engine, sender, socket = FakeEngine(), FakeSender(), FakeSocket()
+    engine.tables["r"] = [7, 8, 9]
+    return KVSource(sender, socket, "ipc://p", engine)
+
+
+def test_a_request_ships_as_chunks_complete_then_finishes_and_its_blocks_come_back(source):
+    source.accept(b"d0", prefill_request(num_cached_tokens=4))  # D holds the first block already
+    transfer = source.get("r")
+    assert transfer.status is SourceStatus.QUEUED and transfer.deadline == math.inf
+    assert source.socket.kinds() == ["PrefillAccepted"]
+    source.on_kv_written([("r", 8)])  # the first chunk: blocks 0 and 1 complete, block 0 skipped
+    assert transfer.status is SourceStatus.SHIPPING and transfer.deadline < math.inf
+    assert source.socket.kinds() == ["PrefillAccepted", "PrefillStarted"]
+    assert source.sender.sent == [("r", [8], [101])]
+    source.finish("r", b"done", upto_block=3)  # the last, partial block, then the done message
+    assert transfer.status is SourceStatus.FINISHING
+    assert source.sender.sent[-1] == ("r", [9], [102]) and source.sender.finished == ["r"]
+    source.sender.results.append(SendStatus("r", ok=True))
+    ((reaped, status),) = source.reap()
+    assert reaped is transfer and status.ok and "r" not in source
+    assert source.engine.aborted == [("r", False)]  # the blocks are freed only now
+
+
+def test_an_unclaimed_request_ends_after_its_hold_and_a_claim_before_it_ships(source):
+    source.hold("r", hold_s=2.0, early=StartPrefill(request_id="r", prompt_token_ids=[1], sampling_params=GREEDY))
+    source.expire(now=source.get("r").deadline - 0.1)
+    assert source.get("r").status is SourceStatus.UNCLAIMED
+    source.claim("r", b"d0", prefill_request())
+    assert source.get("r").status is SourceStatus.QUEUED and source.get("r").early is None
+    source.expire(now=math.inf - 1)  # no TTL while queued
+    assert "r" in source
+    with pytest.raises(ValueError, match="QUEUED -> QUEUED"):
+        source.claim("r", b"d0", prefill_request())
+
+    source.hold("late", hold_s=2.0)
+    source.expire(now=source.get("late").deadline + 0.1)
+    assert "late" not in source and source.engine.aborted == [("late", False)] and not source.sender.aborted
+
+
+def test_a_drop_waits_for_the_sender_when_it_has_seen_the_request(source):
+    source.accept(b"d0", prefill_request())
+    source.drop("r", "nothing sent yet")  # ends at once
+    assert "r" not in source and source.engine.aborted == [("r", False)]
+
+    source.engine.aborted.clear()
+    source.accept(b"d0", prefill_request())
+    source.on_kv_written([("r", 4)])
+    source.socket.incoming.append((CancelPrefill(request_id="r"), b"d0"))
+    assert source.receive() == []
+    assert source.get("r").status is SourceStatus.DROPPING
+    assert source.engine.aborted == [("r", True)] and source.sender.aborted == ["r"]  # held until the sender lets go
+    source.sender.results.append(SendStatus("r", ok=False, error="aborted"))
+    source.reap()
+    assert "r" not in source and source.engine.aborted == [("r", True), ("r", False)]
+
+
+def test_a_ttl_past_its_start_drops_and_fail_all_rejects_what_never_shipped(source):
+    source.accept(b"d0", prefill_request())
+    source.start("r")
+    source.expire(now=source.get("r").deadline + 1)
+    assert "r" not in source  # nothing had reached the sender
+
+    source.engine.tables["q"] = [1, 2, 3]
+    source.accept(b"d1", prefill_request("q"))
+    source.fail_all("shutting down")
+    assert source.socket.sent[-1] == (PrefillRejected(request_id="q", error="shutting down", retryable=True), b"d1")
+    assert not source.has_work()
+
+
+def test_a_handed_off_stream_is_claimed_under_the_targets_id_and_finishes_with_nothing_to_ship(source):
+    source.engine.tables["stream"] = [5]
+    source.hold("stream")
+    # the target holds the whole stream's KV already (its prefix cache)
+    source.claim("stream", b"d2", prefill_request("t-1", num_cached_tokens=4, num_blocks=1,
+                                                  source_request_id="stream"), acknowledge=False)
+    source.start("stream", ttl_s=math.inf)
+    assert source.socket.sent == [(PrefillStarted(request_id="t-1"), b"d2")]
+    source.finish("stream", b"done", upto_block=1)
+    assert source.sender.sent == [("t-1", [], [])] and source.sender.finished == ["t-1"]  # opened for the done message
+    source.socket.incoming.append((CancelPrefill(request_id="t-1"), b"d2"))
+    source.receive()
+    assert source.get("stream").status is SourceStatus.DROPPING and source.sender.aborted == ["t-1"]
+    source.sender.results.append(SendStatus("t-1", ok=False))
+    assert [t.request_id for t, _ in source.reap()] == ["stream"]
+
+
+def test_a_declined_offer_is_released_untouched(source):
+    source.hold("s")
+    source.release("s")
+    assert "s" not in source and not source.engine.aborted
+    source.accept(b"d0", prefill_request())
+    with pytest.raises(ValueError):
+        source.release("r")
+
+
+# ---------------------------------------------------------------- sink
+class FakeReceiver:
+    endpoint = "ipc://d-kv"
+
+    def __init__(self) -> None:
+        self.expected: dict[str, list[int]] = {}
+        self.aborted: list[str] = []
+        self.results: list[ReceivedTransfer] = []
+
+    def expect(self, request_id, block_ids):
+        self.expected[request_id] = list(block_ids)
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def poll(self):
+        out, self.results = self.results, []
+        return out
+
+
+class FakeLinks:
+    num_bad_frames = 0
+
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.answers: list = []
+
+    def send(self, endpoint, message):
+        self.sent.append((endpoint, message))
+
+    def receive(self):
+        out, self.answers = self.answers, []
+        return out
+
+
+def generate(rid="g", kv_source_request_id=None) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_token_ids=[1, 2, 3, 4, 5], sampling_params=GREEDY,
+                           prefill_endpoint="ipc://p", kv_source_request_id=kv_source_request_id)
+
+
+@pytest.fixture
+def sink():
+    return KVSink(FakeReceiver(), FakeLinks(), FakeEngine(), "d0", ttl_s=5.0)
+
+
+def reserve(sink, rid="g", token_ids=(1, 2, 3, 4, 5), num_cached_tokens=4, now=100.0):
+    sink.engine.tables[rid] = [10, 11]
+    sink.engine.to_reserve = [SimpleNamespace(request_id=rid, token_ids=list(token_ids),
+                                              num_cached_tokens=num_cached_tokens)]
+    return sink.progress(now)
+
+
+def done(rid="g", ok=True, token=42, error=None, num_bytes=0):
+    payload = encode(PrefillDone(request_id=rid, first_token_id=token, num_draft_computed_tokens=3)) if ok else b""
+    return ReceivedTransfer(rid, ok=ok, error=error, payload=payload, num_bytes=num_bytes)
+
+
+def test_a_remote_prefill_is_reserved_requested_answered_and_activated(sink):
+    sink.expect(generate())
+    assert sink.get("g").status is SinkStatus.WAITING_FOR_BLOCKS
+    assert reserve(sink) == []
+    transfer = sink.get("g")
+    assert transfer.status is SinkStatus.REQUESTED and transfer.ttl_deadline == 105.0
+    assert sink.receiver.expected == {"g": [10, 11]}
+    ((endpoint, request),) = sink.links.sent
+    assert endpoint == "ipc://p" and request.dst_block_ids == [10, 11] and request.num_cached_tokens == 4
+    sink.links.answers.append(PrefillAccepted(request_id="g"))
+    sink.progress(200.0)
+    assert transfer.status is SinkStatus.QUEUED_AT_SOURCE and transfer.ttl_deadline == math.inf
+    sink.expire(10**9)  # queued at the source: load, not a fault
+    sink.links.answers.append(PrefillStarted(request_id="g"))
+    sink.progress(300.0)
+    assert transfer.status is SinkStatus.TRANSFERRING and transfer.ttl_deadline == 305.0
+    sink.receiver.results.append(done())
+    (event,) = sink.progress(301.0)
+    assert event.first_step.new_token_ids == [42] and event.error is None
+    assert sink.engine.activated == [("remote", "g", 42)] and sink.get("g") is None
+
+
+def test_a_ttl_tears_down_and_the_blocks_wait_for_the_receiver(sink):
+    sink.expect(generate())
+    reserve(sink, now=100.0)
+    sink.expire(106.0)
+    assert sink.get("g").status is SinkStatus.ABORTING and sink.receiver.aborted == ["g"]
+    assert sink.links.sent[-1] == ("ipc://p", CancelPrefill(request_id="g"))
+    assert sink.engine.aborted == []  # the receiver may still write
+    sink.receiver.results.append(done(ok=False, error="aborted"))
+    (event,) = sink.progress(107.0)
+    assert event.error == "prefill timed out" and event.retryable
+    assert sink.engine.aborted == [("g", False)] and sink.get("g") is None
+
+
+def test_a_cancel_reports_nothing_and_a_rejection_does_not_notify_the_source(sink):
+    sink.expect(generate())
+    reserve(sink)
+    assert sink.cancel("g") and sink.owns("g")
+    sink.receiver.results.append(done(ok=False))
+    assert sink.progress() == [] and sink.engine.aborted == [("g", False)]
+
+    sink.expect(generate("h"))
+    reserve(sink, "h")
+    num_sent = len(sink.links.sent)
+    sink.links.answers.append(PrefillRejected(request_id="h", error="full", retryable=True))
+    sink.receiver.results.append(done("h", ok=False))
+    (event,) = sink.progress()
+    assert event.error == "prefill rejected: full" and event.retryable and len(sink.links.sent) == num_sent
+
+
+def test_a_request_still_queued_for_blocks_ends_at_once(sink):
+    sink.expect(generate())
+    assert sink.tear_down("g", "request deadline exceeded", retryable=False)
+    assert sink.get("g") is None and sink.engine.aborted == [("g", False)] and not sink.receiver.aborted
+    assert not sink.tear_down("unknown", "x", retryable=False)
+
+
+def test_a_migrated_stream_arrives_and_reports_its_bytes_once(sink):
+    sink.expect(generate("m", kv_source_request_id="stream"))
+    reserve(sink, "m", token_ids=[1, 2, 3, 4, 5, 6, 7], num_cached_tokens=0)
+    (_, request), = sink.links.sent
+    assert request.prompt_token_ids == [1, 2, 3, 4, 5, 6, 7] and request.source_request_id == "stream"
+    sink.receiver.results.append(done("m", num_bytes=4096))
+    (event,) = sink.progress()
+    assert event.first_step is None and event.error is None
+    assert sink.engine.activated == [("migrated", "m", 3)]
+    assert sink.get("m").status is SinkStatus.ARRIVED and not sink.owns("m")
+    assert sink.take_migrated_bytes("m") == 4096 and sink.take_migrated_bytes("m") == 0
+
+
+def test_a_malformed_done_message_fails_the_request(sink):
+    sink.expect(generate())
+    reserve(sink)
+    sink.receiver.results.append(ReceivedTransfer("g", ok=True, payload=b"\x01garbage"))
+    (event,) = sink.progress()
+    assert event.error.startswith("malformed PrefillDone payload") and sink.engine.aborted == [("g", False)]
