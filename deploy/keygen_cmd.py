@@ -44,7 +44,8 @@ def add_http_security_flags(parser: argparse.ArgumentParser, *, api_key_default:
     """The HTTP API's ``--api-key`` (several allowed) and TLS (``--ssl-keyfile``, ``--ssl-certfile``: vLLM's names)."""
     parser.add_argument("--api-key", default=api_key_default, metavar="KEY[,KEY...]|@FILE",
                         help="require 'Authorization: Bearer KEY' on /v1; several keys comma-separated, or @FILE "
-                             f"with one key per line (# comments), any of them accepted (default: {api_key_default_text})")
+                             "with one key per line (# comments), any of them accepted "
+                             f"(default: {api_key_default_text})")
     parser.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="serve HTTPS: the PEM private key")
     parser.add_argument("--ssl-certfile", default=None, metavar="PATH",
                         help="serve HTTPS: the PEM certificate (chain) of --ssl-keyfile")

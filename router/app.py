@@ -210,8 +210,8 @@ def run_router(
     previous = _exit_zero_on_sigterm()
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", access_log=False,
-                    timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.router.http_keep_alive_s,
-                    ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
+                    timeout_graceful_shutdown=config.drain_timeout_s,
+                    timeout_keep_alive=config.router.http_keep_alive_s, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,102 @@
+"""Cluster keys, the API key syntax and the socket layer's security, in one process (no cluster)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from deploy.cli import main
+from deploy.keygen_cmd import parse_api_keys
+from pipeline import security
+from pipeline.protocol.cluster import Heartbeat, WorkerLoad, decode_worker_to_router
+from pipeline.protocol.typed_socket import TypedSocket
+
+
+@pytest.fixture
+def cluster_key(tmp_path):
+    key = security.load_cluster_key(security.generate_cluster_key(tmp_path / "key"))
+    security.set_cluster_key(key)
+    yield key
+    security.set_cluster_key(None)
+
+
+def test_keygen_writes_an_owner_only_key(tmp_path, capsys):
+    assert main(["keygen", "--out", str(tmp_path)]) == 0
+    secret = tmp_path / "cluster.key_secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert security.load_cluster_key(secret).secret
+    assert main(["keygen", "--out", str(tmp_path)]) == 2  # never overwrites a key by accident
+    assert "--force" in capsys.readouterr().err
+    with pytest.raises(security.ClusterSecurityError, match="only a public key"):
+        security.load_cluster_key(tmp_path / "cluster.key")
+    with pytest.raises(security.ClusterSecurityError, match="tandem keygen"):
+        security.load_cluster_key(tmp_path / "missing")
+
+
+def test_api_keys_comma_separated_or_from_a_file(tmp_path):
+    assert parse_api_keys(None) is None
+    assert parse_api_keys("a, b,") == ["a", "b"]
+    (tmp_path / "keys").write_text("# comment\nfirst\n\n second  # trailing\n")
+    assert parse_api_keys(f"@{tmp_path / 'keys'}") == ["first", "second"]
+    with pytest.raises(ValueError, match="no such file"):
+        parse_api_keys(f"@{tmp_path / 'none'}")
+
+
+def _heartbeat() -> Heartbeat:
+    return Heartbeat(worker_id="w", load=WorkerLoad())
+
+
+def test_curve_admits_the_cluster_key_only_and_counts_the_rest(cluster_key, tmp_path):
+    ctx = zmq.Context()
+    server = TypedSocket(ctx, zmq.ROUTER, decode_worker_to_router, "test server")
+    endpoint = server.bind("tcp://127.0.0.1:*")
+    assert server.socket.curve_server
+    member = TypedSocket(ctx, zmq.DEALER, decode_worker_to_router, "member")
+    member.connect(endpoint)
+    strangers = [ctx.socket(zmq.DEALER) for _ in range(2)]
+    other_public, other_secret = zmq.curve_keypair()
+    strangers[1].curve_publickey, strangers[1].curve_secretkey = other_public, other_secret
+    strangers[1].curve_serverkey = other_public  # another cluster's key: it cannot know ours
+    refused_before = security.num_handshakes_refused()
+    for stranger in strangers:
+        stranger.linger = 0
+        stranger.connect(endpoint)
+        stranger.send(msgspec.msgpack.encode(_heartbeat()))
+    member.send(_heartbeat())
+    received = []
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        if server.socket.poll(100):
+            received.extend(server.receive_ready())
+    assert len(received) == 1 and server.num_bad_frames == 0  # the member's, and nothing else
+    assert security.num_handshakes_refused() >= refused_before + 2
+    for sock in strangers:
+        sock.close()
+    member.close()
+    server.close()
+    ctx.term()  # the ZAP thread lets go of the context at once
+
+
+def test_ipc_sockets_are_owner_only(tmp_path):
+    ctx = zmq.Context()
+    sock = TypedSocket(ctx, zmq.ROUTER, decode_worker_to_router, "ipc")
+    sock.bind(f"ipc://{tmp_path}/sock")
+    mode = stat.S_IMODE(os.stat(tmp_path / "sock").st_mode)
+    assert mode & 0o077 == 0, oct(mode)
+    sock.close()
+    ctx.term()
+
+
+def test_a_tcp_base_without_a_key_is_refused_unless_insecure():
+    from pipeline.config import PipelineConfig
+
+    with pytest.raises(security.ClusterSecurityError, match="--insecure-cluster"):
+        security.configure_cluster_security(PipelineConfig(zmq_endpoint_base="tcp://127.0.0.1:25000"))
+    assert security.configure_cluster_security(
+        PipelineConfig(zmq_endpoint_base="tcp://127.0.0.1:25000", security={"insecure_cluster": True})) is None
+    assert security.configure_cluster_security(PipelineConfig(zmq_endpoint_base="ipc:///tmp/x")) is None
