@@ -28,7 +28,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def kind_of(report: dict) -> str:
-    if report.get("benchmark") in ("offline_throughput", "transfer", "overlap", "structured_output", "speculative"):
+    if report.get("benchmark") in ("offline_throughput", "transfer", "overlap", "structured_output", "speculative",
+                                   "startup"):
         return report["benchmark"]
     if "results" in report and "peak_gbps" in report:
         return "kernels"
@@ -226,10 +227,24 @@ def plot_speculative(report: dict, axes) -> str:
             f"{settings['threads']} thread(s): on / off = {ratios}; tokens {identical}")
 
 
-PLOTTERS = {"offline_throughput": plot_offline, "transfer": plot_transfer, "kernels": plot_kernels,
+def plot_startup(report: dict, axes) -> str:
+    """Seconds to a served request (cluster start) and back to serving after a SIGKILL, per way of starting."""
+    labels = list(report["runs"])
+    for ax, (key, what) in zip(axes, (("ready_s", "tandem up to first answer (s)"),
+                                      ("killed_worker_serving_again_s", "SIGKILL to serving again (s)"))):
+        medians = [statistics.median(run[key] for run in report["runs"][label]["runs"]) for label in labels]
+        ax.barh(labels, medians, color=["tab:blue", "tab:gray"][:len(labels)])
+        for y, label in enumerate(labels):
+            _bar(ax, y, medians[y], [run[key] for run in report["runs"][label]["runs"]])
+        ax.invert_yaxis()
+        ax.set_xlabel(what + " (median; dots: each run)")
+    return f"Start-up, 1P1D, built-in model, {report['cpu'].get('model', '?')} ({report['cpu'].get('cores')} cores)"
+
+
+PLOTTERS = {"startup": plot_startup, "offline_throughput": plot_offline, "transfer": plot_transfer, "kernels": plot_kernels,
             "overlap": plot_overlap, "structured_output": plot_structured_output, "speculative": plot_speculative}
-PANELS = {"overlap": 2, "speculative": 3}  # kinds drawn on more than one axis (their plotter takes them all)
-FIGSIZES = {"structured_output": (10, 5),  # one-axis kinds drawn as vertical bars, not one bar per row
+PANELS = {"overlap": 2, "speculative": 3, "startup": 2}  # kinds drawn on more than one axis (their plotter takes them all)
+FIGSIZES = {"startup": (12, 3), "structured_output": (10, 5),  # one-axis kinds drawn as vertical bars, not one bar per row
             "speculative": (17, 5)}
 
 
