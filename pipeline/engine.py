@@ -408,6 +408,20 @@ class LLMEngine:
         scheduler = self.scheduler
         return bool(scheduler.running or scheduler.waiting or scheduler.has_warmups or self._in_flight is not None)
 
+    # ------------------------------------------- the prefix cache as the router's KV index sees it
+    def record_prefix_cache_events(self) -> None:
+        """From now on, keep the block hashes the prefix cache publishes and forgets."""
+        self.kv_manager.record_events()
+
+    def drain_prefix_cache_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(hashes stored, hashes removed) since the last drain."""
+        return self.kv_manager.drain_events()
+
+    def prefix_cache_snapshot(self) -> list[bytes]:
+        """Every hash cached now (pending events dropped: the snapshot covers them)."""
+        self.kv_manager.drain_events()
+        return self.kv_manager.cached_hashes()
+
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:
         """Run one scheduled batch; what each request produced. ``last_plan`` keeps the chunks run.

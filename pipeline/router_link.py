@@ -115,19 +115,19 @@ class RouterLink:
         """Any other worker -> router message (a ``HandoffOffer``), in order with the token batches."""
         self.socket.send(encode(message))
 
-    def send_kv_events(self, kv_manager) -> None:
+    def send_kv_events(self, prefix_cache) -> None:
         """The prefix cache's changes for the router's index (loop thread, in order with token batches):
-        a snapshot after each registration, then numbered batches of what changed."""
+        a snapshot after each registration, then numbered batches of what changed. ``prefix_cache`` has
+        ``prefix_cache_snapshot()`` and ``drain_prefix_cache_events()`` (the engine)."""
         if not self.is_registered:
             return
         if self.kv_snapshot_wanted:
             self.kv_snapshot_wanted = False
-            kv_manager.drain_events()  # the snapshot covers them
             self._kv_seq = 0
-            self.socket.send(encode(KVEvents(worker_id=self.worker_id, seq=0, stored=kv_manager.cached_hashes(),
-                                             full=True)))
+            self.socket.send(encode(KVEvents(worker_id=self.worker_id, seq=0,
+                                             stored=prefix_cache.prefix_cache_snapshot(), full=True)))
             return
-        stored, removed = kv_manager.drain_events()
+        stored, removed = prefix_cache.drain_prefix_cache_events()
         if stored or removed:  # batched by the loop's pace: one message per pass at most
             self._kv_seq += 1
             self.socket.send(encode(KVEvents(worker_id=self.worker_id, seq=self._kv_seq, stored=stored,

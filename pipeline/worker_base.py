@@ -53,7 +53,7 @@ class WorkerBase:
         self.link = RouterLink(self.ctx, self.config.zmq_endpoint_base, registration,
                                heartbeat_interval_s=self.config.transfer.heartbeat_interval_s,
                                step_stall_timeout_s=self.config.step_stall_timeout_s)
-        self.engine.kv_manager.record_events()  # the router's KV index follows this worker's prefix cache
+        self.engine.record_prefix_cache_events()  # the router's KV index follows this worker's prefix cache
 
     # ------------------------------------------------------------------ loop
     def run(self, stop: threading.Event | None = None) -> None:
@@ -124,7 +124,7 @@ class WorkerBase:
         """Send the prefix cache's changes, and refresh the load report the heartbeat thread sends
         (only when the next heartbeat would see an old one: building it walks the queues and
         snapshots the transfer counters)."""
-        self.link.send_kv_events(self.engine.kv_manager)
+        self.link.send_kv_events(self.engine)
         if not self.link.is_load_stale():
             return
         load = self.engine.load(**self.transfer_counters())
