@@ -122,6 +122,13 @@ def drafts(tiny_checkpoint, tmp_path_factory):
     return get
 
 
+def greedy(max_tokens: int, **kwargs):
+    """Greedy SamplingParams with EOS ignored (what transformers' ``hf_greedy`` is compared against)."""
+    from pipeline import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = True) -> list[int]:
     """transformers' own greedy generate() for one unpadded prompt (EOS ignored unless asked)."""
     with torch.no_grad():

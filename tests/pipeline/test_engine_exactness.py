@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import ARCHITECTURES, assert_no_leaks, hf_greedy, hf_logprobs
-from pipeline import LLM, SamplingParams
+from tests.conftest import ARCHITECTURES, assert_no_leaks, greedy, hf_greedy, hf_logprobs
+from pipeline import LLM
 
 NUM_NEW_TOKENS = 32
 PROMPT_LENGTHS = [3, 17, 5, 29, 11, 8, 23, 1]
@@ -15,10 +15,6 @@ PROMPT_LENGTHS = [3, 17, 5, 29, 11, 8, 23, 1]
 def make_prompts(vocab_size: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
-
-
-def greedy(max_tokens: int = NUM_NEW_TOKENS, **kwargs) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +34,7 @@ def references(tiny_checkpoint, hf_reference):
 
 def generate_and_check(llm: LLM, prompts, expected) -> None:
     free_at_start = llm.engine.kv_manager.num_free_blocks
-    outputs = llm.generate(prompts, greedy())
+    outputs = llm.generate(prompts, greedy(NUM_NEW_TOKENS))
     for i, (out, want) in enumerate(zip(outputs, expected)):
         assert out.token_ids == want, f"prompt {i} (len {len(prompts[i])}) diverged"
         assert out.finish_reason == "length"

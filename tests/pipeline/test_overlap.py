@@ -9,7 +9,7 @@ import torch
 from pipeline import LLM, SamplingParams
 from pipeline.config import PipelineConfig
 from pipeline.engine import LLMEngine
-from tests.conftest import ARCHITECTURES, assert_no_leaks, hf_greedy
+from tests.conftest import ARCHITECTURES, assert_no_leaks, greedy, hf_greedy
 
 PROMPT_LENGTHS = [3, 17, 5, 29, 11, 8, 23, 1]
 NUM_NEW_TOKENS = 24
@@ -20,10 +20,6 @@ SMALL_STEPS = dict(max_batch_input_tokens=7, long_prefill_token_threshold=3,
 def make_prompts(vocab_size: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
-
-
-def greedy(max_tokens: int = NUM_NEW_TOKENS, **kwargs) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
 
 
 def pair(path: str, **config) -> tuple[LLM, LLM]:
@@ -59,12 +55,12 @@ def test_overlap_is_token_exact_with_small_chunks_and_preemption(arch, tiny_chec
     original = on.engine.scheduler._preempt
     on.engine.scheduler._preempt = lambda seq, out: (preempted.append(seq.request_id), original(seq, out))
     free_at_start = on.engine.kv_manager.num_free_blocks
-    outputs = on.generate(prompts, greedy())
+    outputs = on.generate(prompts, greedy(NUM_NEW_TOKENS))
     assert preempted, "the pool was meant to be too small: no preemption happened"
     for i, (out, prompt) in enumerate(zip(outputs, prompts)):
         assert out.token_ids == hf_greedy(model, prompt, NUM_NEW_TOKENS), f"prompt {i} diverged"
     assert_no_leaks(on.engine.kv_manager, free_at_start)
-    assert_same(off.generate(prompts, greedy(logprobs=2)), on.generate(prompts, greedy(logprobs=2)),
+    assert_same(off.generate(prompts, greedy(NUM_NEW_TOKENS, logprobs=2)), on.generate(prompts, greedy(NUM_NEW_TOKENS, logprobs=2)),
                 logprob_tolerance=1e-5)
 
 
@@ -75,10 +71,10 @@ def test_overlap_is_exact_on_prefix_cache_hits(arch, tiny_checkpoint):
     off, on = pair(path, kv_cache={"page_size": 4, "num_blocks": 128})
     shared = make_prompts(300, [21], seed=1)[0]
     prompts = [shared + tail for tail in make_prompts(300, [3, 9, 1, 6], seed=2)]
-    first = on.generate(prompts, greedy(logprobs=1))
-    second = on.generate(prompts, greedy(logprobs=1))
-    assert_same(off.generate(prompts, greedy(logprobs=1)), first)
-    assert_same(off.generate(prompts, greedy(logprobs=1)), second)  # both engines hit the cache now
+    first = on.generate(prompts, greedy(NUM_NEW_TOKENS, logprobs=1))
+    second = on.generate(prompts, greedy(NUM_NEW_TOKENS, logprobs=1))
+    assert_same(off.generate(prompts, greedy(NUM_NEW_TOKENS, logprobs=1)), first)
+    assert_same(off.generate(prompts, greedy(NUM_NEW_TOKENS, logprobs=1)), second)  # both engines hit the cache now
     assert on.engine.kv_manager.num_free_blocks == on.engine.kv_manager.num_total_blocks
 
 

@@ -14,15 +14,11 @@ from pipeline.builtin_model import build_checkpoint
 from pipeline.checkpoint_errors import CheckpointError
 from pipeline.config import ConfigError
 from tests.chi_square import assert_same_distribution
-from tests.conftest import ARCHITECTURES, TINY_CONFIGS, assert_no_leaks
+from tests.conftest import ARCHITECTURES, TINY_CONFIGS, assert_no_leaks, greedy
 from tests.pipeline.test_engine_exactness import NUM_NEW_TOKENS, make_prompts, record_preemptions
 from tests.pipeline.test_engine_exactness import references  # noqa: F401 (a fixture: transformers' greedy outputs)
 
 K = 3
-
-
-def greedy(max_tokens: int = NUM_NEW_TOKENS, **kwargs) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
 
 
 def speculative_llm(path: str, draft: str | None, **kwargs) -> LLM:
@@ -40,7 +36,7 @@ def test_greedy_matches_transformers_with_chunks_and_preemption(arch, kind, tiny
                           kv_cache={"page_size": 2, "num_blocks": 64, "enable_prefix_caching": False})
     preempted = record_preemptions(llm)
     free_at_start = llm.engine.kv_manager.num_free_blocks
-    outputs = llm.generate(prompts, greedy())
+    outputs = llm.generate(prompts, greedy(NUM_NEW_TOKENS))
     assert [o.token_ids for o in outputs] == expected
     assert_no_leaks(llm.engine.kv_manager, free_at_start)
     assert preempted, "the pool was meant to be too small for the whole batch"
@@ -154,7 +150,7 @@ def test_draft_with_another_kv_layout_runs_colocated_and_is_refused_for_pd(tiny_
     prompts, expected = references("llama")
     llm = speculative_llm(tiny_checkpoint("llama"), str(draft))
     assert llm.engine.draft_kv_cache.data_ptr() != llm.engine.kv_cache.data_ptr()
-    assert [o.token_ids for o in llm.generate(prompts, greedy())] == expected
+    assert [o.token_ids for o in llm.generate(prompts, greedy(NUM_NEW_TOKENS))] == expected
     for role in ("PrefillOnly", "DecodeOnly"):
         config = PipelineConfig.load(overrides={
             "pipeline_role": role, "model": {"model_path": tiny_checkpoint("llama")},
@@ -252,8 +248,8 @@ def test_prefill_ships_draft_kv_and_decode_speculates_exactly(arch, kind, tiny_c
     free_at_start = (prefill.kv_manager.num_free_blocks, decode.kv_manager.num_free_blocks)
     first_tokens = {}
     for i, prompt in enumerate(prompts):
-        prefill.add_request(f"r{i}", prompt, greedy(), prefill_only=True)
-        decode.add_request(f"r{i}", prompt, greedy(), remote_prefill=True)
+        prefill.add_request(f"r{i}", prompt, greedy(NUM_NEW_TOKENS), prefill_only=True)
+        decode.add_request(f"r{i}", prompt, greedy(NUM_NEW_TOKENS), remote_prefill=True)
     while prefill.has_unfinished_requests():
         for out in prefill.step():
             first_tokens[out.request_id] = out.new_token_ids[0]
@@ -288,7 +284,7 @@ def test_a_speculating_prefill_worker_caches_the_prompts_it_prefilled(tiny_check
         "draft_model": {"model_path": drafts("llama", "small")}, "speculative": {"num_speculative_tokens": K},
         "kv_cache": {"page_size": 4, "num_blocks": 64}}))
     prompt = list(range(20, 50))
-    engine.add_request("turn-1", prompt, greedy(), prefill_only=True)
+    engine.add_request("turn-1", prompt, greedy(NUM_NEW_TOKENS), prefill_only=True)
     while engine.has_unfinished_requests():
         engine.step()
     engine.release_blocks("turn-1")
