@@ -7,7 +7,7 @@ PORT ?= 8000
 STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test test-fast test-cluster bench bench-serve bench-peer bench-kv-routing bench-migration
+.PHONY: run test test-fast test-cluster bench bench-serve bench-peer bench-kv-routing bench-migration gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml setup.py kv_transfer/_copysum.c $(wildcard kernels/native/*.c kernels/native/*.h)
 	@echo "== setting up $(VENV): torch (CPU build) first, then Tandem and what it needs to run"
@@ -85,3 +85,21 @@ bench-migration: $(TEST_STAMP)
 	$(PY) -m bench.migration_bench --mode crash --repeats 2 --out bench/results/migration.json
 	$(PY) -m bench.migration_bench --mode drain --repeats 2 --out bench/results/migration_drain.json
 	$(PY) -m bench.migration_bench --mode drain-replay --repeats 2 --out bench/results/migration_drain_replay.json
+
+# The GPU check (docs/gpu.md): run ON the lent GPU machine, with the image's own python3 and the wheels carried
+# in .whl/; writes $(OUT)/gpu-check.json and gpu-check.log (./gpu-check-out when OUT is unset). Here, without a
+# GPU: make gpu-check GPU_CHECK_ARGS=--dry-run GPU_PY=.venv/bin/python
+GPU_PY ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONUNBUFFERED=1 $(GPU_PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
+# What the device image lacks (deploy/gpu_wheels.txt), downloaded for CPython 3.12 on x86-64 Linux into .whl/
+GPU_WHEEL_PLATFORMS := --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	--platform manylinux_2_26_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 \
+	--platform manylinux1_x86_64 --platform manylinux_2_5_x86_64
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(if $(wildcard $(PY)),$(PY),python3) -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(GPU_WHEEL_PLATFORMS) -d .whl -r deploy/gpu_wheels.txt
+	du -sh .whl

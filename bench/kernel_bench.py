@@ -48,15 +48,15 @@ class Result:
     triton_tflops: float | None = None
 
 
-def _paged_batch(num_seqs, q_len, context_len, num_q_heads, num_kv_heads, head_dim, page_size, dtype):
+def _paged_batch(num_seqs, q_len, context_len, num_q_heads, num_kv_heads, head_dim, page_size, dtype, device="cuda"):
     blocks_per_seq = -(-context_len // page_size)
     num_blocks = num_seqs * blocks_per_seq + 1
-    kv_cache = torch.randn(1, 2, num_blocks, page_size, num_kv_heads, head_dim, dtype=dtype, device="cuda")
-    block_tables = torch.randperm(num_blocks - 1, device="cuda")[: num_seqs * blocks_per_seq]
+    kv_cache = torch.randn(1, 2, num_blocks, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    block_tables = torch.randperm(num_blocks - 1, device=device)[: num_seqs * blocks_per_seq]
     block_tables = block_tables.view(num_seqs, blocks_per_seq).int()
-    query = torch.randn(num_seqs * q_len, num_q_heads, head_dim, dtype=dtype, device="cuda")
-    cu_seqlens_q = torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32, device="cuda")
-    context_lens = torch.full((num_seqs,), context_len, dtype=torch.int32, device="cuda")
+    query = torch.randn(num_seqs * q_len, num_q_heads, head_dim, dtype=dtype, device=device)
+    cu_seqlens_q = torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32, device=device)
+    context_lens = torch.full((num_seqs,), context_len, dtype=torch.int32, device=device)
     return query, kv_cache[0, 0], kv_cache[0, 1], cu_seqlens_q, context_lens, block_tables
 
 
