@@ -26,6 +26,7 @@ Exit status: 0 when no stage failed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -173,6 +174,10 @@ def run_wheels(runner: Runner, timeout_s: float) -> dict:
         return {"status": status, "reason": "; ".join(carried["problems"]) or
                 "dry run: wheels checked against deploy/gpu_wheels.txt, not installed (this Python has its own)",
                 **carried}
+    if sys.version_info[:2] != (3, 12):  # never install cp312 wheels into another Python (a dev machine's venv)
+        reason = (f"the carried wheels are for CPython 3.12, this is {platform.python_version()}: not installed "
+                  "(without a GPU, run --dry-run)")
+        return {"status": "failed", "reason": reason, **carried}
     if carried["problems"]:
         runner.note("wheel problems: " + "; ".join(carried["problems"]))
     argv = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(WHEEL_DIR), "--no-cache-dir",
@@ -184,7 +189,7 @@ def run_wheels(runner: Runner, timeout_s: float) -> dict:
 
 
 def pytest_stage(runner: Runner, name: str, paths: list[str], marker: str, timeout_s: float, env: dict) -> dict:
-    if not paths:
+    if not [p for p in paths if not p.startswith("-")]:
         return {"status": "failed", "reason": "no test file carries the marker"}
     junit = runner.out_dir / f"{name.replace('_', '-')}.xml"
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs", "-m", marker,
@@ -261,7 +266,8 @@ def run_stage(runner: Runner, stage: Stage, selected: set[str], cuda: bool | Non
     if stage.needs_cuda and runner.dry_run:
         return {**base, "status": "skipped", "reason": "skipped: no CUDA (dry run)", "seconds": 0.0}
     if timeout_s < 15:
-        return {**base, "status": "skipped", "reason": f"out of the run's {runner.budget_s:.0f} s budget", "seconds": 0.0}
+        reason = f"out of the run's {runner.budget_s:.0f} s budget"
+        return {**base, "status": "skipped", "reason": reason, "seconds": 0.0}
     if cuda is False and not runner.dry_run and stage.name != "wheels":
         return {**base, "status": "failed", "reason": "no CUDA device visible (see environment)", "seconds": 0.0}
     runner.note(f"\n===== {stage.name}: {stage.what} =====")
@@ -272,7 +278,9 @@ def run_stage(runner: Runner, stage: Stage, selected: set[str], cuda: bool | Non
         env = dict(runner.env)
         if stage.name == "pytest_kernels":
             env["TRITON_INTERPRET"] = "0"
-            outcome = pytest_stage(runner, stage.name, ["tests/kernels"], "not slow", timeout_s, env)
+            # pytest-xdist (in the device image): triton's compiles, CPU-bound, spread over 4 processes
+            parallel = ["-n", "4"] if importlib.util.find_spec("xdist") else []
+            outcome = pytest_stage(runner, stage.name, [*parallel, "tests/kernels"], "not slow", timeout_s, env)
         else:
             outcome = pytest_stage(runner, stage.name, marked_test_files(), "gpu", timeout_s, env)
     else:

@@ -59,7 +59,8 @@ def metric_samples(url: str) -> list[tuple[str, dict, float]]:
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         match = re.match(r'(tandem_[a-z_]+)\{(.*)\} ([0-9.e+-]+)$', line)
         if match:
-            samples.append((match.group(1), dict(re.findall(r'(\w+)="([^"]*)"', match.group(2))), float(match.group(3))))
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+            samples.append((match.group(1), labels, float(match.group(3))))
     return samples
 
 
@@ -68,7 +69,8 @@ def wait_for_blocks_back(url: str, workers: list[str], timeout_s: float = 15.0) 
     deadline, seen = time.monotonic() + timeout_s, {}
     while time.monotonic() < deadline:
         gauges = {(name, labels.get("worker")): value for name, labels, value in metric_samples(url)}
-        seen = {w: (gauges.get(("tandem_kv_blocks_used", w)), gauges.get(("tandem_kv_blocks_free", w))) for w in workers}
+        seen = {w: (gauges.get(("tandem_kv_blocks_used", w)), gauges.get(("tandem_kv_blocks_free", w)))
+                for w in workers}
         if all(used == 0 and free == NUM_BLOCKS for used, free in seen.values()):
             return {"ok": True, "blocks": seen}
         time.sleep(0.25)

@@ -52,8 +52,8 @@ def run(args) -> dict:
     if cuda:
         props = torch.cuda.get_device_properties(0)
         result["device"] = {"name": props.name, "capability": f"{props.major}.{props.minor}",
-                            "multiprocessors": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1),
-                            "count": torch.cuda.device_count()}
+                            "multiprocessors": props.multi_processor_count,
+                            "memory_gib": round(props.total_memory / 2**30, 1), "count": torch.cuda.device_count()}
     errors = [f"cannot import {', '.join(failed)}"] if failed else []
     if not cuda and not args.dry_run:
         errors.append("torch sees no CUDA device")

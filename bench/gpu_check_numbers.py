@@ -81,7 +81,7 @@ def kernels_stage(args) -> dict:
     n = 8192 if on_gpu else 256
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     matmul_tflops = 2 * n**3 / ms(lambda: a @ b) / 1e9
-    del src, dst, a, b
+    src = dst = a = b = None  # the ceilings' buffers (over 2 GiB) freed first
     result = {"device": device, "dtype": str(dtype)[6:], "datasheet": peaks,
               "measured_copy_gbps": round(copy_gbps, 1), "matmul_size": n,
               "measured_matmul_tflops": round(matmul_tflops, 1)}
@@ -91,18 +91,23 @@ def kernels_stage(args) -> dict:
         cases = attention_cases(kernel_set, TORCH_KERNELS, dtype)
     else:  # one tiny decode batch through the reference
         batch = _paged_batch(4, 1, 64, 4, 2, 32, 16, dtype, device=device)
-        cases = [Case("paged_attention", "decode b4 ctx64 (dry run)", lambda: TORCH_KERNELS.paged_attention(*batch, 0.2),
-                      lambda: TORCH_KERNELS.paged_attention(*batch, 0.2), 2 * 4 * 64 * 2 * 32 * 4 + 2 * 4 * 4 * 32 * 4,
+        def reference():
+            return TORCH_KERNELS.paged_attention(*batch, 0.2)
+
+        kv_bytes, qo_bytes = 2 * 4 * 64 * 2 * 32 * 4, 2 * 4 * 4 * 32 * 4  # fp32: K/V of 4 x 64 tokens, q and out
+        cases = [Case("paged_attention", "decode b4 ctx64 (dry run)", reference, reference, kv_bytes + qo_bytes,
                       flops=4 * 4 * 64 * 4 * 32)]
     attention = []
     for case in cases:
-        err = float((case.run_triton().float() - case.run_torch().float()).abs().max())
+        ours, ref = case.run_triton().float(), case.run_torch().float()
+        err = float((ours - ref).norm() / ref.norm())  # relative; bf16 operands land between 1e-3 and 1e-2
         t = ms(case.run_triton)
         gbps = case.num_bytes / t / 1e6
         attention.append({"case": case.name, "ms": round(t, 4), "gbps": round(gbps, 1),
                           "pct_of_measured_copy": round(100 * gbps / copy_gbps, 1),
-                          "pct_of_datasheet_hbm": round(100 * gbps / peaks["hbm_gbps"], 1) if peaks["hbm_gbps"] else None,
-                          "tflops": round(case.flops / t / 1e9, 1), "max_abs_err_vs_reference": err})
+                          "pct_of_datasheet_hbm": (round(100 * gbps / peaks["hbm_gbps"], 1) if peaks["hbm_gbps"]
+                                                   else None),
+                          "tflops": round(case.flops / t / 1e9, 1), "rel_err_vs_reference": err})
         print(attention[-1], flush=True)
     result["paged_attention"] = attention
 
@@ -122,8 +127,8 @@ def kernels_stage(args) -> dict:
                       else None})
         print(gemms[-1], flush=True)
     result["prefill_gemms"] = gemms
-    bad = [a["case"] for a in attention if not math.isfinite(a["max_abs_err_vs_reference"])
-           or a["max_abs_err_vs_reference"] > (5e-2 if on_gpu else 1e-4)]
+    bad = [a["case"] for a in attention if not math.isfinite(a["rel_err_vs_reference"])
+           or a["rel_err_vs_reference"] > (2e-2 if on_gpu else 1e-5)]
     result["ok"] = not bad
     if bad:
         result["error"] = f"paged attention far from its reference on {bad}"
@@ -247,7 +252,8 @@ def offline_stage(args) -> dict:
     path = tempfile.mkdtemp(prefix="gpu-check-1b-")
     t0 = time.perf_counter()
     hf = build_model(path, device, dry_run)
-    result = {"device": device, "dtype": "float32" if dry_run else "bfloat16", "model_build_s": round(time.perf_counter() - t0, 1),
+    result = {"device": device, "dtype": "float32" if dry_run else "bfloat16",
+              "model_build_s": round(time.perf_counter() - t0, 1),
               "num_prompts": num_prompts, "max_tokens": max_tokens, "prompt_lengths": list(lengths),
               "num_params": sum(p.numel() for p in hf.parameters())}
     rng = random.Random(0)
@@ -272,18 +278,20 @@ def offline_stage(args) -> dict:
     result["transformers"] = {"seconds": round(hf_s, 2), "output_tok_per_s": round(out_tokens / hf_s, 1),
                               "attn_implementation": getattr(hf.config, "_attn_implementation", None)}
     print(result, flush=True)
-    del hf
+    hf = None  # its weights leave the GPU before Tandem loads its own
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
 
     t0 = time.perf_counter()
+    # no prefix caching: the timed run must prefill what the warm-up already did, as transformers does
     llm = LLM(model=path, model_config={"device": device, "dtype": result["dtype"]},
-              kv_cache={"num_blocks": 4096 if not dry_run else 64})
+              kv_cache={"num_blocks": 4096 if not dry_run else 64, "enable_prefix_caching": False})
     result["tandem_load_s"] = round(time.perf_counter() - t0, 1)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    llm.generate(prompts[: min(8, num_prompts)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    result["tandem_warmup_s"] = round(time.perf_counter() - t0, 1)  # triton's compiles, mostly
+    # the whole batch, a few tokens: triton compiles each kernel variant the timed run will launch
+    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    result["tandem_warmup_s"] = round(time.perf_counter() - t0, 1)
     sync(device)
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params)
