@@ -300,7 +300,9 @@ def offline_stage(args) -> dict:
     generated = sum(len(o.token_ids) for o in outputs)
     result["tandem"] = {"seconds": round(tandem_s, 2), "output_tok_per_s": round(generated / tandem_s, 1),
                         "total_tok_per_s": round((generated + sum(map(len, prompts))) / tandem_s, 1),
-                        "kernels": llm.engine.kernels.name}
+                        "kernels": llm.engine.kernels.name, "page_size": llm.config.kv_cache.page_size,
+                        "max_batch_size": llm.config.max_batch_size,
+                        "max_batch_input_tokens": llm.config.max_batch_input_tokens}
     result["tandem_over_transformers"] = round(result["tandem"]["output_tok_per_s"]
                                                / result["transformers"]["output_tok_per_s"], 2)
     result["ok"] = generated == out_tokens
