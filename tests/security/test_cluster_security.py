@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -104,11 +106,14 @@ def test_loopback_capture_holds_no_prompt(cluster, tmp_path):
     dumps = {}
     try:
         for side, path in captures.items():
-            dumps[side] = subprocess.Popen([tcpdump, "-i", "lo", "-U", "-s", "0", "-w", str(path), filters[side]],
+            dumps[side] = subprocess.Popen([tcpdump, "-i", "lo", "-U", "--immediate-mode", "-s", "0", "-w", str(path),
+                                            filters[side]],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(1.0)  # tcpdump's capture is open
-        if any(d.poll() is not None for d in dumps.values()):
-            pytest.skip(f"tcpdump cannot capture here: {dumps['cluster'].stderr.read()[:200]!r}")
+        for dump in dumps.values():  # tcpdump says "listening on lo" once its capture is open
+            said = _wait_listening(dump)
+            if "listening on" not in said:
+                pytest.skip(f"tcpdump cannot capture here: {said[-300:]!r}")
+        time.sleep(0.2)
         out = client.completions.create(model=model_name(client), prompt=PROMPT, max_tokens=8, temperature=0)
         time.sleep(0.5)
     finally:
@@ -123,6 +128,15 @@ def test_loopback_capture_holds_no_prompt(cluster, tmp_path):
     answer = out.choices[0].text.encode()
     if len(answer.strip()) >= 12:  # a short answer could turn up anywhere by chance
         assert answer not in cluster_bytes
+
+
+def _wait_listening(dump: subprocess.Popen, timeout_s: float = 30.0) -> str:
+    said = b""
+    deadline = time.monotonic() + timeout_s
+    while b"listening on" not in said and time.monotonic() < deadline and dump.poll() is None:
+        if select.select([dump.stderr], [], [], 0.2)[0]:
+            said += os.read(dump.stderr.fileno(), 4096)
+    return said.decode(errors="replace")
 
 
 def test_tcp_process_without_a_key_refuses_to_start(tiny_checkpoint):
