@@ -151,6 +151,13 @@ class RouterLink:
         self.load = load
         self._load_at = time.monotonic()
 
+    def report_now(self, load: WorkerLoad) -> None:
+        """Send ``load`` at once, in order with the token batches, instead of at the next heartbeat (a worker
+        that starts to drain: the router stops routing here before anything else fails on it)."""
+        self.update_load(load)
+        if self.is_registered:
+            self.send(Heartbeat(worker_id=self.worker_id, load=self._heartbeat_load(time.monotonic())))
+
     def close(self) -> None:
         self._stopping = True
         self._thread.join(timeout=5)

@@ -18,7 +18,7 @@ import zmq
 from pipeline.config import PipelineConfig
 from pipeline.engine import LLMEngine, StepOutput
 from pipeline.protocol import TokenLogprob
-from pipeline.protocol.cluster import FinishCode, RegisterWorker, TokenDelta, WorkerRole, served_model_name
+from pipeline.protocol.cluster import FinishCode, RegisterWorker, TokenDelta, WorkerLoad, WorkerRole, served_model_name
 from pipeline.router_link import RouterLink
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class WorkerBase:
                     self.is_draining = True
                     logger.warning("worker %s draining: up to %gs for requests in flight", self.worker_id,
                                    self.config.drain_timeout_s)
+                    self.link.report_now(self._load_report())  # the router routes nothing new here from now
                 if self.is_draining and not self.has_work_in_flight():
                     break
                 if drain_deadline is not None and time.monotonic() > drain_deadline:
@@ -127,9 +128,12 @@ class WorkerBase:
         self.link.send_kv_events(self.engine)
         if not self.link.is_load_stale():
             return
+        self.link.update_load(self._load_report())
+
+    def _load_report(self) -> WorkerLoad:
         load = self.engine.load(**self.transfer_counters())
         load.is_draining = self.is_draining
-        self.link.update_load(load)
+        return load
 
     def close(self) -> None:
         if self.link is not None:

@@ -74,14 +74,21 @@ class Migration:
         return handle.num_choices == 1 and handle.num_migrations < self.max_migrations
 
     def retry_or_fail(self, handle: RequestHandle, failed_worker: str, message: str, status_code: int = 503,
-                      cause: str = "worker_died") -> None:
+                      cause: str = "worker_died", is_planned: bool | None = None) -> None:
         """Send the request elsewhere: before its first token while attempts remain, after it as a migration
-        (the client's stream goes on where it stopped); else fail it."""
+        (the client's stream goes on where it stopped); else fail it. An attempt that failed because its
+        worker was stopping on purpose (``is_planned``; None: the worker's last report says whether it
+        drains) is not counted against ``max_attempts``."""
         if handle.is_done:
             return
         is_migration = handle.has_tokens
+        if is_planned is None:
+            is_planned = self._is_draining(failed_worker)
+        if not is_migration and is_planned:
+            handle.num_excused_attempts += 1  # a planned stop (drain, rolling restart) is not the request's fault
         if time.monotonic() >= handle.deadline or (
-                not self.can_migrate(handle) if is_migration else handle.num_attempts >= self.max_attempts):
+                not self.can_migrate(handle) if is_migration
+                else handle.num_attempts - handle.num_excused_attempts >= self.max_attempts):
             self.fail(handle, message, status_code)
             return
         if is_migration:
@@ -122,14 +129,22 @@ class Migration:
         if error is not None:
             self.fail(handle, f"{message}; no worker free to retry on ({error})", status_code)
 
+    def _is_draining(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` (its last known incarnation) said it is shutting down on purpose."""
+        info = self.registry.get(worker_id)
+        return info is not None and info.load.is_draining
+
     def on_worker_dead(self, worker: WorkerInfo) -> None:
         """Every request on ``worker`` (decoding there, prefilling there before its first token, or handing
         off from there) moves on or fails."""
+        is_planned = worker.load.is_draining  # this incarnation was stopping on purpose (its last report)
         for handle in self.in_flight.handles():
             if handle.decode_worker_id == worker.worker_id:
-                self.retry_or_fail(handle, worker.worker_id, f"decode worker {worker.worker_id} died")
+                self.retry_or_fail(handle, worker.worker_id, f"decode worker {worker.worker_id} died",
+                                   is_planned=is_planned)
             elif handle.prefill_worker_id == worker.worker_id and not handle.has_tokens:
-                self.retry_or_fail(handle, worker.worker_id, f"prefill worker {worker.worker_id} died")
+                self.retry_or_fail(handle, worker.worker_id, f"prefill worker {worker.worker_id} died",
+                                   is_planned=is_planned)
             elif (handle.status is RequestStatus.HANDING_OFF and handle.kv_source is not None
                   and handle.kv_source[0] == worker.worker_id):
                 handle.kv_source = None  # nobody to tell: its KV is gone, the new worker recomputes it

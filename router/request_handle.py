@@ -65,6 +65,7 @@ class RequestHandle:
     * ``admission``: the Dispatcher (``submit``, and the requeue of a retry).
     * ``wire_id``, ``decode_worker_id``, ``prefill_worker_id``, ``excluded``: ``InFlightRequests``.
     * ``num_attempts``: ``new_attempt``, once per ``GenerateRequest`` sent (Dispatcher, Migration's handoff).
+    * ``num_excused_attempts``: Migration, when an attempt failed on a draining worker.
     * ``output_token_ids``, ``last_token_at``: TokenDelivery.
     * ``num_migrations``, ``paused_since``, ``kv_source``: Migration.
     * ``finished_choices``: the Dispatcher.
@@ -83,6 +84,7 @@ class RequestHandle:
     decode_worker_id: str | None = None
     prefill_worker_id: str | None = None
     num_attempts: int = 0
+    num_excused_attempts: int = 0  # attempts that failed on a worker stopping on purpose: not counted
     # workers that failed it, by the pid of the process that did: never routed there again, unless that
     # worker comes back as a new process (a restart, a rolling upgrade)
     excluded: dict[str, int] = field(default_factory=dict)

@@ -7,6 +7,7 @@ to the start."""
 from __future__ import annotations
 
 import threading
+import time
 
 import openai
 import pytest
@@ -55,6 +56,9 @@ def test_a_rolling_restart_under_load_fails_nothing(cluster, hf_reference, tiny_
         t.start()
     old_pids = {w: cluster.pids[w] for w in cluster.worker_names}
     cluster.rolling_restart()
+    deadline = time.monotonic() + 60  # a fast restart may end before the load has answered a few streams
+    while len(outcomes) < 6 and time.monotonic() < deadline:
+        time.sleep(0.1)
     stop.set()
     for t in threads:
         t.join(timeout=60)

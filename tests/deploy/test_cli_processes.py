@@ -70,7 +70,9 @@ def test_one_process_per_role_over_tcp(tiny_checkpoint, tmp_path):
     other hosts' addresses) and peers reach it there; by default, the address on the route to the router."""
     base = f"tcp://127.0.0.1:{free_port()}"
     port = free_port()
-    common = ["--model", tiny_checkpoint("llama"), "--zmq-endpoint-base", base, "--kv-cache-num-blocks", "128"]
+    subprocess.run([*TANDEM, "keygen", "--out", str(tmp_path / "key")], check=True, capture_output=True, timeout=60)
+    common = ["--model", tiny_checkpoint("llama"), "--zmq-endpoint-base", base, "--kv-cache-num-blocks", "128",
+              "--cluster-key-file", str(tmp_path / "key" / "cluster.key_secret")]  # tcp:// needs the cluster key
     commands = [
         ["router", "--port", str(port), *common],
         ["prefill", "--worker-id", "p0", "--bind-host", "127.0.0.2", *common],
