@@ -288,7 +288,7 @@ class LocalCluster:
                 alive = {w["worker_id"] for w in body.get("workers", []) if w.get("alive")}
                 if expected <= alive | (self._supervisor.given_up if self._supervisor else set()):
                     return
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise ClusterError(f"cluster not ready after {timeout_s:.0f}s; logs in {self.log_dir}")
 
     def _ready_body(self) -> dict | None:

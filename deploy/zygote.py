@@ -15,12 +15,14 @@ logs to ``log_path`` (appended), gets exactly ``env`` and runs ``module`` as ``p
 would. It asks for SIGKILL when the zygote dies (``deploy.parent_guard``; the zygote has one thread, so
 the kernel ties the signal to a thread that lives as long as the zygote).
 
-The zygote is single-threaded on purpose: ``fork`` copies only the calling thread, so a zygote with no
-other threads (torch's OpenMP pool is created on first use, and nothing here uses torch) hands every
-child a consistent interpreter. Library state that is read from the environment at import time is the
-zygote's, not the child's: only third-party libraries are preloaded, never Tandem's own modules (some
-read ``TANDEM_*`` variables at import), and ``OMP_WAIT_POLICY`` defaults to PASSIVE before torch loads,
-as ``deploy.serve_cmds.quiet_openmp_waits`` does for a worker started on its own.
+The zygote runs no thread of its own on purpose: ``fork`` copies only the calling thread, so a zygote
+whose one Python thread holds no lock at the fork hands every child a consistent interpreter (torch's
+OpenMP pool is created on first use, and nothing here uses torch; numpy's OpenBLAS starts an idle pool
+at import, which shuts itself down around a fork through its own ``pthread_atfork`` handlers). Library state that is read from the environment at import time is the
+zygote's, not the child's: the third-party libraries, and those of Tandem's worker modules that read no
+``TANDEM_*`` variable at import (``kernels.cpu_native`` does, so it loads in the worker); and
+``OMP_WAIT_POLICY`` defaults to PASSIVE before torch loads, as ``deploy.serve_cmds.quiet_openmp_waits``
+does for a worker started on its own.
 
 When the launcher goes (its end of the socket closes, however it died) or the zygote gets SIGTERM, the
 children get SIGKILL, as a worker of a killed launcher always did, and their shared KV caches are removed.
@@ -48,6 +50,9 @@ PRELOAD = (
     "transformers.models.qwen3.configuration_qwen3", "transformers.models.qwen3_moe.configuration_qwen3_moe",
     "transformers.models.mixtral.configuration_mixtral", "transformers.models.gemma3.configuration_gemma3",
 )
+# Tandem's worker modules: none reads the environment when imported (kernels.cpu_native does, and is loaded
+# by load_kernels in the worker, after the fork), so each worker saves their import too.
+PRELOAD_TANDEM = ("deploy.serve_cmds", "pipeline.worker_base", "prefill_worker.worker", "decode_worker.worker")
 # transformers loads lazily: name the parts a worker uses (config, tokenizer, rope functions).
 PRELOAD_ATTRIBUTES = (
     ("transformers", "AutoConfig"), ("transformers", "AutoTokenizer"), ("transformers", "PreTrainedTokenizerFast"),
@@ -109,6 +114,8 @@ def preload() -> None:
             getattr(importlib.import_module(module_name), attribute)
         except (ImportError, AttributeError):
             pass
+    for name in PRELOAD_TANDEM:
+        importlib.import_module(name)
 
 
 class Zygote:

@@ -4,8 +4,8 @@ A decode worker that enables the shm transport allocates its cache with ``alloca
 the receiver hands the file's path to senders at handshake, and each sender maps it once.
 
 Memory is committed when the cache is allocated (``posix_fallocate``): a /dev/shm too small for it is
-a clear error at start-up, not a SIGBUS in the middle of serving. Each mapping is also prefaulted
-(``MADV_POPULATE_WRITE``; a sender's in the background), so transfers do not pay a page fault per 4 KiB.
+a clear error at start-up, not a SIGBUS in the middle of serving. Each mapping is also prefaulted in the
+background (``MADV_POPULATE_WRITE``), so transfers do not pay a page fault per 4 KiB.
 
 Lifetime: the file is removed by ``free_shared_kv_cache``, by ``KVReceiver.close()`` for the cache it
 serves, or at interpreter exit. Memory stays mapped (and valid) in every process that still holds a
@@ -56,7 +56,9 @@ def allocate_shared_kv_cache(shape: tuple[int, ...] | torch.Size, dtype: torch.d
         raise
     finally:
         os.close(fd)
-    prefault(tensor)
+    # In the background, as a sender's mapping is: a worker registers without waiting for every page of a
+    # cache of many GiB (the memory is already committed by the fallocate above; pages touched first fault).
+    threading.Thread(target=prefault, args=(tensor,), name="kv-prefault", daemon=True).start()
     with _lock:
         _owned[tensor.untyped_storage().data_ptr()] = path
     return tensor
