@@ -37,6 +37,7 @@ from deploy.local_launcher import signal_group
 from deploy.parent_guard import DIE_WITH_PARENT_ENV
 from deploy.ray_cluster.spec import ProcessSpec
 from deploy.supervisor import RestartPolicy, Supervisor
+from deploy.zygote_client import ForkedProcess, fork_server_enabled, shared_fork_server
 from pipeline.core_list import format_core_list
 from pipeline.security import write_private_file
 
@@ -66,7 +67,7 @@ class ProcessSupervisor:
         # supervisor step spawns, which takes it again)
         self._lock = threading.RLock()
         self._state = "placed"  # placed -> running <-> restarting -> given_up | stopped | failed
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | ForkedProcess | None = None
         self._cores: list[int] | None = None
         self._num_restarts = 0
         self._events: deque[str] = deque(maxlen=20)
@@ -211,8 +212,12 @@ class ProcessSupervisor:
             log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} tandem ray: starting {self.spec.name}: "
                       f"{' '.join(argv[1:])} =====\n".encode())
             log.flush()
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, cwd=self.log_dir, start_new_session=True)
+            if not self.spec.is_router and fork_server_enabled():  # restarts fork warm (deploy.zygote)
+                server = shared_fork_server(self.log_dir / f"{self.spec.name}.zygote.log")
+                proc = server.spawn("deploy.cli", argv[3:], env, self.log_path, cwd=str(self.log_dir))
+            else:
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=env, cwd=self.log_dir, start_new_session=True)
         with self._lock:
             self._proc = proc
             self._state = "running"

@@ -54,12 +54,14 @@ def _client(cluster, cert_file: str, api_key: str) -> openai.OpenAI:
 def test_https_with_the_certificate_as_ca_and_any_listed_key(https_cluster):
     cluster, cert_file = https_cluster
     assert cluster.url.startswith("https://")
+    # Each client closed when done: an idle TLS connection left open holds the router's shutdown until
+    # asyncio's SSL shutdown timeout (30 s) at the fixture's stop.
     for key in ("old-key", "new-key"):  # both lines of the key file (a rotation's overlap)
-        client = _client(cluster, cert_file, key)
-        out = client.completions.create(model=model_name(client), prompt="Hello", max_tokens=3)
-        assert out.usage.completion_tokens == 3
-    with pytest.raises(openai.AuthenticationError):
-        _client(cluster, cert_file, "not-a-key").models.list()
+        with _client(cluster, cert_file, key) as client:
+            out = client.completions.create(model=model_name(client), prompt="Hello", max_tokens=3)
+            assert out.usage.completion_tokens == 3
+    with _client(cluster, cert_file, "not-a-key") as client, pytest.raises(openai.AuthenticationError):
+        client.models.list()
     with pytest.raises(openai.APIConnectionError):  # a client that does not trust the certificate
         openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="new-key", max_retries=0, timeout=10).models.list()
     with pytest.raises(httpx.HTTPError):  # no plain HTTP on the TLS port
