@@ -1,0 +1,58 @@
+"""``tandem generate`` as a user runs it (a process of its own): JSONL in and out, speculation from the
+command line, and bad input as one clear line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=240)
+
+
+def test_cli_generate_jsonl_roundtrip(tmp_path, tiny_checkpoint):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"prompt": "Hello"}) + "\n" + json.dumps({"prompt_token_ids": [5, 6, 7],
+                                                                            "max_tokens": 3}) + "\n")
+    target = tmp_path / "out.jsonl"
+    result = run_cli("generate", "--model", tiny_checkpoint("llama"), "--input", str(source), "--output",
+                     str(target), "--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--kv-cache-num-blocks",
+                     "64")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in target.read_text().splitlines()]
+    assert [len(r["token_ids"]) for r in rows] == [5, 3]
+    assert rows[0]["finish_reason"] == "length"
+
+
+def test_cli_generate_with_a_draft_model_reports_acceptance(tmp_path, tiny_checkpoint):
+    plain = run_cli("generate", "--model", tiny_checkpoint("llama"), "Hello", "--max-tokens", "12", "--temperature",
+                    "0", "--ignore-eos", "--kv-cache-num-blocks", "64", "--no-progress")
+    speculative = run_cli("generate", "--model", tiny_checkpoint("llama"), "Hello", "--max-tokens", "12",
+                          "--temperature", "0", "--ignore-eos", "--kv-cache-num-blocks", "64", "--no-progress",
+                          "--speculative-num-speculative-tokens", "3")  # no draft path: the target drafts for itself
+    assert plain.returncode == speculative.returncode == 0, speculative.stderr
+    assert json.loads(speculative.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    assert "draft tokens accepted (100%)" in speculative.stderr and "speculative" not in plain.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-batch-size", "-3"], "max_batch_size: Input should be greater than or equal to 1"),
+        (["--max-tokens", "0"], "max_tokens: must be >= 1"),
+        (["--temperature", "-1"], "temperature: must be >= 0"),
+        (["--model", "/nonexistent/dir"], "/nonexistent/dir"),
+    ],
+)
+def test_cli_bad_input_is_one_clear_line(args, message, tiny_checkpoint):
+    base = ["generate", "hello"]
+    if "--model" not in args:
+        base += ["--model", tiny_checkpoint("llama")]
+    result = run_cli(*base, *args)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
