@@ -89,9 +89,10 @@ def test_a_worker_killed_as_the_router_turns_ready_is_restarted(tiny_checkpoint,
     url = f"http://127.0.0.1:{port}"
     args = ["--model", tiny_checkpoint("llama"), "--port", str(port), "--log-dir", str(tmp_path),
             "--kv-cache-num-blocks", "128", "--max-length", "40", "--prefill", "1", "--decode", "2"]
-    with busy_machine(is_busy):
-        up = TandemUp(args)
-        try:
+    up = None
+    try:  # whatever fails, the cluster goes (cleanup kills what is left)
+        with busy_machine(is_busy):
+            up = TandemUp(args)
             deadline = time.monotonic() + 240
             while True:
                 assert time.monotonic() < deadline and up.proc.poll() is None, up.output
@@ -111,10 +112,6 @@ def test_a_worker_killed_as_the_router_turns_ready_is_restarted(tiny_checkpoint,
                 up.wait_for("Tandem is ready at", 240)
             assert up.proc.poll() is None, up.output
             assert not list(Path("/dev/shm").glob(f"tandem-kv.{victim_pid}.*"))
-        finally:
-            if up.proc.poll() is not None:
-                up.cleanup()
-    try:
         complete(url, tiny_checkpoint)
         prompt_ids = [5, 6, 7, 8]
         out = httpx.post(f"{url}/v1/completions", json={"model": Path(tiny_checkpoint("llama")).name,
@@ -123,7 +120,8 @@ def test_a_worker_killed_as_the_router_turns_ready_is_restarted(tiny_checkpoint,
         up.proc.send_signal(signal.SIGTERM)
         assert up.exit_code(timeout_s=60) == 0, up.output
     finally:
-        up.cleanup()
+        if up is not None:
+            up.cleanup()
 
 
 def test_a_killed_launcher_takes_every_process_down(tiny_checkpoint, tmp_path):
