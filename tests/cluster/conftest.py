@@ -167,3 +167,34 @@ def wait_for_incarnation(url: str, worker_id: str, pid: int, timeout_s: float) -
             return
         time.sleep(0.2)
     raise AssertionError(f"{worker_id} (pid {pid}) not alive at the router after {timeout_s:.0f}s; last seen: {seen}")
+
+
+PROMPT_TOKENS_COMPUTED = "tandem_worker_prompt_tokens_computed_total"
+
+
+def check_greedy_against_transformers(cluster, model, tokenizer, prompt_ids: list[list[int]], num_new_tokens: int,
+                                      is_remote_prefill: bool) -> None:
+    """Greedy completions of ``prompt_ids`` through ``cluster`` are transformers' own, token for token, with
+    its logprobs (1e-4); with ``is_remote_prefill`` (a 1P1D cluster) every prompt ran on prefill-0 and none on
+    decode-0; afterwards every KV block is back. A new architecture's cluster test in one call."""
+    from tests.conftest import hf_greedy, hf_logprobs
+
+    client = openai_client(cluster)
+    name = model_name(client)
+    for ids in prompt_ids:
+        want = hf_greedy(model, ids, num_new_tokens, ignore_eos=False)
+        out = client.completions.create(model=name, prompt=ids, max_tokens=num_new_tokens, temperature=0,
+                                        logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+        choice = out.choices[0]
+        assert [int(token.split(":")[1]) for token in choice.logprobs.tokens] == want  # "token_id:N"
+        assert choice.text == tokenizer.decode(want, skip_special_tokens=True)
+        reference = hf_logprobs(model, ids + want)[len(ids) - 1 : -1]  # [len(want), vocab]
+        assert max(abs(logprob - reference[step, token].item())
+                   for step, (token, logprob) in enumerate(zip(want, choice.logprobs.token_logprobs))) < 1e-4
+    if is_remote_prefill:  # reports lag a heartbeat
+        deadline = time.monotonic() + 5
+        while (worker_metric(cluster.url, PROMPT_TOKENS_COMPUTED, "prefill-0") or 0) < sum(map(len, prompt_ids)):
+            assert time.monotonic() < deadline, "the prefill worker did not prefill every prompt"
+            time.sleep(0.1)
+        assert not worker_metric(cluster.url, PROMPT_TOKENS_COMPUTED, "decode-0")
+    wait_for_idle_blocks(cluster.url, cluster.worker_names, CLUSTER_CONFIG["kv_cache"]["num_blocks"])
