@@ -17,8 +17,9 @@ def test_triton_backend_greedy_matches_transformers(arch, tiny_checkpoint, hf_re
     expected = [hf_greedy(model, p, 6) for p in prompts]
     # A small pool keeps the interpreter fast (it copies every argument's storage per launch);
     # page size 4 and 5-token chunks exercise multi-page contexts and chunked prefill.
+    # fp32 pinned: on a GPU "auto" means bf16, and the reference is transformers in fp32
     llm = LLM(model=tiny_checkpoint(arch), kernel_backend="triton", max_batch_input_tokens=5,
-              kv_cache={"page_size": 4, "num_blocks": 16})
+              kv_cache={"page_size": 4, "num_blocks": 16}, model_config={"dtype": "float32"})
     assert llm.engine.kernels.name == "triton"
     free_at_start = llm.engine.kv_manager.num_free_blocks
     outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2))
