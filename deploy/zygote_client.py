@@ -84,7 +84,7 @@ class ForkServer:
         self._lock = threading.Lock()
         self._buffer = b""
         self._children: dict[int, ForkedProcess] = {}
-        self._replies: dict[int, Spawned | SpawnFailed] = {}
+        self._replies: dict[int, ForkedProcess | SpawnFailed] = {}  # request id -> its child, or why not
         self._next_request_id = 0
         self._is_ready = False
         self.is_alive = True
@@ -112,8 +112,7 @@ class ForkServer:
             reply = self._replies.pop(request_id)
             if isinstance(reply, SpawnFailed):
                 raise ForkServerError(f"fork failed: {reply.error}")
-            child = self._children.setdefault(reply.pid, ForkedProcess(self, reply.pid))
-            return child
+            return reply  # its exit may already be recorded: a child that died at once
 
     def collect_exits(self) -> None:
         """Read whatever the zygote has reported, without waiting."""
@@ -167,10 +166,11 @@ class ForkServer:
     def _apply(self, report) -> None:
         if isinstance(report, Ready):
             self._is_ready = True
-        elif isinstance(report, (Spawned, SpawnFailed)):
+        elif isinstance(report, Spawned):
+            child = self._children[report.pid] = ForkedProcess(self, report.pid)
+            self._replies[report.request_id] = child
+        elif isinstance(report, SpawnFailed):
             self._replies[report.request_id] = report
-            if isinstance(report, Spawned):
-                self._children.setdefault(report.pid, ForkedProcess(self, report.pid))
         elif isinstance(report, Exited):
             child = self._children.pop(report.pid, None)
             if child is not None:
