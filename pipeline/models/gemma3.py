@@ -53,12 +53,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = OffsetRMSNorm(hidden, eps, dtype, device)
 
     def forward(self, hidden, residual, batch, k_cache, v_cache, cos_sin_cache, kernels):
-        # hidden is this layer's input delta; residual the running sum (None before the first layer)
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden, kernels)
-        else:
-            hidden, residual = self.input_layernorm(hidden, kernels, residual)
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, kernels, residual)
         hidden = self.self_attn(hidden, batch, k_cache, v_cache, cos_sin_cache, kernels)
         hidden = self.post_attention_layernorm(hidden, kernels)
         hidden, residual = self.pre_feedforward_layernorm(hidden, kernels, residual)

@@ -65,6 +65,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, kernels, residual: torch.Tensor | None = None):
         return kernels.rms_norm(x, self.weight, self.eps, residual)
 
+    def add_and_norm(self, x: torch.Tensor, kernels, residual: torch.Tensor | None):
+        """A decoder layer's input norm: (normed, running sum), where ``x`` is the previous layer's delta
+        and ``residual`` the running sum so far (None before the first layer: the sum is ``x`` itself)."""
+        if residual is None:
+            return self(x, kernels), x
+        return self(x, kernels, residual)
+
 
 class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weight is stored as an offset from one, applied in fp32 (``kernels.offset_rms_norm``)."""

@@ -147,12 +147,7 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, hidden, residual, batch, k_cache, v_cache, cos_sin_cache, kernels):
-        # hidden is this layer's input delta; residual the running sum (None before the first layer)
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden, kernels)
-        else:
-            hidden, residual = self.input_layernorm(hidden, kernels, residual)
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, kernels, residual)
         hidden = self.self_attn(hidden, batch, k_cache, v_cache, cos_sin_cache, kernels)
         hidden, residual = self.post_attention_layernorm(hidden, kernels, residual)
         return self.mlp(hidden, kernels), residual
