@@ -151,6 +151,19 @@ def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
+def check_greedy_and_logprobs(llm, hf_model, prompts: list[list[int]], num_new_tokens: int, atol: float) -> list:
+    """``llm``'s greedy tokens for ``prompts`` are transformers' (``hf_greedy``), and each step's top logprobs
+    are within ``atol`` of transformers' log-softmax; returns the outputs."""
+    outs = llm.generate(prompts, greedy(num_new_tokens, logprobs=2))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf_model, prompt, num_new_tokens)
+        reference = hf_logprobs(hf_model, prompt + out.token_ids)  # [len, vocab]
+        for step, entry in enumerate(out.logprobs):
+            row = reference[len(prompt) - 1 + step]
+            assert max(abs(logprob - row[token].item()) for token, logprob in entry.items()) < atol
+    return outs
+
+
 def assert_no_leaks(kv_manager, num_free_at_start: int) -> None:
     """Every block is back in the free pool (prefix-cached blocks with no holder count as free)."""
     assert kv_manager.num_free_blocks == num_free_at_start, (

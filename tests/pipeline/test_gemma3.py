@@ -11,7 +11,7 @@ import torch
 
 from pipeline import LLM, SamplingParams
 from pipeline.weights import CheckpointError, load_model
-from tests.conftest import assert_no_leaks, greedy, hf_greedy, hf_logprobs
+from tests.conftest import assert_no_leaks, check_greedy_and_logprobs, greedy, hf_greedy, hf_logprobs
 from tests.gemma_checkpoints import GEMMA3_CONFIGS, LOCAL_LAYERS, gemma3_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import make_prompts
 from tests.pipeline.test_models import KERNELS, PagedSequences, hf_logits, random_tokens, run_logits
@@ -125,13 +125,7 @@ def test_llm_greedy_and_logprobs_match_transformers(name, backend, gemma3_checkp
               kv_cache={"page_size": 4, "num_blocks": 96, "enable_prefix_caching": True})
     free_at_start = llm.engine.kv_manager.num_free_blocks
 
-    outs = llm.generate(prompts, greedy(NUM_NEW_TOKENS, logprobs=2))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(hf_model, prompt, NUM_NEW_TOKENS)
-        reference = hf_logprobs(hf_model, prompt + out.token_ids)  # [len, vocab]
-        for step, entry in enumerate(out.logprobs):
-            row = reference[len(prompt) - 1 + step]
-            assert max(abs(logprob - row[token].item()) for token, logprob in entry.items()) < ATOL
+    outs = check_greedy_and_logprobs(llm, hf_model, prompts, NUM_NEW_TOKENS, ATOL)
 
     computed_before = llm.engine.num_prompt_tokens_computed
     again = [prompts[1] + outs[1].token_ids[:7], prompts[3] + [5, 6, 7]]  # their first blocks are cached
