@@ -45,6 +45,7 @@ import httpx
 import yaml
 
 from deploy.parent_guard import DIE_WITH_PARENT_ENV
+from deploy.process_group import terminate_groups
 from deploy.supervisor import RestartPolicy, Supervisor, SupervisorEvent
 from deploy.zygote_client import ForkedProcess, fork_server_enabled, shared_fork_server
 from kv_transfer.shm_files import remove_shared_kv_files_of
@@ -356,9 +357,9 @@ class LocalCluster:
         router = workers.pop("router", None)
         try:
             if router is not None:
-                _terminate({"router": router}, self._drain_timeout_s() + ROUTER_STOP_MARGIN_S, self._is_forced)
+                terminate_groups({"router": router}, self._drain_timeout_s() + ROUTER_STOP_MARGIN_S, self._is_forced)
         finally:  # whatever went wrong above, no worker may outlive the cluster
-            _terminate(workers, timeout_s, self._is_forced)
+            terminate_groups(workers, timeout_s, self._is_forced)
         with self._lock:
             self.processes.clear()
             spawner, self._spawner = self._spawner, None
@@ -402,31 +403,3 @@ def _why_cannot_serve(names_left: set[str]) -> str | None:
     if not any(name.startswith(("decode-", "colocated-")) for name in names_left):
         return "no decode or colocated worker is left"
     return None
-
-
-def _terminate(processes: dict[str, subprocess.Popen], timeout_s: float, is_forced: threading.Event) -> None:
-    """SIGTERM every process group, wait up to ``timeout_s`` in all (less once ``is_forced`` is set),
-    SIGKILL what is still running."""
-    for proc in processes.values():
-        signal_group(proc, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not is_forced.is_set():
-        if all(proc.poll() is not None for proc in processes.values()):
-            return
-        time.sleep(0.05)
-    for name, proc in processes.items():
-        if proc.poll() is None:
-            if not is_forced.is_set():
-                logger.warning("%s did not stop in %.0fs; killing it", name, timeout_s)
-            signal_group(proc, signal.SIGKILL)
-            proc.wait(5)
-
-
-def signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Signal ``proc``'s process group (it was started with ``start_new_session``), unless it has exited."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)  # the child leads its own group (start_new_session)
-    except ProcessLookupError:
-        pass

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from deploy.local_launcher import signal_group
+from deploy.process_group import signal_group
 from deploy.parent_guard import DIE_WITH_PARENT_ENV
 from deploy.ray_cluster.spec import ProcessSpec
 from deploy.supervisor import RestartPolicy, Supervisor

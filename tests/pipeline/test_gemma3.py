@@ -11,7 +11,7 @@ import torch
 
 from pipeline import LLM, SamplingParams
 from pipeline.weights import CheckpointError, load_model
-from tests.conftest import assert_no_leaks, check_greedy_and_logprobs, greedy, hf_greedy, hf_logprobs
+from tests.conftest import assert_no_leaks, check_greedy_and_logprobs, greedy, hf_greedy
 from tests.gemma_checkpoints import GEMMA3_CONFIGS, LOCAL_LAYERS, gemma3_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import make_prompts
 from tests.pipeline.test_models import KERNELS, PagedSequences, hf_logits, random_tokens, run_logits

@@ -16,7 +16,7 @@ from pipeline import LLM
 from pipeline.builtin_model import build_checkpoint
 from pipeline.models.moe import SparseMoeBlock, route
 from pipeline.weights import CheckpointError, iter_safetensors, load_model
-from tests.conftest import assert_no_leaks, check_greedy_and_logprobs, greedy, hf_greedy, hf_logprobs
+from tests.conftest import assert_no_leaks, check_greedy_and_logprobs, greedy, hf_greedy
 from tests.moe_checkpoints import MOE_CONFIGS, SPARSE_LAYERS, moe_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import make_prompts
 from tests.pipeline.test_models import KERNELS, PagedSequences, hf_logits, random_tokens, rewrite_weights, run_logits
