@@ -7,11 +7,12 @@ from __future__ import annotations
 
 def check_checkpoint(model_path: str | None) -> None:
     """Raise ``CheckpointError`` (a ValueError) naming what is wrong with ``model_path``; None (the
-    built-in model) is always fine."""
+    built-in model) is always fine. Reads files only (no torch, no transformers: the fork server loads
+    those once, for the workers), so the launcher starts nothing later for it."""
     if model_path is None:
         return
-    from pipeline.models.registry import resolve_model_class
-    from pipeline.weights import load_hf_config, weight_files
+    from pipeline.checkpoint_files import read_config_json, weight_files
+    from pipeline.models.registry import supported_architecture
 
-    resolve_model_class(load_hf_config(model_path))  # "unsupported architecture X; supported: ..."
+    supported_architecture(list(read_config_json(model_path).get("architectures") or []))
     weight_files(model_path)

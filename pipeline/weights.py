@@ -6,7 +6,6 @@ the path or tensor at fault, before any half-loaded model is handed out.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterator
@@ -14,53 +13,21 @@ from typing import Iterator
 import torch
 
 from pipeline.checkpoint_errors import CheckpointError
+from pipeline.checkpoint_files import checkpoint_directory, weight_files
 from pipeline.models.registry import resolve_model_class
 
 __all__ = ["CheckpointError", "load_hf_config", "weight_files", "iter_safetensors", "load_model",
            "checkpoint_fingerprint"]
 
-SINGLE_FILE = "model.safetensors"
-SHARD_INDEX = "model.safetensors.index.json"
-
-
 def load_hf_config(path: str | os.PathLike):
     """The transformers config of the checkpoint at ``path`` (local directory only, no remote code)."""
-    directory = Path(path)
-    if not directory.exists():
-        raise CheckpointError(f"checkpoint directory {directory} does not exist")
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint path {directory} is not a directory")
-    if not (directory / "config.json").is_file():
-        raise CheckpointError(f"{directory} is not a Hugging Face checkpoint: it has no config.json")
+    directory = checkpoint_directory(path)
     from transformers import AutoConfig  # heavy import, only where a config is read
 
     try:
         return AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:  # transformers raises many types for a broken config; all mean the same here
         raise CheckpointError(f"cannot read the model config {directory / 'config.json'}: {exc}") from exc
-
-
-def weight_files(path: str | os.PathLike) -> list[Path]:
-    """The safetensors files holding the checkpoint's weights, checked to exist."""
-    directory = Path(path)
-    single, index = directory / SINGLE_FILE, directory / SHARD_INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"cannot read the shard index {index}: {exc!r}") from exc
-        files = [directory / name for name in names]
-        for file in files:
-            if not file.is_file():
-                raise CheckpointError(f"weight shard {file} listed in {index} is missing")
-        return files
-    if single.is_file():
-        return [single]
-    hint = ""
-    if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
-        hint = " (PyTorch .bin/.pt weights are not supported; convert the checkpoint to safetensors)"
-    raise CheckpointError(f"no weights in {directory}: expected {SINGLE_FILE} or {SHARD_INDEX} with its shards{hint}")
 
 
 def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
