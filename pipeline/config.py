@@ -209,6 +209,10 @@ class PipelineConfig(_Section):
         False, description="launch each engine step before reading the previous one's tokens, so the host "
         "schedules and prepares while the model computes (MAX's overlap scheduler; docs/overlap.md)")
     max_queue_size_tg: int | None = Field(None, ge=1, description="max requests waiting for admission")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="fcfs: admit waiting requests in arrival order, preempt the latest admitted; "
+        "priority (vLLM's): admit the best (priority, arrival) first, preempt the worst (highest priority value, "
+        "latest arrival) first when KV runs out; a request's priority: lower is served first, default 0 (docs/load.md)")
     drain_timeout_s: float = Field(
         30.0, ge=0.0, description="on SIGTERM a router or worker stops admitting and gives in-flight requests this long")
     step_stall_timeout_s: float = Field(

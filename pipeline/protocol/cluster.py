@@ -220,6 +220,7 @@ class GenerateRequest(msgspec.Struct, tag=True, **_HOT):
     # worker at ``prefill_endpoint`` that holds the stream under that id
     resume_token_ids: list[int] = msgspec.field(default_factory=list)
     kv_source_request_id: str | None = None
+    priority: int = 0  # vLLM's: lower is served first (``scheduling_policy = "priority"``); last, so old frames decode
 
 
 class CancelRequest(msgspec.Struct, tag=True, **_HOT):
@@ -264,6 +265,7 @@ class StartPrefill(msgspec.Struct, tag=True, **_HOT):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    priority: int = 0  # the request's (GenerateRequest.priority): the prefill worker's queue order
 
 
 RouterToWorker = Union[GenerateRequest, CancelRequest, RegisterAck, HandoffDeclined, WarmPrefix, StartPrefill]
@@ -292,6 +294,7 @@ class PrefillRequest(msgspec.Struct, tag=True, **_HOT):
     # live migration: the stream's id on the draining decode worker asked; ``prompt_token_ids`` is then
     # the prompt plus every output token, and the KV of all but the last is sent (nothing is computed)
     source_request_id: str | None = None
+    priority: int = 0  # the request's (GenerateRequest.priority): the prefill worker's queue order
 
 
 class CancelPrefill(msgspec.Struct, tag=True, **_HOT):
