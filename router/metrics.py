@@ -4,14 +4,15 @@ Request metrics are updated as requests run; ``tandem_requests_total{outcome="ov
 429s, ``tandem_router_admission_queue_depth`` the requests waiting for a free worker slot now and
 ``tandem_router_admission_wait_seconds`` how long they waited. Per-worker metrics are read from the
 worker registry at scrape time (``WorkerCollector``), so a worker that goes away simply stops being
-reported:
+reported. Per-worker TTFT, TPOT and prefix hits: ``router.worker_request_metrics``.
 
 * ``tandem_kv_blocks_used`` / ``tandem_kv_blocks_free`` / ``tandem_kv_blocks_total`` {worker, role}:
   from the last heartbeat; "used" is held by a live request, prefix-cached blocks nobody holds are free.
 * ``tandem_worker_queue_depth``, ``tandem_worker_running_requests``, ``tandem_worker_queued_prefill_tokens``.
 * ``tandem_kv_transfer_bytes_total`` / ``tandem_kv_transfer_seconds_total`` / ``tandem_kv_transfers_total``:
   cumulative, as reported.
-* ``tandem_worker_bad_frames_total`` (reported) and ``tandem_worker_up`` (1 alive, 0 declared dead).
+* ``tandem_worker_bad_frames_total`` (reported), ``tandem_worker_up`` (1 alive, 0 declared dead) and
+  ``tandem_worker_restarts_total`` (new processes under the worker's id, counted by the router).
 * ``tandem_cluster_handshakes_refused_total``: connections to the router's cluster socket that never
   completed a CURVE handshake (no key, another cluster's key; ``pipeline.security``). Workers log theirs.
 * ``tandem_worker_busy_in_step_seconds`` (how long the current step has run: busy, not dead),
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from router.worker_request_metrics import WorkerRequestMetrics
 
 if TYPE_CHECKING:
     from router.registry import WorkerRegistry
@@ -126,6 +129,7 @@ class RouterMetrics:
         for side in ("decode", "prefill"):
             self.routed_prompt_tokens.labels(side)
             self.routed_cached_tokens.labels(side)
+        self.per_worker = WorkerRequestMetrics(self.registry, TTFT_BUCKETS)  # TTFT, TPOT and prefix hits per worker
         self.registry.register(WorkerCollector(registry))
         self.registry.register(HandshakeCollector())
 
@@ -137,6 +141,7 @@ class RouterMetrics:
             self.routed_total.labels(worker.worker_id, side).inc()
             self.routed_prompt_tokens.labels(side).inc(num_prompt_tokens)
             self.routed_cached_tokens.labels(side).inc(worker.num_cached_prompt_tokens)
+            self.per_worker.note_route(worker.worker_id, num_prompt_tokens, worker.num_cached_prompt_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -155,6 +160,9 @@ class WorkerCollector(Collector):
         labels = ["worker", "role"]
         families = {
             "up": GaugeMetricFamily("tandem_worker_up", "1 while the worker heartbeats, 0 once declared dead", labels=labels),
+            "restarts": CounterMetricFamily(
+                "tandem_worker_restarts", "Times a new process registered under the worker's id (a restart after a "
+                "crash, a rolling replace)", labels=labels),
             "used": GaugeMetricFamily("tandem_kv_blocks_used", "KV blocks held by live requests", labels=labels),
             "free": GaugeMetricFamily("tandem_kv_blocks_free", "KV blocks free (incl. unheld prefix cache)", labels=labels),
             "total": GaugeMetricFamily("tandem_kv_blocks_total", "KV blocks in the pool", labels=labels),
@@ -200,6 +208,7 @@ class WorkerCollector(Collector):
             values = [w.worker_id, w.role.value]
             load = w.load
             families["up"].add_metric(values, 1.0 if w.is_alive else 0.0)
+            families["restarts"].add_metric(values, w.num_restarts)
             if not w.is_alive:
                 continue
             families["used"].add_metric(values, load.num_used_blocks)

@@ -43,6 +43,7 @@ class WorkerInfo:
     registered_at: float = field(default_factory=time.time)
     num_inflight_blocks: int = 0  # blocks (prompt + max_tokens) of the requests routed here (decode side), not finished
     num_routed_prefill_blocks: int = 0  # cumulative: prompt blocks the router sent here to compute (prefill side)
+    num_restarts: int = 0  # registrations under this worker id by a new process (a restart, a rolling replace)
 
     def view(self, num_cached_prompt_tokens: int = 0) -> WorkerView:
         """The snapshot the routing policy decides on (``num_cached_prompt_tokens``: of the request being routed)."""
@@ -111,6 +112,8 @@ class WorkerRegistry:
             load=WorkerLoad(num_free_blocks=msg.num_total_blocks, num_total_blocks=msg.num_total_blocks),
             last_seen=self._clock(),
         )
+        if old is not None:
+            info.num_restarts = old.num_restarts + (old.pid != msg.pid)
         if old is not None and old.pid == msg.pid:  # the same process again: keep the router's counts
             info.num_inflight = old.num_inflight
             info.num_pending_prefill_tokens = old.num_pending_prefill_tokens

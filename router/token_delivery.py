@@ -84,6 +84,9 @@ class TokenDelivery:
             if delta.finish_reason == FinishCode.ERROR:
                 self.finish(handle)
             elif delta.finish_reason is not None:
+                if handle.num_choices == 1:
+                    self.metrics.per_worker.note_finished(worker_id, handle.first_token_at, handle.last_token_at,
+                                                          len(handle.output_token_ids))
                 if self.after_turn is not None:
                     self.after_turn(handle)
                 self.finish_choice(handle, delta.index)
@@ -113,6 +116,9 @@ class TokenDelivery:
             self.in_flight.release_prefill(handle)
             self.metrics.queue_depth.dec()
             self.metrics.ttft_seconds.observe(now - handle.created_at)
+            self.metrics.per_worker.note_first_token((handle.decode_worker_id, handle.prefill_worker_id),
+                                                     now - handle.created_at)
+            handle.first_token_at = now
         elif handle.status in (RequestStatus.MIGRATING, RequestStatus.HANDING_OFF):  # the first tokens after a move
             self.metrics.migration_pause_seconds.observe(now - handle.paused_since)
             if handle.status is RequestStatus.HANDING_OFF:
