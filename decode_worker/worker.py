@@ -161,7 +161,7 @@ class DecodeWorker(WorkerBase):
             return [error_delta(rid, "a live-migrated stream needs a DecodeOnly worker", retryable=True)]
         try:
             self.engine.add_request(rid, request.prompt_token_ids, request.sampling_params, remote_prefill=remote,
-                                    resume_token_ids=request.resume_token_ids)
+                                    resume_token_ids=request.resume_token_ids, priority=request.priority)
         except QueueFullError as exc:
             return [error_delta(rid, str(exc), retryable=True)]
         except (RequestError, ValueError) as exc:

@@ -99,6 +99,7 @@ class LLMEngine:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             num_lookahead_tokens=num_lookahead,
             warmup_chunk_tokens=config.kv_cache.warmup_chunk_tokens,
+            scheduling_policy=config.scheduling_policy,
         )
         self.kernels = load_kernels(config.kernel_backend, self.device)
         for model in {id(m): m for m in (self.model, self.draft.model if self.draft else None) if m}.values():
@@ -147,6 +148,7 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         prefill_only: bool = False, remote_prefill: bool = False, resume_token_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request. ``prefill_only`` (PrefillOnly role): stop after the first token and keep
         the blocks until ``release_blocks``. ``remote_prefill`` (DecodeOnly role): another worker
@@ -154,13 +156,15 @@ class LLMEngine:
         another worker already produced (a migrated request): they are outputs, not prompt (penalties,
         lengths, seeds per position and the grammar see them so), computed here like a preempted
         request's (with ``remote_prefill``: their KV comes from the worker that produced them, see
-        ``activate_migrated``), and generation goes on after them."""
+        ``activate_migrated``), and generation goes on after them. ``priority`` (vLLM's: lower is served
+        first) orders admission and preemption under ``scheduling_policy = "priority"``."""
         if request_id in self._sequences:
             raise RequestError(f"request_id: {request_id!r} is already running")
         validate_request(prompt_token_ids, params, self.vocab_size, self.max_length)
         if params.best_of is not None and params.logprobs is None:  # candidates are ranked by their logprobs
             params = msgspec.structs.replace(params, logprobs=0)
         seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
+        seq.priority = priority
         if resume_token_ids:
             self._resume(seq, resume_token_ids, prefill_only)
         # n > 1 (not on a prefill-only worker, which computes the prompt once for the decode worker):

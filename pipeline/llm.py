@@ -47,11 +47,13 @@ class LLM:
         prompts: PromptInput | SequenceType[PromptInput],
         sampling_params: SamplingParams | SequenceType[SamplingParams] | None = None,
         on_finished: Callable[[CompletionOutput], None] | None = None,
+        priority: SequenceType[int] | None = None,
     ) -> list[CompletionOutput]:
         """One output per prompt, in prompt order. A prompt is a string or a list of token ids. With
         ``n`` > 1 (or ``best_of``) the output is choice 0 and ``output.choices`` holds every choice.
 
         ``on_finished`` is called as each request completes (progress bars, streaming to a file).
+        ``priority`` (vLLM's): one per prompt, lower served first under ``scheduling_policy = "priority"``.
         A bad prompt raises before generation starts; on any error every request of the call is
         aborted, so nothing stays queued and no KV block stays held.
         """
@@ -65,12 +67,15 @@ class LLM:
         )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts")
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority: got {len(priorities)} for {len(prompt_list)} prompts")
         token_lists = [p if isinstance(p, list) else encode_prompt(self.tokenizer, p) for p in prompt_list]
         request_ids = [f"offline-{next(self._ids)}" for _ in token_lists]
         choices = {}
         try:
-            for request_id, token_ids, params in zip(request_ids, token_lists, params_list):
-                self.engine.add_request(request_id, token_ids, params)
+            for request_id, token_ids, params, level in zip(request_ids, token_lists, params_list, priorities):
+                self.engine.add_request(request_id, token_ids, params, priority=level)
                 choices[request_id] = self.engine.get_choices(request_id)
             pending = set(request_ids)
             while pending:

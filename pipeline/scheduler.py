@@ -16,6 +16,9 @@ Request lifecycle (colocated PrefillAndDecode role):
    c. then waiting sequences, first come first served, while the batch has room
       (``max_batch_size``): admission reserves blocks for every known token at once, reusing
       prefix-cached blocks, and only while KV usage stays under ``kvcache_ce_watermark``.
+   Under ``scheduling_policy = "priority"`` every queue is in (priority, arrival) order instead
+   (``pipeline/scheduling_policy.py``): "oldest", "most recently admitted" and "first come" above
+   read as "best" and "worst" by that key; fcfs is the default.
 3. The model runs the step; ``update`` advances each scheduled sequence, publishes newly full
    blocks to the prefix cache and appends the sampled token to sequences whose chunk reached the
    end of their known tokens.
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 
 from pipeline.kv_cache import KVCacheManager
 from pipeline.prefix_warmup import PrefixWarmups
+from pipeline.scheduling_policy import QueueOrder, SchedulingPolicy
 from pipeline.sequence import Sequence, SequenceStatus
 
 
@@ -83,6 +87,7 @@ class Scheduler:
         long_prefill_token_threshold: int | None = None,
         num_lookahead_tokens: int = 0,
         warmup_chunk_tokens: int = 32,
+        scheduling_policy: SchedulingPolicy | str = SchedulingPolicy.FCFS,
     ) -> None:
         self.kv = kv_manager
         self.max_batch_size = max_batch_size
@@ -92,6 +97,7 @@ class Scheduler:
         self.max_queue_size = max_queue_size
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.num_lookahead_tokens = num_lookahead_tokens  # speculative decoding's K
+        self.order = QueueOrder(scheduling_policy)  # where a sequence goes in each queue below
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.waiting_remote: deque[Sequence] = deque()
@@ -102,13 +108,15 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self._check_queue()
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self.order.arrive(seq)
+        self.order.push(self.waiting, seq)
         self.warmups.drop_covered(seq.token_ids)  # this request computes those blocks itself
 
     def add_remote(self, seq: Sequence) -> None:
         self._check_queue()
         seq.status = SequenceStatus.WAITING
-        self.waiting_remote.append(seq)
+        self.order.arrive(seq)
+        self.order.push(self.waiting_remote, seq)
 
     def _check_queue(self) -> None:
         num_queued = len(self.waiting) + len(self.waiting_remote)
@@ -160,7 +168,7 @@ class Scheduler:
         self.kv.register_computed(seq.request_id, seq.token_ids, seq.num_computed_tokens)
         seq.append_token(first_token_id)
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self.order.push(self.running, seq)
 
     def activate_migrated(self, seq: Sequence, num_draft_computed_tokens: int | None) -> None:
         """A migrated stream's KV (every token but its last, already emitted) landed: decode from here on."""
@@ -170,7 +178,7 @@ class Scheduler:
                                             if num_draft_computed_tokens is not None else seq.num_computed_tokens)
         self.kv.register_computed(seq.request_id, seq.token_ids, seq.num_computed_tokens)
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self.order.push(self.running, seq)
 
     # --------------------------------------------------------- live migration
     def pause(self, seq: Sequence) -> None:
@@ -180,7 +188,7 @@ class Scheduler:
 
     def unpause(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self.order.push(self.running, seq)
 
     # ------------------------------------------------------------------- n > 1
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -188,16 +196,17 @@ class Scheduler:
         written: it shares the parent's full prompt blocks and computes only the rest of the prompt
         (less than a block, then its own first token). Without room in the pool or the batch it waits
         at the front of the queue (and is admitted like any request, reusing the prefix cache)."""
+        child.priority, child.arrival = parent.priority, parent.arrival
         num_shared = None
         if self._num_rows() < self.max_batch_size or self.warmups.drop_active():
             num_shared = self.kv.fork(parent.request_id, child.request_id, child.num_tokens)
         if num_shared is None:
             child.status = SequenceStatus.WAITING
-            self.waiting.appendleft(child)
+            self.order.push_back_waiting(self.waiting, child)
             return
         child.num_computed_tokens = child.num_draft_computed_tokens = child.num_cached_tokens = num_shared
         child.status = SequenceStatus.RUNNING
-        self.running.append(child)
+        self.order.push(self.running, child)
 
     # ---------------------------------------------------------- prefix warm-ups
     def add_warmup(self, seq: Sequence) -> None:
@@ -276,7 +285,8 @@ class Scheduler:
         return max(0, min(self.num_lookahead_tokens, seq.max_total_tokens - seq.num_tokens - 1, budget - 1))
 
     def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Grow ``seq``'s blocks to ``num_tokens``, preempting from the back of the running list."""
+        """Grow ``seq``'s blocks to ``num_tokens``, preempting from the back of the running list (the latest
+        admitted, or under priority the worst: the decodes run best first, so none scheduled before is hit)."""
         while not self.kv.ensure_capacity(seq.request_id, num_tokens):
             if self.warmups.drop_active():
                 continue
@@ -293,7 +303,7 @@ class Scheduler:
         seq.num_draft_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.order.push_back_waiting(self.waiting, seq)
         out.preempted.append(seq)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, cap: int) -> int:
@@ -318,7 +328,7 @@ class Scheduler:
             seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
             seq.num_computed_tokens = seq.num_draft_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self.order.push(self.running, seq)
             num_new = min(num_new, budget, cap)
             out.chunks.append(ScheduledChunk(seq, num_cached, num_new))
             budget -= num_new

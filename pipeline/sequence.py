@@ -41,6 +41,9 @@ class Sequence:
     is_warmup: bool = False  # a prefix warm-up (pipeline/prefix_warmup.py): computed in idle steps, never sampled
     family_id: str = ""  # the request this sequence is a choice of (its own id for choice 0)
     index: int = 0  # which choice (n > 1)
+    # service order under scheduling_policy "priority" (pipeline/scheduling_policy.py): lower first, then arrival
+    priority: int = 0
+    arrival: int = 0  # stamped by the scheduler as the request arrives (a further choice: its parent's)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -100,7 +100,8 @@ class PrefillWorker(WorkerBase):
         if start.request_id in self.source:  # the decode worker's request came first
             return
         try:
-            self.engine.add_request(start.request_id, start.prompt_token_ids, start.sampling_params, prefill_only=True)
+            self.engine.add_request(start.request_id, start.prompt_token_ids, start.sampling_params, prefill_only=True,
+                                    priority=start.priority)
         except (QueueFullError, RequestError, ValueError):
             return  # the decode worker's own request gets the answer
         self.source.hold(start.request_id, EARLY_PREFILL_HOLD_S, early=start)
@@ -118,7 +119,8 @@ class PrefillWorker(WorkerBase):
         try:
             if rid in self.source:
                 raise RequestError(f"request {rid} is already being prefilled here")
-            self.engine.add_request(rid, request.prompt_token_ids, request.sampling_params, prefill_only=True)
+            self.engine.add_request(rid, request.prompt_token_ids, request.sampling_params, prefill_only=True,
+                                    priority=request.priority)
         except QueueFullError as exc:
             return self.source.reject(identity, rid, str(exc), retryable=True)
         except (RequestError, ValueError) as exc:

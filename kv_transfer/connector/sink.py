@@ -164,6 +164,7 @@ class KVSink:
             decode_worker_id=self.worker_id,
             ttl_s=self.ttl_s,
             source_request_id=request.kv_source_request_id,
+            priority=request.priority,
         ))
         transfer.status, transfer.ttl_deadline = SinkStatus.REQUESTED, now + self.ttl_s  # until the source answers
 
