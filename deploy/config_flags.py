@@ -30,13 +30,15 @@ def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     group.add_argument("--served-model-name", dest="cfg:model.served_model_name", default=argparse.SUPPRESS,
                        metavar="NAME[,ALIAS...]", help="the names the API serves the model under (vLLM's flag; "
                        "default: the checkpoint folder's name)")
+    group.add_argument("--quantization", dest="cfg:model.quantization", default=argparse.SUPPRESS, metavar="{int8}",
+                       help=PipelineConfig.model_fields["model"].annotation.model_fields["quantization"].description)
     for name, field in PipelineConfig.model_fields.items():
         if name in _SKIP or name in skip:
             continue
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             for sub_name, sub_field in annotation.model_fields.items():
-                if name == "model" and sub_name in ("model_path", "served_model_name"):
+                if name == "model" and sub_name in ("model_path", "served_model_name", "quantization"):
                     continue
                 _add(group, f"{name}-{sub_name}", f"cfg:{name}.{sub_name}", sub_field)
         else:

@@ -50,6 +50,10 @@ class ModelConfig(_Section):
     cpu_weight_prepack: bool = Field(
         True, description="CPU: keep a copy of every linear weight packed for oneDNN, used for batches of 2-256 "
         "rows, where it is faster than the checkpoint layout (doubles the weights' memory)")
+    quantization: Literal["int8"] | None = Field(
+        None, description="quantize a float checkpoint's linear layers at load (vLLM's --quantization): int8 = W8A8, "
+        "int8 weights per output channel and int8 activations per token (docs/models.md); None = as the checkpoint "
+        "is (a quantized checkpoint runs quantized either way)")
 
     def resolved_device(self) -> str:
         if self.device != "auto":
