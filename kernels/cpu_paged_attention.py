@@ -3,7 +3,8 @@
 The native kernel reads K/V in place from the pages through the block table, with an online softmax
 per query row, instead of gathering each sequence's pages into a padded copy first; its contract is
 ``paged_attention_ref``'s, which stays the oracle in tests and the path for what the kernel does not
-take (a CPU build without the module, fp16, a layout that is not contiguous per token).
+take (a CPU build without the module, fp16, a layout that is not contiguous per token, and layers with
+attention sinks: gpt-oss's, whose softmax the native kernel does not take yet).
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ def paged_attention_cpu(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [num_q_heads] attention-sink logits (gpt-oss): the reference runs them
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    if not native_applies(query, k_cache, v_cache):
+    if sinks is not None or not native_applies(query, k_cache, v_cache):
         return paged_attention_ref(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                                   sliding_window)
+                                   sliding_window, sinks)
     cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
     block_tables = block_tables.to(torch.int32)

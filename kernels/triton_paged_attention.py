@@ -17,6 +17,9 @@ Query token j of sequence i sits at absolute position ``context_lens[i] - q_len_
 positions at or before it (and after ``position - sliding_window`` when a window is set). K/V rows
 are gathered per position through the block table, so any page size works (1, 4, 16, 32, ...).
 Softmax runs in fp32 with exp2; fp32 inputs use IEEE dots so results match the torch reference.
+Attention sinks (gpt-oss: one logit per query head that joins the softmax's denominator and attends to
+nothing) start split 0's online softmax at the sink's logit with weight one; the other splits start
+empty, so the reduce counts the sink once.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_dim], or fp32 [num_tokens, num_q_heads, NUM_SPLITS, head_dim]
     lse_ptr,  # fp32 [num_tokens, num_q_heads, NUM_SPLITS], log2-domain; unused when NUM_SPLITS == 1
     query_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
+    sinks_ptr,  # [num_q_heads] sink logits; unused without HAS_SINKS
     scale_log2, sliding_window, num_seqs,
     stride_q_t, stride_q_h, stride_q_d,
     stride_k_b, stride_k_p, stride_k_h, stride_k_d,
@@ -67,7 +71,7 @@ def _paged_attention_kernel(
     stride_bt_s, stride_bt_b,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOTS_IN_FP32: tl.constexpr,
+    USE_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOTS_IN_FP32: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -112,6 +116,11 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_SINKS:  # the sink as one more score (log2 domain) of weight one, in split 0 only
+        in_split_0 = rows * 0 + split == 0  # [BLOCK_M]
+        sink = tl.load(sinks_ptr + q_head, mask=row_valid & in_split_0, other=float("-inf")).to(tl.float32)
+        m_i = sink * 1.4426950408889634  # log2(e)
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
     k_head = k_cache_ptr + kv_head * stride_k_h
     v_head = v_cache_ptr + kv_head * stride_v_h
@@ -186,10 +195,11 @@ def paged_attention_triton(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [num_q_heads] attention-sink logits (gpt-oss), or None
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     """Same contract as ``paged_attention_ref``; the launch configuration is chosen from shapes."""
     return run_paged_attention(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                               sliding_window)
+                               sliding_window, sinks)
 
 
 def choose_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, max_context: int,
@@ -211,6 +221,7 @@ def _num_sms(device_index: int) -> int:
 def run_paged_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
     *, num_kv_splits: int | None = None, block_n: int | None = None, block_m: int | None = None,
 ) -> torch.Tensor:
     """``paged_attention_triton`` with the launch knobs exposed (tests force the split-KV path here)."""
@@ -225,6 +236,9 @@ def run_paged_attention(
         check_dtype(name, t)
     if num_q_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"paged_attention: query {tuple(query.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if sinks is not None and (sinks.shape != (num_q_heads,) or sinks.device != query.device):
+        raise ValueError(f"paged_attention: sinks {tuple(sinks.shape)} must be one logit per query head "
+                         f"({num_q_heads}) on the query's device")
     group = num_q_heads // num_kv_heads
     # The CPU interpreter's tl.dot mis-multiplies bf16 (numpy has no bf16), so it gets fp32 dots there.
     dot_dtype = torch.float32 if is_interpreted(_paged_attention_kernel) else query.dtype
@@ -256,12 +270,13 @@ def run_paged_attention(
 
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_kv_splits)](
         target, lse, query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+        query if sinks is None else sinks.contiguous(),  # any pointer when there are no sinks
         scale * math.log2(math.e), int(sliding_window or 0), num_seqs,
         *query.stride(), *k_cache.stride(),
         *v_cache.stride(), *target_strides, *lse_strides, *block_tables.stride(),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_Q=block_q, BLOCK_M=block_m_, BLOCK_N=block_n_, NUM_SPLITS=num_kv_splits,
-        USE_WINDOW=sliding_window is not None, DOT_PRECISION=dot_precision(dot_dtype),
+        USE_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=dot_precision(dot_dtype),
         DOTS_IN_FP32=dot_dtype == torch.float32,
         num_warps=4 if block_m_ * block_d <= 64 * 128 else 8,
     )
