@@ -50,6 +50,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeConfig",
     "mixtral": "MixtralConfig",
     "gemma3": "Gemma3TextConfig",
+    "gpt_oss": "GptOssConfig",
 }
 # The model class where it is not the config's name with "ForCausalLM" for "Config".
 _MODEL_CLASSES: dict[str, str] = {"gemma3": "Gemma3ForCausalLM"}
@@ -128,6 +129,11 @@ def build_checkpoint(
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(0.0, 0.1)
+    if architecture == "gpt_oss":  # zero expert biases and small sinks by default: make them count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("_proj_bias") or name.endswith(".sinks"):
+                    param.normal_(0.0, 1.0 if name.endswith(".sinks") else 0.1)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
