@@ -74,6 +74,7 @@ def create_app(
         dead_after_s=_or(dead_after_s, router_config.dead_after_s),
     )
     metrics = RouterMetrics(registry)
+    registry.on_worker_registered = metrics.per_worker.add_worker  # its series from 0: rate() sees its first requests
     dispatcher = Dispatcher(
         config.zmq_endpoint_base, registry, metrics, model.checkpoint_name, max_attempts=max_attempts,
         max_queued_requests=_or(max_queued_requests, router_config.max_queued_requests),

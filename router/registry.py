@@ -74,6 +74,7 @@ class WorkerRegistry:
         heartbeat_interval_s: float,
         dead_after_s: float,
         on_worker_dead: Callable[[WorkerInfo], None] | None = None,
+        on_worker_registered: Callable[[WorkerInfo], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if heartbeat_interval_s <= 0:
@@ -85,6 +86,7 @@ class WorkerRegistry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.dead_after_s = dead_after_s
         self.on_worker_dead = on_worker_dead
+        self.on_worker_registered = on_worker_registered
         self._clock = clock
         self._workers: dict[str, WorkerInfo] = {}
         self._last_check: float | None = None
@@ -121,6 +123,8 @@ class WorkerRegistry:
         self._workers[msg.worker_id] = info
         self.kv_index.register(msg.worker_id, msg.page_size, msg.num_total_blocks)  # its snapshot follows
         logger.info("worker %s registered: %s, pid %d", msg.worker_id, role.value, msg.pid)
+        if self.on_worker_registered is not None:
+            self.on_worker_registered(info)
         return info
 
     def heartbeat(self, msg: Heartbeat) -> WorkerInfo | None:

@@ -15,7 +15,12 @@ slow request went through:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+if TYPE_CHECKING:
+    from router.registry import WorkerInfo
 
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -36,6 +41,15 @@ class WorkerRequestMetrics:
             "tandem_worker_routed_cached_prompt_tokens", "Prompt tokens routed to the worker that its prefix cache "
             "held (the router's KV index); divided by tandem_worker_routed_prompt_tokens_total: its prefix hit rate",
             ["worker"], registry=registry)
+
+    def add_worker(self, worker: "WorkerInfo") -> None:
+        """A worker registered: its series start at 0 now, so Prometheus's rate() sees its first requests
+        (a series born with its first observation has no earlier sample to count from)."""
+        self.ttft_seconds.labels(worker.worker_id)
+        self.routed_prompt_tokens.labels(worker.worker_id)
+        self.routed_cached_tokens.labels(worker.worker_id)
+        if worker.can_decode:
+            self.tpot_seconds.labels(worker.worker_id)
 
     def note_route(self, worker_id: str, num_prompt_tokens: int, num_cached_prompt_tokens: int) -> None:
         self.routed_prompt_tokens.labels(worker_id).inc(num_prompt_tokens)

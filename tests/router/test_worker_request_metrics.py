@@ -26,6 +26,11 @@ def _samples(router) -> dict[tuple[str, str], float]:
 def test_ttft_tpot_and_routed_prompt_tokens_per_worker(router):
     router.add_worker("p0", role=PipelineRole.PrefillOnly, prefill_endpoint="ipc:///tmp/p0-wrm")
     router.add_worker("d0", role=PipelineRole.DecodeOnly, script=tokens_script([10, 11, 12, 13, 14], step_s=STEP_S))
+    samples = _samples(router)  # series from registration on, so rate() counts the first requests too
+    for worker in ("p0", "d0"):
+        assert samples[("tandem_worker_time_to_first_token_seconds_count", worker)] == 0
+        assert samples[("tandem_worker_routed_prompt_tokens_total", worker)] == 0
+    assert samples[("tandem_time_per_output_token_seconds_count", "d0")] == 0
     for _ in range(2):
         response = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 5})
         assert response.status_code == 200, response.text
