@@ -1,6 +1,7 @@
 """The launchers' check of a checkpoint before any process starts: a directory Tandem cannot serve
-(no config.json, an architecture no model class implements, missing weight files) is one clear error
-in a few seconds, not a router and workers that start, load and crash one after another."""
+(no config.json, an architecture no model class implements, a quantization format it cannot run, missing
+weight files) is one clear error in a few seconds, not a router and workers that start, load and crash one
+after another."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ def check_checkpoint(model_path: str | None) -> None:
         return
     from pipeline.checkpoint_files import read_config_json, weight_files
     from pipeline.models.registry import supported_architecture
+    from pipeline.quantization.config import quantization_spec
 
-    supported_architecture(list(read_config_json(model_path).get("architectures") or []))
+    config = read_config_json(model_path)
+    supported_architecture(list(config.get("architectures") or []))
+    quantization_spec(config)
     weight_files(model_path)

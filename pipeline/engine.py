@@ -76,7 +76,7 @@ class LLMEngine:
         self.dtype = TORCH_DTYPES[config.model.resolved_dtype()]
         torch.manual_seed(config.model.seed)
 
-        self.model, self.hf_config = load_model(model_path, self.dtype, self.device)
+        self.model, self.hf_config = load_model(model_path, self.dtype, self.device, config.model.quantization)
         self.tokenizer = load_tokenizer(model_path)
         self.vocab_size = self.hf_config.vocab_size
         self.max_length = min(config.max_length or 10**9, self.hf_config.max_position_embeddings)

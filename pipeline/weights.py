@@ -15,6 +15,7 @@ import torch
 from pipeline.checkpoint_errors import CheckpointError
 from pipeline.checkpoint_files import checkpoint_directory, weight_files
 from pipeline.models.registry import resolve_model_class
+from pipeline.quantization.loading import plan_quantization
 
 __all__ = ["CheckpointError", "load_hf_config", "weight_files", "iter_safetensors", "load_model",
            "checkpoint_fingerprint"]
@@ -44,10 +45,12 @@ def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tenso
                 yield name, handle.get_tensor(name)
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype, device: str | torch.device):
+def load_model(path: str | os.PathLike, dtype: torch.dtype, device: str | torch.device,
+               quantization: str | None = None):
     """Build the model for the checkpoint at ``path`` directly on ``device`` in ``dtype``; returns ``(model, hf_config)``.
 
-    Weights stored in another dtype (e.g. bf16 on disk, fp32 asked) are cast while they are copied in.
+    Weights stored in another dtype (e.g. bf16 on disk, fp32 asked) are cast while they are copied in. A
+    quantized checkpoint, or ``quantization`` ("int8": W8A8 at load), goes through ``pipeline.quantization``.
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (got {dtype!r})")
@@ -55,7 +58,11 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: str | torch.
     model_class = resolve_model_class(hf_config)
     weight_files(path)  # fail on missing weights before allocating anything
     model = model_class(hf_config, dtype=dtype, device=device)
-    model.load_weights(iter_safetensors(path))
+    plan = plan_quantization(model, path, quantization)  # None: nothing quantized
+    tensors = iter_safetensors(path)
+    model.load_weights(tensors if plan is None else plan.tensors(tensors))
+    if plan is not None:
+        plan.finish(model)
     return model.eval(), hf_config
 
 

@@ -1,0 +1,158 @@
+"""A checkpoint's ``quantization_config`` (config.json) read as plain JSON: what Tandem runs, or a clear refusal.
+
+Torch-free: the launchers' checkpoint check (``deploy/checkpoint_check.py``) calls ``quantization_spec`` before
+anything starts, and the loader calls it again. Two methods are understood:
+
+- ``compressed-tensors`` (llm-compressor's checkpoints) in the ``int-quantized``, ``float-quantized`` or
+  ``naive-quantized`` format: symmetric 8-bit weights (int8 or float8_e4m3fn) with ``weight_scale`` per tensor or
+  per output channel (fp8 also per block), activations none, dynamic per token or static per tensor;
+- ``fp8`` (transformers' FineGrainedFP8 / DeepSeek-V3 style, and vLLM's per-tensor fp8): float8 weights with
+  ``weight_scale_inv`` per block (``weight_block_size``) or per tensor, or ``weight_scale``.
+
+Everything else (int4 ``pack-quantized``, ``nvfp4``, ``mxfp4``, awq, gptq, bitsandbytes, a quantized KV cache,
+sparsity, asymmetric schemes) is a ``CheckpointError`` that names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeline.checkpoint_errors import CheckpointError
+
+SUPPORTED_METHODS = "compressed-tensors (int-quantized, float-quantized, naive-quantized 8-bit), fp8"
+COMPRESSED_TENSORS_FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
+# what ``--quantization`` (``model.quantization``) can do to a checkpoint at load
+LOAD_TIME_METHODS = ("int8",)
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """How a checkpoint's quantized linear weights are stored and meant to run.
+
+    ``weight_type``: int8 or fp8 (float8) values; ``weight_strategy``: one scale per tensor, per output
+    channel or per ``block_size`` block; ``activations``: none (weight-only), dynamic per-token scales, or
+    a static per-tensor ``input_scale`` from the checkpoint.
+    """
+
+    method: str  # for messages: "compressed-tensors int-quantized", "fp8"
+    weight_type: Literal["int8", "fp8"]
+    weight_strategy: Literal["tensor", "channel", "block"]
+    activations: Literal["none", "dynamic", "static"]
+    block_size: tuple[int, int] | None = None
+
+    @property
+    def is_w8a8_int8(self) -> bool:
+        """Whether the layers run as int8 x int8 GEMMs (else their weights are dequantized at load)."""
+        return self.weight_type == "int8" and self.activations != "none"
+
+
+def quantization_spec(config: dict) -> QuantizationSpec | None:
+    """The spec of a config.json dict's ``quantization_config``; None when it has none. ``CheckpointError``
+    naming the method, format or scheme when Tandem cannot run it."""
+    quant = config.get("quantization_config")
+    if quant is None:
+        return None
+    if not isinstance(quant, dict):
+        raise CheckpointError("config.json: quantization_config must be an object")
+    method = str(quant.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        return _compressed_tensors_spec(quant)
+    if method == "fp8":
+        return _fp8_spec(quant)
+    refused = method or "(no quant_method)"
+    if quant.get("load_in_4bit") or quant.get("load_in_8bit"):
+        refused = f"bitsandbytes ({'4' if quant.get('load_in_4bit') else '8'}-bit)"
+    raise CheckpointError(f"quantization method {refused!r} is not supported; supported: {SUPPORTED_METHODS}")
+
+
+def check_load_time_quantization(requested: str | None, spec: QuantizationSpec | None) -> None:
+    """``--quantization``: a method Tandem can apply at load, to any checkpoint it can load."""
+    if requested is not None and requested not in LOAD_TIME_METHODS:
+        raise CheckpointError(f"quantization {requested!r} cannot be applied at load; supported: "
+                              f"{', '.join(LOAD_TIME_METHODS)}")
+
+
+def _compressed_tensors_spec(quant: dict) -> QuantizationSpec:
+    fmt = quant.get("format") or "dense"
+    groups = quant.get("config_groups") or {}
+    formats = {fmt} | {group.get("format") for group in groups.values() if isinstance(group, dict) and group.get("format")}
+    unsupported = sorted(str(f) for f in formats if f not in COMPRESSED_TENSORS_FORMATS)
+    if unsupported:
+        raise CheckpointError(f"compressed-tensors format {', '.join(unsupported)!s} is not supported; supported: "
+                              f"{', '.join(COMPRESSED_TENSORS_FORMATS)} (8-bit weights)")
+    if quant.get("kv_cache_scheme"):
+        raise CheckpointError("compressed-tensors kv_cache_scheme (a quantized KV cache) is not supported")
+    if quant.get("sparsity_config") and (quant["sparsity_config"].get("format") or "dense") != "dense":
+        raise CheckpointError(f"compressed-tensors sparsity ({quant['sparsity_config'].get('format')}) is not supported")
+    if quant.get("transform_config"):
+        raise CheckpointError("compressed-tensors transform_config (rotations such as SpinQuant) is not supported")
+    schemes = [group for group in groups.values() if isinstance(group, dict)]
+    if not schemes:
+        raise CheckpointError("compressed-tensors quantization_config has no config_groups")
+    specs = {_scheme_spec(scheme, fmt) for scheme in schemes}
+    if len(specs) > 1:
+        raise CheckpointError("compressed-tensors config_groups with different schemes are not supported "
+                              f"({len(specs)} schemes)")
+    return specs.pop()
+
+
+def _scheme_spec(scheme: dict, fmt: str) -> QuantizationSpec:
+    weights, inputs = scheme.get("weights"), scheme.get("input_activations")
+    if not weights:
+        raise CheckpointError("compressed-tensors config group without weights (activation-only) is not supported")
+    if scheme.get("output_activations"):
+        raise CheckpointError("compressed-tensors output_activations quantization is not supported")
+    weight_type = _eight_bit_type(weights, "weights")
+    strategy = weights.get("strategy") or "tensor"
+    allowed = ("tensor", "channel") + (("block",) if weight_type == "fp8" else ())
+    if strategy not in allowed:
+        raise CheckpointError(f"compressed-tensors {weight_type} weights with strategy {strategy!r} are not "
+                              f"supported; supported: {', '.join(allowed)}")
+    if not weights.get("symmetric", True):
+        raise CheckpointError("compressed-tensors asymmetric weights (a weight_zero_point) are not supported")
+    if weights.get("dynamic"):
+        raise CheckpointError("compressed-tensors dynamic weight quantization is not supported")
+    block_size = None
+    if strategy == "block":
+        block = weights.get("block_structure") or []
+        if len(block) != 2:
+            raise CheckpointError(f"compressed-tensors block weights need a 2-element block_structure (got {block})")
+        block_size = (int(block[0]), int(block[1]))
+    activations = "none"
+    if inputs:
+        if _eight_bit_type(inputs, "input_activations") != weight_type:
+            raise CheckpointError("compressed-tensors activations of another type than the weights are not supported")
+        if not inputs.get("symmetric", True):
+            raise CheckpointError("compressed-tensors asymmetric input_activations are not supported")
+        activations = "dynamic" if inputs.get("dynamic") else "static"
+        input_strategy = inputs.get("strategy") or "tensor"
+        ok = ("token", "tensor", "group") if weight_type == "fp8" else ("token", "tensor")
+        if input_strategy not in ok or (activations == "static" and input_strategy != "tensor"):
+            raise CheckpointError(f"compressed-tensors {activations} input_activations with strategy "
+                                  f"{input_strategy!r} are not supported")
+    return QuantizationSpec(f"compressed-tensors {fmt}", weight_type, strategy, activations, block_size)
+
+
+def _eight_bit_type(args: dict, what: str) -> str:
+    kind, bits = args.get("type", "int"), args.get("num_bits", 8)
+    if bits != 8 or kind not in ("int", "float"):
+        raise CheckpointError(f"compressed-tensors {what} of {bits}-bit {kind} are not supported (only 8-bit int or "
+                              "float)")
+    return "int8" if kind == "int" else "fp8"
+
+
+def _fp8_spec(quant: dict) -> QuantizationSpec:
+    activation_scheme = str(quant.get("activation_scheme", "dynamic")).lower()
+    if activation_scheme not in ("dynamic", "static"):
+        raise CheckpointError(f"fp8 activation_scheme {activation_scheme!r} is not supported (dynamic or static)")
+    if quant.get("expert_dtype", "fp8") != "fp8":
+        raise CheckpointError(f"fp8 expert_dtype {quant['expert_dtype']!r} (packed fp4 experts) is not supported")
+    fmt = quant.get("fmt", "e4m3")
+    if fmt not in ("e4m3", "e5m2"):
+        raise CheckpointError(f"fp8 fmt {fmt!r} is not supported (e4m3 or e5m2)")
+    block = quant.get("weight_block_size")
+    if block is not None and len(block) != 2:
+        raise CheckpointError(f"fp8 weight_block_size must have 2 elements (got {block})")
+    block_size = None if block is None else (int(block[0]), int(block[1]))
+    return QuantizationSpec("fp8", "fp8", "tensor" if block_size is None else "block", activation_scheme, block_size)

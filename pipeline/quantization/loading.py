@@ -1,0 +1,170 @@
+"""Loading a model whose checkpoint is quantized, or which ``--quantization int8`` quantizes at load.
+
+``plan_quantization`` runs between building the model and loading its weights: it reads the checkpoint's
+``quantization_config`` and the dtype of every tensor (the safetensors headers, no data), and swaps each
+eligible ``layers.Linear`` whose checkpoint weights are int8 W8A8 (or, with ``--quantization int8``, every
+eligible one) for an ``Int8Linear`` with the same shard sizes and names, so ``load_weights`` fills it like
+any other layer. ``QuantizationPlan.tensors`` wraps the checkpoint's tensor stream: it pairs each quantized
+weight with its scale, hands the int8 layers their tensors in the shapes they hold (a per-tensor scale
+repeated over its rows, so a fused projection's parts stay row blocks), and dequantizes every other
+quantized weight to fp32 (``dequantize.py``). ``finish`` lays the int8 weights out for the GEMM.
+
+Eligible: every linear but the output projection (``lm_head``, whose logits stay in the model dtype) and a
+mixture-of-experts router (a ``gate`` beside ``experts``). Experts are stacked tensors, not linears: a
+quantized MoE checkpoint loads its experts dequantized and runs them in the model dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from pipeline.checkpoint_errors import CheckpointError
+from pipeline.checkpoint_files import read_config_json, weight_files
+from pipeline.models.layers import Linear
+from pipeline.quantization.config import QuantizationSpec, check_load_time_quantization, quantization_spec
+from pipeline.quantization.dequantize import dequantize_weight
+from pipeline.quantization.int8 import Int8Linear
+
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_LEAVES = ("weight_scale", "weight_scale_inv")
+ZERO_POINT_LEAVES = ("weight_zero_point", "input_zero_point")
+# activation scales of layers that run unquantized (dequantized weights): not needed
+UNUSED_LEAVES = ("input_scale", "activation_scale", "output_scale")
+
+
+def tensor_dtypes(files: list[Path]) -> dict[str, str]:
+    """``{tensor name: safetensors dtype ("I8", "F8_E4M3", "BF16", ...)}`` read from the files' JSON headers."""
+    dtypes: dict[str, str] = {}
+    for file in files:
+        try:
+            with open(file, "rb") as handle:
+                header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot read weight file {file}: {exc}") from exc
+        dtypes.update({name: info["dtype"] for name, info in header.items() if name != "__metadata__"})
+    return dtypes
+
+
+@dataclass
+class QuantizationPlan:
+    """What loading does to a quantized checkpoint's tensors (see the module docstring)."""
+
+    spec: QuantizationSpec | None
+    kept: set[str] = field(default_factory=set)  # checkpoint prefixes whose int8 weights load as they are
+
+    def tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors as the (swapped) model takes them."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}  # prefix -> the tensors of one layer seen so far
+        for name, tensor in named_tensors:
+            prefix, _, leaf = name.rpartition(".")
+            if leaf in ZERO_POINT_LEAVES:
+                if torch.count_nonzero(tensor):
+                    raise CheckpointError(f"{name}: a nonzero zero point (asymmetric quantization) is not supported")
+                continue
+            if prefix in self.kept:
+                if leaf not in ("weight", "weight_scale", "input_scale"):
+                    yield name, tensor
+                    continue
+                group = pending.setdefault(prefix, {})
+                group[leaf] = tensor
+                if self._is_complete_int8(group):
+                    yield from self._int8_tensors(prefix, pending.pop(prefix))
+                continue
+            if leaf in UNUSED_LEAVES:
+                continue
+            if leaf in SCALE_LEAVES or (leaf == "weight" and tensor.dtype in QUANTIZED_DTYPES):
+                group = pending.setdefault(prefix, {})
+                group[leaf] = tensor
+                scale = next((group[s] for s in SCALE_LEAVES if s in group), None)
+                if "weight" in group and scale is not None:
+                    pending.pop(prefix)
+                    block = self.spec.block_size if self.spec is not None else None
+                    yield f"{prefix}.weight", dequantize_weight(f"{prefix}.weight", group["weight"], scale, block)
+                continue
+            yield name, tensor
+        if pending:
+            prefix, group = next(iter(pending.items()))
+            lacking = "weight" if "weight" not in group else "weight_scale"
+            raise CheckpointError(f"the checkpoint has {', '.join(f'{prefix}.{leaf}' for leaf in group)} but no "
+                                  f"{prefix}.{lacking}" + (f" (and {len(pending) - 1} more such layers)"
+                                                           if len(pending) > 1 else ""))
+
+    def _is_complete_int8(self, group: dict) -> bool:
+        static = self.spec is not None and self.spec.activations == "static"
+        return "weight" in group and "weight_scale" in group and ("input_scale" in group or not static)
+
+    @staticmethod
+    def _int8_tensors(prefix: str, group: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """An int8 layer's weight and its scales as ``[rows, 1]`` (per-tensor scales repeated over the rows)."""
+        weight = group["weight"]
+        if weight.dtype != torch.int8:
+            raise CheckpointError(f"{prefix}.weight is {weight.dtype} in an int8 W8A8 checkpoint")
+        rows = weight.shape[0]
+        yield f"{prefix}.weight", weight
+        for leaf in ("weight_scale", "input_scale"):
+            if leaf not in group:
+                continue
+            scale = group[leaf].float()
+            if scale.numel() == 1:
+                scale = scale.reshape(1, 1).expand(rows, 1)
+            elif scale.numel() == rows and leaf == "weight_scale":
+                scale = scale.reshape(rows, 1)
+            else:
+                raise CheckpointError(f"{prefix}.{leaf} has shape {tuple(scale.shape)}: expected one value"
+                                      + (f" or one per output channel ({rows})" if leaf == "weight_scale" else ""))
+            yield f"{prefix}.{leaf}", scale
+
+    @staticmethod
+    def finish(model: torch.nn.Module) -> None:
+        """Once every tensor is in: int8 layers quantize (``--quantization int8``) and lay out their weights."""
+        for module in model.modules():
+            if isinstance(module, Int8Linear):
+                module.finish_loading()
+
+
+def plan_quantization(model: torch.nn.Module, path: str | os.PathLike, requested: str | None) -> QuantizationPlan | None:
+    """Swap ``model``'s linears for int8 ones where the checkpoint at ``path`` (or ``requested``) says so;
+    None when neither the checkpoint nor ``requested`` quantizes anything."""
+    spec = quantization_spec(read_config_json(path))
+    check_load_time_quantization(requested, spec)
+    if spec is None and requested is None:
+        return None
+    plan = QuantizationPlan(spec)
+    dtypes = tensor_dtypes(weight_files(path))
+    checkpoint_names = getattr(model, "_checkpoint_names", None)
+    for name, module in list(model.named_modules()):
+        if type(module) is not Linear or checkpoint_names is None or not _is_eligible(model, name):
+            continue
+        names = checkpoint_names(f"{name}.weight")  # the parts of a fused projection
+        is_int8 = [dtypes.get(part) == "I8" for part in names]
+        if any(is_int8) and not all(is_int8):
+            raise CheckpointError(f"{', '.join(names)}: some of these fused weights are int8 and some are not")
+        is_prequantized = spec is not None and spec.is_w8a8_int8 and all(is_int8)
+        if not is_prequantized and requested != "int8":
+            continue
+        static_input = is_prequantized and spec.activations == "static"
+        _replace(model, name, Int8Linear(module.weight.shape[1], module.shard_sizes, module.bias is not None,
+                                         module.weight.dtype, module.weight.device, is_prequantized, static_input))
+        if is_prequantized:
+            plan.kept.update(part.rpartition(".")[0] for part in names)
+    return plan
+
+
+def _is_eligible(model: torch.nn.Module, name: str) -> bool:
+    """Not the output projection, not a mixture-of-experts router."""
+    if name == "lm_head":
+        return False
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    return not (leaf == "gate" and hasattr(parent, "experts"))
+
+
+def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, module)

@@ -1,0 +1,179 @@
+"""Quantized checkpoints through the real path (``LLM(path)`` offline) against transformers running the
+dequantized weights in fp32, ``--quantization int8`` against the float model, and the formats Tandem refuses.
+
+Checks are teacher-forced over the same token sequences (prompt logprobs): the largest error of a token's
+logprob and how often Tandem's top token is transformers' argmax. fp8 layers run dequantized on the CPU, so they
+match the dequantized model like any float model does (1e-4, every argmax). int8 W8A8 layers quantize their
+activations too, which the dequantized oracle does not: bounds measured on these tiny models (docs/models.md).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline import LLM, SamplingParams
+from pipeline.checkpoint_errors import CheckpointError
+from pipeline.models.layers import Linear
+from pipeline.quantization.config import quantization_spec
+from pipeline.quantization.int8 import Int8Linear, quantize_per_row
+from tests.conftest import hf_greedy, hf_logprobs
+from tests.moe_checkpoints import moe_checkpoint  # noqa: F401 (a fixture)
+from tests.quantized_checkpoints import REFUSED, SCHEMES, quantized_checkpoint, set_quantization_config  # noqa: F401
+
+ENGINE = dict(kv_cache={"page_size": 4, "num_blocks": 96})
+# scheme -> (max |logprob error|, min top-1 agreement) against the dequantized fp32 model; measured on this
+# tiny llama: int8 channel 0.036 / 98%, int8 static per-tensor 0.17 / 92%, fp8 < 1e-6 / 100%
+BOUNDS = {
+    "w8a8_int8_channel": (0.1, 0.95),
+    "w8a8_int8_tensor_static": (0.4, 0.85),
+    "fp8_channel_dynamic": (1e-4, 1.0),
+    "fp8_tensor_static": (1e-4, 1.0),
+    "fp8_block": (1e-4, 1.0),
+}
+
+
+def sequences(num: int = 4, length: int = 40, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (length,), generator=generator).tolist() for _ in range(num)]
+
+
+def teacher_forced_errors(llm: LLM, hf_model, prompts: list[list[int]]) -> tuple[float, float]:
+    """(max |logprob error| of each next token, fraction of positions whose top token is transformers' argmax)."""
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=1))
+    worst, num_agree, num_positions = 0.0, 0, 0
+    for prompt, out in zip(prompts, outs):
+        want = hf_logprobs(hf_model, prompt)  # [len, vocab]: row p predicts token p + 1
+        for position in range(1, len(prompt)):
+            entry, row = out.prompt_logprobs[position], want[position - 1]
+            worst = max(worst, abs(entry[prompt[position]] - row[prompt[position]].item()))
+            num_agree += max(entry, key=entry.get) == row.argmax().item()
+            num_positions += 1
+    return worst, num_agree / num_positions
+
+
+def linear_kinds(llm: LLM) -> set[str]:
+    return {type(m).__name__ for m in llm.engine.model.model.layers.modules() if isinstance(m, (Linear, Int8Linear))}
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_quantized_checkpoint_matches_dequantized_model(scheme, tiny_checkpoint, quantized_checkpoint, hf_reference):
+    quantized, reference = quantized_checkpoint(scheme, tiny_checkpoint("llama"))
+    hf_model, _ = hf_reference(reference)
+    llm = LLM(quantized, **ENGINE)
+    is_int8 = SCHEMES[scheme][1][0] == "int8"
+    assert linear_kinds(llm) == ({"Int8Linear"} if is_int8 else {"Linear"})  # fp8: dequantized on the CPU
+    assert isinstance(llm.engine.model.lm_head, Linear)  # ignore: [lm_head]
+    max_error, agreement = teacher_forced_errors(llm, hf_model, sequences())
+    bound, min_agreement = BOUNDS[scheme]
+    assert max_error < bound and agreement >= min_agreement, (max_error, agreement)
+    if not is_int8:  # the dequantized model exactly: greedy decoding is transformers' own
+        prompt = sequences(1, 12, seed=1)[0]
+        out = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0))[0]
+        assert out.token_ids == hf_greedy(hf_model, prompt, 10, ignore_eos=False)
+
+
+def test_load_time_int8_agrees_with_the_float_model(tiny_checkpoint, hf_reference):
+    path = tiny_checkpoint("llama")
+    hf_model, _ = hf_reference(path)
+    llm = LLM(path, model_config={"quantization": "int8"}, **ENGINE)
+    assert linear_kinds(llm) == {"Int8Linear"}
+    assert llm.engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
+    max_error, agreement = teacher_forced_errors(llm, hf_model, sequences())
+    assert max_error < 0.15 and agreement >= 0.85, (max_error, agreement)  # measured 0.050 / 94%
+
+
+def test_int8_moe_checkpoint_runs_with_dequantized_experts(moe_checkpoint, quantized_checkpoint, hf_reference):
+    quantized, reference = quantized_checkpoint("w8a8_int8_channel", moe_checkpoint("qwen3_moe"))
+    hf_model, _ = hf_reference(reference)
+    llm = LLM(quantized, **ENGINE)
+    layer = llm.engine.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Int8Linear) and isinstance(layer.mlp.gate, Linear)
+    assert layer.mlp.experts.gate_up_proj.dtype == torch.float32  # experts: dequantized at load
+    max_error, agreement = teacher_forced_errors(llm, hf_model, sequences())
+    assert max_error < 0.2 and agreement >= 0.9, (max_error, agreement)
+
+
+@pytest.mark.parametrize("static_input", [False, True])
+def test_int8_linear_is_its_integer_arithmetic(static_input):
+    """Int8Linear's output is (q(x) q(W)^T) s_x s_w + b computed exactly, up to fp32 rounding."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 64, generator=generator)  # [tokens, in]
+    weight_q, weight_scale = quantize_per_row(torch.randn(96, 64, generator=generator))  # [out, in], [out, 1]
+    layer = Int8Linear(64, [32, 64], True, torch.float32, "cpu", is_prequantized=True, static_input=static_input)
+    layer.weight.data.copy_(weight_q)
+    layer.weight_scale.data.copy_(weight_scale)
+    layer.bias.data.copy_(torch.randn(96, generator=generator))
+    if static_input:
+        layer.input_scale.data.fill_(0.02)  # x of std 1 clips past 2.54: the clamp is part of what is checked
+        x_q, x_scale = torch.round(x / 0.02).clamp(-128, 127), torch.tensor(0.02)
+    else:
+        x_q, x_scale = quantize_per_row(x)
+    layer.finish_loading()
+    exact = (x_q.double() @ weight_q.double().t()) * x_scale.double() * weight_scale.double().t() + layer.bias.double()
+    torch.testing.assert_close(layer(x).double(), exact, rtol=1e-6, atol=1e-5)
+
+
+def test_load_time_quantization_is_close_to_the_float_linear():
+    generator = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(5, 128, generator=generator), torch.randn(64, 128, generator=generator) * 0.05
+    layer = Int8Linear(128, [64], False, torch.float32, "cpu", is_prequantized=False)
+    layer.weight.data.copy_(weight)
+    layer.finish_loading()
+    want = F.linear(x, weight)
+    assert (layer(x) - want).abs().max() < 0.02 * want.abs().max()  # two 8-bit roundings
+    assert layer.weight.dtype == torch.int8
+
+
+def refused_checkpoint(tiny_checkpoint, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    shutil.copytree(tiny_checkpoint("llama"), path)
+    set_quantization_config(path, REFUSED[name][0])
+    return path
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_unsupported_quantization_is_refused_with_its_name(name, tiny_checkpoint, tmp_path):
+    path = refused_checkpoint(tiny_checkpoint, tmp_path, name)
+    with pytest.raises(CheckpointError, match=REFUSED[name][1]):
+        LLM(str(path), **ENGINE)
+
+
+def test_launcher_check_refuses_without_torch(tiny_checkpoint, tmp_path):
+    path = refused_checkpoint(tiny_checkpoint, tmp_path, "int4_pack_quantized")
+    code = ("import sys; from deploy.checkpoint_check import check_checkpoint\n"
+            "try:\n    check_checkpoint(sys.argv[1])\nexcept ValueError as exc:\n    print(exc)\n"
+            "print('torch' in sys.modules)")
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code, str(path)], cwd=root, capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.splitlines() == [
+        "compressed-tensors format pack-quantized is not supported; supported: int-quantized, float-quantized, "
+        "naive-quantized (8-bit weights)", "False"]
+
+
+def test_quantization_config_parsing():
+    """What the launcher accepts: each scheme the tests write, and the refusals of a scheme's details."""
+    for quant_config, (kind, strategy, block), is_static in SCHEMES.values():
+        spec = quantization_spec({"quantization_config": quant_config})
+        assert (spec.weight_type, spec.weight_strategy, spec.block_size) == (kind, strategy, block)
+        assert spec.activations == ("static" if is_static else "dynamic")
+    assert quantization_spec({}) is None
+    base = json.loads(json.dumps(SCHEMES["w8a8_int8_channel"][0]))
+    for change, message in [
+        (lambda c: c["config_groups"]["group_0"]["weights"].update(symmetric=False), "asymmetric weights"),
+        (lambda c: c["config_groups"]["group_0"]["weights"].update(strategy="group", group_size=128), "'group'"),
+        (lambda c: c.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+        (lambda c: c["config_groups"]["group_0"]["input_activations"].update(symmetric=False), "asymmetric input"),
+    ]:
+        config = json.loads(json.dumps(base))
+        change(config)
+        with pytest.raises(CheckpointError, match=message):
+            quantization_spec({"quantization_config": config})
