@@ -27,8 +27,9 @@ class Piece:
     def layers(self) -> slice:
         return slice(self.layer_start, self.layer_stop)
 
-    def num_bytes(self, page_bytes: int) -> int:
-        return (self.layer_stop - self.layer_start) * 2 * len(self.dst_block_ids) * page_bytes
+    def num_bytes(self, layer_block_bytes: int) -> int:
+        """Bytes of the piece, given ``KVLayout.layer_block_bytes`` (one block of one layer)."""
+        return (self.layer_stop - self.layer_start) * len(self.dst_block_ids) * layer_block_bytes
 
 
 def normalize_layers(layers: slice | int | None, num_layers: int) -> tuple[int, int]:
@@ -81,7 +82,8 @@ def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, 
 
 
 def split_pieces(
-    layer_start: int, layer_stop: int, src: list[int], dst: list[int], page_bytes: int, max_bytes: int = MAX_PIECE_BYTES
+    layer_start: int, layer_stop: int, src: list[int], dst: list[int], layer_block_bytes: int,
+    max_bytes: int = MAX_PIECE_BYTES,
 ) -> list[Piece]:
     """Split one send into pieces of at most ``max_bytes`` (at least one page pair each).
 
@@ -92,11 +94,11 @@ def split_pieces(
     if not dst:
         return []
     num_layers = layer_stop - layer_start
-    block_bytes = num_layers * 2 * page_bytes
+    block_bytes = num_layers * layer_block_bytes  # one block over the requested layers
     if block_bytes <= max_bytes:
         step = max_bytes // block_bytes
         return [Piece(layer_start, layer_stop, src[i : i + step], dst[i : i + step]) for i in range(0, len(dst), step)]
-    step = max(1, max_bytes // (2 * page_bytes))
+    step = max(1, max_bytes // layer_block_bytes)
     return [
         Piece(layer, layer + 1, src[i : i + step], dst[i : i + step])
         for layer in range(layer_start, layer_stop)

@@ -97,13 +97,13 @@ class KVChecksum:
         memoized: a piece asks once per run of blocks, with the same cache and layers."""
         memo = self._words_of
         if memo is None or memo[0] is not kv_cache or memo[1] != layers:
-            num_layers, _, num_blocks = kv_cache.shape[:3]
+            num_layers, pages_per_layer, num_blocks = kv_cache.shape[:3]  # 2 (K, V) or 1 (latent) pages per layer
             start, stop, _ = layers.indices(num_layers)
             words = (
                 kv_cache.view(torch.uint8)
-                .view(num_layers, 2, num_blocks, -1)
+                .view(num_layers, pages_per_layer, num_blocks, -1)
                 .view(self._word_dtype)
-                .view(num_layers, 2, num_blocks, self._subrows_per_page, self._subrow_words)
+                .view(num_layers, pages_per_layer, num_blocks, self._subrows_per_page, self._subrow_words)
                 .narrow(0, start, stop - start)
             )
             memo = self._words_of = (kv_cache, layers, words)

@@ -29,11 +29,12 @@ from kv_transfer.checksum import KVChecksum
 
 
 def byte_pages(kv_cache: torch.Tensor) -> np.ndarray | None:
-    """``[num_layers, 2, num_blocks, page_bytes]`` uint8 view of a CPU cache (None on other devices)."""
+    """``[num_layers, pages_per_layer, num_blocks, page_bytes]`` uint8 view of a CPU cache (None on other devices);
+    ``pages_per_layer`` is 2 (K, V) or 1 (a latent cache)."""
     if kv_cache.device.type != "cpu":
         return None
-    num_layers, _, num_blocks = kv_cache.shape[:3]
-    return kv_cache.view(torch.uint8).view(num_layers, 2, num_blocks, -1).numpy()
+    num_layers, pages_per_layer, num_blocks = kv_cache.shape[:3]
+    return kv_cache.view(torch.uint8).view(num_layers, pages_per_layer, num_blocks, -1).numpy()
 
 
 class PackBuffers:
@@ -66,19 +67,20 @@ def pack_piece(
     kernels: Kernels, kv_cache: torch.Tensor, pages: np.ndarray | None, piece: Piece, checksum: KVChecksum,
     buffers: PackBuffers,
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """P, zmq: the piece packed ``[layers, 2, n, page_bytes]`` (to send with ``copy=False``), and the buffer
+    """P, zmq: the piece packed ``[layers, pages_per_layer, n, page_bytes]`` (to send with ``copy=False``), and the buffer
     of ``buffers`` it lives in (None for device memory copied out)."""
     layers, src_ids = piece.layers, piece.src_block_ids
     if pages is None:
         packed = kernels.pack_kv_blocks(kv_cache, torch.tensor(src_ids, dtype=torch.int64), layers)
         checksum.update_packed(packed)  # on the device: no extra host copy
         return packed.cpu().reshape(-1).view(torch.uint8).numpy(), None
-    shape = (layers.stop - layers.start, 2, len(src_ids), pages.shape[-1])
+    per_layer = pages.shape[1]
+    shape = (layers.stop - layers.start, per_layer, len(src_ids), pages.shape[-1])
     buffer = buffers.take(math.prod(shape))
     packed = buffer[: math.prod(shape)].reshape(shape)
     if checksum.native_subrow_bytes:
         indexes, firsts, lengths = zip(*runs(src_ids))
-        rows = range(2 * layers.start, 2 * layers.stop)
+        rows = range(per_layer * layers.start, per_layer * layers.stop)
         segments = native.segments(range(len(rows)), len(src_ids), indexes, rows, pages.shape[2], firsts, lengths,
                                    pages.shape[-1])
         checksum.copy_native(buffer, pages, segments)
@@ -99,7 +101,7 @@ def write_piece_in_place(
     layers = piece.layers
     if checksum.native_subrow_bytes:
         firsts, dst_firsts, lengths = zip(*paired_runs(piece.src_block_ids, piece.dst_block_ids))
-        rows = range(2 * layers.start, 2 * layers.stop)
+        rows = range(pages.shape[1] * layers.start, pages.shape[1] * layers.stop)
         segments = native.segments(rows, dst_pages.shape[2], dst_firsts, rows, pages.shape[2], firsts, lengths,
                                    pages.shape[-1])
         return checksum.copy_native(dst_pages, pages, segments)
@@ -119,7 +121,7 @@ def land_piece(
     num_layers, n = layers.stop - layers.start, len(dst_block_ids)
     if pages is not None and checksum.native_subrow_bytes:
         indexes, firsts, lengths = zip(*runs(dst_block_ids))
-        rows = range(2 * layers.start, 2 * layers.stop)
+        rows = range(pages.shape[1] * layers.start, pages.shape[1] * layers.stop)
         if frame is None:  # shm: read what P wrote
             segments = native.segments(rows, pages.shape[2], firsts, rows, pages.shape[2], firsts, lengths,
                                        pages.shape[-1])
@@ -130,13 +132,13 @@ def land_piece(
     if frame is None:
         return checksum.update_blocks(kv_cache, dst_block_ids, layers)
     if pages is None:
-        # [num_layers, 2, n, page_size, num_kv_heads, head_dim], a view of ZMQ's receive buffer
+        # [num_layers, pages_per_layer, n, page_size, num_kv_heads, head_dim], a view of ZMQ's receive buffer
         packed = torch.frombuffer(frame, dtype=torch.uint8).view(kv_cache.dtype).view(
-            num_layers, 2, n, *kv_cache.shape[3:])
+            num_layers, kv_cache.shape[1], n, *kv_cache.shape[3:])
         ids = torch.tensor(dst_block_ids, dtype=torch.int64)
         kernels.unpack_kv_blocks(packed.to(kv_cache.device), kv_cache, ids, layers)
         return checksum.update_blocks(kv_cache, dst_block_ids, layers)
-    packed = np.frombuffer(frame, dtype=np.uint8).reshape(num_layers, 2, n, pages.shape[-1])
+    packed = np.frombuffer(frame, dtype=np.uint8).reshape(num_layers, pages.shape[1], n, pages.shape[-1])
     sums, dst_pages = [], pages[layers]
     for index, first, length in runs(dst_block_ids):
         np.copyto(dst_pages[:, :, first : first + length], packed[:, :, index : index + length])

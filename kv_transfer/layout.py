@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.protocol.transfer import TRANSPORTS, KVLayout
+from pipeline.protocol.transfer import KV_KINDS, TRANSPORTS, KVLayout
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32",
@@ -15,7 +15,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPE_NAM
 
 
 def kv_layout(kv_cache: torch.Tensor, model_hash: str, transport: str = "auto") -> KVLayout:
-    """The record of ``kv_cache`` ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``.
+    """The record of ``kv_cache`` ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``, or of a
+    latent cache ``[num_layers, 1, num_blocks, page_size, 1, latent_dim]`` (multi-head latent attention).
 
     ``transport`` is "auto" (shared memory on one host, else ZMQ) or one name of ``TRANSPORTS`` to
     force it; a receiver whose cache is not shared memory drops "shm" by itself.
@@ -23,7 +24,7 @@ def kv_layout(kv_cache: torch.Tensor, model_hash: str, transport: str = "auto") 
     if transport != "auto" and transport not in TRANSPORTS:
         raise ValueError(f"transport: must be 'auto' or one of {', '.join(TRANSPORTS)} (got {transport!r})")
     _check_shape(kv_cache)
-    num_layers, _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
+    num_layers, pages_per_layer, _, page_size, num_kv_heads, head_dim = kv_cache.shape
     return KVLayout(
         model_hash=model_hash,
         dtype=DTYPE_NAMES[kv_cache.dtype],
@@ -32,6 +33,7 @@ def kv_layout(kv_cache: torch.Tensor, model_hash: str, transport: str = "auto") 
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         transports=TRANSPORTS if transport == "auto" else (transport,),
+        kv_kind=next(kind for kind, pages in KV_KINDS.items() if pages == pages_per_layer),
     )
 
 
@@ -45,10 +47,12 @@ def check_kv_cache(kv_cache: torch.Tensor, layout: KVLayout) -> None:
 
 
 def _check_shape(kv_cache: torch.Tensor) -> None:
-    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+    is_kv = kv_cache.dim() == 6 and kv_cache.shape[1] == 2
+    is_latent = kv_cache.dim() == 6 and kv_cache.shape[1] == 1 and kv_cache.shape[4] == 1
+    if not (is_kv or is_latent):
         raise ValueError(
             "kv_cache: must be [num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim] "
-            f"(got shape {tuple(kv_cache.shape)})"
+            f"or latent [num_layers, 1, num_blocks, page_size, 1, latent_dim] (got shape {tuple(kv_cache.shape)})"
         )
     if kv_cache.dtype not in DTYPE_NAMES:
         raise ValueError(f"kv_cache: dtype must be one of {', '.join(DTYPE_NAMES.values())} (got {kv_cache.dtype})")

@@ -124,7 +124,8 @@ class KVSender(IOThread):
         elif active.is_finished:
             raise ValueError(f"request {request_id!r}: send_blocks after finish")
         self._submit(self._cmd_send, request_id, active.gen, dst_endpoint,
-                     split_pieces(layer_start, layer_stop, src, dst, self.layout.page_bytes, self.max_piece_bytes))
+                     split_pieces(layer_start, layer_stop, src, dst, self.layout.layer_block_bytes,
+                                  self.max_piece_bytes))
 
     def finish(self, request_id: str, payload: bytes = b"") -> None:
         """Send the checksum and ``payload`` after every queued piece of ``request_id``."""
@@ -275,7 +276,7 @@ class KVSender(IOThread):
         frame that carries it (zmq)."""
         start = time.perf_counter()
         fields = dict(request_id=req.request_id, layer_start=piece.layer_start, layer_stop=piece.layer_stop,
-                      dst_block_ids=piece.dst_block_ids, num_bytes=piece.num_bytes(self.layout.page_bytes))
+                      dst_block_ids=piece.dst_block_ids, num_bytes=piece.num_bytes(self.layout.layer_block_bytes))
         if req.peer.transport == "zmq":
             packed, req.outbox_buffer = pack_piece(self._kernels, self.kv_cache, self._pages, piece, req.checksum,
                                                    self._buffers)

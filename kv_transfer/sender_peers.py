@@ -77,7 +77,7 @@ class PeerTable:
     def open_transport(self, peer: Peer, reply: HelloReply) -> str | None:
         """Finish the handshake the receiver accepted (map its cache for shm); an error string if that fails."""
         if reply.transport == "shm":
-            shape = (self._layout.num_layers, 2, reply.num_blocks, *self._kv_cache.shape[3:])
+            shape = (self._layout.num_layers, self._layout.pages_per_layer, reply.num_blocks, *self._kv_cache.shape[3:])
             try:
                 peer.shm_pages = byte_pages(open_shared_kv_cache(reply.shm_path, shape, self._kv_cache.dtype))
             except (OSError, ValueError, RuntimeError) as exc:

@@ -25,7 +25,11 @@ import msgspec
 TRANSPORTS: tuple[str, ...] = ("shm", "zmq")
 DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Fields that must be equal on both ends; ``transports`` is negotiated instead.
-LAYOUT_FIELDS: tuple[str, ...] = ("model_hash", "dtype", "page_size", "num_layers", "num_kv_heads", "head_dim")
+LAYOUT_FIELDS: tuple[str, ...] = ("model_hash", "dtype", "page_size", "num_layers", "kv_kind", "num_kv_heads",
+                                  "head_dim")
+# What a layer holds per block: "kv" a K page and a V page ([num_layers, 2, ...] caches), "latent" one page
+# of latent rows (multi-head latent attention: [num_layers, 1, num_blocks, page_size, 1, latent_dim]).
+KV_KINDS: dict[str, int] = {"kv": 2, "latent": 1}  # kind -> pages per layer and block
 
 
 class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,10 +42,13 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_heads: int
     head_dim: int
     transports: tuple[str, ...] = TRANSPORTS  # what this end accepts, in preference order
+    kv_kind: str = "kv"  # a KV_KINDS key (last, with a default: records of older processes still decode)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPE_SIZES)} (got {self.dtype!r})")
+        if self.kv_kind not in KV_KINDS:
+            raise ValueError(f"kv_kind: must be one of {', '.join(KV_KINDS)} (got {self.kv_kind!r})")
         for name in ("page_size", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)!r})")
@@ -51,12 +58,22 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one (layer, K or V, block) page."""
+        """Bytes of one (layer, K or V or latent, block) page."""
         return self.page_size * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
+
+    @property
+    def pages_per_layer(self) -> int:
+        """Pages of one block in one layer: 2 (K and V) or 1 (latent)."""
+        return KV_KINDS[self.kv_kind]
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one block of one layer (its K and V pages, or its latent page)."""
+        return self.pages_per_layer * self.page_bytes
 
     def kv_bytes(self, num_blocks: int, num_layers: int | None = None) -> int:
         """Bytes a transfer of ``num_blocks`` blocks over ``num_layers`` layers (default: all) moves."""
-        return (self.num_layers if num_layers is None else num_layers) * 2 * num_blocks * self.page_bytes
+        return (self.num_layers if num_layers is None else num_layers) * num_blocks * self.layer_block_bytes
 
     def mismatch(self, other: "KVLayout", ours: str = "ours", theirs: str = "theirs") -> list[str]:
         """One ``"field: ours X != theirs Y"`` line per differing field; empty when compatible."""
@@ -84,8 +101,8 @@ class Begin(_Frame, tag="begin"):
 
 
 class Blocks(_Frame, tag="blocks"):
-    """Header of one piece: the next frame holds ``[layer_stop - layer_start, 2, len(dst_block_ids),
-    page_size, num_kv_heads, head_dim]`` packed in the layout's dtype."""
+    """Header of one piece: the next frame holds ``[layer_stop - layer_start, pages_per_layer (2, or 1 for a
+    latent cache), len(dst_block_ids), page_size, num_kv_heads, head_dim]`` packed in the layout's dtype."""
 
     request_id: str
     layer_start: int

@@ -30,8 +30,9 @@ def cpu_copy(request, monkeypatch):
 
 def _pieces(cache: torch.Tensor) -> tuple[list, int]:
     page_bytes = cache[0, 0, 0].numel() * cache.element_size()
-    block_bytes = cache.shape[0] * 2 * page_bytes
-    return split_pieces(0, cache.shape[0], SRC_IDS, DST_IDS, page_bytes, max_bytes=3 * block_bytes), page_bytes
+    layer_block_bytes = cache.shape[1] * page_bytes  # K and V pages, or one latent page
+    block_bytes = cache.shape[0] * layer_block_bytes
+    return split_pieces(0, cache.shape[0], SRC_IDS, DST_IDS, layer_block_bytes, max_bytes=3 * block_bytes), page_bytes
 
 
 def _assert_landed(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -40,9 +41,14 @@ def _assert_landed(dst: torch.Tensor, src: torch.Tensor) -> None:
     assert torch.count_nonzero(dst[:, :, untouched]) == 0
 
 
+# K/V pages, and a latent cache (multi-head latent attention: one page of latent rows per layer and block)
+CACHE_SHAPES = {"kv": (3, 2, 12, 4, 2, 8), "latent": (3, 1, 12, 4, 1, 24)}
+
+
+@pytest.mark.parametrize("kind", CACHE_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_every_path_moves_the_same_bytes_with_the_same_checksum(dtype):
-    src = random_cache((3, 2, 12, 4, 2, 8), dtype, seed=7)
+def test_every_path_moves_the_same_bytes_with_the_same_checksum(dtype, kind):
+    src = random_cache(CACHE_SHAPES[kind], dtype, seed=7)
     pieces, page_bytes = _pieces(src)
     assert len(pieces) == 3
     streams = {}

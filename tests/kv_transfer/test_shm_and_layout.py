@@ -115,9 +115,9 @@ def test_frames_round_trip_and_reject_garbage():
 def test_pieces_cover_every_page_once():
     src, dst = list(range(10)), [b + 20 for b in range(10)]
     for max_bytes in (10**9, 4 * 2 * 10 * 100, 2 * 3 * 100, 1):
-        pieces = split_pieces(1, 5, src, dst, page_bytes=100, max_bytes=max_bytes)
+        pieces = split_pieces(1, 5, src, dst, layer_block_bytes=200, max_bytes=max_bytes)  # K and V pages of 100
         covered = [(layer, s, d) for p in pieces for layer in range(p.layer_start, p.layer_stop)
                    for s, d in zip(p.src_block_ids, p.dst_block_ids)]
         assert sorted(covered) == [(layer, s, s + 20) for layer in range(1, 5) for s in src]
-        assert all(p.num_bytes(100) <= max(max_bytes, 200) for p in pieces)
+        assert all(p.num_bytes(200) <= max(max_bytes, 200) for p in pieces)
     assert paired_runs([1, 2, 3, 7, 8], [4, 5, 9, 10, 11]) == [(1, 4, 2), (3, 9, 1), (7, 10, 2)]
