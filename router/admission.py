@@ -1,9 +1,14 @@
 """The router's admission queue: who waits for a free worker slot, in what order, and until when.
 
 When every worker runs a full batch the router does not fail a request, nor push it onto a worker
-that would only queue it: the request waits here, first in first out, until a slot frees. The queue is
-bounded; a request that finds it full, or waits longer than ``queue_timeout_s``, is ``Overloaded``
-(the HTTP layer answers 429 with ``Retry-After``) before any response started.
+that would only queue it: the request waits here until a slot frees, by (priority, arrival): vLLM's
+``priority``, lower first, then first in first out (``router/waiting_line.py``; with every priority at
+its default 0, plain FIFO). The queue is bounded; a request that finds it full, or waits longer than
+``queue_timeout_s``, is ``Overloaded`` (the HTTP layer answers 429 with ``Retry-After``) before any
+response started. One exception to "full means 429": a newcomer of better (lower) priority than the
+worst request waiting takes its place, and that one is answered 429 (``Displaced``) instead; it had
+waited for admission, so no response of it had started. Requests admitted once (``at_front``: retries,
+migrations of streams under way) are never displaced.
 
 The queue never decides routes. Its owner passes ``try_admit(item)``, which dispatches the item and
 returns True, returns False while every worker is saturated, or raises (e.g. ``NoRoute``: nobody can
@@ -20,9 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
+
+from router.waiting_line import WaitingLine
 
 T = TypeVar("T")
 
@@ -41,10 +47,15 @@ class Overloaded(Exception):
         self.retry_after_s = retry_after_s
 
 
+class Displaced(Overloaded):
+    """The queue was full and a request of better priority took this waiting request's place (a 429)."""
+
+
 @dataclass(eq=False)
 class _Waiter(Generic[T]):
     item: T
     future: asyncio.Future  # result None once admitted; exception Overloaded / what try_admit raised
+    priority: int = 0
     timer: asyncio.TimerHandle | None = None
 
 
@@ -57,7 +68,8 @@ class AdmissionQueue(Generic[T]):
         self.try_admit = try_admit
         self.max_queued_requests = max_queued_requests
         self.queue_timeout_s = queue_timeout_s
-        self._waiters: OrderedDict[int, _Waiter[T]] = OrderedDict()  # id(item) -> waiter, head first
+        self._waiters: dict[int, _Waiter[T]] = {}  # id(item) -> waiter
+        self._line: WaitingLine[_Waiter[T]] = WaitingLine()  # the same waiters, in admission order
         self._is_pump_scheduled = False
 
     def __len__(self) -> int:
@@ -67,15 +79,18 @@ class AdmissionQueue(Generic[T]):
     def __contains__(self, item: T) -> bool:
         return id(item) in self._waiters
 
-    def enqueue(self, item: T, *, at_front: bool = False, timeout_s: float | None = None) -> asyncio.Future:
+    def enqueue(self, item: T, *, at_front: bool = False, timeout_s: float | None = None,
+                priority: int = 0) -> asyncio.Future:
         """Admit ``item`` now or queue it; the returned future resolves (None) once it was admitted.
 
         Nobody waiting ahead and ``try_admit(item)`` succeeding: the future is already done. Otherwise
-        the item queues at the back, or with ``at_front`` ahead of everyone (work already admitted once,
-        such as a retry after a worker died: it passes the queue and ignores its bound). Raises at once,
-        queueing nothing: ``Overloaded`` when the queue is full, and whatever ``try_admit`` raises.
-        Later failures arrive through the future: ``Overloaded`` after waiting ``queue_timeout_s`` (or
-        ``timeout_s`` if shorter: the request's own deadline), or what ``try_admit`` raised on a later pass.
+        the item queues by (``priority``, arrival), or with ``at_front`` ahead of everyone (work already
+        admitted once, such as a retry after a worker died: it passes the queue and ignores its bound).
+        Raises at once, queueing nothing: ``Overloaded`` when the queue is full of requests as good as
+        this one or better, and whatever ``try_admit`` raises. Later failures arrive through the future:
+        ``Overloaded`` after waiting ``queue_timeout_s`` (or ``timeout_s`` if shorter: the request's own
+        deadline), ``Displaced`` when a better request took its place, or what ``try_admit`` raised on a
+        later pass.
         """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -83,16 +98,12 @@ class AdmissionQueue(Generic[T]):
             future.set_result(None)
             return future
         if not at_front and len(self._waiters) >= self.max_queued_requests:
-            raise Overloaded(
-                "every worker is busy and the router's admission queue is full "
-                f"({self.max_queued_requests} requests waiting); try again later"
-            )
-        waiter = _Waiter(item, future)
+            self._displace_for(priority)
+        waiter = _Waiter(item, future, priority)
         wait_s = self.queue_timeout_s if timeout_s is None else min(self.queue_timeout_s, timeout_s)
         waiter.timer = loop.call_later(wait_s, self._expire, waiter, wait_s)
         self._waiters[id(item)] = waiter
-        if at_front:
-            self._waiters.move_to_end(id(item), last=False)
+        self._line.add(waiter, priority, at_front=at_front)
         # A future done while still queued was cancelled (its awaiting task was): drop the waiter.
         future.add_done_callback(lambda _: self._drop(waiter))
         self.wake()  # a slot may have freed since the last pass
@@ -103,6 +114,7 @@ class AdmissionQueue(Generic[T]):
         waiter = self._waiters.pop(id(item), None)
         if waiter is None:
             return
+        self._line.remove(waiter)
         if waiter.timer is not None:
             waiter.timer.cancel()
         if not waiter.future.done():
@@ -122,16 +134,33 @@ class AdmissionQueue(Generic[T]):
 
     def close(self, error: Exception) -> None:
         """Fail every waiter with ``error`` (the router is shutting down)."""
-        waiters, self._waiters = list(self._waiters.values()), OrderedDict()
+        waiters, self._waiters, self._line = list(self._line), {}, WaitingLine()
         for waiter in waiters:
             self._resolve(waiter, error)
 
+    def depth_by_priority(self, label: Callable[[int], str]) -> dict[str, int]:
+        """Requests waiting now, per ``label(priority)``."""
+        return self._line.count_by(label)
+
     # ------------------------------------------------------------------ internals
+
+    def _displace_for(self, priority: int) -> None:
+        """The queue is full: fail the worst waiting request if ``priority`` is better, else raise ``Overloaded``."""
+        victim = self._line.displaceable_by(priority)
+        if victim is None:
+            raise Overloaded(
+                "every worker is busy and the router's admission queue is full "
+                f"({self.max_queued_requests} requests waiting); try again later"
+            )
+        self._pop_and_resolve(victim, Displaced(
+            f"every worker is busy and the router's admission queue is full: a request of priority {priority} "
+            f"took the place of this one (priority {victim.priority}); try again later"
+        ))
 
     def _pump(self) -> None:
         self._is_pump_scheduled = False
         while self._waiters:
-            waiter = next(iter(self._waiters.values()))
+            waiter = self._line.head()
             if waiter.future.done():  # cancelled; its done callback has not run yet
                 self._pop_and_resolve(waiter, None)
                 continue
@@ -141,7 +170,7 @@ class AdmissionQueue(Generic[T]):
                 self._pop_and_resolve(waiter, exc)
                 continue
             if not is_admitted:
-                return  # still saturated: the ones behind it wait too (first in, first out)
+                return  # still saturated: the ones behind it wait too (in line order)
             self._pop_and_resolve(waiter, None)
 
     def _drop(self, waiter: _Waiter[T]) -> None:
@@ -157,7 +186,8 @@ class AdmissionQueue(Generic[T]):
         self.wake()  # if it was the head, the ones behind it may fit where it did not
 
     def _pop_and_resolve(self, waiter: _Waiter[T], error: Exception | None) -> None:
-        self._waiters.pop(id(waiter.item), None)
+        if self._waiters.pop(id(waiter.item), None) is not None:
+            self._line.remove(waiter)
         self._resolve(waiter, error)
 
     @staticmethod

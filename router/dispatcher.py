@@ -13,7 +13,7 @@ mix in. A heartbeat that claims another worker's id counts as a bad frame.
 
 Admission: a request goes to a worker only while one has a free slot in its batch (router-side
 in-flight count < the ``max_batch_size`` it registered with). When none has, ``submit`` queues it in
-the ``AdmissionQueue`` (first in, first out, bounded, timed) and the HTTP layer awaits
+the ``AdmissionQueue`` (by priority, then first in first out; bounded, timed) and the HTTP layer awaits
 ``wait_admitted`` before it starts a response, so an overload is a 429 at once, never a stream that
 dies later. A retry that finds every worker saturated waits at the front of that queue. Slots free
 when a request finishes, fails or is cancelled, and a worker may appear, die, come back or report
@@ -44,7 +44,7 @@ from pipeline.protocol.cluster import (
     WorkerToRouter,
 )
 from pipeline.protocol.requests import SamplingParams
-from router.admission import AdmissionQueue, Overloaded, estimate_retry_after_s
+from router.admission import AdmissionQueue, Displaced, Overloaded, estimate_retry_after_s
 from router.kv_index import PromptHashes
 from router.metrics import RouterMetrics
 from router.in_flight import InFlightRequests
@@ -97,6 +97,7 @@ class Dispatcher:
         self.admission: AdmissionQueue[RequestHandle] = AdmissionQueue(
             self._try_dispatch, max_queued_requests, queue_timeout_s)
         metrics.admission_queue_depth.set_function(lambda: len(self.admission))
+        metrics.per_priority.bind_queue_depth(self.admission.depth_by_priority)
         self.in_flight = InFlightRequests(registry, on_slot_freed=self.admission.wake)
         self.migration = Migration(
             registry, self.in_flight, metrics, send=self._send, views=self._views, requeue=self._requeue,
@@ -132,16 +133,19 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, timeout_s: float) -> RequestHandle:
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, timeout_s: float,
+               priority: int = 0) -> RequestHandle:
         """Send a request to a worker now, or queue it while every worker is saturated.
 
         Raises at once, before anything was sent: ``Overloaded`` when it would have to wait and the
-        admission queue is full (429), ``NoRoute`` when no worker can serve it at all (503). A queued
-        request is sent once a slot frees: await ``wait_admitted(handle)`` before reading from it.
+        admission queue is full of requests as good or better (429), ``NoRoute`` when no worker can serve
+        it at all (503). A queued request is sent once a slot frees: await ``wait_admitted(handle)`` before
+        reading from it. ``priority`` (lower first) orders the queue and goes to the workers.
         """
-        handle = RequestHandle(request_id, prompt_token_ids, params, deadline=time.monotonic() + timeout_s)
+        handle = RequestHandle(request_id, prompt_token_ids, params, deadline=time.monotonic() + timeout_s,
+                               priority=priority)
         try:
-            handle.admission = self.admission.enqueue(handle, timeout_s=timeout_s)
+            handle.admission = self.admission.enqueue(handle, timeout_s=timeout_s, priority=priority)
         except Overloaded as exc:
             exc.retry_after_s = self.retry_after_s()
             raise
@@ -150,13 +154,16 @@ class Dispatcher:
     async def wait_admitted(self, handle: RequestHandle) -> None:
         """Wait until ``handle`` was sent to a worker (returns at once if it was).
 
-        Raises ``Overloaded`` when it waited past ``queue_timeout_s`` (or its own deadline) and
-        ``NoRoute`` when the workers that could serve it went away meanwhile. Cancelling the caller
+        Raises ``Overloaded`` when it waited past ``queue_timeout_s`` (or its own deadline) or a request of
+        better priority took its place in a full queue (``Displaced``), and ``NoRoute`` when the workers
+        that could serve it went away meanwhile. Cancelling the caller
         (the client left) takes the request out of the queue, or cancels it if it was just sent.
         """
         try:
             await handle.admission
         except Overloaded as exc:
+            if isinstance(exc, Displaced):
+                self.metrics.per_priority.note_displaced(handle.priority)
             exc.retry_after_s = self.retry_after_s()
             raise
         except asyncio.CancelledError:
@@ -210,6 +217,7 @@ class Dispatcher:
             self.metrics.queue_depth.inc()
             self.metrics.requests_in_flight.inc()
             self.metrics.admission_wait_seconds.observe(time.monotonic() - handle.created_at)
+            self.metrics.per_priority.note_admitted(handle.priority, time.monotonic() - handle.created_at)
         return True
 
     def _dispatch(self, handle: RequestHandle) -> None:
@@ -236,11 +244,13 @@ class Dispatcher:
                 prefill_endpoint=route.prefill.prefill_endpoint if route.prefill else None,
                 deadline_s=max(0.001, handle.deadline - time.monotonic()),
                 resume_token_ids=resume,
+                priority=handle.priority,
             )
             if self._send(route.decode.worker_id, msg):
                 if route.prefill is not None and self.early_prefill:
                     self._send(route.prefill.worker_id, StartPrefill(request_id=wire_id, sampling_params=params,
-                                                                     prompt_token_ids=handle.prompt_token_ids))
+                                                                     prompt_token_ids=handle.prompt_token_ids,
+                                                                     priority=handle.priority))
                 self.in_flight.assign(handle, route, wire_id)
                 self.metrics.note_route(route, num_prompt_tokens)
                 if self.warmups is not None and prompt is not None:
@@ -252,7 +262,7 @@ class Dispatcher:
         """A request admitted once (a retry, a migration) goes ahead of everyone who waits, and waits if
         every worker is saturated; raises ``NoRoute`` when no worker can serve it."""
         handle.admission = self.admission.enqueue(
-            handle, at_front=True, timeout_s=max(0.001, handle.deadline - time.monotonic()))
+            handle, at_front=True, timeout_s=max(0.001, handle.deadline - time.monotonic()), priority=handle.priority)
         return handle.admission
 
     def _finish(self, handle: RequestHandle) -> None:

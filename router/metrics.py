@@ -4,7 +4,8 @@ Request metrics are updated as requests run; ``tandem_requests_total{outcome="ov
 429s, ``tandem_router_admission_queue_depth`` the requests waiting for a free worker slot now and
 ``tandem_router_admission_wait_seconds`` how long they waited. Per-worker metrics are read from the
 worker registry at scrape time (``WorkerCollector``), so a worker that goes away simply stops being
-reported. Per-worker TTFT, TPOT and prefix hits: ``router.worker_request_metrics``.
+reported. Per-worker TTFT, TPOT and prefix hits: ``router.worker_request_metrics``; per request priority
+(queue depth, admission wait, TTFT, displaced 429s): ``router.priority_metrics``.
 
 * ``tandem_kv_blocks_used`` / ``tandem_kv_blocks_free`` / ``tandem_kv_blocks_total`` {worker, role}:
   from the last heartbeat; "used" is held by a live request, prefix-cached blocks nobody holds are free.
@@ -30,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from router.priority_metrics import PriorityMetrics
 from router.worker_request_metrics import WorkerRequestMetrics
 
 if TYPE_CHECKING:
@@ -130,6 +132,8 @@ class RouterMetrics:
             self.routed_prompt_tokens.labels(side)
             self.routed_cached_tokens.labels(side)
         self.per_worker = WorkerRequestMetrics(self.registry, TTFT_BUCKETS)  # TTFT, TPOT and prefix hits per worker
+        # queue depth, admission wait, TTFT and displacements per request priority (bucketed label)
+        self.per_priority = PriorityMetrics(self.registry, TTFT_BUCKETS, ADMISSION_WAIT_BUCKETS)
         self.registry.register(WorkerCollector(registry))
         self.registry.register(HandshakeCollector())
 

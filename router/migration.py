@@ -180,7 +180,7 @@ class Migration:
                 request_id=wire_id, prompt_token_ids=handle.prompt_token_ids, sampling_params=params,
                 prefill_worker_id=worker_id, prefill_endpoint=offer.endpoint,
                 deadline_s=max(0.001, handle.deadline - time.monotonic()), resume_token_ids=resume,
-                kv_source_request_id=offer.request_id)):
+                kv_source_request_id=offer.request_id, priority=handle.priority)):
             self._decline(worker_id, offer.request_id, "the target is unreachable")
             return
         self.in_flight.unassign(handle)

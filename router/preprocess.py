@@ -37,6 +37,7 @@ class PreparedRequest:
     continuous_usage: bool = False  # stream: usage so far in every chunk (vLLM's continuous_usage_stats)
     tokens_as_ids: bool = False  # logprob entries name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
     chat_output: ChatOutputFormat | None = None  # chat: how the text becomes reasoning, content and tool calls
+    priority: int = 0  # vLLM's: lower is served first (router/admission.py, workers under "priority")
 
 
 def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: SamplingConfig) -> list[PreparedRequest]:
@@ -72,7 +73,7 @@ def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: Sa
         )
         prepared.append(PreparedRequest(prompt_ids, params, body.stream, body.include_usage,
                                         body.logprobs is not None, rendering, body.continuous_usage,
-                                        body.return_tokens_as_token_ids))
+                                        body.return_tokens_as_token_ids, priority=body.priority))
     return prepared
 
 
@@ -118,7 +119,7 @@ def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: Samp
     rendering = PromptRendering(token_ids=prompt_ids, num_top_prompt_logprobs=body.prompt_logprobs)
     return [PreparedRequest(prompt_ids, params, body.stream, body.include_usage, body.logprobs, rendering,
                             body.continuous_usage, body.return_tokens_as_token_ids,
-                            None if output.is_plain else output)]
+                            None if output.is_plain else output, priority=body.priority)]
 
 
 def render_chat(model: ServedModel, body, tools: list[dict] | None) -> list[int]:

@@ -57,8 +57,8 @@ class RequestHandle:
 
     Each field has one writer; everyone else only reads it:
 
-    * ``request_id``, ``prompt_token_ids``, ``sampling_params``, ``deadline``, ``created_at``: set once, at
-      creation (``Dispatcher.submit``).
+    * ``request_id``, ``prompt_token_ids``, ``sampling_params``, ``deadline``, ``priority``, ``created_at``: set
+      once, at creation (``Dispatcher.submit``).
     * ``status``: ``set_status`` alone, which allows only the moves of ``_NEXT_STATUSES``. The Dispatcher
       admits (ROUTED) and ends (FINISHED), TokenDelivery moves it as tokens arrive, Migration as the
       request moves.
@@ -76,6 +76,7 @@ class RequestHandle:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     deadline: float  # time.monotonic() after which the request fails
+    priority: int = 0  # vLLM's: lower is served first (the admission queue's order; workers' under "priority")
     status: RequestStatus = RequestStatus.QUEUED
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     admission: asyncio.Future | None = None  # done once dispatched (see Dispatcher.wait_admitted)

@@ -122,6 +122,7 @@ class ResponsesRequest(_Body):
     # vLLM-style extras, as on the chat endpoint
     seed: StrictInt | None = None
     top_k: StrictInt | None = None
+    priority: StrictInt = 0  # vLLM's: lower is served first
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -166,7 +167,7 @@ def chat_body(body: ResponsesRequest) -> dict[str, Any]:
                             "parallel_tool_calls": body.parallel_tool_calls}
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
-    for name in ("temperature", "top_p", "seed", "top_k", "chat_template_kwargs", "user"):
+    for name in ("temperature", "top_p", "seed", "top_k", "chat_template_kwargs", "user", "priority"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
     if body.max_output_tokens is not None:

@@ -116,6 +116,7 @@ class TokenDelivery:
             self.in_flight.release_prefill(handle)
             self.metrics.queue_depth.dec()
             self.metrics.ttft_seconds.observe(now - handle.created_at)
+            self.metrics.per_priority.note_first_token(handle.priority, now - handle.created_at)
             self.metrics.per_worker.note_first_token((handle.decode_worker_id, handle.prefill_worker_id),
                                                      now - handle.created_at)
             handle.first_token_at = now
