@@ -7,7 +7,7 @@ PORT ?= 8000
 STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test test-fast test-cluster bench bench-serve bench-peer bench-kv-routing bench-migration gpu-check gpu-wheels
+.PHONY: run test test-fast test-cluster bench bench-serve bench-peer bench-kv-routing bench-migration gpu-check gpu-wheels dashboard-check
 
 $(STAMP): pyproject.toml setup.py kv_transfer/_copysum.c $(wildcard kernels/native/*.c kernels/native/*.h)
 	@echo "== setting up $(VENV): torch (CPU build) first, then Tandem and what it needs to run"
@@ -35,6 +35,12 @@ test-fast: $(TEST_STAMP)
 # the cluster lane: real routers and workers as processes
 test-cluster: $(TEST_STAMP)
 	$(VENV)/bin/pytest -q -m "cluster and not slow and not gpu"
+
+# The Grafana dashboard and Prometheus config (deploy/observability/, docs/observability.md) against a real
+# Prometheus scraping a real 1P1D cluster under load: every panel's query must return data. Needs the
+# `prometheus` binary (apt-get install prometheus); here its absence fails instead of skipping. About 40 s.
+dashboard-check: $(TEST_STAMP)
+	TANDEM_REQUIRE_PROMETHEUS=1 $(VENV)/bin/pytest -q tests/observability/test_dashboard_prometheus.py
 
 bench: $(TEST_STAMP)
 	$(PY) -m bench.offline_throughput --out bench/results/offline_throughput.json

@@ -47,7 +47,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_LANE = ("tests/cluster/", "tests/deploy/test_cli_processes.py", "tests/deploy/test_up_supervision.py",
                 "tests/deploy/test_cpu_binding.py", "tests/deploy/test_ray_up_local_provider.py",
                 "tests/deploy/test_generate_cmd.py", "tests/deploy/test_gpu_check.py",
-                "tests/bench/test_serve_bench_live.py", "tests/cpu_kernels/test_native_fallback.py", "tests/security/")
+                "tests/bench/test_serve_bench_live.py", "tests/cpu_kernels/test_native_fallback.py", "tests/security/",
+                "tests/observability/")
 
 
 def pytest_collection_modifyitems(config, items):
