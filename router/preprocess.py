@@ -114,7 +114,7 @@ def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: Samp
     max_tokens = body.resolved_max_tokens()
     params = _sampling_params(body, model, defaults, len(prompt_ids), max_tokens, logprobs, "messages", constraint)
     params.prompt_logprobs = body.prompt_logprobs
-    if tools.parser is not None and tools.parser.needs_special_tokens:
+    if any(getattr(parser, "needs_special_tokens", False) for parser in (tools.parser, reasoning)):
         params.skip_special_tokens = False  # its markers are special tokens: the parser must see them
     rendering = PromptRendering(token_ids=prompt_ids, num_top_prompt_logprobs=body.prompt_logprobs)
     return [PreparedRequest(prompt_ids, params, body.stream, body.include_usage, body.logprobs, rendering,

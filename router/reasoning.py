@@ -15,6 +15,8 @@ from __future__ import annotations
 from enum import Enum
 from typing import ClassVar, NamedTuple
 
+from router.harmony import HarmonyReasoningParser
+
 
 class Position(Enum):
     """Where a scan starts: before anything decided, at the start of the reasoning, in the reasoning, at
@@ -157,8 +159,9 @@ class StreamingReasoningParser:
         return result.reasoning, result.content
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+REASONING_PARSERS: dict[str, type] = {
     "think": ReasoningParser, "qwen3": ReasoningParser, "deepseek_r1": ReasoningParser,
+    "gpt_oss": HarmonyReasoningParser,  # harmony's analysis channel (router/harmony.py)
 }
 
 

@@ -71,7 +71,7 @@ def plan_tools(body: ChatCompletionRequest, parser_setting: str, chat_template: 
         how = ("its chat template names no tool-call format Tandem knows" if parser_setting == "auto"
                else "the router runs with tool_call_parser none")
         raise bad_request(f"tools: this server cannot read tool calls for this model ({how}); start the router "
-                          "with --router-tool-call-parser hermes|llama3_json|mistral, or send tool_choice none",
+                          "with --router-tool-call-parser hermes|llama3_json|mistral|harmony, or send tool_choice none",
                           param="tools")
     parser = get_tool_parser(parser_name)
     strict_auto = bool(strict) and forced is None

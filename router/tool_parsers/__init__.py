@@ -5,12 +5,13 @@ forces a call (``call_grammar``, for ``tool_choice`` "required" or a named tool)
 from __future__ import annotations
 
 from router.tool_parsers.base import StreamingToolParser, ToolCall, ToolCallDelta, ToolParser, new_call_id
+from router.tool_parsers.harmony import HarmonyToolParser
 from router.tool_parsers.hermes import HermesToolParser
 from router.tool_parsers.llama3_json import Llama3JsonToolParser
 from router.tool_parsers.mistral import MistralToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, HarmonyToolParser)
 }
 
 __all__ = ["TOOL_PARSERS", "StreamingToolParser", "ToolCall", "ToolCallDelta", "ToolParser", "get_tool_parser",
@@ -35,4 +36,6 @@ def infer_tool_parser(chat_template: str | None) -> str | None:
         found.add("mistral")
     if "<|python_tag|>" in chat_template or ('"parameters"' in chat_template and "ipython" in chat_template):
         found.add("llama3_json")
+    if "<|call|>" in chat_template and "<|channel|>" in chat_template:
+        found.add("harmony")
     return found.pop() if len(found) == 1 else None

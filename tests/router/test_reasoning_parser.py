@@ -98,7 +98,7 @@ def test_starts_inside():
 def test_registry():
     assert set(REASONING_PARSERS) >= {"think", "qwen3", "deepseek_r1"}
     assert get_reasoning_parser("deepseek_r1").extract("a</think>b", True) == ("a", "b")
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3, think"):
+    with pytest.raises(ValueError, match="deepseek_r1, gpt_oss, qwen3, think"):
         get_reasoning_parser("nope")
 
 

@@ -127,6 +127,8 @@ def _fuzz_text(parser_name: str, rng: random.Random) -> str:
         "hermes": ["<tool_call>", "</tool_call>", "<tool_", "call>", H(W), H(T), "\n", " ", "hi", "{", "}"],
         "llama3_json": ["<|python_tag|>", "<|py", W, T, ";", "; ", " ", "\n", "text", "{", '"}'],
         "mistral": ["[TOOL_CALLS]", "[TOOL_", "[ARGS]", "[" + W + "]", "get_time", '{"a": 1}', "[", "]", " ", "x", ","],
+        "harmony": ["<|channel|>", "<|start|>assistant", "commentary to=functions.get_time ", "final", "analysis",
+                    "<|message|>", '{"a": 1}', "<|call|>", "<|end|>", "<|ch", "<|", " ", "x"],
     }[parser_name]
     return "".join(rng.choice(blocks) for _ in range(rng.randint(0, 8)))
 
@@ -176,7 +178,7 @@ def test_call_ids():
 
 def test_registry_and_inference():
     assert {name: get_tool_parser(name).name for name in TOOL_PARSERS} == {
-        "hermes": "hermes", "llama3_json": "llama3_json", "mistral": "mistral"}
+        "hermes": "hermes", "llama3_json": "llama3_json", "mistral": "mistral", "harmony": "harmony"}
     assert get_tool_parser("mistral").needs_special_tokens and not get_tool_parser("hermes").needs_special_tokens
     with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
         get_tool_parser("nope")
