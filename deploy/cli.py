@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from deploy import bench_cmd, generate_cmd, keygen_cmd, launch_cmd, ray_cmd, serve_cmds
+from deploy import bench_cmd, generate_cmd, keygen_cmd, launch_cmd, ray_cmd, serve_cmds, top_cmd
 from deploy.parent_guard import die_with_parent_if_asked
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.register(sub)
     ray_cmd.register(sub)
     keygen_cmd.register(sub)
+    top_cmd.register(sub)
     return parser
 
 
