@@ -52,6 +52,9 @@ SCHEMES: dict[str, tuple[dict, tuple, bool]] = {
     "fp8_tensor_static": (compressed_tensors_config(
         "float-quantized", _args("float", "tensor", False), _args("float", "tensor", False)),
         ("fp8", "tensor", None), True),
+    # the fp8 method per tensor, static activations: weight_scale_inv and activation_scale, transformers' names
+    "fp8_method_tensor_static": ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None},
+                                 ("fp8", "tensor", None), True),
     # transformers' FineGrainedFP8 / DeepSeek-V3 layout, with blocks that do not divide the tiny model's sizes
     "fp8_block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                    "weight_block_size": [48, 40]}, ("fp8", "block", (48, 40)), False),
@@ -137,7 +140,8 @@ def write_quantized(source: str | Path, quantized: Path, reference: Path, scheme
     if is_static:
         qmax = 127.0 if kind == "int8" else FP8_MAX
         for module, value in _input_absmax(reference).items():
-            stored[f"{module}.input_scale"] = torch.tensor([value / qmax], dtype=torch.bfloat16)
+            leaf = "activation_scale" if quant_config["quant_method"] == "fp8" else "input_scale"
+            stored[f"{module}.{leaf}"] = torch.tensor([value / qmax], dtype=torch.bfloat16)
     save_file(stored, quantized / "model.safetensors", metadata={"format": "pt"})
     set_quantization_config(quantized, quant_config)
 

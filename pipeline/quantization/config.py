@@ -46,6 +46,12 @@ class QuantizationSpec:
         """Whether the layers run as int8 x int8 GEMMs (else their weights are dequantized at load)."""
         return self.weight_type == "int8" and self.activations != "none"
 
+    @property
+    def runs_fp8_gemm(self) -> bool:
+        """Whether the layers can run as fp8 GEMMs where the device has them (per-tensor / per-channel
+        float8_e4m3fn weights with quantized activations; block-scaled weights are dequantized)."""
+        return self.weight_type == "fp8" and self.activations != "none" and self.weight_strategy != "block"
+
 
 def quantization_spec(config: dict) -> QuantizationSpec | None:
     """The spec of a config.json dict's ``quantization_config``; None when it has none. ``CheckpointError``

@@ -21,9 +21,9 @@ _CUDA_MIN_ROWS = 17  # cuBLASLt's int8 GEMM in torch._int_mm wants more than 16 
 
 def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row: ``[rows, cols]`` float -> (int8 ``[rows, cols]``, fp32 scales ``[rows, 1]``)."""
-    x = x.float()
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_SCALE) / INT8_MAX  # [rows, 1]
-    return torch.round(x / scale).clamp_(-128, 127).to(torch.int8), scale
+    absmax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)  # [rows, 1]
+    scale = absmax.clamp_(min=_MIN_SCALE) / INT8_MAX
+    return torch.round(x.float() / scale).clamp_(-128, 127).to(torch.int8), scale
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,11 @@
 ``quantization_config`` and the dtype of every tensor (the safetensors headers, no data), and swaps each
 eligible ``layers.Linear`` whose checkpoint weights are int8 W8A8 (or, with ``--quantization int8``, every
 eligible one) for an ``Int8Linear`` with the same shard sizes and names, so ``load_weights`` fills it like
-any other layer. ``QuantizationPlan.tensors`` wraps the checkpoint's tensor stream: it pairs each quantized
-weight with its scale, hands the int8 layers their tensors in the shapes they hold (a per-tensor scale
-repeated over its rows, so a fused projection's parts stay row blocks), and dequantizes every other
-quantized weight to fp32 (``dequantize.py``). ``finish`` lays the int8 weights out for the GEMM.
+any other layer; on a GPU with fp8 GEMMs, fp8 layers with per-tensor or per-channel scales become
+``Fp8Linear`` the same way. ``QuantizationPlan.tensors`` wraps the checkpoint's tensor stream: it pairs each
+quantized weight with its scale, hands the kept (int8 / fp8) layers their tensors in the shapes they hold (a
+per-tensor scale repeated over its rows, so a fused projection's parts stay row blocks), and dequantizes every
+other quantized weight to fp32 (``dequantize.py``). ``finish`` lays the kept weights out for the GEMM.
 
 Eligible: every linear but the output projection (``lm_head``, whose logits stay in the model dtype) and a
 mixture-of-experts router (a ``gate`` beside ``experts``). Experts are stacked tensors, not linears: a
@@ -29,6 +30,7 @@ from pipeline.checkpoint_files import read_config_json, weight_files
 from pipeline.models.layers import Linear
 from pipeline.quantization.config import QuantizationSpec, check_load_time_quantization, quantization_spec
 from pipeline.quantization.dequantize import dequantize_weight
+from pipeline.quantization.fp8 import Fp8Linear, fits_fp8_gemm, fp8_gemm_available
 from pipeline.quantization.int8 import Int8Linear
 
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -36,6 +38,10 @@ SCALE_LEAVES = ("weight_scale", "weight_scale_inv")
 ZERO_POINT_LEAVES = ("weight_zero_point", "input_zero_point")
 # activation scales of layers that run unquantized (dequantized weights): not needed
 UNUSED_LEAVES = ("input_scale", "activation_scale", "output_scale")
+# the fp8 method's names of a kept layer's scales, as the layers hold them
+KEPT_NAMES = {"weight": "weight", "weight_scale": "weight_scale", "weight_scale_inv": "weight_scale",
+              "input_scale": "input_scale", "activation_scale": "input_scale"}
+SAFETENSORS_DTYPES = {"I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn}
 
 
 def tensor_dtypes(files: list[Path]) -> dict[str, str]:
@@ -56,7 +62,7 @@ class QuantizationPlan:
     """What loading does to a quantized checkpoint's tensors (see the module docstring)."""
 
     spec: QuantizationSpec | None
-    kept: set[str] = field(default_factory=set)  # checkpoint prefixes whose int8 weights load as they are
+    kept: dict[str, torch.dtype] = field(default_factory=dict)  # checkpoint prefix -> its weights' dtype, loaded as is
 
     def tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors as the (swapped) model takes them."""
@@ -68,13 +74,13 @@ class QuantizationPlan:
                     raise CheckpointError(f"{name}: a nonzero zero point (asymmetric quantization) is not supported")
                 continue
             if prefix in self.kept:
-                if leaf not in ("weight", "weight_scale", "input_scale"):
+                if leaf not in KEPT_NAMES:
                     yield name, tensor
                     continue
                 group = pending.setdefault(prefix, {})
-                group[leaf] = tensor
-                if self._is_complete_int8(group):
-                    yield from self._int8_tensors(prefix, pending.pop(prefix))
+                group[KEPT_NAMES[leaf]] = tensor
+                if self._is_complete_kept(group):
+                    yield from self._kept_tensors(prefix, pending.pop(prefix), self.kept[prefix])
                 continue
             if leaf in UNUSED_LEAVES:
                 continue
@@ -95,16 +101,16 @@ class QuantizationPlan:
                                   f"{prefix}.{lacking}" + (f" (and {len(pending) - 1} more such layers)"
                                                            if len(pending) > 1 else ""))
 
-    def _is_complete_int8(self, group: dict) -> bool:
+    def _is_complete_kept(self, group: dict) -> bool:
         static = self.spec is not None and self.spec.activations == "static"
         return "weight" in group and "weight_scale" in group and ("input_scale" in group or not static)
 
     @staticmethod
-    def _int8_tensors(prefix: str, group: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-        """An int8 layer's weight and its scales as ``[rows, 1]`` (per-tensor scales repeated over the rows)."""
+    def _kept_tensors(prefix: str, group: dict[str, torch.Tensor], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """A kept layer's weight and its scales as ``[rows, 1]`` (per-tensor scales repeated over the rows)."""
         weight = group["weight"]
-        if weight.dtype != torch.int8:
-            raise CheckpointError(f"{prefix}.weight is {weight.dtype} in an int8 W8A8 checkpoint")
+        if weight.dtype != dtype:
+            raise CheckpointError(f"{prefix}.weight is {weight.dtype}; its safetensors header says {dtype}")
         rows = weight.shape[0]
         yield f"{prefix}.weight", weight
         for leaf in ("weight_scale", "input_scale"):
@@ -124,7 +130,7 @@ class QuantizationPlan:
     def finish(model: torch.nn.Module) -> None:
         """Once every tensor is in: int8 layers quantize (``--quantization int8``) and lay out their weights."""
         for module in model.modules():
-            if isinstance(module, Int8Linear):
+            if isinstance(module, (Int8Linear, Fp8Linear)):
                 module.finish_loading()
 
 
@@ -142,17 +148,26 @@ def plan_quantization(model: torch.nn.Module, path: str | os.PathLike, requested
         if type(module) is not Linear or checkpoint_names is None or not _is_eligible(model, name):
             continue
         names = checkpoint_names(f"{name}.weight")  # the parts of a fused projection
-        is_int8 = [dtypes.get(part) == "I8" for part in names]
-        if any(is_int8) and not all(is_int8):
-            raise CheckpointError(f"{', '.join(names)}: some of these fused weights are int8 and some are not")
-        is_prequantized = spec is not None and spec.is_w8a8_int8 and all(is_int8)
-        if not is_prequantized and requested != "int8":
+        kinds = {dtypes.get(part) for part in names}
+        if len(kinds) > 1 and kinds & set(SAFETENSORS_DTYPES):
+            raise CheckpointError(f"{', '.join(names)}: these fused weights are stored in different dtypes ({kinds})")
+        stored = SAFETENSORS_DTYPES.get(kinds.pop())
+        static_input = spec is not None and spec.activations == "static"
+        in_features, out_features = module.weight.shape[1], module.weight.shape[0]
+        args = (in_features, module.shard_sizes, module.bias is not None, module.weight.dtype, module.weight.device)
+        if stored == torch.int8 and spec is not None and spec.is_w8a8_int8:
+            replacement = Int8Linear(*args, is_prequantized=True, static_input=static_input)
+        elif (stored == torch.float8_e4m3fn and spec is not None and spec.runs_fp8_gemm
+              and fits_fp8_gemm(in_features, out_features) and fp8_gemm_available(module.weight.device)):
+            replacement = Fp8Linear(*args, static_input=static_input)
+        elif requested == "int8":  # float weights, or quantized ones dequantized by the stream first
+            replacement = Int8Linear(*args, is_prequantized=False)
+            stored = None
+        else:
             continue
-        static_input = is_prequantized and spec.activations == "static"
-        _replace(model, name, Int8Linear(module.weight.shape[1], module.shard_sizes, module.bias is not None,
-                                         module.weight.dtype, module.weight.device, is_prequantized, static_input))
-        if is_prequantized:
-            plan.kept.update(part.rpartition(".")[0] for part in names)
+        _replace(model, name, replacement)
+        if stored is not None:
+            plan.kept.update({part.rpartition(".")[0]: stored for part in names})
     return plan
 
 
