@@ -51,7 +51,7 @@ class RouterReader:
         import httpx
 
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(headers=headers, timeout=timeout_s, verify=False)
+        self._client = httpx.Client(headers=headers, timeout=timeout_s)  # https verified (SSL_CERT_FILE: a private CA)
         self.url = url
         self._previous: Scrape | None = None
 
