@@ -114,7 +114,7 @@ def render(view: TopView, title: str):
     from rich.text import Text
 
     t = view.totals
-    ready = {True: Text("ready", style="green"), False: Text("NOT READY", style="bold red"), None: Text("?")}[view.is_ready]
+    ready = {True: ("ready", "green"), False: ("NOT READY", "bold red"), None: ("?", "")}[view.is_ready]
     header = Text.assemble(
         (f"{title}  ", "bold"), ready, f" ({view.ready_reason})\n" if view.ready_reason else "\n",
         f"requests {t.requests_per_s:.2f}/s  in flight {t.num_in_flight}  queued {t.num_queued}  ",
@@ -127,14 +127,20 @@ def render(view: TopView, title: str):
                           ("TPOT", "right"), ("KV xfer", "right"), ("restarts", "right")):
         table.add_column(name, justify=justify, no_wrap=True)
     for row in view.rows:
-        state_style = {"dead": "bold red", "draining": "yellow"}.get(row.state, "magenta" if row.state.startswith("busy") else "")
         table.add_row(
-            row.worker, row.role, Text(row.state, style=state_style), str(row.pid or "-"), str(row.num_running),
-            str(row.num_queued), "-" if row.kv_used_fraction is None else f"{100 * row.kv_used_fraction:.0f}%",
+            row.worker, row.role, Text(row.state, style=_state_style(row.state)), str(row.pid or "-"),
+            str(row.num_running), str(row.num_queued),
+            "-" if row.kv_used_fraction is None else f"{100 * row.kv_used_fraction:.0f}%",
             _ms(row.ttft_s), _ms(row.tpot_s), _bytes_per_s(row.transfer_bytes_per_s),
             Text(str(row.num_restarts), style="red" if row.num_restarts else ""),
         )
     return Group(header, table)
+
+
+def _state_style(state: str) -> str:
+    if state.startswith("busy"):
+        return "magenta"
+    return {"dead": "bold red", "draining": "yellow"}.get(state, "")
 
 
 def _ms(seconds: float | None) -> str:

@@ -107,7 +107,8 @@ def _worker_rows(previous: Scrape, current: Scrape, dt: float) -> list[WorkerRow
     pids = {w["worker_id"]: w.get("pid") for w in (current.ready or {}).get("workers", [])}
     up, draining = current.per_worker("tandem_worker_up"), current.per_worker("tandem_worker_draining")
     busy = current.per_worker("tandem_worker_busy_in_step_seconds")
-    running, queued = current.per_worker("tandem_worker_running_requests"), current.per_worker("tandem_worker_queue_depth")
+    running = current.per_worker("tandem_worker_running_requests")
+    queued = current.per_worker("tandem_worker_queue_depth")
     used, total = current.per_worker("tandem_kv_blocks_used"), current.per_worker("tandem_kv_blocks_total")
     restarts = current.per_worker("tandem_worker_restarts_total")
     bytes_now, bytes_before = (s.per_worker("tandem_kv_transfer_bytes_total") for s in (current, previous))
