@@ -46,6 +46,9 @@ SCHEMES: dict[str, tuple[dict, tuple, bool]] = {
         "int-quantized", _args("int", "channel", False), _args("int", "token", True)), ("int8", "channel", None), False),
     "w8a8_int8_tensor_static": (compressed_tensors_config(
         "int-quantized", _args("int", "tensor", False), _args("int", "tensor", False)), ("int8", "tensor", None), True),
+    # weight-only int8 (no input_activations): dequantized at load
+    "int8_weight_only": (compressed_tensors_config(
+        "naive-quantized", _args("int", "channel", False), None), ("int8", "channel", None), False),
     "fp8_channel_dynamic": (compressed_tensors_config(
         "float-quantized", _args("float", "channel", False), _args("float", "token", True)),
         ("fp8", "channel", None), False),

@@ -35,6 +35,7 @@ ENGINE = dict(kv_cache={"page_size": 4, "num_blocks": 96})
 BOUNDS = {
     "w8a8_int8_channel": (0.1, 0.95),
     "w8a8_int8_tensor_static": (0.4, 0.85),
+    "int8_weight_only": (1e-4, 1.0),
     "fp8_channel_dynamic": (1e-4, 1.0),
     "fp8_tensor_static": (1e-4, 1.0),
     "fp8_method_tensor_static": (1e-4, 1.0),
@@ -76,8 +77,8 @@ def test_quantized_checkpoint_matches_dequantized_model(scheme, tiny_checkpoint,
     quantized, reference = quantized_checkpoint(scheme, tiny_checkpoint("llama"))
     hf_model, _ = hf_reference(reference)
     llm = LLM(quantized, **ENGINE)
-    is_int8 = SCHEMES[scheme][1][0] == "int8"
-    assert linear_kinds(llm) == ({"Int8Linear"} if is_int8 else {"Linear"})  # fp8: dequantized on the CPU
+    is_int8 = quantization_spec({"quantization_config": SCHEMES[scheme][0]}).is_w8a8_int8
+    assert linear_kinds(llm) == ({"Int8Linear"} if is_int8 else {"Linear"})  # fp8, weight-only: dequantized
     assert isinstance(llm.engine.model.lm_head, Linear)  # ignore: [lm_head]
     max_error, agreement = teacher_forced_errors(llm, hf_model, sequences())
     bound, min_agreement = BOUNDS[scheme]
@@ -202,7 +203,8 @@ def test_quantization_config_parsing():
     for quant_config, (kind, strategy, block), is_static in SCHEMES.values():
         spec = quantization_spec({"quantization_config": quant_config})
         assert (spec.weight_type, spec.weight_strategy, spec.block_size) == (kind, strategy, block)
-        assert spec.activations == ("static" if is_static else "dynamic")
+        assert spec.activations == ("static" if is_static else "dynamic" if quant_config.get(
+            "activation_scheme") or quant_config["config_groups"]["group_0"]["input_activations"] else "none")
     assert quantization_spec({}) is None
     base = json.loads(json.dumps(SCHEMES["w8a8_int8_channel"][0]))
     for change, message in [
