@@ -2,9 +2,9 @@
 and scatter such a buffer into (another cache's) blocks, for all layers or a ``layers`` slice.
 
 The cache is ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]`` (a latent cache has one
-page per layer and block: ``[num_layers, 1, ...]``) and the buffer ``[num_selected_layers, 2 or 1, n, ...]``; one block of one layer's K or V
-is a ``page_size * num_kv_heads * head_dim`` run, contiguous in any cache built as one tensor, so a
-program copies a chunk of one such run with flat offsets. One kernel serves both directions: packing
+page per layer and block: ``[num_layers, 1, ...]``) and the buffer ``[num_selected_layers, 2 or 1, n, ...]``;
+one block of one layer's K or V (or latent) page is a ``page_size * num_kv_heads * head_dim`` run, contiguous
+in any cache built as one tensor, so a program copies a chunk of one such run with flat offsets. One kernel serves both directions: packing
 and unpacking differ only in which side is indexed through ``block_ids``.
 """
 
@@ -63,8 +63,8 @@ def pack_kv_blocks_triton(
 ) -> torch.Tensor:  # [num_selected_layers, 2, n, page_size, num_kv_heads, head_dim]
     layer_ids = range(*layers.indices(kv_cache.shape[0]))
     block_ids = block_ids.to(kv_cache.device)
-    buffer = torch.empty((len(layer_ids), kv_cache.shape[1], block_ids.numel(), *kv_cache.shape[3:]), dtype=kv_cache.dtype,
-                         device=kv_cache.device)
+    buffer = torch.empty((len(layer_ids), kv_cache.shape[1], block_ids.numel(), *kv_cache.shape[3:]),
+                         dtype=kv_cache.dtype, device=kv_cache.device)
     _launch(kv_cache, buffer, block_ids, layer_ids, to_buffer=True)
     return buffer
 

@@ -67,8 +67,8 @@ def pack_piece(
     kernels: Kernels, kv_cache: torch.Tensor, pages: np.ndarray | None, piece: Piece, checksum: KVChecksum,
     buffers: PackBuffers,
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """P, zmq: the piece packed ``[layers, pages_per_layer, n, page_bytes]`` (to send with ``copy=False``), and the buffer
-    of ``buffers`` it lives in (None for device memory copied out)."""
+    """P, zmq: the piece packed ``[layers, pages_per_layer, n, page_bytes]`` (to send with ``copy=False``), and the
+    buffer of ``buffers`` it lives in (None for device memory copied out)."""
     layers, src_ids = piece.layers, piece.src_block_ids
     if pages is None:
         packed = kernels.pack_kv_blocks(kv_cache, torch.tensor(src_ids, dtype=torch.int64), layers)
