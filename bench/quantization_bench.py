@@ -6,7 +6,8 @@
   ``torch._int_mm`` alone. The fastest of interleaved repeats, GFLOP/s counted as 2 * rows * in * out.
 - ``offline``: the ~150M random llama of ``bench.offline_throughput`` ("large") through ``LLM.generate``:
   prefill (16 prompts of 128 tokens, one output token each) and decode (16 prompts of 16 tokens, 32 greedy
-  tokens each) in fp32, bf16, and each with ``--quantization int8``.
+  tokens each) in fp32, bf16, and each with ``--quantization int8``, default engine settings (prefill chunks
+  of 512 tokens), the four engines loaded at once and taking turns.
 
 The CPU (model name and its AVX-512 VNNI / BF16 / AMX flags) is recorded with the numbers; nothing asserts a
 timing. Usage: ``python -m bench.quantization_bench --out bench/results/quantization.json``
@@ -95,26 +96,28 @@ def bench_offline(repeats: int) -> list[dict]:
 
     results = []
     generator = torch.Generator().manual_seed(0)
-    long_prompts = [torch.randint(3, 2000, (128,), generator=generator).tolist() for _ in range(16)]
-    short_prompts = [torch.randint(3, 2000, (16,), generator=generator).tolist() for _ in range(16)]
     with tempfile.TemporaryDirectory() as directory:
         path = build_checkpoint(Path(directory) / "large", "llama", **MODEL_SIZES["large"])
-        for dtype in ("float32", "bfloat16"):
-            for quantization in (None, "int8"):
-                llm = LLM(str(path), model_config={"dtype": dtype, "quantization": quantization},
-                          kv_cache={"num_blocks": 1024, "page_size": 16, "enable_prefix_caching": False},
-                          max_batch_input_tokens=2048)
-                prefill_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-                decode_params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-                timings = interleaved_seconds({"prefill": lambda: llm.generate(long_prompts, prefill_params),
-                                               "decode": lambda: llm.generate(short_prompts, decode_params)}, repeats)
-                prefill, decode = timings["prefill"], timings["decode"]
-                entry = {"dtype": dtype, "quantization": quantization or "none",
-                         "prefill_tokens_per_s": round(16 * 128 / prefill, 1),
-                         "decode_output_tokens_per_s": round(16 * 32 / decode, 1)}
-                results.append(entry)
-                print(json.dumps(entry), flush=True)
-                del llm
+        vocab_size = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+        long_prompts = [torch.randint(3, vocab_size, (128,), generator=generator).tolist() for _ in range(16)]
+        short_prompts = [torch.randint(3, vocab_size, (16,), generator=generator).tolist() for _ in range(16)]
+        engines = {(dtype, quantization): LLM(
+            str(path), model_config={"dtype": dtype, "quantization": quantization},
+            kv_cache={"num_blocks": 1024, "page_size": 16, "enable_prefix_caching": False})
+            for dtype in ("float32", "bfloat16") for quantization in (None, "int8")}
+        prefill_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        decode_params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        calls = {}
+        for key, llm in engines.items():  # every engine takes its turn in each round (see interleaved_seconds)
+            calls[key + ("prefill",)] = lambda llm=llm: llm.generate(long_prompts, prefill_params)
+            calls[key + ("decode",)] = lambda llm=llm: llm.generate(short_prompts, decode_params)
+        timings = interleaved_seconds(calls, repeats)
+        for dtype, quantization in engines:
+            entry = {"dtype": dtype, "quantization": quantization or "none",
+                     "prefill_tokens_per_s": round(16 * 128 / timings[dtype, quantization, "prefill"], 1),
+                     "decode_output_tokens_per_s": round(16 * 32 / timings[dtype, quantization, "decode"], 1)}
+            results.append(entry)
+            print(json.dumps(entry), flush=True)
     return results
 
 

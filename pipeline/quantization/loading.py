@@ -96,7 +96,7 @@ class QuantizationPlan:
             yield name, tensor
         if pending:
             prefix, group = next(iter(pending.items()))
-            lacking = "weight" if "weight" not in group else "weight_scale"
+            lacking = next(leaf for leaf in ("weight", "weight_scale", "input_scale") if leaf not in group)
             raise CheckpointError(f"the checkpoint has {', '.join(f'{prefix}.{leaf}' for leaf in group)} but no "
                                   f"{prefix}.{lacking}" + (f" (and {len(pending) - 1} more such layers)"
                                                            if len(pending) > 1 else ""))

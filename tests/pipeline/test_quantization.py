@@ -171,6 +171,20 @@ def test_load_time_quantization_is_close_to_the_float_linear():
     assert layer.weight.dtype == torch.int8
 
 
+@pytest.mark.parametrize("scheme", ["w8a8_int8_channel", "fp8_block"])
+def test_a_missing_scale_is_named(scheme, tiny_checkpoint, quantized_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / scheme
+    shutil.copytree(quantized_checkpoint(scheme, tiny_checkpoint("llama"))[0], path)
+    tensors = load_file(path / "model.safetensors")
+    victim = next(name for name in tensors if name.endswith(("o_proj.weight_scale", "o_proj.weight_scale_inv")))
+    del tensors[victim]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.\d\.self_attn\.o_proj\.weight_scale"):
+        LLM(str(path), **ENGINE)
+
+
 def refused_checkpoint(tiny_checkpoint, tmp_path: Path, name: str) -> Path:
     path = tmp_path / name
     shutil.copytree(tiny_checkpoint("llama"), path)
