@@ -122,10 +122,13 @@ def record_victims(llm: LLM) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     return victims
 
 
-def test_priority_preemption_with_a_small_pool_keeps_outputs_token_exact(tiny_checkpoint, prompts_and_reference):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_priority_preemption_with_a_small_pool_keeps_outputs_token_exact(tiny_checkpoint, prompts_and_reference,
+                                                                         overlap):
     prompts, reference = prompts_and_reference
     priorities = [3, 0, 5, 1, 5, 0]
     llm = LLM(model=tiny_checkpoint("llama"), scheduling_policy="priority", max_batch_input_tokens=16,
+              enable_overlap_scheduler=overlap,
               kv_cache={"page_size": 2, "num_blocks": 40, "enable_prefix_caching": False})
     free_at_start = llm.engine.kv_manager.num_free_blocks
     victims = record_victims(llm)
