@@ -23,12 +23,12 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row: ``[rows, cols]`` float -> (int8 ``[rows, cols]``, fp32 scales ``[rows, 1]``)."""
     absmax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)  # [rows, 1]
     scale = absmax.clamp_(min=_MIN_SCALE) / INT8_MAX
-    return torch.round(x.float() / scale).clamp_(-128, 127).to(torch.int8), scale
+    return quantize_with_scale(x, scale), scale
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """int8 values of ``x`` under a given (static) scale."""
-    return torch.round(x.float() / scale).clamp_(-128, 127).to(torch.int8)
+    return torch.div(x, scale, out=torch.empty_like(x, dtype=torch.float32)).round_().clamp_(-128, 127).to(torch.int8)
 
 
 def int8_gemm(x_q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:

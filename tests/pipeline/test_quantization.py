@@ -104,6 +104,17 @@ def test_fp8_checkpoint_through_the_fp8_gemm(scheme, tiny_checkpoint, quantized_
     assert max_error < bound and agreement >= min_agreement, (max_error, agreement)
 
 
+def test_int8_checkpoint_in_bf16(tiny_checkpoint, quantized_checkpoint, hf_reference):
+    """bf16 activations into the int8 layers, bf16 out: measured 0.038 / 96% (the plain bf16 model of the
+    dequantized weights: 0.018 / 98%)."""
+    quantized, reference = quantized_checkpoint("w8a8_int8_channel", tiny_checkpoint("llama"))
+    hf_model, _ = hf_reference(reference)
+    llm = LLM(quantized, model_config={"dtype": "bfloat16"}, **ENGINE)
+    assert linear_kinds(llm) == {"Int8Linear"}
+    max_error, agreement = teacher_forced_errors(llm, hf_model, sequences())
+    assert max_error < 0.1 and agreement >= 0.9, (max_error, agreement)
+
+
 def test_load_time_int8_agrees_with_the_float_model(tiny_checkpoint, hf_reference):
     path = tiny_checkpoint("llama")
     hf_model, _ = hf_reference(path)
