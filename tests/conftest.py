@@ -13,7 +13,10 @@ import torch
 
 from pipeline.builtin_model import build_checkpoint
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (`make test` runs the suite in several workers) the workers share the cores: each gets
+# its share of threads, at least one, so torch's thread pools do not oversubscribe the machine.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _XDIST_WORKERS)))
 
 # Tiny configs: GQA, odd vocabulary sizes, tied and untied embeddings, every architecture's quirks.
 TINY_CONFIGS: dict[str, dict] = {

@@ -21,6 +21,8 @@ import pytest
 
 from tests.cluster.conftest import running_cluster
 
+pytestmark = pytest.mark.solo  # compares TTFT idle vs under load: `make test` runs it with the machine to itself
+
 STEP_DELAY_S = 0.1
 NUM_BACKGROUND = 6  # one runs, the rest wait in the router's queue
 BACKGROUND_PROMPT = list(range(20, 36))  # 16 tokens: one prefill step, then a step per token
