@@ -230,6 +230,9 @@ class PipelineConfig(_Section):
         "None = as started. tandem up: the pool it splits among its workers")
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads of a worker; None = one per core it may use")
+    otlp_traces_endpoint: str | None = Field(
+        None, description="OpenTelemetry collector every process sends request traces to, OTLP over HTTP "
+        "(http://host:4318 or its /v1/traces URL; vLLM's flag); None = no tracing (docs/observability.md)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
