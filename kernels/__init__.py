@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kernels.activation_ref import silu_and_mul_ref
+from kernels.gpt_oss_moe_ref import clamped_swiglu_moe_ref
 from kernels.gelu_and_mul_ref import gelu_tanh_and_mul_ref
 from kernels.kv_pack_ref import pack_kv_blocks_ref, unpack_kv_blocks_ref
 from kernels.kv_store_ref import store_kv_ref
@@ -44,6 +45,10 @@ class Kernels:
     # prepare_model(model, prepack_weights): one-time model preparation after its weights are loaded
     # (the CPU set gives each linear layer its GEMM, kernels/cpu_gemm.py); a no-op elsewhere
     prepare_model: Callable = lambda model, prepack_weights=True: None
+    # clamped_swiglu_moe(hidden, gate_up, gate_up_bias, down, down_bias, topk_weights, topk_ids, alpha, limit):
+    # gpt-oss's experts (biased, clamped SwiGLU) grouped by expert; the torch reference in every set so far
+    # (kernels/gpt_oss_moe_ref.py)
+    clamped_swiglu_moe: Callable = clamped_swiglu_moe_ref
 
 
 TORCH_KERNELS = Kernels(

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kernels import Kernels
 from pipeline.forward_batch import ForwardBatch
-from pipeline.models.layers import Embedding, Linear, RMSNorm, WeightSlot, build_rope_cache
+from pipeline.models.layers import Embedding, Linear, RMSNorm, WeightSlot, build_rope_cache, empty_parameter
 from pipeline.checkpoint_errors import CheckpointError
 
 # Projections fused into one matmul, and the checkpoint tensors they are concatenated from (in row order).
@@ -41,9 +41,9 @@ def _sliding_windows(hf_config) -> list[int | None]:
     num_layers = hf_config.num_hidden_layers
     if window is None:
         return [None] * num_layers
-    if hf_config.model_type in ("qwen2", "qwen3"):
-        # Qwen windows only the layers its config marks "sliding_attention" (use_sliding_window and
-        # index >= max_window_layers when layer_types is not spelled out).
+    if hf_config.model_type in ("qwen2", "qwen3", "gpt_oss"):
+        # Qwen and gpt-oss window only the layers their config marks "sliding_attention" (Qwen: use_sliding_window
+        # and index >= max_window_layers when layer_types is not spelled out).
         layer_types = getattr(hf_config, "layer_types", None)
         if layer_types is None:
             is_used = getattr(hf_config, "use_sliding_window", False)
@@ -57,7 +57,8 @@ class Attention(nn.Module):
     """q/k/v projections, optional per-head q/k norms, rotary, the paged KV cache and attention, o projection.
 
     ``scale`` defaults to ``head_dim ** -0.5``; ``qk_norm`` is the norm class of the per-head q/k norms
-    (Qwen3: ``RMSNorm`` by default; Gemma passes its own).
+    (Qwen3: ``RMSNorm`` by default; Gemma passes its own). gpt-oss adds ``sinks``, one learned logit per
+    query head in the softmax's denominator (``kernels.paged_attention``'s ``sinks``).
     """
 
     def __init__(self, hf_config, sliding_window: int | None, dtype: torch.dtype, device,
@@ -78,6 +79,8 @@ class Attention(nn.Module):
             norm = qk_norm or RMSNorm
             self.q_norm = norm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
             self.k_norm = norm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
+        is_gpt_oss = hf_config.model_type == "gpt_oss"
+        self.sinks = empty_parameter(self.num_q_heads, dtype=dtype, device=device) if is_gpt_oss else None
 
     def forward(
         self,
@@ -101,7 +104,7 @@ class Attention(nn.Module):
         kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = kernels.paged_attention(
             q, k_cache, v_cache, batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
-            self.scale, self.sliding_window,
+            self.scale, self.sliding_window, sinks=self.sinks,
         )  # [num_tokens, num_q_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_q_heads * self.head_dim))
 

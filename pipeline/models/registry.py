@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {  # architecture -> "module:class"
     "Qwen3MoeForCausalLM": "pipeline.models.llama_moe:LlamaMoeFamilyForCausalLM",
     "MixtralForCausalLM": "pipeline.models.llama_moe:LlamaMoeFamilyForCausalLM",
     "Gemma3ForCausalLM": "pipeline.models.gemma3:Gemma3ForCausalLM",
+    "GptOssForCausalLM": "pipeline.models.gpt_oss:GptOssForCausalLM",
 }
 
 

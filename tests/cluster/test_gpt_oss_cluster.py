@@ -1,0 +1,48 @@
+"""A gpt-oss checkpoint (attention sinks, 8-token sliding windows among full layers, biased experts) served by
+real processes in one 1P1D cluster: prompts longer than 6 tokens are prefilled on the prefill worker and their
+KV sent to the decode worker; shorter ones the decode worker prefills itself (the colocated path). Greedy
+completions must be transformers' own, token for token, with its logprobs (1e-4); afterwards every KV block is
+back."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.cluster.conftest import (PROMPT_TOKENS_COMPUTED, check_greedy_against_transformers, running_cluster,
+                                    worker_metric)
+from tests.gpt_oss_checkpoints import gpt_oss_checkpoint  # noqa: F401 (a fixture)
+
+MAX_LOCAL_PREFILL_LENGTH = 6
+LONG_PROMPTS = [
+    "Paged attention keeps the key and value cache in fixed-size blocks, so memory is never fragmented.",
+    "Once upon a time, in a small town by the sea, there lived a baker who rose before the sun.",
+]
+SHORT_PROMPT = "Hello there"
+NUM_NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def cluster(gpt_oss_checkpoint, tmp_path_factory):
+    config = {"router": {"max_local_prefill_length": MAX_LOCAL_PREFILL_LENGTH}}
+    with running_cluster(gpt_oss_checkpoint("gpt_oss"), tmp_path_factory.mktemp("gpt-oss-1p1d"), num_prefill=1,
+                         num_decode=1, config=config) as running:
+        yield running
+
+
+def test_remote_and_local_prefill_match_transformers(cluster, gpt_oss_checkpoint, hf_reference):
+    model, tokenizer = hf_reference(gpt_oss_checkpoint("gpt_oss"))
+    long_ids = [tokenizer(prompt)["input_ids"] for prompt in LONG_PROMPTS]
+    short_ids = tokenizer(SHORT_PROMPT)["input_ids"]
+    assert min(map(len, long_ids)) > 2 * model.config.sliding_window
+    assert len(short_ids) <= MAX_LOCAL_PREFILL_LENGTH
+    check_greedy_against_transformers(cluster, model, tokenizer, [*long_ids, short_ids], NUM_NEW_TOKENS,
+                                      is_remote_prefill=False)  # checks the completions and every block back
+    deadline = time.monotonic() + 5  # reports lag a heartbeat
+    while ((worker_metric(cluster.url, PROMPT_TOKENS_COMPUTED, "prefill-0") or 0) < sum(map(len, long_ids))
+           or (worker_metric(cluster.url, PROMPT_TOKENS_COMPUTED, "decode-0") or 0) < len(short_ids)):
+        assert time.monotonic() < deadline, "the long prompts were not prefilled remotely and the short one locally"
+        time.sleep(0.1)
+    assert worker_metric(cluster.url, PROMPT_TOKENS_COMPUTED, "prefill-0") == sum(map(len, long_ids))
+    assert worker_metric(cluster.url, PROMPT_TOKENS_COMPUTED, "decode-0") == len(short_ids)

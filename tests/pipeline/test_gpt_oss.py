@@ -1,0 +1,128 @@
+"""gpt-oss against transformers: attention sinks on sliding and full layers, the router and clamped-SwiGLU
+experts, logits over the paged cache, the offline engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline import LLM
+from pipeline.weights import CheckpointError, load_model
+from tests.conftest import assert_no_leaks, check_greedy_and_logprobs, greedy, hf_greedy
+from tests.gpt_oss_checkpoints import GPT_OSS_CONFIGS, SLIDING_LAYERS, gpt_oss_checkpoint  # noqa: F401 (a fixture)
+from tests.pipeline.test_engine_exactness import make_prompts
+from tests.pipeline.test_models import KERNELS, PagedSequences, hf_logits, random_tokens, run_logits
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def loaded(gpt_oss_checkpoint, hf_reference):
+    """``loaded(name, backend)`` -> (our fp32 model prepared for ``backend``, hf_config, transformers model)."""
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def get(name: str, backend: str = "torch"):
+        if (name, backend) not in cache:
+            path = gpt_oss_checkpoint(name)
+            model, hf_config = load_model(path, torch.float32, "cpu")
+            KERNELS[backend].prepare_model(model)
+            cache[name, backend] = (model, hf_config, hf_reference(path)[0])
+        return cache[name, backend]
+
+    return get
+
+
+@pytest.mark.parametrize("name", GPT_OSS_CONFIGS)
+def test_windows_sinks_and_rope_where_transformers_has_them(loaded, name):
+    model, hf_config, hf_model = loaded(name)
+    windows = [layer.self_attn.sliding_window for layer in model.model.layers]
+    assert windows == [layer.self_attn.sliding_window for layer in hf_model.model.layers]
+    assert windows == [hf_config.sliding_window if is_sliding else None for is_sliding in SLIDING_LAYERS[name]]
+    for ours, theirs in zip(model.model.layers, hf_model.model.layers):
+        assert torch.equal(ours.self_attn.sinks, theirs.self_attn.sinks)
+        assert theirs.self_attn.sinks.abs().min() > 0
+    rotary = hf_model.model.rotary_emb
+    assert rotary.rope_type == "yarn" and rotary.attention_scaling != 1.0
+    positions = torch.arange(hf_config.max_position_embeddings)[None]
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)  # [1, max_positions, head_dim / 2] each
+    torch.testing.assert_close(model.cos_sin_cache, torch.cat((cos[0], sin[0]), -1), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", GPT_OSS_CONFIGS)
+def test_moe_block_is_transformers_mlp(loaded, name):
+    """Router (bias, top-k, softmax of the selected logits) and experts (interleaved gate/up stored transposed,
+    biases, the clamped SwiGLU) against transformers' GptOssMLP, on inputs that cross the clamp limit."""
+    model, hf_config, hf_model = loaded(name)
+    hidden = torch.randn(37, hf_config.hidden_size, generator=torch.Generator().manual_seed(3)) * 2
+    for ours, theirs in zip(model.model.layers, hf_model.model.layers):
+        with torch.no_grad():
+            expected, _ = theirs.mlp(hidden[None])
+            gate_up = hidden @ theirs.mlp.experts.gate_up_proj[0] + theirs.mlp.experts.gate_up_proj_bias[0]
+        assert (gate_up.abs() > hf_config.swiglu_limit).float().mean() > 0.1  # the clamps act on this input
+        got = ours.mlp(hidden, KERNELS["torch"])
+        torch.testing.assert_close(got, expected[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("name", GPT_OSS_CONFIGS)
+def test_batch_over_cached_prefix_matches_transformers(loaded, name, backend):
+    """Three sequences longer than the window prefilled together, continued over their cached prefixes, then
+    decode steps, each step's logits within 1e-4 of transformers' and the same argmax."""
+    model, hf_config, hf_model = loaded(name, backend)
+    prefix_lens, continue_lens, num_decodes = [13, 22, 9], [5, 1, 12], 3
+    full = [random_tokens(hf_config.vocab_size, p + c + num_decodes, seed=20 + i)
+            for i, (p, c) in enumerate(zip(prefix_lens, continue_lens))]
+    paged = PagedSequences(model, num_seqs=3, max_len=max(map(len, full)))
+    steps = [
+        [seq[:p] for seq, p in zip(full, prefix_lens)],
+        [seq[p : p + c] for seq, p, c in zip(full, prefix_lens, continue_lens)],
+        *[[seq[len(seq) - num_decodes + d : len(seq) - num_decodes + d + 1] for seq in full]
+          for d in range(num_decodes)],
+    ]
+    got = [run_logits(model, paged, step, backend) for step in steps]
+    for i, seq in enumerate(full):
+        expected = hf_logits(hf_model, seq)  # [len, vocab]
+        ours = torch.cat([step_logits[sum(map(len, step[:i])) : sum(map(len, step[: i + 1]))]
+                          for step, step_logits in zip(steps, got)])
+        torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0)
+        assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+NUM_NEW_TOKENS = 12
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("name", GPT_OSS_CONFIGS)
+def test_llm_greedy_and_logprobs_match_transformers(name, backend, gpt_oss_checkpoint, hf_reference):
+    """Prompts of up to 40 tokens (windows of 5 and 8), chunked prefill (16-token steps), prefix caching (a second
+    round continues the first one's prompts), token-exact greedy output and logprobs within 1e-4; every block
+    back afterwards."""
+    path = gpt_oss_checkpoint(name)
+    hf_model = hf_reference(path)[0]
+    prompts = make_prompts(hf_model.config.vocab_size, [23, 40, 3, 31, 20], seed=2)
+    llm = LLM(model=path, kernel_backend=backend, max_batch_input_tokens=16,
+              kv_cache={"page_size": 4, "num_blocks": 96, "enable_prefix_caching": True})
+    free_at_start = llm.engine.kv_manager.num_free_blocks
+
+    outs = check_greedy_and_logprobs(llm, hf_model, prompts, NUM_NEW_TOKENS, ATOL)
+
+    computed_before = llm.engine.num_prompt_tokens_computed
+    again = [prompts[1] + outs[1].token_ids[:7], prompts[3] + [5, 6, 7]]  # their first blocks are cached
+    for prompt, out in zip(again, llm.generate(again, greedy(6))):
+        assert out.token_ids == hf_greedy(hf_model, prompt, 6)
+    assert llm.engine.num_prompt_tokens_computed - computed_before < sum(map(len, again)) - 40
+    assert_no_leaks(llm.engine.kv_manager, free_at_start)
+
+
+def test_mxfp4_checkpoint_is_refused_by_name(tmp_path, gpt_oss_checkpoint):
+    """The hub's own gpt-oss checkpoints hold MXFP4 experts: a clear refusal at load, not garbage."""
+    copy = Path(shutil.copytree(gpt_oss_checkpoint("gpt_oss"), tmp_path / "copy"))
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="mxfp4"):
+        load_model(copy, torch.float32, "cpu")
