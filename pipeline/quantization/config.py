@@ -72,8 +72,9 @@ def quantization_spec(config: dict) -> QuantizationSpec | None:
     raise CheckpointError(f"quantization method {refused!r} is not supported; supported: {SUPPORTED_METHODS}")
 
 
-def check_load_time_quantization(requested: str | None, spec: QuantizationSpec | None) -> None:
-    """``--quantization``: a method Tandem can apply at load, to any checkpoint it can load."""
+def check_load_time_quantization(requested: str | None) -> None:
+    """``--quantization``: a method Tandem can apply at load (to any checkpoint it can load: a float one, an fp8
+    one dequantized first, or an int8 W8A8 one, whose int8 layers stay as they are)."""
     if requested is not None and requested not in LOAD_TIME_METHODS:
         raise CheckpointError(f"quantization {requested!r} cannot be applied at load; supported: "
                               f"{', '.join(LOAD_TIME_METHODS)}")

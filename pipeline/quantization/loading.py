@@ -138,7 +138,7 @@ def plan_quantization(model: torch.nn.Module, path: str | os.PathLike, requested
     """Swap ``model``'s linears for int8 ones where the checkpoint at ``path`` (or ``requested``) says so;
     None when neither the checkpoint nor ``requested`` quantizes anything."""
     spec = quantization_spec(read_config_json(path))
-    check_load_time_quantization(requested, spec)
+    check_load_time_quantization(requested)
     if spec is None and requested is None:
         return None
     plan = QuantizationPlan(spec)
