@@ -20,6 +20,7 @@ from pipeline.engine import LLMEngine, StepOutput
 from pipeline.protocol import TokenLogprob
 from pipeline.protocol.cluster import FinishCode, RegisterWorker, TokenDelta, WorkerLoad, WorkerRole, served_model_name
 from pipeline.router_link import RouterLink
+from pipeline.security import num_handshakes_refused
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class WorkerBase:
     def _load_report(self) -> WorkerLoad:
         load = self.engine.load(**self.transfer_counters())
         load.is_draining = self.is_draining
+        load.num_handshakes_refused = num_handshakes_refused()  # strangers at its prefill / KV sockets
         return load
 
     def close(self) -> None:

@@ -15,7 +15,9 @@ reported. Per-worker TTFT, TPOT and prefix hits: ``router.worker_request_metrics
 * ``tandem_worker_bad_frames_total`` (reported), ``tandem_worker_up`` (1 alive, 0 declared dead) and
   ``tandem_worker_restarts_total`` (new processes under the worker's id, counted by the router).
 * ``tandem_cluster_handshakes_refused_total``: connections to the router's cluster socket that never
-  completed a CURVE handshake (no key, another cluster's key; ``pipeline.security``). Workers log theirs.
+  completed a CURVE handshake (no key, another cluster's key; ``pipeline.security``). Those at a worker's
+  own sockets (prefill requests, KV transfer), as its heartbeat reports them:
+  ``tandem_worker_handshakes_refused_total`` {worker, role}.
 * ``tandem_worker_busy_in_step_seconds`` (how long the current step has run: busy, not dead),
   ``tandem_worker_max_step_seconds``, ``tandem_worker_steps_total`` and ``tandem_worker_draining``.
 * Speculating workers: ``tandem_spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
@@ -181,6 +183,11 @@ class WorkerCollector(Collector):
                 "tandem_kv_transfer_seconds", "Seconds spent transferring KV (reported)", labels=labels
             ),
             "bad": CounterMetricFamily("tandem_worker_bad_frames", "Frames a worker dropped (reported)", labels=labels),
+            "refused": CounterMetricFamily(
+                "tandem_worker_handshakes_refused", "Connections to the worker's own cluster sockets (prefill "
+                "requests, KV transfer) refused before any message: no CURVE or a key that is not the cluster's "
+                "(reported)",
+                labels=labels),
             "busy": GaugeMetricFamily(
                 "tandem_worker_busy_in_step_seconds", "How long the worker's current engine step has run (0: idle)",
                 labels=labels),
@@ -225,6 +232,7 @@ class WorkerCollector(Collector):
             families["transfers"].add_metric(values, load.transfer_count)
             families["seconds"].add_metric(values, load.transfer_seconds)
             families["bad"].add_metric(values, load.num_bad_frames)
+            families["refused"].add_metric(values, load.num_handshakes_refused)
             families["busy"].add_metric(values, load.busy_in_step_s)
             families["max_step"].add_metric(values, load.max_step_s)
             families["steps"].add_metric(values, load.num_steps)

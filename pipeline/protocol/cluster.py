@@ -142,6 +142,7 @@ class WorkerLoad(msgspec.Struct, **_HOT):
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
     num_warmup_tokens_computed: int = 0  # tokens prefix warm-ups ran through the model since start (WarmPrefix)
+    num_handshakes_refused: int = 0  # CURVE handshakes refused on this worker's own sockets (pipeline.security)
 
 
 class Heartbeat(msgspec.Struct, tag=True, **_HOT):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import select
 import shutil
 import signal
@@ -19,7 +17,8 @@ import msgspec
 import pytest
 
 from pipeline.security import generate_cluster_key
-from tests.cluster.conftest import free_port, model_name, openai_client, running_cluster
+from tests.cluster.conftest import free_port, model_name, openai_client, running_cluster, wait_for_metric
+from tests.security.probe import listening_endpoints, metric_total, rogue_command, rogue_replies
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The vault combination is swordfish marmalade quixotic zebra"
@@ -39,19 +38,9 @@ def cluster(tiny_checkpoint, tmp_path_factory, keys):
         yield cluster
 
 
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    return sum(float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE))
-
-
 def _worker_endpoints(cluster) -> list[str]:
     """Every tcp socket the workers listen on (their start-up log line)."""
-    found = set()
-    for name in cluster.worker_names:
-        for line in cluster.log_path(name).read_text().splitlines():
-            if "listening on" in line:
-                found.update(re.findall(r"tcp://127\.0\.0\.1:\d+", line.split("listening on", 1)[1]))
-    return sorted(found)
+    return listening_endpoints((cluster.log_path(name).read_text() for name in cluster.worker_names), r"127\.0\.0\.1")
 
 
 def test_rogue_without_the_key_achieves_nothing(cluster, keys):
@@ -61,11 +50,9 @@ def test_rogue_without_the_key_achieves_nothing(cluster, keys):
     model = model_name(client)
     endpoints = _worker_endpoints(cluster)
     assert len(endpoints) >= 2, endpoints  # the prefill worker's request socket and the KV receiver at least
-    refused_before = _metric(cluster.url, "tandem_cluster_handshakes_refused_total")
-    rogue = [sys.executable, "-m", "tests.security.rogue", cluster.config["zmq_endpoint_base"], *endpoints,
-             "--model-name", model, "--seconds", "4"]
-    rogues = [subprocess.Popen(rogue + extra, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-              for extra in ([], ["--key-file", keys["theirs"]])]
+    refused_before = metric_total(cluster.url, "tandem_cluster_handshakes_refused_total")
+    rogues = [subprocess.Popen(rogue_command(cluster.config["zmq_endpoint_base"], endpoints, model, 4, key_file),
+                               cwd=ROOT, stdout=subprocess.PIPE, text=True) for key_file in (None, keys["theirs"])]
     failures, answers = [], []
 
     def users() -> None:
@@ -78,17 +65,19 @@ def test_rogue_without_the_key_achieves_nothing(cluster, keys):
 
     user_thread = threading.Thread(target=users)
     user_thread.start()
-    outputs = [json.loads(r.communicate(timeout=60)[0].strip().splitlines()[-1]) for r in rogues]
+    replies = [rogue_replies(r.communicate(timeout=60)[0]) for r in rogues]
     user_thread.join(60)
-    assert outputs == [{"replies": 0}, {"replies": 0}]
+    assert replies == [0, 0]
     assert not failures and answers
     ready = httpx.get(f"{cluster.url}/ready", timeout=5).json()
     assert {w["worker_id"] for w in ready["workers"]} == {"prefill-0", "decode-0"}
-    assert _metric(cluster.url, "tandem_cluster_handshakes_refused_total") > refused_before
-    assert _metric(cluster.url, "tandem_worker_bad_frames_total") == 0  # not one frame of theirs got in
-    assert _metric(cluster.url, "tandem_router_bad_frames_total") == 0
+    assert metric_total(cluster.url, "tandem_cluster_handshakes_refused_total") > refused_before
+    assert metric_total(cluster.url, "tandem_worker_bad_frames_total") == 0  # not one frame of theirs got in
+    assert metric_total(cluster.url, "tandem_router_bad_frames_total") == 0
     for name in cluster.worker_names:
         assert "refused a cluster handshake" in cluster.log_path(name).read_text(), name
+        # the worker's own refusals reach the router's /metrics with its heartbeat
+        assert wait_for_metric(cluster.url, "tandem_worker_handshakes_refused_total", name, 0), name
 
 
 def test_loopback_capture_holds_no_prompt(cluster, tmp_path):

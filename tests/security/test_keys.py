@@ -100,3 +100,28 @@ def test_a_tcp_base_without_a_key_is_refused_unless_insecure():
     assert security.configure_cluster_security(
         PipelineConfig(zmq_endpoint_base="tcp://127.0.0.1:25000", security={"insecure_cluster": True})) is None
     assert security.configure_cluster_security(PipelineConfig(zmq_endpoint_base="ipc:///tmp/x")) is None
+
+
+def test_refusals_at_a_worker_reach_the_routers_metrics(cluster_key):
+    """A worker's own sockets (prefill requests, KV) refuse strangers in the worker's process, not the router's:
+    its heartbeat carries the count, and the router lists it per worker; a heartbeat from a worker that predates
+    the field decodes as 0."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pipeline.protocol.cluster import RegisterWorker, WorkerRole, encode
+    from router.metrics import RouterMetrics
+    from router.registry import WorkerRegistry
+
+    registry = WorkerRegistry(heartbeat_interval_s=0.5, dead_after_s=3.0)
+    metrics = RouterMetrics(registry)
+    for worker_id, role in (("prefill-0", WorkerRole.PREFILL_ONLY), ("decode-0", WorkerRole.DECODE_ONLY)):
+        registry.register(RegisterWorker(worker_id=worker_id, role=role, model_name="m", max_length=128, page_size=16,
+                                         num_total_blocks=32, prefill_endpoint=None, pid=1))
+    wire = encode(Heartbeat(worker_id="prefill-0", load=WorkerLoad(num_total_blocks=32, num_handshakes_refused=7)))
+    registry.heartbeat(decode_worker_to_router(wire))
+    old = encode(Heartbeat(worker_id="decode-0", load=WorkerLoad(num_total_blocks=32)))  # fields omitted as defaults
+    registry.heartbeat(decode_worker_to_router(old))
+    refused = {sample.labels["worker"]: sample.value
+               for family in text_string_to_metric_families(metrics.render().decode())
+               for sample in family.samples if sample.name == "tandem_worker_handshakes_refused_total"}
+    assert refused == {"prefill-0": 7.0, "decode-0": 0.0}
