@@ -16,6 +16,7 @@ from kernels.gpt_oss_moe_ref import clamped_swiglu_moe_ref
 from kernels.gelu_and_mul_ref import gelu_tanh_and_mul_ref
 from kernels.kv_pack_ref import pack_kv_blocks_ref, unpack_kv_blocks_ref
 from kernels.kv_store_ref import store_kv_ref
+from kernels.mla_attention_ref import mla_attention_ref, store_latent_ref
 from kernels.moe_ref import fused_moe_ref
 from kernels.norm_rope_ref import apply_rotary_ref, rms_norm_ref
 from kernels.offset_rms_norm_ref import offset_rms_norm_ref
@@ -49,6 +50,11 @@ class Kernels:
     # gpt-oss's experts (biased, clamped SwiGLU) grouped by expert; the torch reference in every set so far
     # (kernels/gpt_oss_moe_ref.py)
     clamped_swiglu_moe: Callable = clamped_swiglu_moe_ref
+    # store_latent(latent, latent_cache, slot_mapping) and mla_attention(query, latent_cache, cu_seqlens_q,
+    # context_lens, block_tables, scale, kv_lora_rank): multi-head latent attention's cache write and absorbed
+    # attention over the latent rows (kernels/mla_attention_ref.py); the references unless a set has its own
+    store_latent: Callable = store_latent_ref
+    mla_attention: Callable = mla_attention_ref
 
 
 TORCH_KERNELS = Kernels(

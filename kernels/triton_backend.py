@@ -12,6 +12,7 @@ from kernels.gelu_and_mul_ref import gelu_tanh_and_mul_ref
 from kernels.offset_rms_norm_ref import offset_rms_norm_ref
 from kernels.triton_kv_pack import pack_kv_blocks_triton, unpack_kv_blocks_triton
 from kernels.triton_kv_store import store_kv_triton
+from kernels.triton_mla_attention import mla_attention_triton
 from kernels.triton_moe import fused_moe_triton
 from kernels.triton_norm_rope import apply_rotary_triton, rms_norm_triton
 from kernels.triton_paged_attention import paged_attention_triton
@@ -29,4 +30,5 @@ TRITON_KERNELS = Kernels(
     # Gemma's ops run their torch references (a few elementwise kernels each on the GPU; no triton twin yet)
     offset_rms_norm=offset_rms_norm_ref,
     gelu_tanh_and_mul=gelu_tanh_and_mul_ref,
+    mla_attention=mla_attention_triton,  # store_latent keeps its reference: one indexed copy on the GPU
 )

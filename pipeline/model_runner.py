@@ -16,6 +16,7 @@ from kernels import Kernels
 from pipeline import prompt_logprobs
 from pipeline.execution_stream import ExecutionStream
 from pipeline.forward_batch import ForwardBatch
+from pipeline.models.mla import is_latent_attention, latent_dim
 from pipeline.sampler import Sampler, SamplerOutput
 from pipeline.scheduler import ScheduledChunk
 from pipeline.sequence import PLACEHOLDER_TOKEN_ID
@@ -25,7 +26,10 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 def kv_cache_shape(hf_config, num_blocks: int, page_size: int) -> tuple[int, ...]:
-    """[num_layers, 2 (k, v), num_blocks, page_size, num_kv_heads, head_dim]."""
+    """[num_layers, 2 (k, v), num_blocks, page_size, num_kv_heads, head_dim]; for latent attention (MLA)
+    one latent row per token: [num_layers, 1, num_blocks, page_size, 1, kv_lora_rank + qk_rope_head_dim]."""
+    if is_latent_attention(hf_config):
+        return (hf_config.num_hidden_layers, 1, num_blocks, page_size, 1, latent_dim(hf_config))
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads

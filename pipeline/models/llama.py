@@ -123,12 +123,14 @@ def gated_activation_kernel(hf_config) -> str:
 
 
 class MLP(nn.Module):
-    """Gated dense MLP: ``down(act(gate(x)) * up(x))``, gate and up fused into one projection."""
+    """Gated dense MLP: ``down(act(gate(x)) * up(x))``, gate and up fused into one projection.
 
-    def __init__(self, hf_config, dtype: torch.dtype, device):
+    ``intermediate_size`` defaults to the config's (DeepSeek's shared experts pass their own)."""
+
+    def __init__(self, hf_config, dtype: torch.dtype, device, intermediate_size: int | None = None):
         super().__init__()
         self.activation = gated_activation_kernel(hf_config)
-        hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
+        hidden, intermediate = hf_config.hidden_size, intermediate_size or hf_config.intermediate_size
         has_bias = bool(getattr(hf_config, "mlp_bias", False))
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], has_bias, dtype, device)
         self.down_proj = Linear(intermediate, [hidden], has_bias, dtype, device)

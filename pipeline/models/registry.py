@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {  # architecture -> "module:class"
     "MixtralForCausalLM": "pipeline.models.llama_moe:LlamaMoeFamilyForCausalLM",
     "Gemma3ForCausalLM": "pipeline.models.gemma3:Gemma3ForCausalLM",
     "GptOssForCausalLM": "pipeline.models.gpt_oss:GptOssForCausalLM",
+    "DeepseekV3ForCausalLM": "pipeline.models.deepseek_v3:DeepseekV3ForCausalLM",
 }
 
 

@@ -16,6 +16,7 @@ from tests.conftest import ARCHITECTURES, TINY_CONFIGS
 from kernels import load_kernels
 from pipeline.builtin_model import build_checkpoint
 from pipeline.forward_batch import ForwardBatch
+from pipeline.model_runner import kv_cache_shape
 from pipeline.models.registry import SUPPORTED_ARCHITECTURES
 from pipeline.weights import CheckpointError, iter_safetensors, load_model
 
@@ -36,7 +37,7 @@ class PagedSequences:
         self.page_size = page_size
         self.num_cached = [0] * num_seqs
         # garbage, not zeros: a slot read before it is written would show up in the logits
-        shape = (model.num_layers, 2, num_blocks, page_size, model.num_kv_heads, model.head_dim)
+        shape = kv_cache_shape(model.hf_config, num_blocks, page_size)  # K/V pages, or latent rows (MLA)
         self.kv_cache = torch.randn(shape, generator=generator)
 
     def step(self, new_tokens: list[list[int]]) -> ForwardBatch:

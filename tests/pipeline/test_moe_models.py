@@ -161,9 +161,9 @@ def test_expert_beyond_the_config_is_unexpected(mixtral_copy):
 
 def test_unsupported_architecture_lists_the_moe_ones(mixtral_copy):
     config = json.loads((mixtral_copy / "config.json").read_text())
-    config["architectures"] = ["DeepseekV3ForCausalLM"]
+    config["architectures"] = ["JambaForCausalLM"]
     (mixtral_copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="unsupported architecture DeepseekV3ForCausalLM; supported: .*"
+    with pytest.raises(CheckpointError, match="unsupported architecture JambaForCausalLM; supported: .*"
                        "Qwen3MoeForCausalLM, MixtralForCausalLM"):
         load_model(mixtral_copy, torch.float32, "cpu")
 
