@@ -38,6 +38,7 @@ import zmq
 from decode_worker.kv_handoff import KVHandoff
 from kv_transfer.connector.setup import ConnectorSetup
 from kv_transfer.connector.sink import KVSink
+from pipeline import tracing
 from pipeline.config import PipelineConfig, PipelineRole
 from pipeline.endpoints import worker_bind_endpoint
 from pipeline.engine import RequestError, StepOutput
@@ -56,6 +57,8 @@ class DecodeWorker(WorkerBase):
         self.sink: KVSink | None = None  # requests whose KV another worker sends
         self.handoff: KVHandoff | None = None  # draining: streams leave with their KV (live migration)
         self.deadlines: dict[str, float] = {}  # every request here: when it must have finished
+        # per request: decode > decode.queue (or decode.local_prefill), kv_transfer.receive, decode.decoding
+        self.spans = tracing.request_spans()  # no-ops without tracing
         if self.is_disaggregated:
             setup = ConnectorSetup.build(worker_id, self.engine.kv_cache_for_transfer(), self.model_fingerprint,
                                          config.transfer.transport, config.kernel_backend)
@@ -120,7 +123,10 @@ class DecodeWorker(WorkerBase):
                 self._forget(event.request_id)
                 outputs.append(error_delta(event.request_id, event.error, retryable=event.retryable,
                                            is_prefill_failure=True))
-            elif event.first_step is not None:
+            if event.received is not None:  # the queue ended as the blocks were reserved and the transfer began
+                self.spans.transfer(event.request_id, "kv_transfer.receive", "decode", event.received,
+                                    ends="decode.queue")
+            if event.error is None and event.first_step is not None:
                 outputs.append(self._delta(event.first_step))
         return outputs
 
@@ -169,6 +175,11 @@ class DecodeWorker(WorkerBase):
         self.deadlines[rid] = time.monotonic() + request.deadline_s
         if remote:
             self.sink.expect(request)
+        self.spans.start(rid, "decode", parent=request.trace_context, attributes={
+            "tandem.request_id": rid, "tandem.num_prompt_tokens": len(request.prompt_token_ids),
+            "tandem.remote_prefill": remote, "tandem.num_resumed_tokens": len(request.resume_token_ids),
+            "tandem.kv_migration": request.kv_source_request_id is not None})
+        self.spans.start(rid, "decode.queue" if remote else "decode.local_prefill", parent="decode")
         return []
 
     def fail_in_flight(self, reason: str) -> None:
@@ -203,10 +214,18 @@ class DecodeWorker(WorkerBase):
 
     def _forget(self, request_id: str) -> None:
         self.deadlines.pop(request_id, None)
+        self.spans.end_all(request_id)
         if self.sink is not None:
             self.sink.take_migrated_bytes(request_id)
 
     def _delta(self, step: StepOutput):
+        rid = step.request_id
+        self.spans.switch(rid, ("decode.queue", "decode.local_prefill"), "decode.decoding", parent="decode")
+        self.spans.count(rid, "decode.decoding", "tandem.num_output_tokens", len(step.new_token_ids))
+        if step.finish_reason is not None:
+            self.spans.count(rid, "decode.decoding", "tandem.num_preemptions", step.num_preemptions)
+            if step.request_finished:
+                self.spans.set(rid, "decode", {"tandem.finish_reason": step.finish_reason})
         delta = delta_from_step(step)
         if self.sink is not None:
             delta.num_migrated_kv_bytes = self.sink.take_migrated_bytes(step.request_id)

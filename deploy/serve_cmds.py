@@ -73,6 +73,11 @@ def quiet_openmp_waits() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+# the service.name of each role's spans (tandem-prefill, tandem-decode; a colocated worker decodes)
+_TRACE_ROLES = {PipelineRole.PrefillOnly: "prefill", PipelineRole.DecodeOnly: "decode",
+                PipelineRole.PrefillAndDecode: "decode"}
+
+
 def run_worker_cmd(args: argparse.Namespace) -> int:
     quiet_openmp_waits()
     config = config_from_args(args, pipeline_role=args.role)
@@ -86,11 +91,17 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
         from prefill_worker.worker import PrefillWorker as worker_cls
     else:
         from decode_worker.worker import DecodeWorker as worker_cls
+    from pipeline import tracing
+
+    tracing.configure(config.otlp_traces_endpoint, f"tandem-{_TRACE_ROLES[config.pipeline_role]}", worker_id)
     worker = worker_cls(config, worker_id)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     logger.warning("worker %s (%s) serving; router at %s; listening on %s", worker_id, config.pipeline_role.value,
                    config.zmq_endpoint_base, ", ".join(worker.listen_endpoints()) or "no socket of its own")
-    worker.run(stop)
+    try:
+        worker.run(stop)
+    finally:
+        tracing.shutdown()  # the spans still batched go out before the process ends
     return 0

@@ -262,6 +262,13 @@ class PipelineConfig(_Section):
 
         return self.bind_host or default_bind_host(self.zmq_endpoint_base)
 
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _check_otlp_traces_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// URL (OTLP over HTTP; got {value!r})")
+        return value
+
     @field_validator("cpu_cores", mode="before")
     @classmethod
     def _check_cpu_cores(cls, value: Any) -> Any:

@@ -60,6 +60,7 @@ class StepOutput:
     request_finished: bool = False  # this output ended the request's last running choice
     # the last token ended the request as EOS or a stop token id: it is not part of the text
     is_stop_token: bool = False
+    num_preemptions: int = 0  # with finish_reason: how often the scheduler preempted it (for its trace)
 
 
 class LLMEngine:
@@ -591,6 +592,7 @@ class LLMEngine:
                 stop = (FinishReason.STOP.value, None)
         if stop is not None:
             out.finish_reason, out.stop_reason = stop
+            out.num_preemptions = seq.num_preemptions
             self._finish(seq, *stop)
             out.request_finished = self._choices.leave(seq)
         return out

@@ -33,6 +33,7 @@ import logging
 import os
 
 from kv_transfer.connector.setup import ConnectorSetup
+from pipeline import tracing
 from kv_transfer.connector.source import SourceStatus, SourceTransfer
 from pipeline.config import PipelineConfig
 from pipeline.endpoints import worker_bind_endpoint
@@ -58,6 +59,8 @@ class PrefillWorker(WorkerBase):
             config.zmq_endpoint_base, worker_id, f"prefill-{os.getpid()}", host=config.resolved_bind_host()),
             logger=logger)
         self.endpoint = self.source.endpoint
+        # per request: prefill > prefill.queue, prefill.compute, kv_transfer.send (no-ops without tracing)
+        self.spans = tracing.request_spans()
         self.connect_router(prefill_endpoint=self.endpoint)
 
     @property
@@ -87,12 +90,19 @@ class PrefillWorker(WorkerBase):
             self._accept(identity, request)
         if self.is_busy():
             outputs = self.run_step()
-            self.source.on_kv_written(self.engine.kv_written_last_step())
+            written = self.engine.kv_written_last_step()
+            self.source.on_kv_written(written)
+            for request_id, _ in written:  # its first chunk ran: no longer queued
+                self.spans.switch(request_id, ("prefill.queue",), "prefill.compute", parent="prefill")
             for out in outputs:
                 if out.finish_reason is not None:
                     self._finish(out)
-        self.source.reap()
+        for job, status in self.source.reap():
+            self.spans.transfer(job.request_id, "kv_transfer.send", "prefill", status,
+                                num_blocks=job.num_sent_blocks - job.num_skipped_blocks)
+            self.spans.end_all(job.request_id)
         self.source.expire()
+        self.spans.retain(self.source.transfers)  # dropped, expired: their spans end too
         self.tick()
 
     def _start_early(self, start: StartPrefill) -> None:
@@ -105,6 +115,7 @@ class PrefillWorker(WorkerBase):
         except (QueueFullError, RequestError, ValueError):
             return  # the decode worker's own request gets the answer
         self.source.hold(start.request_id, EARLY_PREFILL_HOLD_S, early=start)
+        self._trace_arrival(start.request_id, start.trace_context, len(start.prompt_token_ids), is_early=True)
 
     def _accept(self, identity: bytes, request: PrefillRequest) -> None:
         rid = request.request_id
@@ -126,12 +137,24 @@ class PrefillWorker(WorkerBase):
         except (RequestError, ValueError) as exc:
             return self.source.reject(identity, rid, str(exc), retryable=False)
         self.source.accept(identity, request)
+        self._trace_arrival(rid, request.trace_context, len(request.prompt_token_ids), is_early=False)
+        self.spans.set(rid, "prefill", {"tandem.decode_worker": request.decode_worker_id,
+                                        "tandem.decode_cached_tokens": request.num_cached_tokens})
+
+    def _trace_arrival(self, request_id: str, trace_context: dict | None, num_prompt_tokens: int,
+                       is_early: bool) -> None:
+        self.spans.start(request_id, "prefill", parent=trace_context, attributes={
+            "tandem.request_id": request_id, "tandem.num_prompt_tokens": num_prompt_tokens,
+            "tandem.early_prefill": is_early})
+        self.spans.start(request_id, "prefill.queue", parent="prefill")
 
     def _claim(self, job: SourceTransfer, identity: bytes, request: PrefillRequest) -> None:
         """The decode worker's request for a prompt started early: done already, everything ships now (with
         ``PrefillDone``); under way, the blocks computed so far ship with those of the next chunk."""
         rid = request.request_id
         self.source.claim(rid, identity, request)
+        self.spans.set(rid, "prefill", {"tandem.decode_worker": request.decode_worker_id,
+                                        "tandem.decode_cached_tokens": request.num_cached_tokens})
         seq = self.engine.get_sequence(rid)
         if job.early_output is not None or (seq is not None and seq.num_computed_tokens > seq.num_cached_tokens):
             self.source.start(rid)  # the TTL starts now, as it would have with the first chunk
@@ -146,6 +169,8 @@ class PrefillWorker(WorkerBase):
         job = self.source.get(out.request_id)
         if job is None or job.status is SourceStatus.DROPPING:
             return
+        self.spans.end(out.request_id, "prefill.compute", {"tandem.num_cached_tokens": out.num_cached_tokens,
+                                                           "tandem.num_prompt_tokens": out.num_prompt_tokens})
         if job.status is SourceStatus.UNCLAIMED:
             job.early_output = out
             return

@@ -28,6 +28,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
+from pipeline import tracing
 from pipeline.config import PipelineConfig
 from router.dispatcher import Dispatcher
 from router.errors import APIError, install_error_handlers
@@ -206,6 +207,7 @@ def run_router(
     if bool(ssl_keyfile) != bool(ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together (the certificate and its private key)")
     app = create_app(config, api_key=api_key, model_path=model_path, **app_options)
+    tracing.configure(config.otlp_traces_endpoint, "tandem-router", worker_id="router")
     scheme = "https" if ssl_certfile else "http"
     logger.info("router serving %s on %s://%s:%d", app.state.router.model.name, scheme, host, port)
     previous = _exit_zero_on_sigterm()
@@ -214,6 +216,7 @@ def run_router(
                     timeout_graceful_shutdown=config.drain_timeout_s,
                     timeout_keep_alive=config.router.http_keep_alive_s, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
     finally:
+        tracing.shutdown()  # the spans still batched go out before the process ends
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 
 import msgspec
 
@@ -53,6 +54,7 @@ from router.policy import NoRoute, Saturated, WorkerView, choose_route
 from router.prefill_warmups import PrefillWarmups
 from router.registry import WorkerInfo, WorkerRegistry
 from router.request_handle import RequestFailed, RequestHandle, RequestStatus
+from router.request_trace import request_trace
 from router.token_delivery import TokenDelivery
 from router.worker_socket import WorkerSocket
 
@@ -134,16 +136,18 @@ class Dispatcher:
     # ------------------------------------------------------------------ requests
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, timeout_s: float,
-               priority: int = 0) -> RequestHandle:
+               priority: int = 0, trace_parent: Mapping[str, str] | None = None) -> RequestHandle:
         """Send a request to a worker now, or queue it while every worker is saturated.
 
         Raises at once, before anything was sent: ``Overloaded`` when it would have to wait and the
         admission queue is full of requests as good or better (429), ``NoRoute`` when no worker can serve
         it at all (503). A queued request is sent once a slot frees: await ``wait_admitted(handle)`` before
         reading from it. ``priority`` (lower first) orders the queue and goes to the workers.
+        ``trace_parent``: the client's W3C trace context (its HTTP headers), which the request's trace continues.
         """
         handle = RequestHandle(request_id, prompt_token_ids, params, deadline=time.monotonic() + timeout_s,
                                priority=priority)
+        handle.trace = request_trace(request_id, len(prompt_token_ids), params.max_tokens, priority, trace_parent)
         try:
             handle.admission = self.admission.enqueue(handle, timeout_s=timeout_s, priority=priority)
         except Overloaded as exc:
@@ -180,7 +184,7 @@ class Dispatcher:
             self._send(handle.decode_worker_id, CancelRequest(request_id=handle.wire_id))
         if handle.wire_id:
             self.in_flight.remember_cancel(handle.wire_id)
-        self._finish(handle)
+        self._finish(handle, "cancelled")
 
     def cancel_choice(self, handle: RequestHandle, index: int) -> None:
         """Stop one choice of an n > 1 request (a stop string matched); the request ends with its last choice."""
@@ -213,6 +217,7 @@ class Dispatcher:
         except Saturated:
             return False
         if handle.status is RequestStatus.QUEUED:
+            handle.trace.admitted()
             handle.set_status(RequestStatus.ROUTED)
             self.metrics.queue_depth.inc()
             self.metrics.requests_in_flight.inc()
@@ -245,13 +250,16 @@ class Dispatcher:
                 deadline_s=max(0.001, handle.deadline - time.monotonic()),
                 resume_token_ids=resume,
                 priority=handle.priority,
+                trace_context=handle.trace.context,
             )
             if self._send(route.decode.worker_id, msg):
                 if route.prefill is not None and self.early_prefill:
                     self._send(route.prefill.worker_id, StartPrefill(request_id=wire_id, sampling_params=params,
                                                                      prompt_token_ids=handle.prompt_token_ids,
-                                                                     priority=handle.priority))
+                                                                     priority=handle.priority,
+                                                                     trace_context=handle.trace.context))
                 self.in_flight.assign(handle, route, wire_id)
+                handle.trace.routed(route, wire_id, handle.num_attempts, num_prompt_tokens, self.kv_overlap_weight)
                 self.metrics.note_route(route, num_prompt_tokens)
                 if self.warmups is not None and prompt is not None:
                     self.warmups.after_route(views, route, handle.prompt_token_ids)
@@ -265,9 +273,10 @@ class Dispatcher:
             handle, at_front=True, timeout_s=max(0.001, handle.deadline - time.monotonic()), priority=handle.priority)
         return handle.admission
 
-    def _finish(self, handle: RequestHandle) -> None:
+    def _finish(self, handle: RequestHandle, outcome: str = "finished") -> None:
         if handle.is_done:
             return
+        handle.trace.finished(outcome, len(handle.output_token_ids))
         self.migration.abandon_handoff(handle)
         self.admission.discard(handle)  # it may be waiting (new, or a retry) rather than on a worker
         slot_held_s = self.in_flight.unassign(handle)
@@ -287,7 +296,7 @@ class Dispatcher:
     def _fail(self, handle: RequestHandle, message: str, status_code: int) -> None:
         if handle.is_done:
             return
-        self._finish(handle)
+        self._finish(handle, f"failed ({status_code})")
         handle.queue.put_nowait(RequestFailed(message, status_code))
 
     def _views(self, prompt: PromptHashes | None = None) -> list[WorkerView]:

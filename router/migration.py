@@ -96,6 +96,7 @@ class Migration:
             if handle.status not in (RequestStatus.MIGRATING, RequestStatus.HANDING_OFF):  # else paused already
                 handle.paused_since = handle.last_token_at
             self.metrics.migrations_total.labels(cause).inc()
+            handle.trace.migrating(cause, failed_worker, len(handle.output_token_ids))
             self.metrics.migration_recomputed_tokens.inc(len(handle.prompt_token_ids) + len(handle.output_token_ids))
             logger.warning("request %s migrates off %s after %d tokens (%s)", handle.request_id, failed_worker,
                            len(handle.output_token_ids), message)
@@ -176,11 +177,14 @@ class Migration:
         params = handle.sampling_params
         if params.prompt_logprobs is not None:  # the client has them already
             params = msgspec.structs.replace(params, prompt_logprobs=None)
+        handle.trace.migrating("drain", worker_id, len(resume))
         if not self.send(target.worker_id, GenerateRequest(
                 request_id=wire_id, prompt_token_ids=handle.prompt_token_ids, sampling_params=params,
                 prefill_worker_id=worker_id, prefill_endpoint=offer.endpoint,
                 deadline_s=max(0.001, handle.deadline - time.monotonic()), resume_token_ids=resume,
-                kv_source_request_id=offer.request_id, priority=handle.priority)):
+                kv_source_request_id=offer.request_id, priority=handle.priority,
+                trace_context=handle.trace.context)):
+            handle.trace.migrated()
             self._decline(worker_id, offer.request_id, "the target is unreachable")
             return
         self.in_flight.unassign(handle)
@@ -189,6 +193,7 @@ class Migration:
         handle.paused_since = handle.last_token_at
         handle.kv_source = (worker_id, offer.request_id)
         handle.set_status(RequestStatus.HANDING_OFF)
+        handle.trace.handed_off(target.worker_id)
         logger.info("request %s hands off from draining %s to %s after %d tokens", handle.request_id, worker_id,
                     target.worker_id, len(resume))
 
@@ -200,6 +205,7 @@ class Migration:
         """The new worker's first tokens after a handoff: the stream moved with its KV (the draining worker
         has let it go). The caller, who delivers those tokens, moves the request back to STREAMING."""
         handle.kv_source = None
+        handle.trace.migrated()
         self.metrics.migrations_total.labels("drain").inc()
         self.metrics.migration_kv_bytes.inc(num_kv_bytes)
 
@@ -215,6 +221,7 @@ class Migration:
         self.in_flight.unassign(handle)
         self.in_flight.exclude(handle, target_id)
         handle.kv_source = None
+        handle.trace.migrated()
         handle.num_migrations -= 1
         handle.set_status(RequestStatus.STREAMING)
         self.in_flight.assign(handle, Route(decode=view, prefill=None), stream_id)

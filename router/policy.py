@@ -125,6 +125,23 @@ def choose_handoff_target(
                         kv_overlap_weight=kv_overlap_weight).decode
 
 
+def route_costs(route: Route, num_prompt_tokens: int, kv_overlap_weight: float | None) -> dict[str, float]:
+    """What the chosen workers cost in ``choose_route``'s terms, and the prompt's blocks each holds (for a
+    trace): the decode worker's requests (by load) or weighted new plus active blocks (KV-aware), and the
+    prefill worker's blocks to compute, queued and new."""
+    decode = route.decode
+    costs: dict[str, float] = {"tandem.route.decode_cached_blocks": decode.num_cached_prompt_tokens // decode.page_size}
+    if kv_overlap_weight is None:
+        costs["tandem.route.decode_cost"] = _decode_key(decode)[1]
+    else:
+        costs["tandem.route.decode_cost"] = _kv_decode_key(decode, num_prompt_tokens, kv_overlap_weight)[1]
+    if route.prefill is not None:
+        prefill = route.prefill
+        costs["tandem.route.prefill_cached_blocks"] = prefill.num_cached_prompt_tokens // prefill.page_size
+        costs["tandem.route.prefill_cost"] = _kv_prefill_key(prefill, num_prompt_tokens)[0]
+    return costs
+
+
 def popular_prefix_gaps(workers: Sequence[WorkerView], route: Route) -> tuple[int, list[WorkerView]]:
     """(tokens, prefill workers): the longest prefix of the routed prompt that at least two decode-capable
     workers hold, and the other live prefill workers that lack it (KV-aware routing).

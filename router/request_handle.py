@@ -7,9 +7,11 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.protocol.cluster import TokenDelta
 from pipeline.protocol.requests import SamplingParams
+from router.request_trace import NO_TRACE
 
 
 class RequestStatus(enum.Enum):
@@ -70,6 +72,7 @@ class RequestHandle:
     * ``num_migrations``, ``paused_since``, ``kv_source``: Migration.
     * ``finished_choices``: the Dispatcher.
     * ``queue``: TokenDelivery puts the deltas, the Dispatcher the one ``RequestFailed`` that ends it.
+    * ``trace``: set once by the Dispatcher (``submit``); the Dispatcher and Migration record on it.
     """
 
     request_id: str
@@ -98,6 +101,7 @@ class RequestHandle:
     kv_source: tuple[str, str] | None = None
     finished_choices: set[int] = field(default_factory=set)  # n > 1: choices that ended (the request ends with the last)
     created_at: float = field(default_factory=time.monotonic)
+    trace: Any = NO_TRACE  # its spans (router/request_trace.py): the Dispatcher and Migration record on it
 
     @property
     def num_choices(self) -> int:

@@ -199,7 +199,8 @@ async def _admit_all(state: RouterState, http_request: Request, request_id: str,
         for i, prepared in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             handles.append(state.dispatcher.submit(rid, prepared.prompt_token_ids, prepared.params,
-                                                   state.request_timeout_s, priority=prepared.priority))
+                                                   state.request_timeout_s, priority=prepared.priority,
+                                                   trace_parent=http_request.headers))
         waiting = [state.dispatcher.wait_admitted(h) for h in handles if not h.is_admitted]
         if waiting:  # every worker is busy: wait in the queue, unless the client leaves
             await _unless_disconnected(http_request, asyncio.gather(*waiting))

@@ -86,6 +86,7 @@ class SinkEvent:
     first_step: Any = None
     error: str | None = None
     retryable: bool = True
+    received: Any = None  # the receiver's ``ReceivedTransfer`` (bytes, transport, seconds) when the KV arrived
 
 
 class KVSink:
@@ -165,6 +166,7 @@ class KVSink:
             ttl_s=self.ttl_s,
             source_request_id=request.kv_source_request_id,
             priority=request.priority,
+            trace_context=request.trace_context,
         ))
         transfer.status, transfer.ttl_deadline = SinkStatus.REQUESTED, now + self.ttl_s  # until the source answers
 
@@ -185,7 +187,9 @@ class KVSink:
             except msgspec.DecodeError as exc:
                 transfer.failure = f"malformed PrefillDone payload: {exc}"
             else:
-                return self._activate(transfer, prefill, done.num_bytes)
+                event = self._activate(transfer, prefill, done.num_bytes)
+                event.received = done
+                return event
         self.engine.abort_request(rid)  # the receiver let go: the blocks are free to reuse
         if transfer.failure == "cancelled":
             return None

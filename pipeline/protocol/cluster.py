@@ -222,6 +222,9 @@ class GenerateRequest(msgspec.Struct, tag=True, **_HOT):
     resume_token_ids: list[int] = msgspec.field(default_factory=list)
     kv_source_request_id: str | None = None
     priority: int = 0  # vLLM's: lower is served first (``scheduling_policy = "priority"``); last, so old frames decode
+    # W3C trace context (``traceparent``, ``tracestate``) of the router's request span, so the workers' spans
+    # join the request's trace (pipeline/tracing); None when tracing is off. Last, so old frames decode
+    trace_context: dict[str, str] | None = None
 
 
 class CancelRequest(msgspec.Struct, tag=True, **_HOT):
@@ -267,6 +270,7 @@ class StartPrefill(msgspec.Struct, tag=True, **_HOT):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     priority: int = 0  # the request's (GenerateRequest.priority): the prefill worker's queue order
+    trace_context: dict[str, str] | None = None  # the request's (GenerateRequest.trace_context)
 
 
 RouterToWorker = Union[GenerateRequest, CancelRequest, RegisterAck, HandoffDeclined, WarmPrefix, StartPrefill]
@@ -296,6 +300,7 @@ class PrefillRequest(msgspec.Struct, tag=True, **_HOT):
     # the prompt plus every output token, and the KV of all but the last is sent (nothing is computed)
     source_request_id: str | None = None
     priority: int = 0  # the request's (GenerateRequest.priority): the prefill worker's queue order
+    trace_context: dict[str, str] | None = None  # the request's (GenerateRequest.trace_context)
 
 
 class CancelPrefill(msgspec.Struct, tag=True, **_HOT):

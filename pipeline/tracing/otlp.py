@@ -1,0 +1,59 @@
+"""The OpenTelemetry SDK behind ``pipeline.tracing``: a tracer provider for this process (its role's
+``service.name``, the worker id as ``service.instance.id`` and ``tandem.worker_id``), a BatchSpanProcessor
+and the OTLP/HTTP exporter. Imported only when an endpoint is configured."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+TRACES_PATH = "/v1/traces"
+
+
+def traces_url(endpoint: str) -> str:
+    """A collector's base URL (``http://host:4318``) gets OTLP/HTTP's traces path; a full URL is kept."""
+    endpoint = endpoint.rstrip("/")
+    return endpoint + TRACES_PATH if urlsplit(endpoint).path in ("", "/") else endpoint
+
+
+class OtlpTracing:
+    def __init__(self, endpoint: str, service_name: str, worker_id: str | None = None, exporter=None) -> None:
+        """``exporter``: where spans go instead of OTLP/HTTP (tests)."""
+        attributes = {"service.name": service_name}
+        if worker_id:
+            attributes |= {"service.instance.id": worker_id, "tandem.worker_id": worker_id}
+        self.provider = TracerProvider(resource=Resource.create(attributes))
+        if exporter is None:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter(endpoint=traces_url(endpoint))
+        self.provider.add_span_processor(BatchSpanProcessor(exporter))
+        self.tracer = self.provider.get_tracer("tandem")
+
+    def start_span(self, name: str, parent: Any, attributes: Mapping[str, Any] | None, start_ns: int | None):
+        return self.tracer.start_span(name, context=_context(parent), attributes=attributes, start_time=start_ns)
+
+    def inject(self, span) -> dict[str, str]:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(span, Context()))
+        return carrier
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()  # flushes the batch processor, then stops the exporter
+
+
+def _context(parent: Any) -> Context:
+    """The context a new span starts in: under a span, under a W3C carrier (the propagator reads it), or
+    empty (a new trace; never the ambient context, which no Tandem code sets)."""
+    if parent is None:
+        return Context()
+    if isinstance(parent, trace.Span):
+        return trace.set_span_in_context(parent, Context())
+    return propagate.extract(parent, context=Context())
