@@ -230,6 +230,9 @@ class PipelineConfig(_Section):
         "None = as started. tandem up: the pool it splits among its workers")
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads of a worker; None = one per core it may use")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="rank processes one model is split across, Megatron-style (heads, MLP columns, vocab); "
+        "1 = one process. Offline LLM only for now, dense Llama-family checkpoints (docs/tensor-parallel.md)")
     otlp_traces_endpoint: str | None = Field(
         None, description="OpenTelemetry collector every process sends request traces to, OTLP over HTTP "
         "(http://host:4318 or its /v1/traces URL; vLLM's flag); None = no tracing (docs/observability.md)")

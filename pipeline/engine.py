@@ -77,7 +77,12 @@ class LLMEngine:
         self.dtype = TORCH_DTYPES[config.model.resolved_dtype()]
         torch.manual_seed(config.model.seed)
 
-        self.model, self.hf_config = load_model(model_path, self.dtype, self.device, config.model.quantization)
+        if config.tensor_parallel_size > 1:  # ranks 1..N-1 start here; torch.distributed only on this path
+            from pipeline.parallel import load_tensor_parallel_model
+
+            self.model, self.hf_config = load_tensor_parallel_model(config, model_path, self.dtype, self.device)
+        else:
+            self.model, self.hf_config = load_model(model_path, self.dtype, self.device, config.model.quantization)
         self.tokenizer = load_tokenizer(model_path)
         self.vocab_size = self.hf_config.vocab_size
         self.max_length = min(config.max_length or 10**9, self.hf_config.max_position_embeddings)

@@ -31,15 +31,16 @@ def build_kv_pool(config: PipelineConfig, hf_config, draft, max_length: int, dty
     num_lookahead = config.speculative.num_speculative_tokens
     max_useful = config.max_batch_size * -(-(max_length + num_lookahead) // page_size) + 1
     draft_bytes = bytes_per_block(draft.hf_config, page_size, dtype) if draft is not None else 0
+    tp = config.tensor_parallel_size  # each rank's budget holds its own share of the KV heads
     num_blocks = determine_num_blocks(config.kv_cache, hf_config, dtype, device, max_useful,
-                                      extra_bytes_per_block=draft_bytes)
+                                      extra_bytes_per_block=draft_bytes, tensor_parallel_size=tp)
 
     def allocate(shape):
         if allocator is None:
             return torch.zeros(shape, dtype=dtype, device=device)
         return allocator(shape, dtype, device)
 
-    shape = kv_cache_shape(hf_config, num_blocks, page_size)
+    shape = kv_cache_shape(hf_config, num_blocks, page_size, tp)
     if draft is None:
         kv_cache, draft_kv_cache = allocate(shape), None
     else:

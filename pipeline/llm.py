@@ -42,6 +42,19 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the tensor-parallel rank processes, if any (also done when the LLM is garbage-collected and
+        at exit). Idempotent; a no-op with ``tensor_parallel_size`` = 1."""
+        ranks = getattr(self.engine.model, "driver", None)
+        if ranks is not None:
+            ranks.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: PromptInput | SequenceType[PromptInput],

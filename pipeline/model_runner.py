@@ -25,24 +25,26 @@ from pipeline.sequence_buffer import GatheredInputs, SequenceBuffer
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def kv_cache_shape(hf_config, num_blocks: int, page_size: int) -> tuple[int, ...]:
+def kv_cache_shape(hf_config, num_blocks: int, page_size: int, tensor_parallel_size: int = 1) -> tuple[int, ...]:
     """[num_layers, 2 (k, v), num_blocks, page_size, num_kv_heads, head_dim]; for latent attention (MLA)
-    one latent row per token: [num_layers, 1, num_blocks, page_size, 1, kv_lora_rank + qk_rope_head_dim]."""
+    one latent row per token: [num_layers, 1, num_blocks, page_size, 1, kv_lora_rank + qk_rope_head_dim].
+    Under tensor parallelism one rank's: its share of the KV heads, at least one (pipeline/parallel)."""
     if is_latent_attention(hf_config):
         return (hf_config.num_hidden_layers, 1, num_blocks, page_size, 1, latent_dim(hf_config))
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    num_kv_heads = max(1, num_kv_heads // tensor_parallel_size)
     return (hf_config.num_hidden_layers, 2, num_blocks, page_size, num_kv_heads, head_dim)
 
 
-def bytes_per_block(hf_config, page_size: int, dtype: torch.dtype) -> int:
-    shape = kv_cache_shape(hf_config, 1, page_size)
+def bytes_per_block(hf_config, page_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    shape = kv_cache_shape(hf_config, 1, page_size, tensor_parallel_size)
     return int(torch.tensor(shape).prod().item()) * torch.empty((), dtype=dtype).element_size()
 
 
 def determine_num_blocks(kv_config, hf_config, dtype: torch.dtype, device: str, max_useful_blocks: int,
-                         extra_bytes_per_block: int = 0) -> int:
+                         extra_bytes_per_block: int = 0, tensor_parallel_size: int = 1) -> int:
     """Explicit ``num_blocks``, else a share of device memory (GPU) or ``cpu_kv_cache_gib`` (CPU).
 
     Never more than ``max_useful_blocks`` (every running sequence at full length): memory beyond
@@ -50,7 +52,7 @@ def determine_num_blocks(kv_config, hf_config, dtype: torch.dtype, device: str, 
     """
     if kv_config.num_blocks is not None:
         return kv_config.num_blocks
-    per_block = bytes_per_block(hf_config, kv_config.page_size, dtype) + extra_bytes_per_block  # + a draft's KV
+    per_block = bytes_per_block(hf_config, kv_config.page_size, dtype, tensor_parallel_size) + extra_bytes_per_block  # + a draft's KV
     if str(device).startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         budget = free * kv_config.device_memory_utilization

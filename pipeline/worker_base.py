@@ -15,7 +15,7 @@ import time
 
 import zmq
 
-from pipeline.config import PipelineConfig
+from pipeline.config import ConfigError, PipelineConfig
 from pipeline.engine import LLMEngine, StepOutput
 from pipeline.protocol import TokenLogprob
 from pipeline.protocol.cluster import FinishCode, RegisterWorker, TokenDelta, WorkerLoad, WorkerRole, served_model_name
@@ -33,6 +33,9 @@ class WorkerBase:
     def __init__(self, config: PipelineConfig, worker_id: str, kv_cache_allocator=None) -> None:
         self.config = config
         self.worker_id = worker_id
+        if config.tensor_parallel_size > 1:  # the KV transfer and the router link do not know ranks yet
+            raise ConfigError(f"tensor_parallel_size={config.tensor_parallel_size}: cluster workers do not run "
+                              "tensor parallelism yet (the offline LLM does; see docs/tensor-parallel.md)")
         self.engine = LLMEngine(config, kv_cache_allocator=kv_cache_allocator)
         self.model_fingerprint = self.engine.model_fingerprint()
         self.ctx = zmq.Context()

@@ -1,0 +1,53 @@
+"""Tensor parallelism: one model split across ``tensor_parallel_size`` rank processes (docs/tensor-parallel.md).
+
+``shard_spec`` says which slice of each checkpoint tensor a rank holds, ``model`` is a rank's shard
+and its collectives, ``ranks`` starts and drives the child ranks. ``load_tensor_parallel_model`` is
+what the engine calls instead of ``weights.load_model`` when ``tensor_parallel_size`` > 1; with the
+default of 1 nothing here is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.parallel.shard_spec import TensorParallelError
+
+__all__ = ["TensorParallelError", "load_tensor_parallel_model", "COLLECTIVE_TIMEOUT_S"]
+
+# A collective that waits longer than this for a rank raises instead of hanging (a rank stuck or gone).
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, device: str):
+    """Start ranks 1..N-1, build rank 0's shard here; returns ``(model, hf_config)`` like ``weights.load_model``.
+
+    The model is rank 0's ``TensorParallelLlama``; ``model.driver`` is the ``RankGroup`` (close it to stop
+    the other ranks; it is also closed when garbage-collected and at exit). Refuses, with
+    ``TensorParallelError`` naming it, whatever tensor parallelism does not run yet.
+    """
+    from pipeline.parallel.model import Collectives, TensorParallelLlama
+    from pipeline.parallel.ranks import RankGroup, rank_device
+    from pipeline.parallel.shard_spec import ShardSpec, check_checkpoint, read_shards
+    from pipeline.weights import load_hf_config
+
+    size = config.tensor_parallel_size
+    if config.is_speculative:
+        raise TensorParallelError(f"tensor_parallel_size={size} is not supported with speculative decoding yet")
+    if config.enable_overlap_scheduler:
+        raise TensorParallelError(f"tensor_parallel_size={size} is not supported with enable_overlap_scheduler yet")
+    if str(device).startswith("cuda") and torch.cuda.device_count() < size:
+        raise TensorParallelError(f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} visible")
+    hf_config = load_hf_config(model_path)
+    check_checkpoint(model_path, hf_config, size, config.model.quantization)
+    group = RankGroup(size, model_path, dtype, device, config.kernel_backend, config.model.cpu_weight_prepack,
+                      COLLECTIVE_TIMEOUT_S)
+    try:
+        collectives = Collectives(group.store, 0, size, rank_device(device, 0), COLLECTIVE_TIMEOUT_S)
+        spec = ShardSpec.of(hf_config, 0, size)
+        model = TensorParallelLlama(hf_config, dtype, rank_device(device, 0), spec, collectives, driver=group)
+        model.load_weights(read_shards(model_path, spec))
+        group.wait_ready()
+    except BaseException:
+        group.close()
+        raise
+    return model.eval(), hf_config

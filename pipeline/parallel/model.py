@@ -1,0 +1,107 @@
+"""One rank's shard of a dense Llama-family model, and the collectives that join the shards.
+
+The shard is the unchanged ``LlamaFamilyForCausalLM`` built from the rank's config (``ShardSpec.rank_config``:
+its heads, its MLP columns, its vocabulary rows) with three additions: an all-reduce after each
+row-parallel projection (o_proj, down_proj), a vocabulary-parallel embedding (masked lookup +
+all-reduce), and logits gathered from every rank's vocabulary rows. On rank 0 each ``forward`` and
+``compute_logits`` first tells the other ranks to do the same (``driver``), so they run in lockstep.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.models.layers import empty_parameter
+from pipeline.models.llama import LlamaFamilyForCausalLM
+from pipeline.parallel.shard_spec import ShardSpec, TensorParallelError
+
+
+class Collectives:
+    """The rank's ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA), its own rather than the
+    global default group, so several tensor-parallel models can live in one process one after another."""
+
+    def __init__(self, store, rank: int, size: int, device: torch.device, timeout_s: float):
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group = dist.ProcessGroupNCCL(store, rank, size, options)
+        else:
+            self.group = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place."""
+        self._wait(self.group.allreduce([tensor]))
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        gathered = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._wait(self.group.allgather([gathered], [tensor.contiguous()]))
+        return gathered
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``tensor`` on every rank, in place."""
+        self._wait(self.group.broadcast(tensor, 0))
+        return tensor
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:  # a peer that died (connection closed) or a collective past its timeout
+            raise TensorParallelError(f"tensor-parallel collective failed on rank {self.rank}: {exc}") from exc
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The rank's rows of the embedding: ids outside them look up zeros, and the all-reduce fills them in."""
+
+    def __init__(self, spec: ShardSpec, hidden_size: int, dtype: torch.dtype, device, collectives: Collectives):
+        super().__init__()
+        self.weight = empty_parameter(spec.vocab_per_rank, hidden_size, dtype=dtype, device=device)  # [vocab/tp, hidden]
+        self.start = spec.rank * spec.vocab_per_rank
+        self.collectives = collectives
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        local = input_ids - self.start
+        is_here = (local >= 0) & (local < self.weight.shape[0])
+        embedded = F.embedding(local.masked_fill(~is_here, 0), self.weight)
+        embedded.masked_fill_(~is_here.unsqueeze(-1), 0.0)
+        return self.collectives.all_reduce(embedded)
+
+
+class TensorParallelLlama(LlamaFamilyForCausalLM):
+    """A rank's shard of a Llama/Mistral/Qwen2/Qwen3 model; ``load_weights`` expects ``shard_spec.read_shards``' slices."""
+
+    def __init__(self, hf_config, dtype: torch.dtype, device, spec: ShardSpec, collectives: Collectives,
+                 driver=None):
+        super().__init__(spec.rank_config(hf_config), dtype, device)
+        self.full_vocab_size = spec.vocab_size
+        self.collectives = collectives
+        self.driver = driver  # rank 0: sends each step to the other ranks (pipeline.parallel.ranks.RankGroup)
+        self.model.embed_tokens = VocabParallelEmbedding(spec, hf_config.hidden_size, dtype, device, collectives)
+        for layer in self.model.layers:  # row-parallel outputs are partial sums until reduced
+            layer.self_attn.o_proj.register_forward_hook(self._reduce_output)
+            layer.mlp.down_proj.register_forward_hook(self._reduce_output)
+
+    def _reduce_output(self, module, inputs, output: torch.Tensor) -> torch.Tensor:
+        return self.collectives.all_reduce(output)
+
+    def forward(self, batch, kv_cache: torch.Tensor, kernels) -> torch.Tensor:
+        if self.driver is not None:
+            self.driver.send_forward(batch, kv_cache.shape)
+        return super().forward(batch, kv_cache, kernels)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` on rank 0 -> fp32 logits ``[n, vocab]`` from every rank's vocabulary rows (other ranks: their
+        own rows of rank 0's ``hidden``, which they receive; the return value is meaningful on rank 0 only)."""
+        if self.driver is not None:
+            self.driver.send_logits(hidden.shape[0])
+        hidden = self.collectives.broadcast(hidden.contiguous())
+        local = super().compute_logits(hidden)  # [n, vocab / tp]
+        return torch.cat(self.collectives.all_gather(local), dim=-1)[:, :self.full_vocab_size]

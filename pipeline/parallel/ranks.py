@@ -1,0 +1,193 @@
+"""The rank processes of a tensor-parallel engine: rank 0 is the calling process, ranks 1..N-1 are children.
+
+Each step's inputs travel from rank 0 over a pipe per child (a pickled tuple of numpy arrays: a few
+small arrays per step, with ordering, end-of-file when rank 0 dies, and no timeout while rank 0 idles
+between calls); the activations travel over ``torch.distributed`` collectives (``model.Collectives``),
+which time out (``timeout_s``) if a rank stops answering. A child leaves when rank 0 says stop, when
+its pipe closes (rank 0 exited or was killed), or when a collective fails; ``RankGroup.close`` (also
+run when the group is garbage-collected and at interpreter exit) stops, then kills, every child.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import multiprocessing
+import os
+import traceback
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.forward_batch import ForwardBatch
+from pipeline.parallel.shard_spec import ShardSpec, TensorParallelError
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0  # spawning a child, importing torch and loading its shard
+
+
+@dataclass(frozen=True)
+class RankArgs:
+    """What a child rank needs to build its shard (picklable: it crosses the spawn)."""
+
+    rank: int
+    size: int
+    store_port: int
+    model_path: str
+    dtype: torch.dtype
+    device: str
+    kernel_backend: str
+    cpu_weight_prepack: bool
+    num_threads: int
+    timeout_s: float
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank ``rank``'s device: ``cuda:<rank>`` on GPUs (one per rank), the CPU otherwise."""
+    return torch.device(f"cuda:{rank}") if str(device).startswith("cuda") else torch.device("cpu")
+
+
+class RankGroup:
+    """Starts ranks 1..N-1 and drives them from rank 0 (it is the ``driver`` of rank 0's ``TensorParallelLlama``)."""
+
+    def __init__(self, size: int, model_path: str, dtype: torch.dtype, device: str, kernel_backend: str,
+                 cpu_weight_prepack: bool, timeout_s: float):
+        import torch.distributed as dist
+
+        self.size = size
+        self._kv_shape_sent: tuple[int, ...] | None = None
+        self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S),
+                                   wait_for_workers=False)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        context = multiprocessing.get_context("spawn")  # no fork of a process with torch's threads running
+        self.processes: list[multiprocessing.Process] = []
+        self.pipes = []
+        for rank in range(1, size):
+            args = RankArgs(rank, size, self.store.port, model_path, dtype, device, kernel_backend,
+                            cpu_weight_prepack, max(1, cores // size), timeout_s)
+            ours, theirs = context.Pipe()
+            process = context.Process(target=run_rank, args=(args, theirs), name=f"tandem-tp-rank{rank}", daemon=True)
+            process.start()
+            theirs.close()
+            self.processes.append(process)
+            self.pipes.append(ours)
+        self._finalizer = weakref.finalize(self, _stop_ranks, self.processes, self.pipes)
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    def wait_ready(self) -> None:
+        """Block until every child loaded its shard; ``TensorParallelError`` with its traceback if one failed."""
+        for rank, pipe in enumerate(self.pipes, start=1):
+            while not pipe.poll(0.5):
+                self.check_alive()
+            try:
+                kind, detail = pipe.recv()
+            except EOFError:
+                kind, detail = "error", "exited while loading"
+            if kind != "ready":
+                self.close()
+                raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {detail}")
+
+    def check_alive(self) -> None:
+        """``TensorParallelError`` naming every child rank that exited."""
+        dead = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                for rank, p in enumerate(self.processes, start=1) if not p.is_alive()]
+        if dead:
+            raise TensorParallelError("tensor-parallel " + "; ".join(dead) + ": the engine cannot continue")
+
+    def send_forward(self, batch: ForwardBatch, kv_shape: torch.Size) -> None:
+        if self._kv_shape_sent != tuple(kv_shape):  # the cache is sized by rank 0's pool, after the model loads
+            self._send(("kv_cache", tuple(kv_shape)))
+            self._kv_shape_sent = tuple(kv_shape)
+        arrays = {f.name: getattr(batch, f.name).cpu().numpy() for f in dataclasses.fields(batch)}
+        self._send(("forward", arrays))
+
+    def send_logits(self, num_rows: int) -> None:
+        self._send(("logits", num_rows))
+
+    def _send(self, message) -> None:
+        self.check_alive()
+        for rank, pipe in enumerate(self.pipes, start=1):
+            try:
+                pipe.send(message)
+            except OSError as exc:  # BrokenPipeError: the child is gone
+                raise TensorParallelError(f"tensor-parallel rank {rank} does not answer: {exc}") from exc
+
+    def close(self) -> None:
+        """Stop every child rank (asked first, then terminated, then killed). Idempotent."""
+        self._finalizer()
+
+
+def _stop_ranks(processes: list, pipes: list) -> None:
+    for pipe in pipes:
+        try:
+            pipe.send(("stop", None))
+        except OSError:
+            pass
+    for process in processes:
+        process.join(timeout=5.0)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=5.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    for pipe in pipes:
+        pipe.close()
+
+
+def run_rank(args: RankArgs, pipe) -> None:
+    """A child rank's whole life: join the group, load its shard, then run what rank 0 sends until told to stop."""
+    torch.set_num_threads(args.num_threads)
+    try:
+        model, kernels, hidden_size = _load_rank(args)
+    except BaseException:
+        pipe.send(("error", traceback.format_exc()))
+        raise
+    pipe.send(("ready", None))
+    device = rank_device(args.device, args.rank)
+    kv_cache = None
+    with torch.inference_mode():
+        while True:
+            try:
+                kind, payload = pipe.recv()
+            except (EOFError, OSError):  # rank 0 is gone
+                return
+            if kind == "stop":
+                return
+            if kind == "kv_cache":
+                kv_cache = torch.zeros(payload, dtype=args.dtype, device=device)
+            elif kind == "forward":
+                batch = ForwardBatch(**{name: torch.from_numpy(array).to(device) for name, array in payload.items()})
+                model(batch, kv_cache, kernels)
+            elif kind == "logits":
+                model.compute_logits(torch.empty(payload, hidden_size, dtype=args.dtype, device=device))
+
+
+def _load_rank(args: RankArgs):
+    import torch.distributed as dist
+
+    from kernels import load_kernels
+    from pipeline.parallel.model import Collectives, TensorParallelLlama
+    from pipeline.parallel.shard_spec import read_shards
+    from pipeline.weights import load_hf_config
+
+    device = rank_device(args.device, args.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", args.store_port, args.size, False,
+                          timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+    collectives = Collectives(store, args.rank, args.size, device, args.timeout_s)
+    hf_config = load_hf_config(args.model_path)
+    spec = ShardSpec.of(hf_config, args.rank, args.size)
+    model = TensorParallelLlama(hf_config, args.dtype, device, spec, collectives)
+    model.load_weights(read_shards(args.model_path, spec))
+    model.eval()
+    kernels = load_kernels(args.kernel_backend, str(device))
+    kernels.prepare_model(model, args.cpu_weight_prepack)
+    return model, kernels, hf_config.hidden_size

@@ -1,0 +1,156 @@
+"""Tensor parallelism offline (pipeline/parallel): two rank processes give transformers' fp32 tokens and logprobs,
+what it cannot run is refused by name, and no rank process outlives its LLM, even one that dies or hangs."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+
+import pytest
+
+import pipeline.parallel
+from pipeline import LLM
+from pipeline.parallel import TensorParallelError
+from tests.conftest import check_greedy_and_logprobs, greedy, hf_logprobs
+from tests.moe_checkpoints import moe_checkpoint  # noqa: F401 (a fixture)
+
+PROMPTS = [[1, 5, 9, 2, 7], list(range(3, 40)), [11, 4], [8] * 21]
+# a small step budget, so the long prompts are prefilled in chunks across steps
+ENGINE = dict(model_config={"dtype": "float32"}, max_batch_input_tokens=16, kv_cache={"page_size": 4, "num_blocks": 96})
+
+
+def tp_llm(path: str, **overrides) -> LLM:
+    return LLM(path, **{**ENGINE, "tensor_parallel_size": 2, **overrides})
+
+
+def is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:
+    """The pids still running after up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any(is_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if is_running(p)]
+
+
+@pytest.fixture(scope="module")
+def llama_tp(tiny_checkpoint):
+    """One TP=2 Llama (GQA: 4 q heads, 2 KV heads, one per rank; untied, a vocabulary of 307 that 2 does not divide)."""
+    llm = tp_llm(tiny_checkpoint("llama"))
+    yield llm
+    llm.close()
+
+
+def test_llama_greedy_and_logprobs_match_transformers(llama_tp, tiny_checkpoint, hf_reference):
+    hf_model, _ = hf_reference(tiny_checkpoint("llama"))
+    assert llama_tp.engine.kv_cache.shape[-2] == 1  # this rank's KV heads: one of two
+    check_greedy_and_logprobs(llama_tp, hf_model, PROMPTS, 12, atol=1e-4)
+
+
+def test_prefix_cached_prompt_and_prompt_logprobs_match_transformers(llama_tp, tiny_checkpoint, hf_reference):
+    hf_model, _ = hf_reference(tiny_checkpoint("llama"))
+    prompt = list(range(3, 40)) + [5, 6, 7]  # shares its first blocks with a prompt run before: cached KV is reused
+    llama_tp.generate([prompt[:37]], greedy(1))
+    computed_before = llama_tp.engine.num_prompt_tokens_computed
+    check_greedy_and_logprobs(llama_tp, hf_model, [prompt], 6, atol=1e-4)
+    assert llama_tp.engine.num_prompt_tokens_computed - computed_before < len(prompt)  # a prefix came from the cache
+    out = llama_tp.generate([prompt], greedy(4, prompt_logprobs=1))[0]  # scored over the whole prompt
+    reference = hf_logprobs(hf_model, prompt)  # [len, vocab]
+    for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        token = prompt[position]
+        assert abs(entry[token] - reference[position - 1, token].item()) < 1e-4
+
+
+def test_qwen3_greedy_and_logprobs_match_transformers(tiny_checkpoint, hf_reference):
+    path = tiny_checkpoint("qwen3")  # q/k norms, explicit head_dim 32 != hidden / heads
+    with tp_llm(path) as llm:
+        check_greedy_and_logprobs(llm, hf_reference(path)[0], PROMPTS, 10, atol=1e-4)
+        pids = llm.engine.model.driver.pids
+    assert wait_gone(pids) == []  # the context manager closed the ranks
+
+
+def test_one_kv_head_is_replicated_on_both_ranks(tiny_checkpoint, hf_reference):
+    path = tiny_checkpoint("mistral")  # num_key_value_heads=1 < tp=2; tied embeddings; head_dim 16
+    llm = tp_llm(path)
+    assert llm.engine.kv_cache.shape[-2] == 1
+    check_greedy_and_logprobs(llm, hf_reference(path)[0], PROMPTS[:2], 10, atol=1e-4)
+    pids = llm.engine.model.driver.pids
+    assert pids and all(is_running(p) for p in pids)
+    del llm
+    gc.collect()  # no close(): garbage collection stops the ranks
+    assert wait_gone(pids) == []
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("mixtral", "MixtralForCausalLM"),
+    ("three_ranks", "tensor_parallel_size=3 must divide num_attention_heads=4"),
+    ("int8", "quantized"),
+    ("overlap", "enable_overlap_scheduler"),
+])
+def test_unsupported_setups_are_refused_by_name(case, expected, tiny_checkpoint, moe_checkpoint):  # noqa: F811
+    children_before = set(_children())
+    path, overrides = tiny_checkpoint("llama"), {}
+    if case == "mixtral":
+        path = moe_checkpoint("mixtral")
+    elif case == "three_ranks":
+        overrides["tensor_parallel_size"] = 3
+    elif case == "int8":
+        overrides["model_config"] = {"dtype": "float32", "quantization": "int8"}
+    elif case == "overlap":
+        overrides["enable_overlap_scheduler"] = True
+    with pytest.raises(TensorParallelError, match=expected):
+        tp_llm(path, **overrides)
+    assert set(_children()) <= children_before  # refused before any rank was started
+
+
+def test_cluster_workers_refuse_tensor_parallel(tiny_checkpoint):
+    from pipeline.config import ConfigError, PipelineConfig
+    from pipeline.worker_base import WorkerBase
+
+    config = PipelineConfig.load(overrides={"tensor_parallel_size": 2, "model": {"model_path": tiny_checkpoint("llama")}})
+    with pytest.raises(ConfigError, match="cluster workers do not run tensor parallelism"):
+        WorkerBase(config, "worker-0")
+
+
+def test_hung_then_killed_rank_raise_clear_errors_and_leave_no_process(tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(pipeline.parallel, "COLLECTIVE_TIMEOUT_S", 3.0)
+    llm = tp_llm(tiny_checkpoint("llama"))
+    [pid] = llm.engine.model.driver.pids
+    try:
+        os.kill(pid, signal.SIGSTOP)  # rank 1 stops answering mid-run
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match="collective failed on rank 0"):
+            llm.generate([PROMPTS[0]], greedy(4))
+        assert time.monotonic() - started < 30
+        os.kill(pid, signal.SIGKILL)
+        llm.engine.model.driver.processes[0].join(10)  # then rank 1 dies
+        with pytest.raises(TensorParallelError, match=f"rank 1 \\(pid {pid}\\) exited with code -9"):
+            llm.generate([PROMPTS[0]], greedy(4))
+    finally:
+        llm.close()
+    assert wait_gone([pid]) == []
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_total_blocks  # the failed requests let go
+
+
+def _children() -> list[int]:
+    """Pids of this process's live children (Linux)."""
+    import pathlib
+
+    me = os.getpid()
+    found = []
+    for status in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = status.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.append(int(status.parent.name))
+    return found
