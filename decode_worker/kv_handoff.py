@@ -25,6 +25,7 @@ from typing import Callable
 
 from kv_transfer.connector.source import KVSource, SourceStatus
 from pipeline.protocol.cluster import HandoffOffer, PrefillDone, PrefillRequest, encode
+from pipeline.tracing import NOOP_REQUEST_SPANS
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +37,12 @@ class KVHandoff:
     held (UNCLAIMED) while offered, claimed by its target's ``PrefillRequest``, shipped whole and finished
     at once, reaped when the target verified it (or dropped when cancelled)."""
 
-    def __init__(self, worker_id: str, engine, open_source: Callable[[], KVSource]) -> None:
+    def __init__(self, worker_id: str, engine, open_source: Callable[[], KVSource],
+                 spans=NOOP_REQUEST_SPANS) -> None:
+        """``spans``: the worker's ``RequestSpans``; a stream's send becomes a span under its ``decode`` span."""
         self.worker_id = worker_id
         self.engine = engine
+        self.spans = spans
         self._open_source = open_source  # bound on the first offer: a worker that never drains has none
         self.source: KVSource | None = None
         self._declined_at: dict[str, float] = {}  # streams the router declined, when
@@ -97,6 +101,8 @@ class KVHandoff:
             self._send_kv(identity, request)
         left = []
         for transfer, status in self.source.reap():  # (the source freed their blocks)
+            self.spans.transfer(transfer.request_id, "kv_transfer.send", "decode", status,
+                                num_blocks=transfer.num_sent_blocks - transfer.num_skipped_blocks)
             if status.ok:
                 logger.info("stream %s handed off with its KV (%d bytes, %.1f ms)", transfer.request_id,
                             status.num_bytes, status.seconds * 1e3)

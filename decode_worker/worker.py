@@ -73,7 +73,7 @@ class DecodeWorker(WorkerBase):
             if config.transfer.kv_migration_on_drain:
                 self.handoff = KVHandoff(worker_id, self.engine, lambda: setup.open_source(
                     self.ctx, self.engine, bind("handoff"), socket_name="handoff socket", sender_name="kv-handoff",
-                    logger=logger))
+                    logger=logger), spans=self.spans)
             self._shared_kv_cache = setup.kv_cache
         self.connect_router()
 

@@ -43,8 +43,8 @@ class RequestTrace:
         if route.prefill is not None:
             attributes["tandem.prefill_worker"] = route.prefill.worker_id
         attributes |= route_costs(route, num_prompt_tokens, kv_overlap_weight)
+        self.migrated()  # a moved stream is on its way again
         tracing.start_span("router.route", parent=self.span, attributes=attributes).end()
-        self.migrated()
 
     def migrating(self, cause: str, from_worker: str, num_output_tokens: int) -> None:
         """The stream moves (a dead or failing worker: replayed; a drain: with its KV) after ``num_output_tokens``."""

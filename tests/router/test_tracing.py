@@ -56,3 +56,37 @@ def test_the_request_continues_the_client_trace_and_its_workers_join_it(router_f
     want = f"00-{CLIENT_TRACE_ID}-{format(request.context.span_id, '016x')}-01"
     assert decode.requests[0].trace_context["traceparent"] == want
     assert prefill.early_starts[0].trace_context["traceparent"] == want
+
+
+def test_a_migrated_stream_stays_in_its_trace_with_a_span_per_move(router_factory, served_model):
+    """A draining worker's stream is handed off, then its source dies before the target had the KV: two
+    moves (drain, then worker_died and a replay), each a router.migration span; every attempt's
+    GenerateRequest carries the same request context, so all the workers' spans stay in one trace."""
+    from tests.router.test_handoff import DECODE, rest_after_resume, start_on, stream_in_background
+    from tests.router.fake_worker import held
+
+    ids = served_model.tokenizer.encode("Hello there, how are you? Paris is")[:12]
+    with in_memory_tracing("tandem-router", "router") as log:
+        router = router_factory()
+        source = router.add_worker("a-dying", script=held, role=DECODE)
+        target = router.add_worker("b-survivor", script=rest_after_resume(ids, only_replay=True), role=DECODE)
+        result = stream_in_background(router)
+        start_on(source, ids, 4)
+        assert target.wait_for(lambda: target.requests)
+        source.stop()  # silent from now on: declared dead before the target had the KV
+        result["thread"].join(timeout=20)
+        assert "error" not in result, result
+        router.wait_idle()
+        spans = log.spans()
+    [request] = [s for s in spans if s.name == "tandem.request"]
+    moves = sorted((s for s in spans if s.name == "router.migration"), key=lambda s: s.start_time)
+    assert [m.attributes["tandem.migration.cause"] for m in moves] == ["drain", "worker_died"]
+    assert moves[0].attributes["tandem.migration.to_worker"] == "b-survivor"
+    assert all(m.attributes["tandem.migration.from_worker"] == "a-dying" for m in moves)
+    assert all(m.attributes["tandem.migration.num_output_tokens"] == 4 for m in moves)
+    routes = sorted((s for s in spans if s.name == "router.route"), key=lambda s: s.start_time)
+    assert [r.attributes["tandem.decode_worker"] for r in routes] == ["a-dying", "b-survivor"]
+    assert all(s.parent.span_id == request.context.span_id for s in moves + routes)
+    assert moves[1].end_time <= routes[1].end_time  # the replay's route ends the move
+    contexts = {r.trace_context["traceparent"].rsplit("-", 1)[0] for r in source.requests + target.requests}
+    assert contexts == {f"00-{format(request.context.trace_id, '032x')}-{format(request.context.span_id, '016x')}"}
