@@ -27,7 +27,7 @@ class Collectives:
     def __init__(self, store, rank: int, size: int, device: torch.device, timeout_s: float):
         import torch.distributed as dist
 
-        timeout = datetime.timedelta(seconds=timeout_s)
+        timeout = self.timeout = datetime.timedelta(seconds=timeout_s)  # the group's, and each wait's
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -53,7 +53,7 @@ class Collectives:
 
     def _wait(self, work) -> None:
         try:
-            work.wait()
+            work.wait(self.timeout)
         except RuntimeError as exc:  # a peer that died (connection closed) or a collective past its timeout
             raise TensorParallelError(f"tensor-parallel collective failed on rank {self.rank}: {exc}") from exc
 

@@ -3,14 +3,17 @@ what it cannot run is refused by name, and no rank process outlives its LLM, eve
 
 from __future__ import annotations
 
+import datetime
 import gc
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-import pipeline.parallel
 from pipeline import LLM
 from pipeline.parallel import TensorParallelError
 from tests.conftest import check_greedy_and_logprobs, greedy, hf_logprobs
@@ -26,11 +29,12 @@ def tp_llm(path: str, **overrides) -> LLM:
 
 
 def is_running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet has stopped running: it counts as gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    return True
+    return state != "Z"
 
 
 def wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:
@@ -120,10 +124,32 @@ def test_cluster_workers_refuse_tensor_parallel(tiny_checkpoint):
         WorkerBase(config, "worker-0")
 
 
-def test_hung_then_killed_rank_raise_clear_errors_and_leave_no_process(tiny_checkpoint, monkeypatch):
-    monkeypatch.setattr(pipeline.parallel, "COLLECTIVE_TIMEOUT_S", 3.0)
-    llm = tp_llm(tiny_checkpoint("llama"))
-    [pid] = llm.engine.model.driver.pids
+def test_no_rank_outlives_a_killed_engine_process(tiny_checkpoint):
+    script = (
+        "import sys, time\n"
+        "from pipeline import LLM\n"
+        "if __name__ == '__main__':\n"
+        "    llm = LLM(sys.argv[1], tensor_parallel_size=2, kv_cache={'num_blocks': 32})\n"
+        "    print(*llm.engine.model.driver.pids, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    engine = subprocess.Popen([sys.executable, "-c", script, tiny_checkpoint("llama")], stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parents[2])
+    try:
+        pids = [int(p) for p in engine.stdout.readline().split()]
+        assert pids and all(is_running(p) for p in pids)
+    finally:
+        engine.kill()  # SIGKILL: no close(), no atexit; the ranks see their pipe close
+        engine.wait()
+    assert wait_gone(pids) == []
+
+
+def test_hung_then_killed_rank_raise_clear_errors_and_leave_no_process(llama_tp, monkeypatch):
+    """Last in the module: it breaks the shared LLM. Rank 1 is stopped (SIGSTOP), then killed."""
+    llm = llama_tp
+    group = llm.engine.model.driver
+    monkeypatch.setattr(llm.engine.model.collectives, "timeout", datetime.timedelta(seconds=3))
+    [pid] = group.pids
     try:
         os.kill(pid, signal.SIGSTOP)  # rank 1 stops answering mid-run
         started = time.monotonic()
@@ -131,7 +157,7 @@ def test_hung_then_killed_rank_raise_clear_errors_and_leave_no_process(tiny_chec
             llm.generate([PROMPTS[0]], greedy(4))
         assert time.monotonic() - started < 30
         os.kill(pid, signal.SIGKILL)
-        llm.engine.model.driver.processes[0].join(10)  # then rank 1 dies
+        group.processes[0].join(10)  # then rank 1 dies
         with pytest.raises(TensorParallelError, match=f"rank 1 \\(pid {pid}\\) exited with code -9"):
             llm.generate([PROMPTS[0]], greedy(4))
     finally:
@@ -142,11 +168,9 @@ def test_hung_then_killed_rank_raise_clear_errors_and_leave_no_process(tiny_chec
 
 def _children() -> list[int]:
     """Pids of this process's live children (Linux)."""
-    import pathlib
-
     me = os.getpid()
     found = []
-    for status in pathlib.Path("/proc").glob("[0-9]*/stat"):
+    for status in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = status.read_text().rsplit(")", 1)[1].split()
         except OSError:
