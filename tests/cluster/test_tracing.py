@@ -37,8 +37,8 @@ def cluster(tiny_checkpoint, tmp_path_factory, receiver):
 
 def _complete(cluster, headers: dict | None = None) -> dict:
     response = httpx.post(f"{cluster.url}/v1/completions", headers=headers, timeout=60, json={
-        "model": os.path.basename(cluster.model_path), "prompt": "Paged attention keeps the cache in blocks", "max_tokens": 6,
-        "temperature": 0, "ignore_eos": True})
+        "model": os.path.basename(cluster.model_path), "prompt": "Paged attention keeps the cache in blocks",
+        "max_tokens": 6, "temperature": 0, "ignore_eos": True})
     assert response.status_code == 200, response.text
     return response.json()
 

@@ -28,7 +28,8 @@ assert tracing.start_span("x", parent={"traceparent": "00-%s-%s-01"}) is tracing
 assert tracing.inject(tracing.NOOP_SPAN) is None
 assert tracing.request_spans() is tracing.NOOP_REQUEST_SPANS
 assert request_trace("r", 3, 4, 0, {"traceparent": "x"}) is NO_TRACE and NO_TRACE.context is None
-loaded = [m for m in sys.modules if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter", "pipeline.tracing.otlp"))]
+sdk = ("opentelemetry.sdk", "opentelemetry.exporter", "pipeline.tracing.otlp")
+loaded = [m for m in sys.modules if m.startswith(sdk)]
 assert not loaded, loaded
 """ % (CLIENT_TRACE_ID, CLIENT_SPAN_ID)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
