@@ -4,6 +4,7 @@ and the OTLP/HTTP exporter. Imported only when an endpoint is configured."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -15,6 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 TRACES_PATH = "/v1/traces"
+SHUTDOWN_FLUSH_S = 2.0  # how long a stopping process waits for its last spans to reach the collector
 
 
 def traces_url(endpoint: str) -> str:
@@ -29,7 +31,8 @@ class OtlpTracing:
         attributes = {"service.name": service_name}
         if worker_id:
             attributes |= {"service.instance.id": worker_id, "tandem.worker_id": worker_id}
-        self.provider = TracerProvider(resource=Resource.create(attributes))
+        # shut down by ``shutdown`` (bounded), not by the SDK's unbounded one at interpreter exit
+        self.provider = TracerProvider(resource=Resource.create(attributes), shutdown_on_exit=False)
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -45,8 +48,12 @@ class OtlpTracing:
         propagate.inject(carrier, context=trace.set_span_in_context(span, Context()))
         return carrier
 
-    def shutdown(self) -> None:
-        self.provider.shutdown()  # flushes the batch processor, then stops the exporter
+    def shutdown(self, flush_timeout_s: float = SHUTDOWN_FLUSH_S) -> None:
+        """Send the spans still batched, waiting at most ``flush_timeout_s``: a collector that is down must
+        not hold up a process's exit (the exporter retries for up to 10 s). Spans not out by then are lost."""
+        stopping = threading.Thread(target=self.provider.shutdown, name="tracing-shutdown", daemon=True)
+        stopping.start()
+        stopping.join(flush_timeout_s)
 
 
 def _context(parent: Any) -> Context:

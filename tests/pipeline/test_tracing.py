@@ -105,3 +105,30 @@ def test_retain_ends_the_spans_of_requests_the_worker_let_go():
         ended = {s.name for s in log.spans()}
         assert ended == {"prefill", "prefill.queue"} and len(spans) == 1
         spans.end_all("kept")
+
+
+def test_shutdown_sends_the_batched_spans_over_otlp_http():
+    from bench.otlp_receiver import OtlpReceiver
+
+    with OtlpReceiver() as receiver:
+        assert tracing.configure(receiver.endpoint, "tandem-decode", "decode-3")
+        try:
+            for i in range(20):
+                tracing.start_span(f"s{i}").end()
+            assert receiver.spans == []  # batched: the SDK's 5 s delay has not passed
+        finally:
+            tracing.shutdown()
+        assert sorted(s.name for s in receiver.spans) == sorted(f"s{i}" for i in range(20))
+        assert {(s.service, s.worker_id) for s in receiver.spans} == {("tandem-decode", "decode-3")}
+
+
+def test_a_collector_that_is_down_does_not_hold_up_a_stopping_process():
+    import time
+
+    from pipeline.tracing.otlp import SHUTDOWN_FLUSH_S
+
+    assert tracing.configure("http://127.0.0.1:9", "tandem-router")  # nothing listens on the discard port
+    tracing.start_span("lost").end()
+    started = time.monotonic()
+    tracing.shutdown()  # the exporter alone would retry for about 10 s
+    assert time.monotonic() - started < SHUTDOWN_FLUSH_S + 1.5
