@@ -71,7 +71,8 @@ def main() -> None:
             print(json.dumps(entry), flush=True)
         for llm in engines.values():
             llm.close()
-    report = {"cpu": cpu, "load_average_1m_after": os.getloadavg()[0], "cores": cores, "model": "bench.offline_throughput 'large' (~150M, fp32)",
+    report = {"cpu": cpu, "load_average_1m_after": os.getloadavg()[0], "cores": cores,
+              "model": "bench.offline_throughput 'large' (~150M, fp32)",
               "num_prompts": NUM_PROMPTS, "prefill_prompt_len": PREFILL_LEN, "decode_prompt_len": DECODE_PROMPT_LEN,
               "decode_tokens": DECODE_TOKENS, "greedy_tokens_equal": same_tokens, "repeats": args.repeats,
               "results": results}

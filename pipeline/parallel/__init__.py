@@ -42,7 +42,8 @@ def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, devi
     group = RankGroup(size, model_path, dtype, device, config.kernel_backend, config.model.cpu_weight_prepack,
                       COLLECTIVE_TIMEOUT_S)
     try:
-        collectives = Collectives(group.store, 0, size, rank_device(device, 0), COLLECTIVE_TIMEOUT_S)
+        collectives = group.join_group(
+            lambda: Collectives(group.store, 0, size, rank_device(device, 0), COLLECTIVE_TIMEOUT_S))
         spec = ShardSpec.of(hf_config, 0, size)
         model = TensorParallelLlama(hf_config, dtype, rank_device(device, 0), spec, collectives, driver=group)
         model.load_weights(read_shards(model_path, spec))

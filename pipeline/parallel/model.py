@@ -63,7 +63,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, spec: ShardSpec, hidden_size: int, dtype: torch.dtype, device, collectives: Collectives):
         super().__init__()
-        self.weight = empty_parameter(spec.vocab_per_rank, hidden_size, dtype=dtype, device=device)  # [vocab/tp, hidden]
+        # [vocab / tp, hidden]
+        self.weight = empty_parameter(spec.vocab_per_rank, hidden_size, dtype=dtype, device=device)
         self.start = spec.rank * spec.vocab_per_rank
         self.collectives = collectives
 
@@ -76,7 +77,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class TensorParallelLlama(LlamaFamilyForCausalLM):
-    """A rank's shard of a Llama/Mistral/Qwen2/Qwen3 model; ``load_weights`` expects ``shard_spec.read_shards``' slices."""
+    """A rank's shard of a Llama/Mistral/Qwen2/Qwen3 model; ``load_weights`` takes ``read_shards``' slices."""
 
     def __init__(self, hf_config, dtype: torch.dtype, device, spec: ShardSpec, collectives: Collectives,
                  driver=None):

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import logging
 import multiprocessing
 import os
+import threading
 import traceback
 import weakref
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 
 from pipeline.forward_batch import ForwardBatch
 from pipeline.parallel.shard_spec import ShardSpec, TensorParallelError
 
-logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 STARTUP_TIMEOUT_S = 300.0  # spawning a child, importing torch and loading its shard
 
 
@@ -89,14 +90,36 @@ class RankGroup:
                 kind, detail = pipe.recv()
             except EOFError:
                 kind, detail = "error", "exited while loading"
-            if kind != "ready":
+            if kind != "ready":  # the child's whole traceback is on its stderr
                 self.close()
-                raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {detail}")
+                raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: "
+                                          f"{detail.strip().splitlines()[-1]}")
+
+    def join_group(self, make_collectives: Callable[[], T]) -> T:
+        """Rank 0's ``make_collectives()`` (it waits for every rank to join), watching the children meanwhile:
+        one that dies before it joins raises at once instead of after the store's timeout."""
+        result: dict = {}
+
+        def run():
+            try:
+                result["value"] = make_collectives()
+            except BaseException as exc:  # handed to the caller's thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=run, name="tandem-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            if thread.is_alive():
+                self.check_alive()
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
 
     def check_alive(self) -> None:
-        """``TensorParallelError`` naming every child rank that exited."""
-        dead = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
-                for rank, p in enumerate(self.processes, start=1) if not p.is_alive()]
+        """``TensorParallelError`` naming every child rank that exited (and the last line of the error it sent)."""
+        dead = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}{_reported_error(pipe)}"
+                for rank, (p, pipe) in enumerate(zip(self.processes, self.pipes), start=1) if not p.is_alive()]
         if dead:
             raise TensorParallelError("tensor-parallel " + "; ".join(dead) + ": the engine cannot continue")
 
@@ -121,6 +144,18 @@ class RankGroup:
     def close(self) -> None:
         """Stop every child rank (asked first, then terminated, then killed). Idempotent."""
         self._finalizer()
+
+
+def _reported_error(pipe) -> str:
+    """``: <last line>`` of the traceback a dead child sent before it exited, or ``""``."""
+    try:
+        while pipe.poll():
+            kind, detail = pipe.recv()
+            if kind == "error":
+                return ": " + detail.strip().splitlines()[-1]
+    except (EOFError, OSError):
+        pass
+    return ""
 
 
 def _stop_ranks(processes: list, pipes: list) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from pipeline import LLM
 from pipeline.parallel import TensorParallelError
-from tests.conftest import check_greedy_and_logprobs, greedy, hf_logprobs
+from tests.conftest import TINY_CONFIGS, check_greedy_and_logprobs, greedy, hf_logprobs
 from tests.moe_checkpoints import moe_checkpoint  # noqa: F401 (a fixture)
 
 PROMPTS = [[1, 5, 9, 2, 7], list(range(3, 40)), [11, 4], [8] * 21]
@@ -73,8 +73,21 @@ def test_prefix_cached_prompt_and_prompt_logprobs_match_transformers(llama_tp, t
         assert abs(entry[token] - reference[position - 1, token].item()) < 1e-4
 
 
-def test_qwen3_greedy_and_logprobs_match_transformers(tiny_checkpoint, hf_reference):
-    path = tiny_checkpoint("qwen3")  # q/k norms, explicit head_dim 32 != hidden / heads
+@pytest.fixture(scope="module")
+def biased_llama(tmp_path_factory) -> str:
+    """Llama with biases on every projection: o_proj's and down_proj's are added once, on rank 0."""
+    from pipeline.builtin_model import build_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny-llama-biased")
+    build_checkpoint(path, "llama", **{**TINY_CONFIGS["llama"], "attention_bias": True, "mlp_bias": True})
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama_biased"])
+def test_other_layouts_match_transformers(name, tiny_checkpoint, biased_llama, hf_reference):
+    # qwen3: q/k norms, head_dim 32 != hidden / heads; llama_biased: q/k/v (column-parallel) and o/down
+    # (row-parallel) biases. Qwen2 differs from these only in which projections have biases.
+    path = biased_llama if name == "llama_biased" else tiny_checkpoint(name)
     with tp_llm(path) as llm:
         check_greedy_and_logprobs(llm, hf_reference(path)[0], PROMPTS, 10, atol=1e-4)
         pids = llm.engine.model.driver.pids
@@ -115,11 +128,33 @@ def test_unsupported_setups_are_refused_by_name(case, expected, tiny_checkpoint,
     assert set(_children()) <= children_before  # refused before any rank was started
 
 
+def test_a_rank_that_fails_to_load_is_reported_and_stopped(tiny_checkpoint, tmp_path, monkeypatch):
+    import dataclasses
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+
+    class BrokenChildren:  # rank 1 is told to read a directory with no checkpoint in it; rank 0 reads the real one
+        Pipe = spawn.Pipe
+
+        def Process(self, target, args, **kwargs):
+            rank_args, pipe = args
+            return spawn.Process(target=target, args=(dataclasses.replace(rank_args, model_path=str(tmp_path)), pipe),
+                                 **kwargs)
+
+    children_before = set(_children())
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method: BrokenChildren())
+    with pytest.raises(TensorParallelError, match="rank 1 .*(failed to start|exited).*config"):
+        tp_llm(tiny_checkpoint("llama"))
+    assert wait_gone(list(set(_children()) - children_before)) == []
+
+
 def test_cluster_workers_refuse_tensor_parallel(tiny_checkpoint):
     from pipeline.config import ConfigError, PipelineConfig
     from pipeline.worker_base import WorkerBase
 
-    config = PipelineConfig.load(overrides={"tensor_parallel_size": 2, "model": {"model_path": tiny_checkpoint("llama")}})
+    overrides = {"tensor_parallel_size": 2, "model": {"model_path": tiny_checkpoint("llama")}}
+    config = PipelineConfig.load(overrides=overrides)
     with pytest.raises(ConfigError, match="cluster workers do not run tensor parallelism"):
         WorkerBase(config, "worker-0")
 
