@@ -149,6 +149,16 @@ def test_a_rank_that_fails_to_load_is_reported_and_stopped(tiny_checkpoint, tmp_
     assert wait_gone(list(set(_children()) - children_before)) == []
 
 
+def test_size_one_is_the_single_process_engine(tiny_checkpoint):
+    from pipeline.models.llama import LlamaFamilyForCausalLM
+
+    children_before = set(_children())
+    with LLM(tiny_checkpoint("llama"), **ENGINE) as llm:  # tensor_parallel_size defaults to 1
+        assert type(llm.engine.model) is LlamaFamilyForCausalLM
+        assert llm.engine.kv_cache.shape[-2] == 2  # every KV head here
+        assert set(_children()) <= children_before
+
+
 def test_cluster_workers_refuse_tensor_parallel(tiny_checkpoint):
     from pipeline.config import ConfigError, PipelineConfig
     from pipeline.worker_base import WorkerBase
