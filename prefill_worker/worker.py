@@ -33,8 +33,8 @@ import logging
 import os
 
 from kv_transfer.connector.setup import ConnectorSetup
-from pipeline import tracing
 from kv_transfer.connector.source import SourceStatus, SourceTransfer
+from pipeline import tracing
 from pipeline.config import PipelineConfig
 from pipeline.endpoints import worker_bind_endpoint
 from pipeline.engine import RequestError, StepOutput
