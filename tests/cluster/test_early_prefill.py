@@ -12,6 +12,7 @@ from tests.cluster.test_worker_deadlines import (  # noqa: F401 (base: a fixture
     FakeRouter,
     base,
     config,
+    join_worker,
     pd_pair_with_slow_decode,
     run_in_thread,
 )
@@ -66,7 +67,7 @@ def test_the_decode_workers_request_claims_the_prefill_started_before_it_asked(t
     finally:
         for stop, thread in threads:
             stop.set()
-            thread.join(10)
+            join_worker(thread)
         router.close()
 
 
@@ -93,5 +94,5 @@ def test_an_early_prefill_nobody_claims_ends_after_its_hold_and_leaves_its_kv_ca
         assert not router.deltas  # nothing was streamed for it
     finally:
         stop.set()
-        thread.join(10)
+        join_worker(thread)
         router.close()

@@ -84,15 +84,23 @@ def run_in_thread(worker):
     return stop, thread
 
 
+def join_worker(thread: threading.Thread) -> None:
+    """Wait for a stopped worker's thread: it must have closed everything (no thread left to the next test)."""
+    thread.join(10)
+    assert not thread.is_alive(), "a stopped worker's thread is still running"
+
+
 @pytest.fixture
 def base(tmp_path):
     return f"ipc://{tmp_path}/t"
 
 
 def config(model_path: str, base: str, role: str, **extra) -> PipelineConfig:
+    # drain_timeout_s 0: a stopped worker fails what is still in flight and closes at once, so its thread
+    # (and its KV transfer threads) have ended when the test's teardown has joined it
     return PipelineConfig.load(overrides={
         "pipeline_role": role, "zmq_endpoint_base": base, "model": {"model_path": model_path},
-        "kv_cache": {"page_size": 4, "num_blocks": 64}, **extra,
+        "kv_cache": {"page_size": 4, "num_blocks": 64}, "drain_timeout_s": 0, **extra,
     }, environ={})
 
 
@@ -116,7 +124,7 @@ def test_decode_reservation_expires_when_no_kv_arrives(tiny_checkpoint, base, tm
         assert worker.engine.kv_manager.num_free_blocks == free_at_start
     finally:
         stop.set()
-        thread.join(10)
+        join_worker(thread)
         router.close()
 
 
@@ -156,7 +164,7 @@ def test_prefill_hold_expires_when_decode_is_gone(tiny_checkpoint, base, tmp_pat
         decode.close()
         ctx.term()
         stop.set()
-        thread.join(10)
+        join_worker(thread)
         router.close()
 
 
@@ -196,7 +204,7 @@ def test_a_reservation_queued_on_a_busy_prefill_worker_waits_then_the_ttl_runs_f
         prefill.close()
         ctx.term()
         stop.set()
-        thread.join(10)
+        join_worker(thread)
         router.close()
 
 
@@ -231,5 +239,5 @@ def test_a_first_token_whose_kv_arrived_goes_out_before_the_next_step(tiny_check
     finally:
         for stop, thread in threads:
             stop.set()
-            thread.join(10)
+            join_worker(thread)
         router.close()
