@@ -15,6 +15,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from tests.cluster.conftest import migrations, start_cluster, wait_for_idle_blocks, worker_metric
 
@@ -35,6 +36,7 @@ def workers_alive(url: str) -> dict[str, bool]:
     return {w["worker_id"]: w["alive"] for w in httpx.get(f"{url}/ready", timeout=5).json()["workers"]}
 
 
+@pytest.mark.solo  # a 1 s liveness deadline: heartbeats on a machine shared with other tests' clusters would miss it
 def test_a_worker_inside_a_ten_second_step_is_not_declared_dead(tiny_checkpoint, tmp_path, reference_text,
                                                                 monkeypatch):
     monkeypatch.setenv("TANDEM_TEST_SLOW_STEP_S", "10")
@@ -79,6 +81,7 @@ def _stream_to_end(client, name: str, prompt: str, results: dict, key: str) -> N
         results[key] = ("error", time.monotonic(), repr(exc))
 
 
+@pytest.mark.solo  # declared dead within the 1 s deadline (+2 s): timed on a machine to itself
 def test_a_frozen_worker_is_declared_dead_and_its_streams_move_on(tiny_checkpoint, tmp_path, reference_text):
     cluster = start_cluster(tiny_checkpoint("llama"), tmp_path, num_prefill=0, num_decode=0, num_colocated=2,
                             config=FAST_LIVENESS)
