@@ -11,11 +11,10 @@ from pipeline import LLM
 from pipeline.model_runner import bytes_per_block, kv_cache_shape
 from pipeline.models.deepseek_moe import DeepseekMoe, route_grouped
 from pipeline.models.llama import MLP
-from pipeline.weights import load_model
 from tests.conftest import assert_no_leaks, check_greedy_and_logprobs, greedy, hf_greedy
 from tests.deepseek_checkpoints import DEEPSEEK_CONFIGS, deepseek_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import make_prompts
-from tests.pipeline.test_models import KERNELS, PagedSequences, hf_logits, random_tokens, run_logits
+from tests.pipeline.test_models import KERNELS, PagedSequences, hf_logits, loaded_models, random_tokens, run_logits
 
 ATOL = 1e-4
 
@@ -23,17 +22,7 @@ ATOL = 1e-4
 @pytest.fixture(scope="module")
 def loaded(deepseek_checkpoint, hf_reference):
     """``loaded(name, backend)`` -> (our fp32 model prepared for ``backend``, hf_config, transformers model)."""
-    cache: dict[tuple[str, str], tuple] = {}
-
-    def get(name: str, backend: str = "torch"):
-        if (name, backend) not in cache:
-            path = deepseek_checkpoint(name)
-            model, hf_config = load_model(path, torch.float32, "cpu")
-            KERNELS[backend].prepare_model(model)
-            cache[name, backend] = (model, hf_config, hf_reference(path)[0])
-        return cache[name, backend]
-
-    return get
+    return loaded_models(deepseek_checkpoint, hf_reference)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

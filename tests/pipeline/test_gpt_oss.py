@@ -15,7 +15,7 @@ from pipeline.weights import CheckpointError, load_model
 from tests.conftest import assert_no_leaks, check_greedy_and_logprobs, greedy, hf_greedy
 from tests.gpt_oss_checkpoints import GPT_OSS_CONFIGS, SLIDING_LAYERS, gpt_oss_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import make_prompts
-from tests.pipeline.test_models import KERNELS, PagedSequences, hf_logits, random_tokens, run_logits
+from tests.pipeline.test_models import KERNELS, PagedSequences, hf_logits, loaded_models, random_tokens, run_logits
 
 ATOL = 1e-4
 
@@ -23,17 +23,7 @@ ATOL = 1e-4
 @pytest.fixture(scope="module")
 def loaded(gpt_oss_checkpoint, hf_reference):
     """``loaded(name, backend)`` -> (our fp32 model prepared for ``backend``, hf_config, transformers model)."""
-    cache: dict[tuple[str, str], tuple] = {}
-
-    def get(name: str, backend: str = "torch"):
-        if (name, backend) not in cache:
-            path = gpt_oss_checkpoint(name)
-            model, hf_config = load_model(path, torch.float32, "cpu")
-            KERNELS[backend].prepare_model(model)
-            cache[name, backend] = (model, hf_config, hf_reference(path)[0])
-        return cache[name, backend]
-
-    return get
+    return loaded_models(gpt_oss_checkpoint, hf_reference)
 
 
 @pytest.mark.parametrize("name", GPT_OSS_CONFIGS)

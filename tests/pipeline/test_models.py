@@ -80,20 +80,26 @@ def random_tokens(vocab_size: int, n: int, seed: int) -> list[int]:
     return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def loaded_models(checkpoint, hf_reference):
+    """``get(name, backend)`` -> (our fp32 model of ``checkpoint(name)`` prepared for ``backend``, hf_config,
+    transformers' model), each loaded once: the body of every model test module's ``loaded`` fixture."""
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def get(name: str, backend: str = "torch"):
+        if (name, backend) not in cache:
+            path = checkpoint(name)
+            model, hf_config = load_model(path, torch.float32, "cpu")
+            KERNELS[backend].prepare_model(model)
+            cache[name, backend] = (model, hf_config, hf_reference(path)[0])
+        return cache[name, backend]
+
+    return get
+
+
 @pytest.fixture(scope="module")
 def loaded(tiny_checkpoint, hf_reference):
     """``loaded(arch, backend)`` -> (our fp32 model prepared for ``backend``, hf_config, transformers model)."""
-    cache: dict[tuple[str, str], tuple] = {}
-
-    def get(arch: str, backend: str = "torch"):
-        if (arch, backend) not in cache:
-            path = tiny_checkpoint(arch)
-            model, hf_config = load_model(path, torch.float32, "cpu")
-            KERNELS[backend].prepare_model(model)
-            cache[arch, backend] = (model, hf_config, hf_reference(path)[0])
-        return cache[arch, backend]
-
-    return get
+    return loaded_models(tiny_checkpoint, hf_reference)
 
 
 @pytest.mark.parametrize("backend", KERNELS)
