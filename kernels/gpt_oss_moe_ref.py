@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.moe_ref import combine_rows, sort_rows_by_expert
+from kernels.moe_ref import experts_over_grouped_rows
 
 
 def clamped_swiglu_ref(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -34,18 +34,8 @@ def clamped_swiglu_moe_ref(
     alpha: float,
     limit: float,
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    num_tokens, top_k = topk_ids.shape
-    order, rows_per_expert = sort_rows_by_expert(topk_ids, gate_up.shape[0])
-    grouped = hidden[order // top_k]  # [num_rows, hidden]: each expert's rows contiguous
-    grouped_out = torch.empty_like(grouped)  # [num_rows, hidden]
-    start = 0
-    for expert, count in enumerate(rows_per_expert.tolist()):  # one GEMM pair per expert, none per token
-        if count:
-            rows = grouped[start : start + count]  # [count, hidden]
-            projected = F.linear(rows, gate_up[expert], gate_up_bias[expert])  # [count, 2 * intermediate]
-            activated = clamped_swiglu_ref(projected, alpha, limit)  # [count, intermediate]
-            grouped_out[start : start + count] = F.linear(activated, down[expert], down_bias[expert])
-        start += count
-    row_outputs = torch.empty_like(grouped_out)
-    row_outputs[order] = grouped_out  # back to row order: token t's choices at rows t * top_k ...
-    return combine_rows(row_outputs, topk_weights, hidden.dtype)
+    def expert(index: int, rows: torch.Tensor) -> torch.Tensor:  # [count, hidden] -> [count, hidden]
+        projected = F.linear(rows, gate_up[index], gate_up_bias[index])  # [count, 2 * intermediate]
+        return F.linear(clamped_swiglu_ref(projected, alpha, limit), down[index], down_bias[index])
+
+    return experts_over_grouped_rows(hidden, topk_weights, topk_ids, gate_up.shape[0], expert)

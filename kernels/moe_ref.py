@@ -8,6 +8,8 @@ token. The triton kernel (``kernels/triton_moe.py``) groups rows the same way; t
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +35,29 @@ def combine_rows(row_outputs: torch.Tensor, topk_weights: torch.Tensor, dtype: t
     return weighted.sum(dim=1, dtype=torch.promote_types(weighted.dtype, torch.float32)).to(dtype)
 
 
+def experts_over_grouped_rows(
+    hidden: torch.Tensor,  # [num_tokens, hidden]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] routing weights
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] expert of each choice
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],  # (expert id, its rows [count, hidden]) -> [count, hidden]
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """The grouping every MoE reference shares: rows sorted by expert, ``expert`` applied once per expert to
+    its contiguous run (one GEMM pair per expert, none per token), rows back in order, combined per token."""
+    top_k = topk_ids.shape[1]
+    order, rows_per_expert = sort_rows_by_expert(topk_ids, num_experts)
+    grouped = hidden[order // top_k]  # [num_rows, hidden]: each expert's rows contiguous
+    grouped_out = torch.empty_like(grouped)  # [num_rows, hidden]
+    start = 0
+    for index, count in enumerate(rows_per_expert.tolist()):
+        if count:
+            grouped_out[start : start + count] = expert(index, grouped[start : start + count])
+        start += count
+    row_outputs = torch.empty_like(grouped_out)
+    row_outputs[order] = grouped_out  # back to row order: token t's choices at rows t * top_k ...
+    return combine_rows(row_outputs, topk_weights, hidden.dtype)
+
+
 def fused_moe_ref(
     hidden: torch.Tensor,  # [num_tokens, hidden]
     gate_up: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: gate rows, then up rows
@@ -40,17 +65,7 @@ def fused_moe_ref(
     topk_weights: torch.Tensor,  # [num_tokens, top_k] routing weights (fp32 or the model dtype)
     topk_ids: torch.Tensor,  # [num_tokens, top_k] expert of each choice
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    num_tokens, top_k = topk_ids.shape
-    order, rows_per_expert = sort_rows_by_expert(topk_ids, gate_up.shape[0])
-    grouped = hidden[order // top_k]  # [num_rows, hidden]: each expert's rows contiguous
-    grouped_out = torch.empty_like(grouped)  # [num_rows, hidden]
-    start = 0
-    for expert, count in enumerate(rows_per_expert.tolist()):  # one GEMM pair per expert, none per token
-        if count:
-            rows = grouped[start : start + count]  # [count, hidden]
-            activated = silu_and_mul_ref(F.linear(rows, gate_up[expert]))  # [count, intermediate]
-            grouped_out[start : start + count] = F.linear(activated, down[expert])
-        start += count
-    row_outputs = torch.empty_like(grouped_out)
-    row_outputs[order] = grouped_out  # back to row order: token t's choices at rows t * top_k ...
-    return combine_rows(row_outputs, topk_weights, hidden.dtype)
+    def expert(index: int, rows: torch.Tensor) -> torch.Tensor:  # [count, hidden] -> [count, hidden]
+        return F.linear(silu_and_mul_ref(F.linear(rows, gate_up[index])), down[index])
+
+    return experts_over_grouped_rows(hidden, topk_weights, topk_ids, gate_up.shape[0], expert)
