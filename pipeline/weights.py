@@ -31,8 +31,9 @@ def load_hf_config(path: str | os.PathLike):
         raise CheckpointError(f"cannot read the model config {directory / 'config.json'}: {exc}") from exc
 
 
-def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, cpu tensor)`` for every tensor of the checkpoint, one file at a time (memory-mapped)."""
+def open_weight_files(path: str | os.PathLike) -> Iterator:
+    """Yield each weight file of the checkpoint opened with safetensors (memory-mapped, on the CPU), one at a
+    time and closed after; a file that cannot be read is a ``CheckpointError`` naming it."""
     from safetensors import safe_open
 
     for file in weight_files(path):
@@ -41,8 +42,14 @@ def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tenso
         except Exception as exc:  # SafetensorError for a corrupt header, OSError for an unreadable file
             raise CheckpointError(f"cannot read weight file {file}: {exc}") from exc
         with handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+            yield handle
+
+
+def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, cpu tensor)`` for every tensor of the checkpoint, one file at a time (memory-mapped)."""
+    for handle in open_weight_files(path):
+        for name in handle.keys():
+            yield name, handle.get_tensor(name)
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype, device: str | torch.device,

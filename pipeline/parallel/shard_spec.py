@@ -16,8 +16,8 @@ from typing import Iterator
 
 import torch
 
-from pipeline.checkpoint_errors import CheckpointError
-from pipeline.checkpoint_files import read_config_json, weight_files
+from pipeline.checkpoint_files import read_config_json
+from pipeline.weights import open_weight_files
 
 # The architectures tensor parallelism runs: the dense Llama family (pipeline/models/llama.py).
 TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -125,31 +125,24 @@ class ShardSpec:
 def read_shards(path: str | os.PathLike, spec: ShardSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every checkpoint tensor, cut to ``spec``'s slice as it is read (safetensors
     ``get_slice``: the other ranks' rows are never read into memory)."""
-    from safetensors import safe_open
-
-    for file in weight_files(path):
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as exc:  # SafetensorError for a corrupt header, OSError for an unreadable file
-            raise CheckpointError(f"cannot read weight file {file}: {exc}") from exc
-        with handle:
-            for name in handle.keys():
-                cut = spec.slice_of(name)
-                if cut is None:
-                    yield name, handle.get_tensor(name)
-                    continue
-                dim, start, length, padded = cut
-                view = handle.get_slice(name)
-                shape = list(view.get_shape())
-                if padded == 0:  # a row-parallel bias on a rank other than 0
-                    dtype = handle.get_slice(name)[0:1].dtype
-                    yield name, torch.zeros(shape, dtype=dtype)
-                    continue
-                tensor = view[start:start + length] if dim == 0 else view[:, start:start + length]
-                if length < padded:  # the vocabulary's padding rows: never looked up, their logits dropped
-                    shape[dim] = padded - length
-                    tensor = torch.cat([tensor, torch.zeros(shape, dtype=tensor.dtype)], dim=dim)
-                yield name, tensor
+    for handle in open_weight_files(path):
+        for name in handle.keys():
+            cut = spec.slice_of(name)
+            if cut is None:
+                yield name, handle.get_tensor(name)
+                continue
+            dim, start, length, padded = cut
+            view = handle.get_slice(name)
+            shape = list(view.get_shape())
+            if padded == 0:  # a row-parallel bias on a rank other than 0
+                dtype = handle.get_slice(name)[0:1].dtype
+                yield name, torch.zeros(shape, dtype=dtype)
+                continue
+            tensor = view[start:start + length] if dim == 0 else view[:, start:start + length]
+            if length < padded:  # the vocabulary's padding rows: never looked up, their logits dropped
+                shape[dim] = padded - length
+                tensor = torch.cat([tensor, torch.zeros(shape, dtype=tensor.dtype)], dim=dim)
+            yield name, tensor
 
 
 def check_checkpoint(path: str | os.PathLike, hf_config, tensor_parallel_size: int, quantization: str | None) -> None:
