@@ -51,6 +51,7 @@ CLUSTER_LANE = ("tests/cluster/", "tests/deploy/test_cli_processes.py", "tests/d
                 "tests/deploy/test_cpu_binding.py", "tests/deploy/test_ray_up_local_provider.py",
                 "tests/deploy/test_generate_cmd.py", "tests/deploy/test_gpu_check.py",
                 "tests/bench/test_serve_bench_live.py", "tests/cpu_kernels/test_native_fallback.py", "tests/security/",
+                "tests/pipeline/test_tensor_parallel.py",
                 "tests/observability/")
 
 
