@@ -14,7 +14,7 @@ from pipeline.models.llama import MLP
 from tests.conftest import assert_no_leaks, check_greedy_and_logprobs, greedy, hf_greedy
 from tests.deepseek_checkpoints import DEEPSEEK_CONFIGS, deepseek_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import make_prompts
-from tests.pipeline.test_models import KERNELS, PagedSequences, hf_logits, loaded_models, random_tokens, run_logits
+from tests.pipeline.test_models import KERNELS, check_batch_over_cached_prefix, loaded_models
 
 ATOL = 1e-4
 
@@ -58,23 +58,8 @@ def test_dense_first_layers_then_moe_with_shared_experts(loaded, name):
 def test_batch_over_cached_prefix_matches_transformers(loaded, name, backend):
     """Three sequences prefilled together, continued over their cached latent prefixes, then one decode step."""
     model, hf_config, hf_model = loaded(name, backend)
-    prefix_lens, continue_lens = [9, 14, 5], [3, 1, 4]
-    full = [random_tokens(hf_config.vocab_size, p + c + 1, seed=10 + i)
-            for i, (p, c) in enumerate(zip(prefix_lens, continue_lens))]
-    paged = PagedSequences(model, num_seqs=3, max_len=max(map(len, full)))
+    paged = check_batch_over_cached_prefix(model, hf_config, hf_model, backend, [9, 14, 5], [3, 1, 4], atol=ATOL)
     assert paged.kv_cache.shape[1] == 1 and paged.kv_cache.shape[4] == 1  # built from the model's latent geometry
-    steps = [
-        [seq[:p] for seq, p in zip(full, prefix_lens)],
-        [seq[p : p + c] for seq, p, c in zip(full, prefix_lens, continue_lens)],
-        [seq[-1:] for seq in full],
-    ]
-    got = [run_logits(model, paged, step, backend) for step in steps]
-    for i, seq in enumerate(full):
-        expected = hf_logits(hf_model, seq)  # [len, vocab]
-        ours = torch.cat([step_logits[sum(map(len, step[:i])) : sum(map(len, step[: i + 1]))]
-                          for step, step_logits in zip(steps, got)])
-        torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0)
-        assert torch.equal(ours.argmax(-1), expected.argmax(-1))
 
 
 def latent_and_expanded_bytes_per_token(c, dtype: torch.dtype) -> tuple[int, int]:

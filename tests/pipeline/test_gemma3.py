@@ -14,7 +14,15 @@ from pipeline.weights import CheckpointError, load_model
 from tests.conftest import assert_no_leaks, check_greedy_and_logprobs, greedy, hf_greedy
 from tests.gemma_checkpoints import GEMMA3_CONFIGS, LOCAL_LAYERS, gemma3_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import make_prompts
-from tests.pipeline.test_models import KERNELS, PagedSequences, hf_logits, loaded_models, random_tokens, run_logits
+from tests.pipeline.test_models import (
+    KERNELS,
+    PagedSequences,
+    check_batch_over_cached_prefix,
+    hf_logits,
+    loaded_models,
+    random_tokens,
+    run_logits,
+)
 from tests.pipeline.test_prompt_logprobs import check_against_transformers
 
 ATOL = 1e-4
@@ -47,23 +55,8 @@ def test_batch_over_cached_prefix_matches_transformers(loaded, name, backend):
     """Three sequences longer than the window prefilled together, continued over their cached prefixes, then
     decode steps, each step's logits within 1e-4 of transformers' and the same argmax."""
     model, hf_config, hf_model = loaded(name, backend)
-    prefix_lens, continue_lens, num_decodes = [13, 22, 9], [5, 1, 12], 3
-    full = [random_tokens(hf_config.vocab_size, p + c + num_decodes, seed=20 + i)
-            for i, (p, c) in enumerate(zip(prefix_lens, continue_lens))]
-    paged = PagedSequences(model, num_seqs=3, max_len=max(map(len, full)))
-    steps = [
-        [seq[:p] for seq, p in zip(full, prefix_lens)],
-        [seq[p : p + c] for seq, p, c in zip(full, prefix_lens, continue_lens)],
-        *[[seq[len(seq) - num_decodes + d : len(seq) - num_decodes + d + 1] for seq in full]
-          for d in range(num_decodes)],
-    ]
-    got = [run_logits(model, paged, step, backend) for step in steps]
-    for i, seq in enumerate(full):
-        expected = hf_logits(hf_model, seq)  # [len, vocab]
-        ours = torch.cat([step_logits[sum(map(len, step[:i])) : sum(map(len, step[: i + 1]))]
-                          for step, step_logits in zip(steps, got)])
-        torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0)
-        assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+    check_batch_over_cached_prefix(model, hf_config, hf_model, backend, [13, 22, 9], [5, 1, 12], num_decodes=3,
+                                   seed=20, atol=ATOL)
 
 
 @pytest.mark.parametrize("backend", KERNELS)

@@ -80,6 +80,31 @@ def random_tokens(vocab_size: int, n: int, seed: int) -> list[int]:
     return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def check_batch_over_cached_prefix(model, hf_config, hf_model, backend: str, prefix_lens: list[int],
+                                   continue_lens: list[int], num_decodes: int = 1, seed: int = 10,
+                                   atol: float = 1e-4) -> PagedSequences:
+    """Prefill the sequences together, continue them over their cached prefixes, then ``num_decodes`` decode
+    steps: every token's logits within ``atol`` of transformers' over the whole sequence, the same argmax.
+    Returns the paged cache (a caller may check its geometry)."""
+    full = [random_tokens(hf_config.vocab_size, p + c + num_decodes, seed=seed + i)
+            for i, (p, c) in enumerate(zip(prefix_lens, continue_lens))]
+    paged = PagedSequences(model, num_seqs=len(full), max_len=max(map(len, full)))
+    steps = [
+        [seq[:p] for seq, p in zip(full, prefix_lens)],
+        [seq[p : p + c] for seq, p, c in zip(full, prefix_lens, continue_lens)],
+        *[[seq[len(seq) - num_decodes + d : len(seq) - num_decodes + d + 1] for seq in full]
+          for d in range(num_decodes)],  # decode: one token per sequence a step
+    ]
+    got = [run_logits(model, paged, step, backend) for step in steps]
+    for i, seq in enumerate(full):
+        expected = hf_logits(hf_model, seq)  # [len, vocab]
+        ours = torch.cat([step_logits[sum(map(len, step[:i])) : sum(map(len, step[: i + 1]))]
+                          for step, step_logits in zip(steps, got)])
+        torch.testing.assert_close(ours, expected, atol=atol, rtol=0)
+        assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+    return paged
+
+
 def loaded_models(checkpoint, hf_reference):
     """``get(name, backend)`` -> (our fp32 model of ``checkpoint(name)`` prepared for ``backend``, hf_config,
     transformers' model), each loaded once: the body of every model test module's ``loaded`` fixture."""
@@ -122,26 +147,7 @@ def test_single_prefill_matches_transformers(loaded, arch, backend):
 def test_batch_over_cached_prefix_matches_transformers(loaded, arch, backend):
     """Prefill three sequences together, continue them over their cached prefixes, then one decode step."""
     model, hf_config, hf_model = loaded(arch, backend)
-    prefix_lens, continue_lens = [9, 14, 5], [3, 1, 4]
-    full = [random_tokens(hf_config.vocab_size, p + c + 1, seed=10 + i)
-            for i, (p, c) in enumerate(zip(prefix_lens, continue_lens))]
-    paged = PagedSequences(model, num_seqs=3, max_len=max(map(len, full)))
-
-    steps = [
-        [seq[:p] for seq, p in zip(full, prefix_lens)],
-        [seq[p : p + c] for seq, p, c in zip(full, prefix_lens, continue_lens)],
-        [seq[-1:] for seq in full],  # decode: one token per sequence
-    ]
-    got = [run_logits(model, paged, step, backend) for step in steps]
-
-    for i, seq in enumerate(full):
-        expected = hf_logits(hf_model, seq)  # [len, vocab]
-        start = 0
-        for step, step_logits in zip(steps, got):
-            offset = sum(len(s) for s in step[:i])
-            n = len(step[i])
-            torch.testing.assert_close(step_logits[offset : offset + n], expected[start : start + n], atol=ATOL, rtol=0)
-            start += n
+    check_batch_over_cached_prefix(model, hf_config, hf_model, backend, [9, 14, 5], [3, 1, 4], atol=ATOL)
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from tests.pipeline.test_engine_exactness import make_prompts
 from tests.pipeline.test_models import (
     KERNELS,
     PagedSequences,
+    check_batch_over_cached_prefix,
     hf_logits,
     loaded_models,
     random_tokens,
@@ -90,22 +91,7 @@ def test_sparse_and_dense_layers_where_transformers_has_them(loaded, name):
 def test_batch_over_cached_prefix_matches_transformers(loaded, name, backend):
     """Three sequences prefilled together, continued over their cached prefixes, then one decode step."""
     model, hf_config, hf_model = loaded(name, backend)
-    prefix_lens, continue_lens = [9, 14, 5], [3, 1, 4]
-    full = [random_tokens(hf_config.vocab_size, p + c + 1, seed=10 + i)
-            for i, (p, c) in enumerate(zip(prefix_lens, continue_lens))]
-    paged = PagedSequences(model, num_seqs=3, max_len=max(map(len, full)))
-    steps = [
-        [seq[:p] for seq, p in zip(full, prefix_lens)],
-        [seq[p : p + c] for seq, p, c in zip(full, prefix_lens, continue_lens)],
-        [seq[-1:] for seq in full],
-    ]
-    got = [run_logits(model, paged, step, backend) for step in steps]
-    for i, seq in enumerate(full):
-        expected = hf_logits(hf_model, seq)  # [len, vocab]
-        ours = torch.cat([step_logits[sum(map(len, step[:i])) : sum(map(len, step[: i + 1]))]
-                          for step, step_logits in zip(steps, got)])
-        torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0)
-        assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+    check_batch_over_cached_prefix(model, hf_config, hf_model, backend, [9, 14, 5], [3, 1, 4], atol=ATOL)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
