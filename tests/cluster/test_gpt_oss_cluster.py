@@ -1,8 +1,8 @@
 """A gpt-oss checkpoint (attention sinks, 8-token sliding windows among full layers, biased experts) served by
-real processes in one 1P1D cluster: prompts longer than 6 tokens are prefilled on the prefill worker and their
-KV sent to the decode worker; shorter ones the decode worker prefills itself (the colocated path). Greedy
-completions must be transformers' own, token for token, with its logprobs (1e-4); afterwards every KV block is
-back."""
+real processes: by one colocated worker, and by a 1P1D cluster in which prompts longer than 6 tokens are
+prefilled on the prefill worker and their KV sent to the decode worker, while shorter ones the decode worker
+prefills itself. Greedy completions must be transformers' own, token for token, with its logprobs (1e-4), in
+both shapes; afterwards every KV block is back."""
 
 from __future__ import annotations
 
@@ -46,3 +46,18 @@ def test_remote_and_local_prefill_match_transformers(cluster, gpt_oss_checkpoint
         time.sleep(0.1)
     assert worker_metric(cluster.url, PROMPT_TOKENS_COMPUTED, "prefill-0") == sum(map(len, long_ids))
     assert worker_metric(cluster.url, PROMPT_TOKENS_COMPUTED, "decode-0") == len(short_ids)
+
+
+@pytest.fixture(scope="module")
+def colocated_cluster(gpt_oss_checkpoint, tmp_path_factory):
+    with running_cluster(gpt_oss_checkpoint("gpt_oss"), tmp_path_factory.mktemp("gpt-oss-colocated"), num_prefill=0,
+                         num_decode=0, num_colocated=1) as running:
+        yield running
+
+
+def test_a_colocated_worker_matches_transformers(colocated_cluster, gpt_oss_checkpoint, hf_reference):
+    """The PrefillAndDecode role: one worker prefills (past the window) and decodes, transformers' tokens."""
+    model, tokenizer = hf_reference(gpt_oss_checkpoint("gpt_oss"))
+    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in [*LONG_PROMPTS, SHORT_PROMPT]]
+    check_greedy_against_transformers(colocated_cluster, model, tokenizer, prompt_ids, NUM_NEW_TOKENS,
+                                      is_remote_prefill=False)
