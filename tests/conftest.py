@@ -169,6 +169,16 @@ def check_greedy_and_logprobs(llm, hf_model, prompts: list[list[int]], num_new_t
     return outs
 
 
+def check_cached_continuations(llm, hf_model, prompts: list[list[int]], min_cached_tokens: int,
+                               num_new_tokens: int = 6) -> None:
+    """Prompts whose first blocks ``llm``'s prefix cache holds: transformers' greedy tokens, and more than
+    ``min_cached_tokens`` of them read from the cache instead of computed again."""
+    computed_before = llm.engine.num_prompt_tokens_computed
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy(num_new_tokens))):
+        assert out.token_ids == hf_greedy(hf_model, prompt, num_new_tokens)
+    assert llm.engine.num_prompt_tokens_computed - computed_before < sum(map(len, prompts)) - min_cached_tokens
+
+
 def assert_no_leaks(kv_manager, num_free_at_start: int) -> None:
     """Every block is back in the free pool (prefix-cached blocks with no holder count as free)."""
     assert kv_manager.num_free_blocks == num_free_at_start, (

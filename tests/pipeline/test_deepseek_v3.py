@@ -11,7 +11,7 @@ from pipeline import LLM
 from pipeline.model_runner import bytes_per_block, kv_cache_shape
 from pipeline.models.deepseek_moe import DeepseekMoe, route_grouped
 from pipeline.models.llama import MLP
-from tests.conftest import assert_no_leaks, check_greedy_and_logprobs, greedy, hf_greedy
+from tests.conftest import assert_no_leaks, check_cached_continuations, check_greedy_and_logprobs
 from tests.deepseek_checkpoints import DEEPSEEK_CONFIGS, deepseek_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import make_prompts
 from tests.pipeline.test_models import KERNELS, check_batch_over_cached_prefix, loaded_models
@@ -115,9 +115,6 @@ def test_llm_greedy_and_logprobs_match_transformers(name, backend, deepseek_chec
 
     outs = check_greedy_and_logprobs(llm, hf_model, prompts, NUM_NEW_TOKENS, ATOL)
 
-    computed_before = llm.engine.num_prompt_tokens_computed
     again = [prompts[1] + outs[1].token_ids[:7], prompts[4] + [5, 6, 7]]  # their first blocks are cached
-    for prompt, out in zip(again, llm.generate(again, greedy(6))):
-        assert out.token_ids == hf_greedy(hf_model, prompt, 6)
-    assert llm.engine.num_prompt_tokens_computed - computed_before < sum(map(len, again)) - 8
+    check_cached_continuations(llm, hf_model, again, min_cached_tokens=8)
     assert_no_leaks(llm.engine.kv_manager, free_at_start)

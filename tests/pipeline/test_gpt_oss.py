@@ -12,7 +12,7 @@ import torch
 
 from pipeline import LLM
 from pipeline.weights import CheckpointError, load_model
-from tests.conftest import assert_no_leaks, check_greedy_and_logprobs, greedy, hf_greedy
+from tests.conftest import assert_no_leaks, check_cached_continuations, check_greedy_and_logprobs
 from tests.gpt_oss_checkpoints import GPT_OSS_CONFIGS, SLIDING_LAYERS, gpt_oss_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import make_prompts
 from tests.pipeline.test_models import (
@@ -93,11 +93,8 @@ def test_llm_greedy_and_logprobs_match_transformers(name, backend, gpt_oss_check
 
     outs = check_greedy_and_logprobs(llm, hf_model, prompts, NUM_NEW_TOKENS, ATOL)
 
-    computed_before = llm.engine.num_prompt_tokens_computed
     again = [prompts[1] + outs[1].token_ids[:7], prompts[3] + [5, 6, 7]]  # their first blocks are cached
-    for prompt, out in zip(again, llm.generate(again, greedy(6))):
-        assert out.token_ids == hf_greedy(hf_model, prompt, 6)
-    assert llm.engine.num_prompt_tokens_computed - computed_before < sum(map(len, again)) - 40
+    check_cached_continuations(llm, hf_model, again, min_cached_tokens=40)
     assert_no_leaks(llm.engine.kv_manager, free_at_start)
 
 

@@ -16,7 +16,7 @@ from pipeline import LLM
 from pipeline.builtin_model import build_checkpoint
 from pipeline.models.moe import SparseMoeBlock, route
 from pipeline.weights import CheckpointError, iter_safetensors, load_model
-from tests.conftest import assert_no_leaks, check_greedy_and_logprobs, greedy, hf_greedy
+from tests.conftest import assert_no_leaks, check_cached_continuations, check_greedy_and_logprobs
 from tests.moe_checkpoints import MOE_CONFIGS, SPARSE_LAYERS, moe_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import make_prompts
 from tests.pipeline.test_models import (
@@ -171,9 +171,6 @@ def test_llm_greedy_and_logprobs_match_transformers(name, backend, moe_checkpoin
 
     outs = check_greedy_and_logprobs(llm, hf_model, prompts, NUM_NEW_TOKENS, ATOL)
 
-    computed_before = llm.engine.num_prompt_tokens_computed
     again = [prompts[1] + outs[1].token_ids[:7], prompts[4] + [5, 6, 7]]  # their first blocks are cached
-    for prompt, out in zip(again, llm.generate(again, greedy(6))):
-        assert out.token_ids == hf_greedy(hf_model, prompt, 6)
-    assert llm.engine.num_prompt_tokens_computed - computed_before < sum(map(len, again)) - 8
+    check_cached_continuations(llm, hf_model, again, min_cached_tokens=8)
     assert_no_leaks(llm.engine.kv_manager, free_at_start)
