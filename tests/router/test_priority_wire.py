@@ -9,13 +9,11 @@ import pytest
 from pipeline.protocol.cluster import (
     DEFAULT_DEADLINE_S,
     GenerateRequest,
-    PrefillRequest,
-    StartPrefill,
-    decode_decode_to_prefill,
     decode_router_to_worker,
     encode,
 )
 from pipeline.protocol.requests import SamplingParams
+from tests.router.wire_roundtrip import round_trip_work_starting_messages
 
 class OldGenerateRequest(msgspec.Struct, tag="GenerateRequest", array_like=True, omit_defaults=True, gc=False,
                          kw_only=True):
@@ -49,12 +47,4 @@ def test_a_process_that_predates_priority_decodes_a_new_frame():
 
 @pytest.mark.parametrize("priority", [-5, 7])
 def test_priority_round_trips(priority):
-    params = SamplingParams(max_tokens=3)
-    generate = GenerateRequest(request_id="r", prompt_token_ids=[1], sampling_params=params, priority=priority)
-    start = StartPrefill(request_id="r", prompt_token_ids=[1], sampling_params=params, priority=priority)
-    prefill = PrefillRequest(request_id="r", prompt_token_ids=[1], sampling_params=params, dst_block_ids=[0],
-                             num_cached_tokens=0, transfer_endpoint="ipc:///x", decode_worker_id="d", ttl_s=1.0,
-                             priority=priority)
-    assert decode_router_to_worker(encode(generate)).priority == priority
-    assert decode_router_to_worker(encode(start)).priority == priority
-    assert decode_decode_to_prefill(encode(prefill)).priority == priority
+    assert [message.priority for message in round_trip_work_starting_messages(priority=priority)] == [priority] * 3

@@ -9,13 +9,11 @@ import msgspec
 from pipeline.protocol.cluster import (
     DEFAULT_DEADLINE_S,
     GenerateRequest,
-    PrefillRequest,
-    StartPrefill,
-    decode_decode_to_prefill,
     decode_router_to_worker,
     encode,
 )
 from pipeline.protocol.requests import SamplingParams
+from tests.router.wire_roundtrip import round_trip_work_starting_messages
 
 CONTEXT = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "tracestate": "k=v"}
 
@@ -50,14 +48,9 @@ def test_an_old_process_decodes_a_traced_frame():
 
 
 def test_trace_context_round_trips_on_every_message_that_starts_work():
+    messages = round_trip_work_starting_messages(trace_context=CONTEXT)
+    assert [message.trace_context for message in messages] == [CONTEXT] * 3
     params = SamplingParams(max_tokens=3)
-    generate = GenerateRequest(request_id="r", prompt_token_ids=[1], sampling_params=params, trace_context=CONTEXT)
-    start = StartPrefill(request_id="r", prompt_token_ids=[1], sampling_params=params, trace_context=CONTEXT)
-    prefill = PrefillRequest(request_id="r", prompt_token_ids=[1], sampling_params=params, dst_block_ids=[0],
-                             num_cached_tokens=0, transfer_endpoint="ipc:///x", decode_worker_id="d", ttl_s=1.0,
-                             trace_context=CONTEXT)
-    assert decode_router_to_worker(encode(generate)).trace_context == CONTEXT
-    assert decode_router_to_worker(encode(start)).trace_context == CONTEXT
-    assert decode_decode_to_prefill(encode(prefill)).trace_context == CONTEXT
+    traced = GenerateRequest(request_id="r", prompt_token_ids=[1], sampling_params=params, trace_context=CONTEXT)
     untraced = GenerateRequest(request_id="r", prompt_token_ids=[1], sampling_params=params)
-    assert len(encode(untraced)) < len(encode(generate))  # off: nothing extra on the wire (omitted default)
+    assert len(encode(untraced)) < len(encode(traced))  # off: nothing extra on the wire (omitted default)
