@@ -2,8 +2,8 @@
 
 A worker inside one 10-second engine step keeps heartbeating (from its router link's own thread) and
 reports how long the step has run; it is never declared dead and its request completes. A worker
-frozen with SIGSTOP falls silent and is declared dead within the deadline; its streams end with an
-error event while the other worker keeps serving; after SIGCONT it is admitted again. A 1P1D cluster
+frozen with SIGSTOP mid-stream falls silent and is declared dead within the deadline; its streams
+move on to the other worker and end with transformers' exact text; after SIGCONT it is admitted again. A 1P1D cluster
 whose prefill worker is gone (and not restarted) serves by prefilling on the decode worker.
 """
 
@@ -20,6 +20,7 @@ import pytest
 from tests.cluster.conftest import migrations, start_cluster, wait_for_idle_blocks, worker_metric
 
 NUM_BLOCKS = 1024
+STREAM_TOKENS = 300
 FAST_LIVENESS = {
     "kv_cache": {"page_size": 4, "num_blocks": NUM_BLOCKS},
     "max_batch_input_tokens": 512,
@@ -70,47 +71,55 @@ def test_a_worker_inside_a_ten_second_step_is_not_declared_dead(tiny_checkpoint,
         cluster.stop()
 
 
-def _stream_to_end(client, name: str, prompt: str, results: dict, key: str) -> None:
+def _stream_to_end(client, name: str, prompt: str, results: dict, key: str, streaming: set) -> None:
     text = ""
     try:
-        for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=800, temperature=0, stream=True,
+        for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=STREAM_TOKENS, temperature=0, stream=True,
                                                extra_body={"ignore_eos": True}):
             text += chunk.choices[0].text
+            streaming.add(key)
         results[key] = ("completed", time.monotonic(), text)
     except (openai.APIError, httpx.HTTPError) as exc:
         results[key] = ("error", time.monotonic(), repr(exc))
 
 
 @pytest.mark.solo  # declared dead within the 1 s deadline (+2 s): timed on a machine to itself
-def test_a_frozen_worker_is_declared_dead_and_its_streams_move_on(tiny_checkpoint, tmp_path, reference_text):
+def test_a_frozen_worker_is_declared_dead_and_its_streams_move_on(tiny_checkpoint, tmp_path, reference_text,
+                                                                 monkeypatch):
+    # 20 ms per step (a slower model): the streams are still under way, on both workers, when one freezes
+    monkeypatch.setenv("TANDEM_TEST_STEP_DELAY_S", "0.02")
     cluster = start_cluster(tiny_checkpoint("llama"), tmp_path, num_prefill=0, num_decode=0, num_colocated=2,
-                            config=FAST_LIVENESS)
+                            config=FAST_LIVENESS, entry_module="tests.cluster.slow_steps")
     frozen = cluster.processes["colocated-1"]
     try:
         client = client_for(cluster)
         name = client.models.list().data[0].id
         results: dict = {}
+        streaming: set = set()  # the streams that have their first tokens: one frozen mid-stream must migrate
         prompts = [f"story {i}" for i in range(4)]
-        threads = [threading.Thread(target=_stream_to_end, args=(client, name, prompt, results, str(i)),
+        threads = [threading.Thread(target=_stream_to_end, args=(client, name, prompt, results, str(i), streaming),
                                     daemon=True) for i, prompt in enumerate(prompts)]
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + 10
-        while (worker_metric(cluster.url, "tandem_worker_running_requests", "colocated-1") or 0.0) == 0:
-            assert time.monotonic() < deadline, "no stream reached colocated-1"
+        deadline = time.monotonic() + 20
+        while len(streaming) < len(prompts) or not worker_metric(cluster.url, "tandem_worker_running_requests",
+                                                                 "colocated-1"):
+            assert time.monotonic() < deadline, "no stream under way on colocated-1"
             time.sleep(0.05)
         frozen.send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
-        while migrations(cluster.url) == 0:  # declared dead within the deadline (+ slack): its streams move
+        assert not results, "every stream is still under way when the worker freezes"
+        while workers_alive(cluster.url)["colocated-1"]:  # declared dead within the deadline (+ slack)
             assert time.monotonic() - stopped_at < 1.0 + 2.0, "the frozen worker was not declared dead in time"
             time.sleep(0.05)
+        assert migrations(cluster.url) > 0, "its streams, under way, move on to the live worker"
         for thread in threads:
             thread.join(60)
         # the frozen worker's streams went on on the live one: every stream is transformers' exact text
         assert len(results) == 4 and all(r[0] == "completed" for r in results.values()), results
         for i, prompt in enumerate(prompts):
             ids = httpx.post(f"{cluster.url}/tokenize", json={"prompt": prompt}, timeout=5).json()["tokens"]
-            assert results[str(i)][2] == reference_text(ids, 800)[1]
+            assert results[str(i)][2] == reference_text(ids, STREAM_TOKENS)[1]
         assert not workers_alive(cluster.url)["colocated-1"]
         prompt = [12, 44, 91, 200]
         out = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
