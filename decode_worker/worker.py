@@ -61,7 +61,8 @@ class DecodeWorker(WorkerBase):
         self.spans = tracing.request_spans()  # no-ops without tracing
         if self.is_disaggregated:
             setup = ConnectorSetup.build(worker_id, self.engine.kv_cache_for_transfer(), self.model_fingerprint,
-                                         config.transfer.transport, config.kernel_backend)
+                                         config.transfer.transport, config.kernel_backend,
+                                         self.engine.kv_layer_windows())
 
             def bind(name: str) -> str:
                 # Per incarnation (pid): a peer must handshake anew with a restarted worker (a new cache),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from pipeline.protocol.transfer import KV_KINDS, TRANSPORTS, KVLayout
@@ -14,12 +16,14 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 TORCH_DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
-def kv_layout(kv_cache: torch.Tensor, model_hash: str, transport: str = "auto") -> KVLayout:
+def kv_layout(kv_cache: torch.Tensor, model_hash: str, transport: str = "auto",
+              layer_windows: Sequence[int | None] = ()) -> KVLayout:
     """The record of ``kv_cache`` ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``, or of a
     latent cache ``[num_layers, 1, num_blocks, page_size, 1, latent_dim]`` (multi-head latent attention).
 
     ``transport`` is "auto" (shared memory on one host, else ZMQ) or one name of ``TRANSPORTS`` to
-    force it; a receiver whose cache is not shared memory drops "shm" by itself.
+    force it; a receiver whose cache is not shared memory drops "shm" by itself. ``layer_windows``: each
+    layer's sliding attention window (None or 0: full attention), or empty when every layer is full.
     """
     if transport != "auto" and transport not in TRANSPORTS:
         raise ValueError(f"transport: must be 'auto' or one of {', '.join(TRANSPORTS)} (got {transport!r})")
@@ -34,13 +38,14 @@ def kv_layout(kv_cache: torch.Tensor, model_hash: str, transport: str = "auto") 
         head_dim=head_dim,
         transports=TRANSPORTS if transport == "auto" else (transport,),
         kv_kind=next(kind for kind, pages in KV_KINDS.items() if pages == pages_per_layer),
+        layer_windows=tuple(int(window or 0) for window in layer_windows) if any(layer_windows) else (),
     )
 
 
 def check_kv_cache(kv_cache: torch.Tensor, layout: KVLayout) -> None:
     """Raise ``ValueError`` naming every field where ``kv_cache`` disagrees with ``layout``."""
     _check_shape(kv_cache)
-    actual = kv_layout(kv_cache, layout.model_hash)
+    actual = kv_layout(kv_cache, layout.model_hash, layer_windows=layout.layer_windows)
     problems = layout.mismatch(actual, ours="record", theirs="kv_cache")
     if problems:
         raise ValueError("kv_cache does not match its KVLayout: " + "; ".join(problems))

@@ -351,6 +351,19 @@ class LLMEngine:
         head_dim]`` (a draft model's layers after the target's, so its KV travels in the same transfer)."""
         return self.kv_cache
 
+    def kv_layer_windows(self) -> list[int | None]:
+        """Each layer of ``kv_cache_for_transfer`` with its attention window (None: full attention), so a
+        transfer skips a sliding layer's blocks outside it; a draft's layers count as full (sent whole)."""
+        layers = getattr(getattr(self.model, "model", None), "layers", [])
+        windows = [getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in layers]
+        num_layers = self.kv_cache.shape[0]
+        return windows[:num_layers] + [None] * (num_layers - len(windows))
+
+    def withhold_from_prefix_cache(self, request_id: str) -> None:
+        """A reserved request whose KV will not all arrive (a sliding layer's blocks outside its window): its
+        blocks never enter the prefix cache (nor the router's KV index)."""
+        self.kv_manager.withhold(request_id)
+
     def block_table(self, request_id: str) -> list[int]:
         """The blocks ``request_id`` holds, in token order (reserved, running, paused or held)."""
         return list(self.kv_manager.block_table(request_id))

@@ -53,6 +53,7 @@ class _SequenceBlocks:
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     last_hash: bytes | None = None
     tail_token_ids: tuple[int, ...] = ()  # the tokens with KV in block ``num_hashed_blocks`` (not full)
+    is_withheld: bool = False  # its blocks past those published by now never enter the prefix cache
 
 
 class KVCacheManager:
@@ -175,6 +176,7 @@ class KVCacheManager:
         for block_id in parent.block_ids[:num_shared]:
             self._take(block_id)
             child.block_ids.append(block_id)
+        child.is_withheld = parent.is_withheld  # it shares the parent's blocks: their KV is as incomplete
         self._sequences[child_id] = child
         self._grow(child, self.num_blocks_for(num_tokens))
         return num_shared * self.page_size
@@ -188,11 +190,19 @@ class KVCacheManager:
         self._grow(seq, self.num_blocks_for(num_tokens))
         return True
 
+    def withhold(self, seq_id: str) -> None:
+        """Keep ``seq_id``'s blocks not published yet out of the prefix cache for good, and keep no partial tail
+        of it: some hold no valid KV in every layer (a sliding-window layer's blocks outside its window, never
+        sent by a prefill worker). Published hashes chain, so nothing after the first such block could be reused."""
+        self._sequences[seq_id].is_withheld = True
+
     def register_computed(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Publish the full blocks among the first ``num_computed_tokens`` (KV written) to the prefix cache."""
         if not self.enable_prefix_caching:
             return
         seq = self._sequences[seq_id]
+        if seq.is_withheld:
+            return
         num_full = min(num_computed_tokens // self.page_size, len(seq.block_ids))
         for i in range(seq.num_hashed_blocks, num_full):
             content_hash = hash_block(seq.last_hash, token_ids[i * self.page_size : (i + 1) * self.page_size])

@@ -53,7 +53,8 @@ class PrefillWorker(WorkerBase):
     def __init__(self, config: PipelineConfig, worker_id: str) -> None:
         super().__init__(config, worker_id)
         setup = ConnectorSetup.build(worker_id, self.engine.kv_cache_for_transfer(), self.model_fingerprint,
-                                     config.transfer.transport, config.kernel_backend)
+                                     config.transfer.transport, config.kernel_backend,
+                                     self.engine.kv_layer_windows())
         # Per incarnation (pid): a restarted worker must not receive what decode workers queued for its predecessor.
         self.source = setup.open_source(self.ctx, self.engine, worker_bind_endpoint(
             config.zmq_endpoint_base, worker_id, f"prefill-{os.getpid()}", host=config.resolved_bind_host()),

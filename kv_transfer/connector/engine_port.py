@@ -33,6 +33,10 @@ class SinkEngine(Protocol):
 
     def block_table(self, request_id: str) -> list[int]: ...
 
+    def withhold_from_prefix_cache(self, request_id: str) -> None:
+        """The request's blocks will not all hold valid KV (a sliding-window layer's blocks outside its window
+        are not sent): none of them may enter the prefix cache."""
+
     def activate_remote(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None,
                         prompt_logprobs: Any = None) -> Any:
         """The prompt's KV landed: the request decodes from its first token (returns its step output)."""

@@ -4,6 +4,7 @@ connector halves around them, from the worker's KV cache tensor and its compatib
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import zmq
@@ -31,8 +32,11 @@ class ConnectorSetup:
 
     @classmethod
     def build(cls, worker_id: str, kv_cache: torch.Tensor, model_fingerprint: str, transport: str,
-              kernel_backend: str) -> "ConnectorSetup":
-        return cls(worker_id, kv_cache, kv_layout(kv_cache, model_fingerprint, transport), kernel_backend)
+              kernel_backend: str, layer_windows: Sequence[int | None] = ()) -> "ConnectorSetup":
+        """``layer_windows``: each cache layer's sliding attention window (None: full), as the engine's
+        ``kv_layer_windows``; a sliding layer's blocks outside the window never travel."""
+        layout = kv_layout(kv_cache, model_fingerprint, transport, layer_windows)
+        return cls(worker_id, kv_cache, layout, kernel_backend)
 
     def open_source(self, ctx: zmq.Context, engine: SourceEngine, bind: str, *, socket_name: str = "prefill socket",
                     sender_name: str = "kv-sender", logger=None) -> KVSource:

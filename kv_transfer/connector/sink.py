@@ -11,7 +11,9 @@ A request walks (``SinkStatus``; vLLM's WAITING_FOR_REMOTE_KVS, SGLang's preallo
 
 - ``expect``: the engine queued the request for a reservation (``WAITING_FOR_BLOCKS``).
 - ``progress``: the engine reserves blocks (prefix blocks it holds are reused and skipped by the source);
-  the receiver expects them and the source gets a ``PrefillRequest`` (``REQUESTED``, TTL running until it
+  the receiver expects them (exactly the bytes ``sliding_window.planned_bytes`` says: a sliding-window layer's
+  blocks outside the window are not sent, and such a request's blocks are withheld from the prefix cache)
+  and the source gets a ``PrefillRequest`` (``REQUESTED``, TTL running until it
   answers). ``PrefillAccepted`` stops the TTL (queued there: load, not a fault); ``PrefillStarted`` starts it
   again for the prefill and the transfer. The receiver's verdict activates the request in the engine (its
   first token, or nothing for a migrated stream) or fails it.
@@ -32,6 +34,7 @@ import msgspec
 
 from kv_transfer.connector.engine_port import SinkEngine
 from kv_transfer.connector.source_links import SourceLinks
+from kv_transfer.sliding_window import leaves_blocks_incomplete, planned_bytes
 from pipeline.protocol.cluster import (
     CancelPrefill,
     GenerateRequest,
@@ -153,8 +156,7 @@ class KVSink:
     def _request(self, transfer: SinkTransfer, reservation, now: float) -> None:
         request = transfer.request
         block_ids = self.engine.block_table(transfer.request_id)
-        self.receiver.expect(transfer.request_id, block_ids)
-        self.links.send(request.prefill_endpoint, PrefillRequest(
+        ask = PrefillRequest(
             request_id=transfer.request_id,
             # a live-migrated stream: its prompt and every token sent, whose KV the source holds
             prompt_token_ids=list(reservation.token_ids) if transfer.is_migration else request.prompt_token_ids,
@@ -167,7 +169,12 @@ class KVSink:
             source_request_id=request.kv_source_request_id,
             priority=request.priority,
             trace_context=request.trace_context,
-        ))
+        )
+        layout = self.receiver.layout
+        if leaves_blocks_incomplete(layout, ask):  # a sliding layer's blocks before its window never come
+            self.engine.withhold_from_prefix_cache(transfer.request_id)
+        self.receiver.expect(transfer.request_id, block_ids, planned_bytes(layout, ask))
+        self.links.send(request.prefill_endpoint, ask)
         transfer.status, transfer.ttl_deadline = SinkStatus.REQUESTED, now + self.ttl_s  # until the source answers
 
     @staticmethod

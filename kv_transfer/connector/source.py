@@ -33,6 +33,7 @@ from typing import Any
 
 from kv_transfer.connector.engine_port import SourceEngine
 from kv_transfer.interface import SendStatus
+from kv_transfer.sliding_window import plan_request
 from pipeline.protocol.cluster import (
     CancelPrefill,
     DecodeToPrefill,
@@ -65,7 +66,8 @@ class SourceTransfer:
     request: PrefillRequest | None = None  # the sink's ask (destination blocks, endpoint), once it came
     reply_to: bytes | None = None  # the sink's routing id on the source socket
     num_skipped_blocks: int = 0  # leading destination blocks the sink already holds (its prefix cache)
-    num_sent_blocks: int = 0  # leading destination blocks sent or already on the sink
+    num_sent_blocks: int = 0  # leading destination blocks sent (those a sliding layer skips included) or on the sink
+    is_open_at_sender: bool = False  # some blocks went to the sender (a plan may skip every layer of the first ones)
     early: StartPrefill | None = None  # prefill worker: the router's early start, until a sink claims it
     early_output: Any = None  # prefill worker: an unclaimed early prefill's result, kept for the claim
 
@@ -77,8 +79,7 @@ class SourceTransfer:
     @property
     def is_known_to_sender(self) -> bool:
         """Whether the sender has seen the request (it then reports it exactly once, and may read its blocks)."""
-        return (self.status in (SourceStatus.FINISHING, SourceStatus.DROPPING)
-                or self.num_sent_blocks > self.num_skipped_blocks)
+        return self.status in (SourceStatus.FINISHING, SourceStatus.DROPPING) or self.is_open_at_sender
 
 
 class KVSource:
@@ -173,15 +174,19 @@ class KVSource:
             self.ship(request_id, num_tokens // self.engine.page_size)
 
     def ship(self, request_id: str, upto_block: int) -> None:
-        """Send the blocks not sent yet below destination block ``upto_block``."""
+        """Send the blocks not sent yet below destination block ``upto_block``, each to the layers that need it
+        (a sliding-window layer only inside the window the sink can still attend to: ``plan_request``)."""
         transfer = self.transfers[request_id]
         dst = transfer.request.dst_block_ids
         upto_block = min(upto_block, len(dst))
         if upto_block <= transfer.num_sent_blocks:
             return
         table = self.engine.block_table(request_id)
-        self.sender.send_blocks(transfer.transfer_id, transfer.request.transfer_endpoint,
-                                table[transfer.num_sent_blocks:upto_block], dst[transfer.num_sent_blocks:upto_block])
+        for send in plan_request(self.sender.layout, transfer.request, transfer.num_sent_blocks, upto_block):
+            self.sender.send_blocks(transfer.transfer_id, transfer.request.transfer_endpoint,
+                                    table[send.block_start:send.block_stop], dst[send.block_start:send.block_stop],
+                                    layers=send.layers)
+            transfer.is_open_at_sender = True
         transfer.num_sent_blocks = upto_block
 
     def finish(self, request_id: str, done_payload: bytes, upto_block: int) -> None:

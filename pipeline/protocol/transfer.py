@@ -26,7 +26,7 @@ TRANSPORTS: tuple[str, ...] = ("shm", "zmq")
 DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Fields that must be equal on both ends; ``transports`` is negotiated instead.
 LAYOUT_FIELDS: tuple[str, ...] = ("model_hash", "dtype", "page_size", "num_layers", "kv_kind", "num_kv_heads",
-                                  "head_dim")
+                                  "head_dim", "layer_windows")
 # What a layer holds per block: "kv" a K page and a V page ([num_layers, 2, ...] caches), "latent" one page
 # of latent rows (multi-head latent attention: [num_layers, 1, num_blocks, page_size, 1, latent_dim]).
 KV_KINDS: dict[str, int] = {"kv": 2, "latent": 1}  # kind -> pages per layer and block
@@ -43,6 +43,9 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     head_dim: int
     transports: tuple[str, ...] = TRANSPORTS  # what this end accepts, in preference order
     kv_kind: str = "kv"  # a KV_KINDS key (last, with a default: records of older processes still decode)
+    # Each layer's attention window in tokens, 0 for full attention; empty: every layer full. A sliding
+    # layer's blocks outside the window its sink can still attend to are never sent (kv_transfer/sliding_window.py).
+    layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -52,6 +55,9 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("page_size", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)!r})")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise ValueError(f"layer_windows: must be empty or one window >= 0 per layer ({self.num_layers}; "
+                             f"got {self.layer_windows!r})")
         unknown = [t for t in self.transports if t not in TRANSPORTS]
         if unknown or not self.transports:
             raise ValueError(f"transports: must be a non-empty subset of {TRANSPORTS} (got {self.transports!r})")
@@ -70,6 +76,11 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     def layer_block_bytes(self) -> int:
         """Bytes of one block of one layer (its K and V pages, or its latent page)."""
         return self.pages_per_layer * self.page_bytes
+
+    @property
+    def attention_windows(self) -> tuple[int, ...]:
+        """Each layer's attention window (0: full attention), whether or not the record spells them out."""
+        return self.layer_windows or (0,) * self.num_layers
 
     def kv_bytes(self, num_blocks: int, num_layers: int | None = None) -> int:
         """Bytes a transfer of ``num_blocks`` blocks over ``num_layers`` layers (default: all) moves."""

@@ -13,6 +13,7 @@ from kv_transfer.connector.sink import KVSink, SinkStatus
 from kv_transfer.connector.source import KVSource, SourceStatus
 from kv_transfer.interface import ReceivedTransfer, SendStatus
 from pipeline.protocol import SamplingParams
+from pipeline.protocol.transfer import KVLayout
 from pipeline.protocol.cluster import (
     CancelPrefill,
     GenerateRequest,
@@ -37,6 +38,10 @@ class FakeEngine:
         self.aborted: list[tuple[str, bool]] = []
         self.to_reserve: list = []
         self.activated: list = []
+        self.withheld: list[str] = []
+
+    def withhold_from_prefix_cache(self, request_id):
+        self.withheld.append(request_id)
 
     def block_table(self, request_id):
         return self.tables[request_id]
@@ -60,12 +65,16 @@ class FakeEngine:
 class FakeSender:
     def __init__(self) -> None:
         self.sent: list[tuple[str, list[int], list[int]]] = []
+        self.layers: list[slice | None] = []
         self.finished: list[str] = []
         self.aborted: list[str] = []
         self.results: list[SendStatus] = []
 
-    def send_blocks(self, request_id, endpoint, src, dst):
+    layout = KVLayout(model_hash="m", dtype="float32", page_size=PAGE, num_layers=2, num_kv_heads=1, head_dim=2)
+
+    def send_blocks(self, request_id, endpoint, src, dst, layers=None):
         self.sent.append((request_id, list(src), list(dst)))
+        self.layers.append(layers)
 
     def finish(self, request_id, payload):
         self.finished.append(request_id)
@@ -206,11 +215,15 @@ class FakeReceiver:
 
     def __init__(self) -> None:
         self.expected: dict[str, list[int]] = {}
+        self.expected_bytes: dict[str, int | None] = {}
         self.aborted: list[str] = []
         self.results: list[ReceivedTransfer] = []
 
-    def expect(self, request_id, block_ids):
+    layout = FakeSender.layout
+
+    def expect(self, request_id, block_ids, num_bytes=None):
         self.expected[request_id] = list(block_ids)
+        self.expected_bytes[request_id] = num_bytes
 
     def abort(self, request_id):
         self.aborted.append(request_id)
@@ -334,3 +347,46 @@ def test_a_malformed_done_message_fails_the_request(sink):
     sink.receiver.results.append(ReceivedTransfer("g", ok=True, payload=b"\x01garbage"))
     (event,) = sink.progress()
     assert event.error.startswith("malformed PrefillDone payload") and sink.engine.aborted == [("g", False)]
+
+
+# ---------------------------------------------------------------- sliding-window layers
+WINDOWED = KVLayout(model_hash="m", dtype="float32", page_size=PAGE, num_layers=3, num_kv_heads=1, head_dim=2,
+                    layer_windows=(4, 0, 4))  # sliding, full, sliding
+
+
+def test_a_sliding_layer_ships_only_the_blocks_in_its_window(source):
+    """A 10-token prompt, window 4: queries from token 10 on see keys from 7 on (block 1), so block 0 goes for
+    the full layer only; every other block for every layer, as chunks complete."""
+    source.sender.layout = WINDOWED
+    source.accept(b"d", prefill_request(num_blocks=3))
+    source.on_kv_written([("r", 4)])
+    source.on_kv_written([("r", 8)])
+    source.finish("r", b"done", upto_block=3)
+    assert [(src, layers) for _, src, _, layers in zip(*zip(*source.sender.sent), source.sender.layers)] == [
+        ([7], slice(1, 2)), ([8], slice(0, 3)), ([9], slice(0, 3))]
+
+
+def test_a_plan_that_skips_every_layer_of_the_first_blocks_opens_the_sender_only_when_it_sends(source):
+    source.sender.layout = KVLayout(model_hash="m", dtype="float32", page_size=PAGE, num_layers=2, num_kv_heads=1,
+                                    head_dim=2, layer_windows=(4, 4))
+    source.accept(b"d", prefill_request(num_blocks=3))
+    source.on_kv_written([("r", 4)])  # block 0: outside every window, nothing sent
+    transfer = source.get("r")
+    assert source.sender.sent == [] and transfer.num_sent_blocks == 1 and not transfer.is_known_to_sender
+    source.drop("r", "cancelled")  # the sender never saw it: gone at once
+    assert source.get("r") is None and source.engine.aborted == [("r", False)]
+
+
+def test_the_sink_expects_the_windowed_bytes_and_withholds_blocks_it_will_not_receive(sink):
+    sink.receiver.layout = WINDOWED
+    for rid, num_cached_tokens in (("g", 0), ("h", 4)):
+        sink.expect(GenerateRequest(request_id=rid, prompt_token_ids=list(range(10)), sampling_params=GREEDY,
+                                    prefill_endpoint="ipc://p"))
+        sink.engine.tables[rid] = [10, 11, 12]
+        sink.engine.to_reserve = [SimpleNamespace(request_id=rid, token_ids=list(range(10)),
+                                                  num_cached_tokens=num_cached_tokens)]
+        sink.progress(100.0)
+    # 10 tokens, 3 blocks: the full layer all 3, the sliding ones blocks 1 and 2; with block 0 cached, 2 each
+    assert sink.receiver.expected_bytes == {"g": (3 + 2 * 2) * WINDOWED.layer_block_bytes,
+                                            "h": 3 * 2 * WINDOWED.layer_block_bytes}
+    assert sink.engine.withheld == ["g"]  # "h" misses nothing: block 0 is its own cached prefix

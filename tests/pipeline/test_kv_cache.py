@@ -150,3 +150,28 @@ def test_a_short_first_turn_keeps_its_only_block_as_a_tail():
     assert kv.allocate("b", [5, 6, 7, 8, 9], 5) == 3
     kv.free("b")
     assert kv.num_free_blocks == 8
+
+
+def test_a_withheld_sequence_publishes_nothing_more_nor_its_forks_nor_a_tail():
+    """A remote prefill whose sliding layers' early blocks never came: reserved on top of a cached prefix, its
+    own blocks never enter the prefix cache (nor the events the router's index reads), nor does a fork's, nor
+    a partial tail; the prefix it reused stays cached."""
+    kv = KVCacheManager(num_blocks=32, page_size=4)
+    kv.record_events()
+    shared = list(range(8))
+    kv.allocate("warm", shared + [99], 9)
+    kv.register_computed("warm", shared + [99], 9)
+    kv.free("warm")
+    kv.drain_events()
+    prompt = shared + list(range(100, 122))  # 30 tokens: 2 blocks cached, 6 more (and a partial) to receive
+    assert kv.allocate("remote", prompt, 31) == 8
+    kv.withhold("remote")
+    kv.register_computed("remote", prompt, 30)
+    assert kv.fork("remote", "choice-1", 30) == 28
+    kv.register_computed("choice-1", prompt, 30)
+    assert kv.drain_events() == ([], [])
+    kv.free("remote")
+    kv.free("choice-1")
+    assert kv.allocate("later", prompt + [7], 31) == 8  # the shared prefix only: no block, no tail of "remote"
+    kv.free("later")
+    assert kv.num_free_blocks == 32
