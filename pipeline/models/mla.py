@@ -60,6 +60,10 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 class LatentAttention(nn.Module):
     """MLA: q (through the q LoRA or ``q_proj``), the latent row into the cache, absorbed attention, o projection."""
 
+    # kv_b_proj is never called: its key and value rows are folded into the queries and outputs (forward), so a
+    # quantized checkpoint's kv_b_proj is loaded dequantized, not swapped for a quantized layer
+    weights_read_directly = ("kv_b_proj",)
+
     def __init__(self, hf_config, dtype: torch.dtype, device):
         super().__init__()
         self.num_heads = hf_config.num_attention_heads

@@ -10,8 +10,9 @@ quantized weight with its scale, hands the kept (int8 / fp8) layers their tensor
 per-tensor scale repeated over its rows, so a fused projection's parts stay row blocks), and dequantizes every
 other quantized weight to fp32 (``dequantize.py``). ``finish`` lays the kept weights out for the GEMM.
 
-Eligible: every linear but the output projection (``lm_head``, whose logits stay in the model dtype) and a
-mixture-of-experts router (a ``gate`` beside ``experts``). Experts are stacked tensors, not linears: a
+Eligible: every linear but the output projection (``lm_head``, whose logits stay in the model dtype), a
+mixture-of-experts router (a ``gate`` beside ``experts``) and a linear whose module reads its weight instead of
+calling it (``weights_read_directly``: MLA's ``kv_b_proj``, loaded dequantized). Experts are stacked tensors, not linears: a
 quantized MoE checkpoint loads its experts dequantized and runs them in the model dtype.
 """
 
@@ -172,11 +173,15 @@ def plan_quantization(model: torch.nn.Module, path: str | os.PathLike, requested
 
 
 def _is_eligible(model: torch.nn.Module, name: str) -> bool:
-    """Not the output projection, not a mixture-of-experts router."""
+    """Not the output projection, not a mixture-of-experts router, not a linear its module reads as weights
+    (listed in the module's ``weights_read_directly``: multi-head latent attention folds ``kv_b_proj`` into its
+    queries and outputs instead of calling it)."""
     if name == "lm_head":
         return False
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
+    if leaf in getattr(parent, "weights_read_directly", ()):
+        return False
     return not (leaf == "gate" and hasattr(parent, "experts"))
 
 
