@@ -14,7 +14,8 @@ transformers stores the experts transposed and with gate and up interleaved (``g
 hidden, 2 * intermediate]``: gate columns even, up columns odd; ``down_proj [experts, intermediate,
 hidden]``); they are laid out once at load as the grouped GEMM reads them, ``[experts, 2 * intermediate,
 hidden]`` with the gate block first, and ``[experts, hidden, intermediate]``. MXFP4-quantized checkpoints
-(the hub's originals) are refused by the quantization check; their bf16 copies load.
+(the hub's originals) reach ``load_weights`` already dequantized to that float layout
+(``pipeline/quantization/mxfp4.py``).
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@ anything starts, and the loader calls it again. Two methods are understood:
   ``naive-quantized`` format: symmetric 8-bit weights (int8 or float8_e4m3fn) with ``weight_scale`` per tensor or
   per output channel (fp8 also per block), activations none, dynamic per token or static per tensor;
 - ``fp8`` (transformers' FineGrainedFP8 / DeepSeek-V3 style, and vLLM's per-tensor fp8): float8 weights with
-  ``weight_scale_inv`` per block (``weight_block_size``) or per tensor, or ``weight_scale``.
+  ``weight_scale_inv`` per block (``weight_block_size``) or per tensor, or ``weight_scale``;
+- ``mxfp4`` on gpt-oss (the hub's released checkpoints): the experts in OCP MXFP4 (``*_blocks`` and ``*_scales``),
+  dequantized at load (``mxfp4.py``).
 
-Everything else (int4 ``pack-quantized``, ``nvfp4``, ``mxfp4``, awq, gptq, bitsandbytes, a quantized KV cache,
+Everything else (int4 ``pack-quantized``, ``nvfp4``, mxfp4 on another architecture, awq, gptq, bitsandbytes, a quantized KV cache,
 sparsity, asymmetric schemes) is a ``CheckpointError`` that names it.
 """
 
@@ -20,7 +22,7 @@ from typing import Literal
 
 from pipeline.checkpoint_errors import CheckpointError
 
-SUPPORTED_METHODS = "compressed-tensors (int-quantized, float-quantized, naive-quantized 8-bit), fp8"
+SUPPORTED_METHODS = "compressed-tensors (int-quantized, float-quantized, naive-quantized 8-bit), fp8, mxfp4 (gpt-oss)"
 COMPRESSED_TENSORS_FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
 # what ``--quantization`` (``model.quantization``) can do to a checkpoint at load
 LOAD_TIME_METHODS = ("int8",)
@@ -30,13 +32,13 @@ LOAD_TIME_METHODS = ("int8",)
 class QuantizationSpec:
     """How a checkpoint's quantized linear weights are stored and meant to run.
 
-    ``weight_type``: int8 or fp8 (float8) values; ``weight_strategy``: one scale per tensor, per output
+    ``weight_type``: int8, fp8 (float8) or mxfp4 (e2m1 in 32-value blocks with a power-of-two scale) values; ``weight_strategy``: one scale per tensor, per output
     channel or per ``block_size`` block; ``activations``: none (weight-only), dynamic per-token scales, or
     a static per-tensor ``input_scale`` from the checkpoint.
     """
 
     method: str  # for messages: "compressed-tensors int-quantized", "fp8"
-    weight_type: Literal["int8", "fp8"]
+    weight_type: Literal["int8", "fp8", "mxfp4"]
     weight_strategy: Literal["tensor", "channel", "block"]
     activations: Literal["none", "dynamic", "static"]
     block_size: tuple[int, int] | None = None
@@ -66,6 +68,8 @@ def quantization_spec(config: dict) -> QuantizationSpec | None:
         return _compressed_tensors_spec(quant)
     if method == "fp8":
         return _fp8_spec(quant)
+    if method == "mxfp4":
+        return _mxfp4_spec(config)
     refused = method or "(no quant_method)"
     if quant.get("load_in_4bit") or quant.get("load_in_8bit"):
         refused = f"bitsandbytes ({'4' if quant.get('load_in_4bit') else '8'}-bit)"
@@ -147,6 +151,14 @@ def _eight_bit_type(args: dict, what: str) -> str:
         raise CheckpointError(f"compressed-tensors {what} of {bits}-bit {kind} are not supported (only 8-bit int or "
                               "float)")
     return "int8" if kind == "int" else "fp8"
+
+
+def _mxfp4_spec(config: dict) -> QuantizationSpec:
+    """gpt-oss's MXFP4 experts, dequantized at load; no other architecture ships MXFP4 in this layout."""
+    if config.get("model_type") != "gpt_oss":
+        raise CheckpointError(f"quantization method 'mxfp4' is supported for gpt-oss's experts only (this checkpoint's "
+                              f"model_type is {config.get('model_type')!r})")
+    return QuantizationSpec(method="mxfp4", weight_type="mxfp4", weight_strategy="block", activations="none")
 
 
 def _fp8_spec(quant: dict) -> QuantizationSpec:

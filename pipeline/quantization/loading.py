@@ -8,7 +8,8 @@ any other layer; on a GPU with fp8 GEMMs, fp8 layers with per-tensor or per-chan
 ``Fp8Linear`` the same way. ``QuantizationPlan.tensors`` wraps the checkpoint's tensor stream: it pairs each
 quantized weight with its scale, hands the kept (int8 / fp8) layers their tensors in the shapes they hold (a
 per-tensor scale repeated over its rows, so a fused projection's parts stay row blocks), and dequantizes every
-other quantized weight to fp32 (``dequantize.py``). ``finish`` lays the kept weights out for the GEMM.
+other quantized weight to fp32 (``dequantize.py``; gpt-oss's MXFP4 experts: ``mxfp4.py``). ``finish`` lays the
+kept weights out for the GEMM.
 
 Eligible: every linear but the output projection (``lm_head``, whose logits stay in the model dtype), a
 mixture-of-experts router (a ``gate`` beside ``experts``) and a linear whose module reads its weight instead of
@@ -33,6 +34,7 @@ from pipeline.quantization.config import QuantizationSpec, check_load_time_quant
 from pipeline.quantization.dequantize import dequantize_weight
 from pipeline.quantization.fp8 import Fp8Linear, fits_fp8_gemm, fp8_gemm_available
 from pipeline.quantization.int8 import Int8Linear
+from pipeline.quantization.mxfp4 import Mxfp4Pairs
 
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_LEAVES = ("weight_scale", "weight_scale_inv")
@@ -68,6 +70,7 @@ class QuantizationPlan:
     def tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors as the (swapped) model takes them."""
         pending: dict[str, dict[str, torch.Tensor]] = {}  # prefix -> the tensors of one layer seen so far
+        mxfp4 = Mxfp4Pairs() if self.spec is not None and self.spec.weight_type == "mxfp4" else None
         for name, tensor in named_tensors:
             prefix, _, leaf = name.rpartition(".")
             if leaf in ZERO_POINT_LEAVES:
@@ -85,6 +88,11 @@ class QuantizationPlan:
                 continue
             if leaf in UNUSED_LEAVES:
                 continue
+            if mxfp4 is not None and mxfp4.holds(name):
+                dequantized = mxfp4.add(name, tensor)
+                if dequantized is not None:
+                    yield dequantized
+                continue
             if leaf in SCALE_LEAVES or (leaf == "weight" and tensor.dtype in QUANTIZED_DTYPES):
                 group = pending.setdefault(prefix, {})
                 group[leaf] = tensor
@@ -95,6 +103,8 @@ class QuantizationPlan:
                     yield f"{prefix}.weight", dequantize_weight(f"{prefix}.weight", group["weight"], scale, block)
                 continue
             yield name, tensor
+        if mxfp4 is not None:
+            mxfp4.check_complete()
         if pending:
             prefix, group = next(iter(pending.items()))
             lacking = next(leaf for leaf in ("weight", "weight_scale", "input_scale") if leaf not in group)
