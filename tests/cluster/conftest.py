@@ -169,6 +169,23 @@ def wait_for_incarnation(url: str, worker_id: str, pid: int, timeout_s: float) -
     raise AssertionError(f"{worker_id} (pid {pid}) not alive at the router after {timeout_s:.0f}s; last seen: {seen}")
 
 
+def windowed_kv_bytes(config, sliding_layers: list[bool], num_prompt_tokens: int,
+                      first_query: int | None = None) -> tuple[int, int]:
+    """(KV bytes the transfer of a prompt moves, bytes had every layer gone whole) on a cluster of
+    ``CLUSTER_CONFIG`` in fp32: full layers x every block + sliding layers x the blocks holding the keys the decode
+    worker's queries from ``first_query`` on (default: the next token's position) can see, per layer and block
+    its K and V pages."""
+    page_size = CLUSTER_CONFIG["kv_cache"]["page_size"]
+    layer_block_bytes = 2 * page_size * config.num_key_value_heads * config.head_dim * 4
+    num_blocks = -(-num_prompt_tokens // page_size)
+    first_query = num_prompt_tokens if first_query is None else first_query
+    first_window_block = max(first_query - config.sliding_window + 1, 0) // page_size  # sees keys q - W + 1 .. q
+    num_sliding = sum(sliding_layers)
+    num_full = len(sliding_layers) - num_sliding
+    windowed = (num_full * num_blocks + num_sliding * (num_blocks - first_window_block)) * layer_block_bytes
+    return windowed, len(sliding_layers) * num_blocks * layer_block_bytes
+
+
 PROMPT_TOKENS_COMPUTED = "tandem_worker_prompt_tokens_computed_total"
 
 

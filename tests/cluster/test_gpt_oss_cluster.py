@@ -2,7 +2,7 @@
 real processes: by one colocated worker, and by a 1P1D cluster in which prompts longer than 6 tokens are
 prefilled on the prefill worker and their KV sent to the decode worker, while shorter ones the decode worker
 prefills itself. Greedy completions must be transformers' own, token for token, with its logprobs (1e-4), in
-both shapes; afterwards every KV block is back."""
+both shapes; afterwards every KV block is back. The sliding layers' KV outside their window is never sent."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from tests.cluster.conftest import (PROMPT_TOKENS_COMPUTED, check_greedy_against_transformers, running_cluster,
-                                    worker_metric)
-from tests.gpt_oss_checkpoints import gpt_oss_checkpoint  # noqa: F401 (a fixture)
+                                    windowed_kv_bytes, worker_metric)
+from tests.gpt_oss_checkpoints import SLIDING_LAYERS, gpt_oss_checkpoint  # noqa: F401 (a fixture)
 
 MAX_LOCAL_PREFILL_LENGTH = 6
 LONG_PROMPTS = [
@@ -46,6 +46,16 @@ def test_remote_and_local_prefill_match_transformers(cluster, gpt_oss_checkpoint
         time.sleep(0.1)
     assert worker_metric(cluster.url, PROMPT_TOKENS_COMPUTED, "prefill-0") == sum(map(len, long_ids))
     assert worker_metric(cluster.url, PROMPT_TOKENS_COMPUTED, "decode-0") == len(short_ids)
+    # the sliding layers' blocks outside their window stayed on the prefill worker
+    sizes = [windowed_kv_bytes(model.config, SLIDING_LAYERS["gpt_oss"], len(ids)) for ids in long_ids]
+    windowed, whole = sum(size[0] for size in sizes), sum(size[1] for size in sizes)
+    assert windowed < whole
+    deadline = time.monotonic() + 5
+    while worker_metric(cluster.url, "tandem_kv_transfer_bytes_total", "prefill-0") != windowed:
+        assert time.monotonic() < deadline, (
+            f"prefill-0 sent {worker_metric(cluster.url, 'tandem_kv_transfer_bytes_total', 'prefill-0')} KV bytes, "
+            f"{windowed} expected ({whole} with every layer whole)")
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
