@@ -8,6 +8,8 @@ worker crashed past the limit.
 
 Workers are bound to cores (``deploy.cpu_plan``): prefill and decode workers apart, out of the pool
 ``--cpu-cores`` names (default: every core ``tandem up`` may use); ``--share-cores`` gives each the whole pool.
+A worker with ``--tensor-parallel-size`` N counts N times in that split, and each of its ranks gets its own
+cores (``deploy.tensor_parallel_plan``: colocated workers only, for now).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from deploy.keygen_cmd import add_http_security_flags, add_security_flags, parse
 def register(sub) -> None:
     parser = sub.add_parser(
         "up", help="start a local cluster: router, prefill and decode workers",
-        usage="tandem up [--prefill N] [--decode N] [--colocated N] [--model PATH] [--port PORT] [options]",
+        usage="tandem up [--prefill N] [--decode N] [--colocated N] [--model PATH] [--port PORT] "
+              "[--tensor-parallel-size N] [options]",
         description="Start a router and workers on this host, each its own process, until Ctrl-C / SIGTERM "
                     "(which drains first). A process that exits is restarted; SIGHUP replaces every worker "
                     "one at a time.")
@@ -42,6 +45,13 @@ def register(sub) -> None:
                         help="where each process logs (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="give up if the cluster is not serving by then (default 300)")
+    parser.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="A",
+                        help="ranks of each prefill worker (default: --tensor-parallel-size); more than 1 needs the "
+                        "cross-layout KV transfer, not built yet, and is refused")
+    parser.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="B",
+                        help="ranks of each decode worker (default: --tensor-parallel-size); more than 1 needs the "
+                        "cross-layout KV transfer, not built yet, and is refused. Colocated workers take "
+                        "--tensor-parallel-size")
     add_supervision_flags(parser, share_cores_help="let every worker use every core of the pool (default: prefill and "
                           "decode workers get disjoint cores; the pool is --cpu-cores, else every core this process may use)")
     add_config_flags(parser, skip=("pipeline_role", "security"))  # the launcher gives each process its role
@@ -60,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from deploy.checkpoint_check import check_checkpoint
     from deploy.cpu_plan import describe_plan, plan_cores, router_cores
     from deploy.local_launcher import ClusterError, LocalCluster
+    from deploy.tensor_parallel_plan import worker_tensor_parallel_sizes
     from pipeline.core_list import format_core_list
     from pipeline.cpu_placement import allowed_cores
 
@@ -70,8 +81,12 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)  # validates every flag and the file section before anything starts
     check_checkpoint(config.model.model_path)  # a checkpoint we cannot serve: one clear error, nothing started
     api_key = _checked_http_security(args, config)
+    tensor_parallel_sizes = worker_tensor_parallel_sizes(
+        args.prefill or 0, args.decode or 0, args.colocated, config.tensor_parallel_size,
+        args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size)  # P/D roles with TP > 1: refused here
     pool = allowed_cores(config.cpu_cores)  # a core that is not ours is an error here, not in every worker
-    cpu_plan = plan_cores(pool, args.prefill or 0, args.decode or 0, args.colocated, share=args.share_cores)
+    cpu_plan = plan_cores(pool, args.prefill or 0, args.decode or 0, args.colocated, share=args.share_cores,
+                          num_ranks=tensor_parallel_sizes)
     router_pool = router_cores(cpu_plan)
     # Only what the operator set (flag, file section, TANDEM_* variable) travels: a default written out
     # would read as the operator's choice in every process (the API's max_tokens default among them).
@@ -82,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, config=overrides, api_key=api_key, log_dir=args.log_dir,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         max_restarts=args.max_restarts, on_event=_print_event, cpu_plan=cpu_plan, router_cores=router_pool,
+        tensor_parallel_sizes={name: size for name, size in tensor_parallel_sizes.items()
+                               if size != config.tensor_parallel_size},
     )
     stop = threading.Event()
 
@@ -113,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         from pipeline.builtin_model import BUILTIN_NOTICE
 
         print(BUILTIN_NOTICE, flush=True)
-    print(f"cpu plan: {describe_plan(cpu_plan, config.num_threads)} | router: cores {format_core_list(router_pool)}",
+    print(f"cpu plan: {describe_plan(cpu_plan, config.num_threads, tensor_parallel_sizes)} | router: cores {format_core_list(router_pool)}",
           flush=True)
     print(f"starting {len(cluster.worker_names)} workers and the router; logs in {cluster.log_dir}", flush=True)
     try:

@@ -23,7 +23,8 @@ Restarted workers re-register with the router by themselves. Every supervision e
 ``on_event`` (``tandem up`` prints it; default: this module's logger) and to ``launcher.log``.
 ``failure`` says why the cluster cannot serve any more (router or every decode-capable worker given up).
 With a ``cpu_plan`` (``deploy.cpu_plan``) each worker is started bound to its own cores, and the
-router to ``router_cores``.
+router to ``router_cores``. A worker with ``tensor_parallel_size`` N is one supervised process, rank 0, which
+starts ranks 1..N-1 itself and exits when one of them dies; a restart starts all N again.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ class LocalCluster:
     # {worker name: cores}: each worker gets "--cpu-cores" (deploy.cpu_plan); None: no binding
     cpu_plan: dict[str, list[int]] | None = None
     router_cores: list[int] | None = None  # the router's "--cpu-cores" (deploy.cpu_plan.router_cores); None: unbound
+    # {worker name: tensor_parallel_size} over the shared config's (deploy.tensor_parallel_plan): N rank processes,
+    # which start (and a restart starts again) with their worker, rank 0
+    tensor_parallel_sizes: dict[str, int] = field(default_factory=dict)
     # Workers forked from a warm fork server (deploy.zygote), unless TANDEM_ZYGOTE=0 or not on Linux
     use_fork_server: bool = field(default_factory=fork_server_enabled)
     processes: dict[str, subprocess.Popen | ForkedProcess] = field(default_factory=dict)
@@ -174,6 +178,8 @@ class LocalCluster:
             for name in self.worker_names:
                 role = roles[name.split("-")[0]]
                 placement = ["--cpu-cores", format_core_list(self.cpu_plan[name])] if self.cpu_plan else []
+                if name in self.tensor_parallel_sizes:
+                    placement += ["--tensor-parallel-size", str(self.tensor_parallel_sizes[name])]
                 self._spawn(name, ["worker", "--role", role, "--worker-id", name, *common, *placement])
             self.wait_ready(timeout_s)
         except BaseException:

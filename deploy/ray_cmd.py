@@ -122,6 +122,9 @@ def _up_options(args: argparse.Namespace):
     if (args.decode or 0) + args.colocated == 0:
         raise ValueError("a deployment needs at least one decode or colocated worker")
     config = config_from_args(args)  # every flag and the file section validated before anything starts
+    if config.tensor_parallel_size > 1:  # the ranks would share the worker's cores, and a node's, unplanned
+        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: tandem ray up does not place a "
+                         "worker's ranks yet (one placement group per worker); use tandem up, or size 1")
     given = config.model_fields_set  # set by a flag, the config file or a TANDEM_* variable
     if config.zmq_endpoint_base.startswith("ipc://") and "zmq_endpoint_base" in given:
         raise ValueError("zmq_endpoint_base: a Ray deployment spans nodes, so it needs tcp://HOST:PORT "

@@ -86,7 +86,8 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
     configure_cluster_security(config)  # a tcp:// cluster with no key stops here, before anything binds
     worker_id = args.worker_id or f"{config.pipeline_role.value}-{socket.gethostname()}-{os.getpid()}"
     cores, num_threads = apply_cpu_placement(config)  # before any thread starts (and before torch's pool)
-    logger.warning("worker %s placement: %s", worker_id, describe_placement(cores, num_threads))
+    ranks = f" (rank 0 of {config.tensor_parallel_size})" if config.tensor_parallel_size > 1 else ""
+    logger.warning("worker %s placement%s: %s", worker_id, ranks, describe_placement(cores, num_threads))
     if config.pipeline_role is PipelineRole.PrefillOnly:
         from prefill_worker.worker import PrefillWorker as worker_cls
     else:

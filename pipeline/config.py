@@ -232,7 +232,11 @@ class PipelineConfig(_Section):
         None, ge=1, description="torch intra-op threads of a worker; None = one per core it may use")
     tensor_parallel_size: int = Field(
         1, ge=1, description="rank processes one model is split across, Megatron-style (heads, MLP columns, vocab); "
-        "1 = one process. Offline LLM only for now, dense Llama-family checkpoints (docs/tensor-parallel.md)")
+        "1 = one process. The offline LLM and colocated (PrefillAndDecode) workers, dense Llama-family "
+        "checkpoints (docs/tensor-parallel.md)")
+    tensor_parallel_timeout_s: float = Field(
+        60.0, gt=0.0, description="a tensor-parallel collective that waits longer than this for a rank (hung or gone) "
+        "fails: the engine raises and a worker exits, so its launcher restarts it with all its ranks")
     otlp_traces_endpoint: str | None = Field(
         None, description="OpenTelemetry collector every process sends request traces to, OTLP over HTTP "
         "(http://host:4318 or its /v1/traces URL; vLLM's flag); None = no tracing (docs/observability.md)")
@@ -291,6 +295,8 @@ class PipelineConfig(_Section):
                     "max_batch_input_tokens: must be >= max_length when enable_chunked_prefill is false "
                     f"(got {self.max_batch_input_tokens} < {self.max_length})"
                 )
+        if (error := tensor_parallel_role_error(self.pipeline_role, self.tensor_parallel_size)) is not None:
+            raise ValueError(error)
         if self.speculative.num_speculative_tokens and self.enable_overlap_scheduler:
             raise ValueError("speculative.num_speculative_tokens: speculative decoding does not run with "
                              "enable_overlap_scheduler yet; turn one of them off")
@@ -321,6 +327,18 @@ class PipelineConfig(_Section):
         data = _deep_merge(data, env_overrides(os.environ if environ is None else environ))
         data = _deep_merge(data, dict(overrides or {}))
         return build_config(data)
+
+
+def tensor_parallel_role_error(role: PipelineRole, tensor_parallel_size: int) -> str | None:
+    """Why a ``role`` worker cannot run ``tensor_parallel_size`` ranks (None: it can). A PrefillOnly or
+    DecodeOnly worker with several ranks needs its KV moved per rank slice (each prefill rank's heads to the
+    decode ranks that own them), which the KV transfer does not do yet; the launchers check this too."""
+    if tensor_parallel_size == 1 or role is PipelineRole.PrefillAndDecode:
+        return None
+    return (f"tensor_parallel_size: a {role.value} worker with tensor_parallel_size={tensor_parallel_size} needs the "
+            "cross-layout KV transfer (each rank's slice of the KV heads moved to the ranks that own it on the other "
+            "side), which is not built yet; run tensor parallelism on colocated (PrefillAndDecode) workers, or "
+            "prefill and decode workers with tensor_parallel_size 1 (docs/tensor-parallel.md)")
 
 
 def build_config(data: Mapping[str, Any]) -> PipelineConfig:

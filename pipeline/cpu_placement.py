@@ -39,21 +39,45 @@ def bind_to_cores(cores: list[int]) -> None:
 
 def apply_cpu_placement(config) -> tuple[list[int], int]:
     """Bind this process to ``config.cpu_cores`` (if set), then set torch's intra-op thread count
-    (``config.num_threads``, else one per core): ``config`` is a ``PipelineConfig``.
+    (``config.num_threads``, else one per core): ``config`` is a ``PipelineConfig``. With
+    ``tensor_parallel_size`` > 1 this process is rank 0 and takes rank 0's share (``rank_placement``).
 
     Returns (the cores this process may use, its torch threads). Call before anything starts threads
     and before the first torch import: binding imports no torch, and ``OMP_NUM_THREADS`` is read when
     torch loads its OpenMP runtime.
     """
-    cores = allowed_cores(config.cpu_cores)
-    if config.cpu_cores is not None:
+    allowed_cores(config.cpu_cores)  # every core named is ours, before any is split among ranks
+    cores, num_threads = rank_placement(config, 0)
+    if cores is not None:
         bind_to_cores(cores)
-    num_threads = config.num_threads or len(cores)
+    cores = cores or allowed_cores(None)
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     import torch
 
     torch.set_num_threads(num_threads)
     return cores, torch.get_num_threads()
+
+
+def rank_cores(cores: list[int], num_ranks: int) -> list[list[int]]:
+    """Each tensor-parallel rank's share of a worker's cores: contiguous runs as even as possible (the first
+    ranks get the extra cores), or one core each, round-robin, when there are fewer cores than ranks."""
+    if num_ranks >= len(cores):
+        return [[cores[rank % len(cores)]] for rank in range(num_ranks)]
+    shares, start = [], 0
+    for rank in range(num_ranks):
+        size = len(cores) // num_ranks + (rank < len(cores) % num_ranks)
+        shares.append(cores[start:start + size])
+        start += size
+    return shares
+
+
+def rank_placement(config, rank: int) -> tuple[list[int] | None, int]:
+    """Tensor-parallel rank ``rank``'s cores (None when ``config.cpu_cores`` is unset: it stays where it was
+    started) and torch threads (``config.num_threads``, else one per core of its share). With
+    ``tensor_parallel_size`` 1 that is the whole worker's placement."""
+    named = parse_core_list(config.cpu_cores) if config.cpu_cores is not None else None
+    share = rank_cores(named or sorted(os.sched_getaffinity(0)), config.tensor_parallel_size)[rank]
+    return (share if named is not None else None), config.num_threads or len(share)
 
 
 def describe_placement(cores: list[int], num_threads: int) -> str:

@@ -150,6 +150,26 @@ class LLMEngine:
         fingerprint = checkpoint_fingerprint(self.model_path)
         return fingerprint if self.draft is None else f"{fingerprint}+draft:{self.draft.fingerprint()}"
 
+    # -------------------------------------------------------------- tensor-parallel ranks
+    @property
+    def rank_pids(self) -> list[int]:
+        """Pids of tensor-parallel ranks 1..N-1 (this process is rank 0); none with ``tensor_parallel_size`` 1."""
+        driver = getattr(self.model, "driver", None)
+        return driver.pids if driver is not None else []
+
+    def check_ranks(self) -> None:
+        """``TensorParallelError`` naming every rank that exited (a no-op with one rank): a worker checks
+        between steps too, so a rank that dies while it idles takes it down at once, not at the next request."""
+        driver = getattr(self.model, "driver", None)
+        if driver is not None:
+            driver.check_alive()
+
+    def close_ranks(self) -> None:
+        """Stop the tensor-parallel ranks 1..N-1, if any (asked, then terminated, then killed). Idempotent."""
+        driver = getattr(self.model, "driver", None)
+        if driver is not None:
+            driver.close()
+
     # -------------------------------------------------------------- requests
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,

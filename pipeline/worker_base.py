@@ -15,8 +15,9 @@ import time
 
 import zmq
 
-from pipeline.config import ConfigError, PipelineConfig
+from pipeline.config import PipelineConfig
 from pipeline.engine import LLMEngine, StepOutput
+from pipeline.parallel.shard_spec import TensorParallelError
 from pipeline.protocol import TokenLogprob
 from pipeline.protocol.cluster import FinishCode, RegisterWorker, TokenDelta, WorkerLoad, WorkerRole, served_model_name
 from pipeline.router_link import RouterLink
@@ -33,9 +34,8 @@ class WorkerBase:
     def __init__(self, config: PipelineConfig, worker_id: str, kv_cache_allocator=None) -> None:
         self.config = config
         self.worker_id = worker_id
-        if config.tensor_parallel_size > 1:  # the KV transfer and the router link do not know ranks yet
-            raise ConfigError(f"tensor_parallel_size={config.tensor_parallel_size}: cluster workers do not run "
-                              "tensor parallelism yet (the offline LLM does; see docs/tensor-parallel.md)")
+        # tensor_parallel_size N: this process is rank 0 and the engine starts ranks 1..N-1 (PipelineConfig
+        # refuses N > 1 for PrefillOnly and DecodeOnly: their KV transfer does not move rank slices yet)
         self.engine = LLMEngine(config, kv_cache_allocator=kv_cache_allocator)
         self.model_fingerprint = self.engine.model_fingerprint()
         self.ctx = zmq.Context()
@@ -53,6 +53,7 @@ class WorkerBase:
             prefill_endpoint=prefill_endpoint,
             pid=os.getpid(),
             max_batch_size=self.config.max_batch_size,
+            rank_pids=self.engine.rank_pids,
         )
         self.link = RouterLink(self.ctx, self.config.zmq_endpoint_base, registration,
                                heartbeat_interval_s=self.config.transfer.heartbeat_interval_s,
@@ -72,6 +73,7 @@ class WorkerBase:
         drain_deadline = None
         try:
             while True:
+                self.engine.check_ranks()  # a tensor-parallel rank that died takes the worker down, even idle
                 if stop.is_set() and drain_deadline is None:
                     drain_deadline = time.monotonic() + self.config.drain_timeout_s
                     self.is_draining = True
@@ -90,8 +92,20 @@ class WorkerBase:
                 self.run_once()
                 if not self.is_busy():
                     poller.poll(IDLE_POLL_MS)
+        except TensorParallelError as exc:  # a rank died or hung: the worker exits and is restarted whole
+            logger.critical("worker %s: %s; exiting (its launcher restarts it with all its ranks)", self.worker_id, exc)
+            self._fail_in_flight_quietly(f"worker {self.worker_id} lost a tensor-parallel rank")
+            raise
         finally:
             self.close()
+
+    def _fail_in_flight_quietly(self, reason: str) -> None:
+        """Every request here ends retryable (the router migrates them now, not after the heartbeat silence);
+        best effort: the engine may be mid-step, and the process exits whatever happens here."""
+        try:
+            self.fail_in_flight(reason)
+        except Exception:  # noqa: BLE001 - the exit that follows is what matters
+            logger.exception("worker %s: could not fail its requests in flight", self.worker_id)
 
     def run_once(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -141,9 +155,12 @@ class WorkerBase:
         return load
 
     def close(self) -> None:
-        if self.link is not None:
-            self.link.close()
-        self.ctx.destroy(linger=0)
+        try:
+            if self.link is not None:
+                self.link.close()
+            self.ctx.destroy(linger=0)
+        finally:  # a forked worker exits with os._exit (no atexit): its ranks are stopped here
+            self.engine.close_ranks()
 
 
 def transfer_counters(stats, num_other_bad_frames: int) -> dict:

@@ -156,6 +156,7 @@ def create_app(
         is_ready, reason = registry.readiness()
         workers = [
             {"worker_id": w.worker_id, "role": w.role.value, "alive": w.is_alive, "pid": w.pid,
+             "rank_pids": w.rank_pids,  # a tensor-parallel worker's ranks 1..N-1 (``pid`` is rank 0)
              "busy_in_step_s": round(w.load.busy_in_step_s, 3), "draining": w.load.is_draining}
             for w in registry.all_workers()
         ]

@@ -44,6 +44,7 @@ class WorkerInfo:
     num_inflight_blocks: int = 0  # blocks (prompt + max_tokens) of the requests routed here (decode side), not finished
     num_routed_prefill_blocks: int = 0  # cumulative: prompt blocks the router sent here to compute (prefill side)
     num_restarts: int = 0  # registrations under this worker id by a new process (a restart, a rolling replace)
+    rank_pids: list[int] = field(default_factory=list)  # tensor parallelism: ranks 1..N-1 (``pid`` is rank 0)
 
     def view(self, num_cached_prompt_tokens: int = 0) -> WorkerView:
         """The snapshot the routing policy decides on (``num_cached_prompt_tokens``: of the request being routed)."""
@@ -111,6 +112,7 @@ class WorkerRegistry:
             prefill_endpoint=msg.prefill_endpoint,
             pid=msg.pid,
             max_batch_size=msg.max_batch_size,
+            rank_pids=list(msg.rank_pids),
             load=WorkerLoad(num_free_blocks=msg.num_total_blocks, num_total_blocks=msg.num_total_blocks),
             last_seen=self._clock(),
         )

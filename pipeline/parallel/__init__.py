@@ -12,19 +12,18 @@ import torch
 
 from pipeline.parallel.shard_spec import TensorParallelError
 
-__all__ = ["TensorParallelError", "load_tensor_parallel_model", "COLLECTIVE_TIMEOUT_S"]
-
-# A collective that waits longer than this for a rank raises instead of hanging (a rank stuck or gone).
-COLLECTIVE_TIMEOUT_S = 300.0
+__all__ = ["TensorParallelError", "load_tensor_parallel_model"]
 
 
 def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, device: str):
     """Start ranks 1..N-1, build rank 0's shard here; returns ``(model, hf_config)`` like ``weights.load_model``.
 
     The model is rank 0's ``TensorParallelLlama``; ``model.driver`` is the ``RankGroup`` (close it to stop
-    the other ranks; it is also closed when garbage-collected and at exit). Refuses, with
+    the other ranks; it is also closed when garbage-collected and at exit). A collective that waits longer than
+    ``config.tensor_parallel_timeout_s`` for a rank (stuck or gone) raises instead of hanging. Refuses, with
     ``TensorParallelError`` naming it, whatever tensor parallelism does not run yet.
     """
+    from pipeline.cpu_placement import rank_placement
     from pipeline.parallel.model import Collectives, TensorParallelLlama
     from pipeline.parallel.ranks import RankGroup, rank_device
     from pipeline.parallel.shard_spec import ShardSpec, check_checkpoint, read_shards
@@ -39,11 +38,13 @@ def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, devi
         raise TensorParallelError(f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} visible")
     hf_config = load_hf_config(model_path)
     check_checkpoint(model_path, hf_config, size, config.model.quantization)
+    timeout_s = config.tensor_parallel_timeout_s
+    placements = [rank_placement(config, rank) for rank in range(1, size)]  # each child's cores and threads
     group = RankGroup(size, model_path, dtype, device, config.kernel_backend, config.model.cpu_weight_prepack,
-                      COLLECTIVE_TIMEOUT_S)
+                      timeout_s, placements)
     try:
         collectives = group.join_group(
-            lambda: Collectives(group.store, 0, size, rank_device(device, 0), COLLECTIVE_TIMEOUT_S))
+            lambda: Collectives(group.store, 0, size, rank_device(device, 0), timeout_s))
         spec = ShardSpec.of(hf_config, 0, size)
         model = TensorParallelLlama(hf_config, dtype, rank_device(device, 0), spec, collectives, driver=group)
         model.load_weights(read_shards(model_path, spec))

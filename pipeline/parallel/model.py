@@ -94,9 +94,14 @@ class TensorParallelLlama(LlamaFamilyForCausalLM):
         return self.collectives.all_reduce(output)
 
     def forward(self, batch, kv_cache: torch.Tensor, kernels) -> torch.Tensor:
-        if self.driver is not None:
-            self.driver.send_forward(batch, kv_cache.shape)
-        return super().forward(batch, kv_cache, kernels)
+        if self.driver is None:
+            return super().forward(batch, kv_cache, kernels)
+        self.driver.send_forward(batch, kv_cache.shape)
+        try:
+            return super().forward(batch, kv_cache, kernels)
+        except TensorParallelError:
+            self.driver.check_alive()  # a rank that died broke the collective: name it (and its exit code)
+            raise
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` on rank 0 -> fp32 logits ``[n, vocab]`` from every rank's vocabulary rows (other ranks: their

@@ -14,6 +14,8 @@ import dataclasses
 import datetime
 import multiprocessing
 import os
+import signal
+import sys
 import threading
 import traceback
 import weakref
@@ -44,6 +46,8 @@ class RankArgs:
     cpu_weight_prepack: bool
     num_threads: int
     timeout_s: float
+    cores: list[int] | None = None  # bound to these (its own share of the worker's cores); None: as started
+    parent_pid: int = 0  # rank 0: the child gets SIGKILL when it goes (Linux), however it goes
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -55,7 +59,10 @@ class RankGroup:
     """Starts ranks 1..N-1 and drives them from rank 0 (it is the ``driver`` of rank 0's ``TensorParallelLlama``)."""
 
     def __init__(self, size: int, model_path: str, dtype: torch.dtype, device: str, kernel_backend: str,
-                 cpu_weight_prepack: bool, timeout_s: float):
+                 cpu_weight_prepack: bool, timeout_s: float,
+                 placements: list[tuple[list[int] | None, int]] | None = None):
+        """``placements``: ranks 1..N-1's (cores or None, torch threads) (``cpu_placement.rank_placement``);
+        default: unbound, an equal share of this process's cores in threads each."""
         import torch.distributed as dist
 
         self.size = size
@@ -66,9 +73,10 @@ class RankGroup:
         context = multiprocessing.get_context("spawn")  # no fork of a process with torch's threads running
         self.processes: list[multiprocessing.Process] = []
         self.pipes = []
-        for rank in range(1, size):
+        placements = placements or [(None, max(1, cores // size))] * (size - 1)
+        for rank, (rank_cores, num_threads) in enumerate(placements, start=1):
             args = RankArgs(rank, size, self.store.port, model_path, dtype, device, kernel_backend,
-                            cpu_weight_prepack, max(1, cores // size), timeout_s)
+                            cpu_weight_prepack, num_threads, timeout_s, rank_cores, os.getpid())
             ours, theirs = context.Pipe()
             process = context.Process(target=run_rank, args=(args, theirs), name=f"tandem-tp-rank{rank}", daemon=True)
             process.start()
@@ -178,6 +186,15 @@ def _stop_ranks(processes: list, pipes: list) -> None:
 
 def run_rank(args: RankArgs, pipe) -> None:
     """A child rank's whole life: join the group, load its shard, then run what rank 0 sends until told to stop."""
+    # Rank 0 alone decides when the ranks stop: a SIGTERM or Ctrl-C to the whole process group (a launcher's
+    # stop, a terminal) lets it drain its requests first, which needs every rank until the end.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    _die_with(args.parent_pid)
+    if args.cores is not None:
+        from pipeline.cpu_placement import bind_to_cores
+
+        bind_to_cores(args.cores)
     torch.set_num_threads(args.num_threads)
     try:
         model, kernels, hidden_size = _load_rank(args)
@@ -202,6 +219,18 @@ def run_rank(args: RankArgs, pipe) -> None:
                 model(batch, kv_cache, kernels)
             elif kind == "logits":
                 model.compute_logits(torch.empty(payload, hidden_size, dtype=args.dtype, device=device))
+
+
+def _die_with(parent_pid: int) -> None:
+    """SIGKILL when rank 0 goes (``prctl(PR_SET_PDEATHSIG)``; exit now if it already went), so no rank is left
+    orphaned even when rank 0 is killed while this rank computes (the pipe's end-of-file covers the rest)."""
+    if not parent_pid or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def _load_rank(args: RankArgs):

@@ -112,6 +112,7 @@ class RegisterWorker(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tr
     pid: int = 0
     protocol_version: int = PROTOCOL_VERSION
     max_batch_size: int = 0  # requests this worker runs at once (0: unknown); the router admits up to it
+    rank_pids: list[int] = msgspec.field(default_factory=list)  # tensor parallelism: ranks 1..N-1 (pid: rank 0)
 
 
 class WorkerLoad(msgspec.Struct, **_HOT):

@@ -64,3 +64,27 @@ def test_describe_plan_says_threads_and_warns_when_prefill_and_decode_share():
 )
 def test_router_runs_beside_the_prefill_workers(available, counts, share, expected):
     assert router_cores(plan_cores(available, *counts, share=share)) == expected
+
+
+@pytest.mark.parametrize(
+    "available, counts, num_ranks, expected",
+    [
+        # 2 cores, a TP 2 worker beside a TP 1 one: a core per rank, the third rank shares (round-robin)
+        ([0, 1], (0, 0, 2), {"colocated-0": 2}, {"colocated-0": [0, 1], "colocated-1": [0]}),
+        ([0, 1, 2, 3], (0, 0, 2), {"colocated-0": 2}, {"colocated-0": [0, 1, 2], "colocated-1": [3]}),
+        ([0, 1, 2, 3], (0, 0, 2), {"colocated-0": 2, "colocated-1": 2},
+         {"colocated-0": [0, 1], "colocated-1": [2, 3]}),
+        # ranks weigh in the prefill / decode split too
+        (list(range(6)), (1, 1, 0), {"decode-0": 2}, {"prefill-0": [0, 1], "decode-0": [2, 3, 4, 5]}),
+        ([0, 1], (0, 0, 1), {"colocated-0": 1}, {"colocated-0": [0, 1]}),
+    ],
+)
+def test_plan_cores_counts_each_rank(available, counts, num_ranks, expected):
+    plan = plan_cores(available, *counts, num_ranks=num_ranks)
+    assert plan == expected and list(plan) == list(expected)
+
+
+def test_describe_plan_lists_each_ranks_cores():
+    ranks = {"colocated-0": 2}
+    assert (describe_plan(plan_cores([0, 1], 0, 0, 2, num_ranks=ranks), num_ranks=ranks)
+            == "colocated-0: cores 0-1 (rank 0: 0, 1 thread; rank 1: 1, 1 thread) | colocated-1: cores 0 (1 thread)")

@@ -9,7 +9,8 @@ import torch
 
 from pipeline.config import ConfigError, PipelineConfig, build_config
 from pipeline.core_list import format_core_list, parse_core_list
-from pipeline.cpu_placement import allowed_cores, apply_cpu_placement, bind_to_cores, describe_placement
+from pipeline.cpu_placement import (allowed_cores, apply_cpu_placement, bind_to_cores, describe_placement, rank_cores,
+                                    rank_placement)
 
 
 @pytest.mark.parametrize(
@@ -102,3 +103,33 @@ def test_a_core_this_process_may_not_use_is_named(restore_placement):
 def test_describe_placement():
     assert describe_placement([0, 1], 2) == "cores 0-1, 2 torch threads"
     assert describe_placement([3], 1) == "cores 3, 1 torch thread"
+
+
+@pytest.mark.parametrize("cores, num_ranks, shares", [
+    ([0, 1], 2, [[0], [1]]),
+    ([0, 1, 2], 2, [[0, 1], [2]]),  # the first ranks get the extra core
+    (list(range(8)), 4, [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    ([4, 9], 1, [[4, 9]]),
+    ([0], 2, [[0], [0]]),  # fewer cores than ranks: shared, round-robin
+    ([0, 1], 3, [[0], [1], [0]]),
+])
+def test_rank_cores_give_each_rank_its_own_share(cores, num_ranks, shares):
+    assert rank_cores(cores, num_ranks) == shares
+
+
+def test_rank_placement_binds_ranks_only_when_the_worker_has_cores(restore_placement):
+    named = build_config({"cpu_cores": "0-2", "tensor_parallel_size": 2})
+    assert [rank_placement(named, rank) for rank in (0, 1)] == [([0, 1], 2), ([2], 1)]
+    threads = build_config({"cpu_cores": "0-2", "tensor_parallel_size": 2, "num_threads": 3})
+    assert rank_placement(threads, 1) == ([2], 3)  # num_threads is each rank's
+    unbound = build_config({"tensor_parallel_size": 2})
+    assert rank_placement(unbound, 1) == (None, len(rank_cores(restore_placement, 2)[1]))
+
+
+def test_apply_binds_rank_zero_to_its_share(restore_placement):
+    if len(restore_placement) < 2:
+        pytest.skip("needs two cores")
+    first, second = restore_placement[:2]
+    config = build_config({"cpu_cores": f"{first},{second}", "tensor_parallel_size": 2})
+    assert apply_cpu_placement(config) == ([first], 1)  # rank 1 takes the other core when it starts
+    assert os.sched_getaffinity(0) == {first}

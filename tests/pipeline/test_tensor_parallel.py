@@ -159,14 +159,17 @@ def test_size_one_is_the_single_process_engine(tiny_checkpoint):
         assert set(_children()) <= children_before
 
 
-def test_cluster_workers_refuse_tensor_parallel(tiny_checkpoint):
+@pytest.mark.parametrize("role", ["PrefillOnly", "DecodeOnly"])
+def test_prefill_and_decode_roles_refuse_tensor_parallel_in_their_config(role):
+    """Their KV would have to move per rank slice (the cross-layout transfer): refused when the config is read,
+    before any worker or rank starts; colocated workers run it (tests/cluster/test_tensor_parallel_cluster.py)."""
     from pipeline.config import ConfigError, PipelineConfig
-    from pipeline.worker_base import WorkerBase
 
-    overrides = {"tensor_parallel_size": 2, "model": {"model_path": tiny_checkpoint("llama")}}
-    config = PipelineConfig.load(overrides=overrides)
-    with pytest.raises(ConfigError, match="cluster workers do not run tensor parallelism"):
-        WorkerBase(config, "worker-0")
+    with pytest.raises(ConfigError, match=f"a {role} worker with tensor_parallel_size=2 needs the cross-layout KV "
+                                          "transfer.*not built yet"):
+        PipelineConfig.load(overrides={"tensor_parallel_size": 2, "pipeline_role": role})
+    assert PipelineConfig.load(overrides={"tensor_parallel_size": 2}).tensor_parallel_size == 2  # colocated
+    assert PipelineConfig.load(overrides={"pipeline_role": role}).tensor_parallel_size == 1
 
 
 def test_no_rank_outlives_a_killed_engine_process(tiny_checkpoint):

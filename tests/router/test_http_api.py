@@ -35,7 +35,7 @@ def test_ready_health_and_models(router):
     body = httpx.get(f"{router.url}/ready").json()
     assert body["ready"] and len(body["workers"]) == 1
     assert body["workers"][0] == {"worker_id": "w0", "role": "PrefillAndDecode", "alive": True, "pid": os.getpid(),
-                                  "busy_in_step_s": 0.0, "draining": False}
+                                  "rank_pids": [], "busy_in_step_s": 0.0, "draining": False}
     models = httpx.get(f"{router.url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 64
 

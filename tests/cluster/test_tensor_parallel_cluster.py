@@ -1,0 +1,117 @@
+"""Tensor-parallel colocated workers in a real cluster: colocated-0 runs 2 ranks, colocated-1 one. Streams
+through the router are transformers' fp32 greedy text, each rank runs on its own cores, and a rank SIGKILLed
+mid-stream takes its worker down whole: no request fails, every stream ends with exactly its text (the router
+migrates them), the worker comes back with both ranks, no old rank is left, and every KV block is back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from deploy.cpu_plan import plan_cores
+from pipeline.cpu_placement import rank_cores
+from tests.cluster.conftest import (CLUSTER_CONFIG, PROMPT_TOKENS_COMPUTED, check_concurrent_greedy_streams, migrations,
+                                    openai_client, running_cluster, wait_for_idle_blocks, wait_for_incarnation,
+                                    wait_for_metric, worker_metric)
+from tests.pipeline.test_tensor_parallel import is_running, wait_gone
+
+TP_WORKER = "colocated-0"
+SIZES = {TP_WORKER: 2}
+STREAM_PROMPTS = [[5, 17, 42, 8], [9, 9, 100, 3, 77], [250, 1, 60], [33, 44, 55, 66, 11], [7, 130, 21], [88, 2]]
+STREAM_TOKENS = 150
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_checkpoint, tmp_path_factory):
+    cores = sorted(os.sched_getaffinity(0))
+    # slow steps (20 ms each): a 150-token stream runs for seconds, long enough to kill a rank mid-answer
+    with running_cluster(tiny_checkpoint("llama"), tmp_path_factory.mktemp("tensor-parallel"), num_prefill=0,
+                         num_decode=0, num_colocated=2, max_restarts=2, tensor_parallel_sizes=SIZES,
+                         cpu_plan=plan_cores(cores, 0, 0, 2, num_ranks=SIZES),
+                         entry_module="tests.cluster.slow_steps", env={"TANDEM_TEST_STEP_DELAY_S": "0.02"}) as c:
+        yield c
+
+
+def worker_entry(url: str, worker_id: str) -> dict:
+    """``worker_id``'s entry in the router's /ready: its pid (rank 0) and ``rank_pids`` (ranks 1..N-1)."""
+    return {w["worker_id"]: w for w in httpx.get(f"{url}/ready", timeout=5).json()["workers"]}[worker_id]
+
+
+def allowed_cores(pid: int) -> list[int]:
+    return sorted(os.sched_getaffinity(pid))
+
+
+def test_streams_are_transformers_greedy_text_and_the_tp_worker_serves(cluster, reference_text):
+    check_concurrent_greedy_streams(cluster.url, reference_text, num_requests=10, seed=3)
+    assert wait_for_metric(cluster.url, PROMPT_TOKENS_COMPUTED, TP_WORKER, above=0)  # the 2-rank worker took some
+    assert len(worker_entry(cluster.url, TP_WORKER)["rank_pids"]) == 1
+    assert worker_entry(cluster.url, "colocated-1")["rank_pids"] == []
+
+
+def test_each_rank_runs_on_its_own_cores(cluster):
+    entry = worker_entry(cluster.url, TP_WORKER)
+    [rank1] = entry["rank_pids"]
+    worker_cores = cluster.cpu_plan[TP_WORKER]
+    assert [allowed_cores(entry["pid"]), allowed_cores(rank1)] == rank_cores(worker_cores, 2)
+    if len(worker_cores) >= 2:  # on one core the ranks can only share it
+        assert not set(allowed_cores(entry["pid"])) & set(allowed_cores(rank1))
+
+
+def test_a_killed_rank_takes_its_worker_down_and_no_stream_fails(cluster, tiny_checkpoint, hf_reference):
+    from tests.conftest import hf_greedy
+
+    model, tokenizer = hf_reference(tiny_checkpoint("llama"))
+    want = [tokenizer.decode(hf_greedy(model, p, STREAM_TOKENS), skip_special_tokens=True) for p in STREAM_PROMPTS]
+    client = openai_client(cluster)
+    name = client.models.list().data[0].id
+    results: dict[int, tuple] = {}
+    started = threading.Semaphore(0)
+
+    def consume(i: int) -> None:
+        text, chunks = "", 0
+        try:
+            for chunk in client.completions.create(model=name, prompt=STREAM_PROMPTS[i], max_tokens=STREAM_TOKENS,
+                                                   temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                    chunks += 1
+                    if chunks == 10:
+                        started.release()
+            results[i] = ("completed", text)
+        except openai.APIError as exc:
+            results[i] = ("error", repr(exc))
+
+    threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(len(STREAM_PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for _ in threads:
+        assert started.acquire(timeout=60), f"a stream did not start: {results}"
+    assert wait_for_metric(cluster.url, "tandem_worker_running_requests", TP_WORKER, above=0)
+    before = worker_entry(cluster.url, TP_WORKER)
+    old_pids = [before["pid"], *before["rank_pids"]]
+    assert all(is_running(pid) for pid in old_pids)
+    os.kill(before["rank_pids"][0], signal.SIGKILL)  # rank 1 of 2, found through the router, not by name
+    for thread in threads:
+        thread.join(timeout=120)
+    assert results == {i: ("completed", text) for i, text in enumerate(want)}  # 0 failed, exact text
+    assert migrations(cluster.url) >= 1
+    assert wait_gone(old_pids, timeout_s=30) == []  # rank 0 went with its rank: nothing orphaned
+    deadline = time.monotonic() + 60
+    while cluster.pids.get(TP_WORKER) in (None, before["pid"]):
+        assert time.monotonic() < deadline, f"{TP_WORKER} was not restarted"
+        time.sleep(0.1)
+    wait_for_incarnation(cluster.url, TP_WORKER, cluster.pids[TP_WORKER], timeout_s=60)
+    after = worker_entry(cluster.url, TP_WORKER)
+    assert len(after["rank_pids"]) == 1 and all(is_running(pid) for pid in after["rank_pids"])
+    assert "exited with code 1" in Path(cluster.log_dir, "launcher.log").read_text()  # it exited itself, whole
+    wait_for_idle_blocks(cluster.url, cluster.worker_names, CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=20)
+    check_concurrent_greedy_streams(cluster.url, lambda p, n: (None, tokenizer.decode(
+        hf_greedy(model, p, n, ignore_eos=False), skip_special_tokens=True)), num_requests=4, seed=5)
+    assert worker_metric(cluster.url, "tandem_worker_running_requests", TP_WORKER) == 0
