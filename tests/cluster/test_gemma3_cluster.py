@@ -57,8 +57,8 @@ def sent_bytes_after(url: str, before: float, want: float) -> float:
 
 
 def test_local_layers_send_only_their_window_and_a_shared_prefix_stays_exact(cluster, gemma3_checkpoint, hf_reference):
-    """1P1D: a prompt over twice the window moves the global layers' blocks whole and the local layers' last
-    window only, and the completion is transformers' own. The decode worker keeps that request's blocks out of
+    """1P1D: prompts of twice the window and far past it move the global layers' blocks whole and the local
+    layers' last window only, and their completions are transformers' own. The decode worker keeps that request's blocks out of
     its prefix cache: a prompt sharing the long one's start but ending before its window (whose local layers
     would read exactly the blocks that never came) is exact too, for both of its greedy choices (forked on the
     decode worker), and its KV is sent again in full."""
@@ -71,11 +71,14 @@ def test_local_layers_send_only_their_window_and_a_shared_prefix_stays_exact(clu
     config = model.config
     long_ids = tokenizer(LONG_PROMPT)["input_ids"]
     assert len(long_ids) >= 3 * config.sliding_window
-    before = worker_metric(running.url, KV_BYTES, "prefill-0") or 0.0
-    check_greedy_against_transformers(running, model, tokenizer, [long_ids], NUM_NEW_TOKENS, is_remote_prefill=True)
-    windowed, whole = windowed_kv_bytes(config, LOCAL_LAYERS["gemma3"], len(long_ids))
-    assert windowed < whole
-    assert sent_bytes_after(running.url, before, windowed) == windowed, f"all layers whole would be {whole}"
+    for ids in (long_ids[: 2 * config.sliding_window], long_ids):  # twice the window, then far past it
+        before = worker_metric(running.url, KV_BYTES, "prefill-0") or 0.0
+        check_greedy_against_transformers(running, model, tokenizer, [ids], NUM_NEW_TOKENS, is_remote_prefill=True)
+        windowed, whole = windowed_kv_bytes(config, LOCAL_LAYERS["gemma3"], len(ids))
+        assert windowed < whole
+        sent = sent_bytes_after(running.url, before, windowed)
+        print(f"{len(ids)}-token prompt: {sent:.0f} KV bytes sent, {whole} with every layer whole")
+        assert sent == windowed, f"all layers whole would be {whole}"
 
     branch_ids = long_ids[: len(long_ids) - 2 * config.sliding_window] + tokenizer(" and then")["input_ids"]
     before = worker_metric(running.url, KV_BYTES, "prefill-0") or 0.0
