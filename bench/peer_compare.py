@@ -7,7 +7,13 @@
   tokens, 96 tokens out each, greedy, EOS ignored, prefix caching off), per dtype and thread count.
   Each engine runs in a process of its own (``bench/offline_runner.py``), pinned to the same cores,
   loaded once; repeats alternate which engine goes first, so both see the same neighbours. Tokens are
-  compared between the engines.
+  compared between the engines. ``--model-size`` / ``--configs`` pick the checkpoints: the small and medium
+  random Llamas, the TinyLlama-1.1B and Llama-3.2-3B shapes (random bf16 weights built locally,
+  ``bench/peer_checkpoints.py``; smaller workloads, ``LARGE_WORKLOADS``), and dtype ``int8``: the same model as a
+  compressed-tensors W8A8 checkpoint that both engines load (activations in bf16).
+- **The physical limit**: the machine's memory bandwidth (``bench/memory_bandwidth.py``) per thread count, and on
+  the bf16 configs of ``--decode-latency`` sizes each engine's batch-1 decode step against weight bytes /
+  bandwidth (``bench/peer_decode.py``).
 - **Online**: ``vllm serve``, ``tandem up`` colocated and ``tandem up`` 1P1D on the same cores, each
   driven by the serving benchmark (``bench/serve.py``) with the same arrivals: the mixed workload
   (30 % 1500 -> 8 tokens, 70 % 32 -> 96), at a moderate rate and all at once (saturation).
@@ -29,11 +35,25 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import memory_bandwidth, peer_decode
+from bench.peer_checkpoints import LARGE_SHAPES, peer_checkpoint, weight_bytes_per_token
 from bench.peer_vllm import VLLM_VERSION, VllmServe, cpu_env, default_venv, installed_versions, setup_venv, venv_python
-from bench.serve_compare import benchmark_checkpoint, client_on, cpu_model, run_tandem, write_comparison
+from bench.serve_compare import client_on, cpu_model, run_tandem, write_comparison
 
 RUNNER = Path(__file__).with_name("offline_runner.py")
 ONLINE_SYSTEMS = ("vllm", "tandem-colocated", "tandem-1p1d")
+MODEL_SIZES = ("small", "medium", *LARGE_SHAPES)
+# The large shapes' offline workload, sized so a repeat takes well under a minute on 2 cores
+LARGE_WORKLOADS = {"1.1b": dict(num_prompts=12, min_prompt_len=16, max_prompt_len=256, output_len=32),
+                   "3b": dict(num_prompts=8, min_prompt_len=16, max_prompt_len=128, output_len=16)}
+
+
+def cpu_flags() -> list[str]:
+    """The flags ``lscpu`` reports (``/proc/cpuinfo``) that decide which kernels run: SIMD, bf16, int8, AMX."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma", "sse4")))
+    return []
 
 
 # ------------------------------------------------------------------------------------------ offline
@@ -86,56 +106,98 @@ class OfflineRunner:
         self._log.close()
 
 
-def run_offline(args, venv: Path, checkpoint: Path, cores: list[int], scratch: Path) -> dict:
+def parse_configs(args) -> list[tuple[str, str, int]]:
+    """(model size, dtype, threads) to run: ``--configs`` or every size x dtype x thread count."""
+    if args.configs:
+        out = []
+        for item in args.configs.split(","):
+            size, dtype, threads = item.split(":")
+            out.append((size, dtype, int(threads)))
+        return out
+    return [(size, dtype, int(threads)) for size in args.model_size.split(",") for dtype in args.dtypes.split(",")
+            for threads in args.threads.split(",")]
+
+
+def size_workload(args, size: str) -> dict:
+    """The offline workload's size for ``size``: the command line's, or a smaller default for the large shapes."""
+    base = {"num_prompts": args.num_prompts, "min_prompt_len": args.min_prompt_len,
+            "max_prompt_len": args.max_prompt_len, "output_len": args.output_len}
+    return base | LARGE_WORKLOADS.get(size, {}) if not args.no_large_workloads else base
+
+
+def _offline_config(args, size: str, dtype: str, threads: int, cores: list[int], venv: Path, scratch: Path,
+                    bandwidth: dict) -> dict:
+    import torch
     from transformers import AutoTokenizer
 
+    is_int8 = dtype == "int8"
+    checkpoint = peer_checkpoint(size, is_int8)
+    engine_dtype = "bfloat16" if is_int8 else dtype  # W8A8: int8 linears, bf16 everything else
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    workload = offline_workload(args, len(tokenizer), set(tokenizer.all_special_ids))
-    workload_path, warmup_path = scratch / "workload.json", scratch / "warmup.json"
+    special = set(tokenizer.all_special_ids)
+    shape = size_workload(args, size)
+    workload = offline_workload(argparse.Namespace(seed=args.seed, **shape), len(tokenizer), special)
+    workload_path, warmup_path = scratch / f"workload-{size}.json", scratch / f"warmup-{size}.json"
     workload_path.write_text(json.dumps(workload))
     warmup_path.write_text(json.dumps({k: v[:4] for k, v in workload.items()}))
     pythons = {"tandem": Path(sys.executable), "vllm": venv_python(venv)}
-    configs = []
-    for dtype in args.dtypes.split(","):
-        for threads in (int(t) for t in args.threads.split(",")):
-            used = cores[:threads]
-            runners = {engine: OfflineRunner(engine, pythons[engine], checkpoint, dtype, used, warmup_path,
-                                             args.log_dir / f"offline-{engine}-{dtype}-{threads}t.log", args.kv_cache_gib)
-                       for engine in ("tandem", "vllm")}
-            runs: dict[str, list[dict]] = {"tandem": [], "vllm": []}
-            tokens: dict[str, list] = {}
-            try:
-                for repeat in range(args.repeats):
-                    for engine in (("tandem", "vllm") if repeat % 2 == 0 else ("vllm", "tandem")):
-                        reply = runners[engine].run(workload_path)
-                        tokens[engine] = reply.pop("token_ids")
-                        reply["output_tokens_per_s"] = reply["output_tokens"] / reply["wall_s"]
-                        reply["loadavg_1min"] = os.getloadavg()[0]
-                        runs[engine].append(reply)
-                        print(f"offline {dtype} {threads}t repeat {repeat}: {engine:>6} {reply['wall_s']:6.2f} s "
-                              f"{reply['output_tokens_per_s']:7.1f} tok/s", flush=True)
-                versions = {engine: runner.versions for engine, runner in runners.items()}
-            finally:
-                for runner in runners.values():
-                    runner.close()
-            medians = {e: statistics.median(r["output_tokens_per_s"] for r in runs[e]) for e in runs}
-            configs.append({
-                "dtype": dtype, "threads": threads, "cores": used, "runs": runs, "versions": versions,
-                "median_output_tokens_per_s": medians,
-                "ratio_tandem_over_vllm": medians["tandem"] / medians["vllm"],
-                "ratio_per_repeat": [t["output_tokens_per_s"] / v["output_tokens_per_s"]
-                                     for t, v in zip(runs["tandem"], runs["vllm"])],
-                "requests_token_identical": sum(a == b for a, b in zip(tokens["tandem"], tokens["vllm"])),
-                "num_requests": len(workload["max_tokens"]),
-                "commands": {e: " ".join(r.command) for e, r in runners.items()},
-            })
-    return {"workload": {"num_prompts": args.num_prompts, "prompt_len": [args.min_prompt_len, args.max_prompt_len],
-                         "output_len": args.output_len, "seed": args.seed,
-                         "total_prompt_tokens": sum(map(len, workload["prompt_token_ids"])),
-                         "sampling": "greedy, ignore_eos, prefix caching off"},
+    used = cores[:threads]
+    runners = {engine: OfflineRunner(engine, pythons[engine], checkpoint, engine_dtype, used, warmup_path,
+                                     args.log_dir / f"offline-{engine}-{size}-{dtype}-{threads}t.log", args.kv_cache_gib)
+               for engine in ("tandem", "vllm")}
+    runs: dict[str, list[dict]] = {"tandem": [], "vllm": []}
+    tokens: dict[str, list] = {}
+    decode = None
+    try:
+        for repeat in range(args.repeats):
+            for engine in (("tandem", "vllm") if repeat % 2 == 0 else ("vllm", "tandem")):
+                reply = runners[engine].run(workload_path)
+                tokens[engine] = reply.pop("token_ids")
+                reply["output_tokens_per_s"] = reply["output_tokens"] / reply["wall_s"]
+                reply["loadavg_1min"] = os.getloadavg()[0]
+                runs[engine].append(reply)
+                print(f"offline {size} {dtype} {threads}t repeat {repeat}: {engine:>6} {reply['wall_s']:6.2f} s "
+                      f"{reply['output_tokens_per_s']:7.1f} tok/s", flush=True)
+        if dtype == "bfloat16" and size in args.decode_latency.split(","):
+            paths = peer_decode.write_workloads(scratch, len(tokenizer), special, args.decode_prompt_len,
+                                                args.decode_tokens, args.seed)
+            decode = peer_decode.measure(runners, paths, args.decode_tokens, args.repeats)
+            decode |= peer_decode.against_bound(decode, weight_bytes_per_token(checkpoint, torch.bfloat16),
+                                                bandwidth[threads])
+        versions = {engine: runner.versions for engine, runner in runners.items()}
+    finally:
+        for runner in runners.values():
+            runner.close()
+    medians = {e: statistics.median(r["output_tokens_per_s"] for r in runs[e]) for e in runs}
+    return {
+        "model_size": size, "dtype": dtype, "engine_dtype": engine_dtype, "checkpoint": str(checkpoint),
+        "threads": threads, "cores": used, "runs": runs, "versions": versions,
+        "workload": shape | {"total_prompt_tokens": sum(map(len, workload["prompt_token_ids"]))},
+        "median_output_tokens_per_s": medians,
+        "ratio_tandem_over_vllm": medians["tandem"] / medians["vllm"],
+        "ratio_per_repeat": [t["output_tokens_per_s"] / v["output_tokens_per_s"]
+                             for t, v in zip(runs["tandem"], runs["vllm"])],
+        "requests_token_identical": sum(a == b for a, b in zip(tokens["tandem"], tokens["vllm"])),
+        "num_requests": len(workload["max_tokens"]),
+        "batch1_decode": decode,
+        "commands": {e: " ".join(r.command) for e, r in runners.items()},
+    }
+
+
+def run_offline(args, venv: Path, cores: list[int], scratch: Path) -> dict:
+    configs = parse_configs(args)
+    bandwidth = {threads: memory_bandwidth.measure(threads) for threads in sorted({t for _, _, t in configs})}
+    for threads, report in bandwidth.items():
+        print(f"memory bandwidth, {threads} thread(s): copy {report['copy']['median_gb_s']:.1f} GB/s, "
+              f"read {report['read']['median_gb_s']:.1f} GB/s", flush=True)
+    results = [_offline_config(args, size, dtype, threads, cores, venv, scratch, bandwidth)
+               for size, dtype, threads in configs]
+    return {"workload": {"seed": args.seed, "sampling": "greedy, ignore_eos, prefix caching off",
+                         "per_config": "each config's 'workload'"},
             "settings": {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "max_model_len": 2048,
                          "kv_cache_gib": args.kv_cache_gib},
-            "configs": configs}
+            "memory_bandwidth": {str(t): r for t, r in bandwidth.items()},
+            "configs": results}
 
 
 # ------------------------------------------------------------------------------------------- online
@@ -183,7 +245,14 @@ def compare(result: dict) -> dict:
     """The numbers issue 20's targets are stated in."""
     out: dict = {}
     for config in result.get("offline", {}).get("configs", []):
-        out[f"offline_{config['dtype']}_{config['threads']}t_tandem_over_vllm"] = config["ratio_tandem_over_vllm"]
+        key = f"offline_{config.get('model_size', '')}_{config['dtype']}_{config['threads']}t"
+        out[f"{key}_tandem_over_vllm"] = config["ratio_tandem_over_vllm"]
+        if config.get("batch1_decode"):
+            decode = config["batch1_decode"]
+            out[f"{key}_batch1_decode"] = {"median_step_ms": decode["median_step_ms"],
+                                           "bound_ms_at_copy": decode["bound_ms_at_copy"],
+                                           "fraction_of_copy_bound": decode["fraction_of_copy_bound"],
+                                           "fraction_of_read_bound": decode["fraction_of_read_bound"]}
     online = result.get("online", {}).get("systems", {})
     if "vllm" in online:
         rates = [r["request_rate"] for r in online["vllm"]["runs"]]
@@ -203,7 +272,8 @@ def compare(result: dict) -> dict:
                     "p50_ratio_vllm_over_tandem": peer_mid["median_tpot_ms"] / max(mine["median_tpot_ms"], 1e-9),
                     "p99_ratio_vllm_over_tandem": peer_mid["p99_tpot_ms"] / max(mine["p99_tpot_ms"], 1e-9)}
         out["failed"] = {name: sum(r["failed"] for r in rep["runs"]) for name, rep in online.items()}
-    out["targets"] = {"offline_fp32_tandem_over_vllm": 1.0, "online_saturation_ratio": 1.0,
+    out["targets"] = {"offline_tandem_over_vllm (issue 34)": 1.2, "batch1_bf16_decode_fraction_of_bound": 0.7,
+                      "offline_fp32_tandem_over_vllm": 1.0, "online_saturation_ratio": 1.0,
                       "online_moderate_1p1d_p50_ratio_vllm_over_tandem": 1.0,
                       "online_moderate_1p1d_p99_ratio_vllm_over_tandem": 2.0}
     return out
@@ -216,12 +286,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-version", default=VLLM_VERSION)
     parser.add_argument("--setup-only", action="store_true", help="make vLLM's virtualenv and stop")
     parser.add_argument("--cores", default=None, help="cores both systems get, e.g. 0-1 (default: all of ours)")
-    parser.add_argument("--model-size", default="medium", choices=["small", "medium"])
+    parser.add_argument("--model-size", default="medium",
+                        help=f"comma list of {', '.join(MODEL_SIZES)} (offline: each x --dtypes x --threads; online: the first)")
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-online", action="store_true")
     offline = parser.add_argument_group("offline")
     offline.add_argument("--dtypes", default="float32,bfloat16")
     offline.add_argument("--threads", default="1,2", help="comma list of thread counts (first N of --cores)")
+    offline.add_argument("--configs", default=None,
+                         help="SIZE:DTYPE:THREADS,... instead of sizes x dtypes x threads; DTYPE int8 = the W8A8 checkpoint")
+    offline.add_argument("--no-large-workloads", action="store_true",
+                         help=f"the large shapes run the command line's workload too, not {LARGE_WORKLOADS}")
+    offline.add_argument("--decode-latency", default="1.1b",
+                         help="sizes whose bfloat16 configs also time batch-1 decode against the bandwidth bound")
+    offline.add_argument("--decode-prompt-len", type=int, default=16)
+    offline.add_argument("--decode-tokens", type=int, default=32)
     offline.add_argument("--repeats", type=int, default=3)
     offline.add_argument("--num-prompts", type=int, default=48)
     offline.add_argument("--min-prompt-len", type=int, default=16)
@@ -243,8 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.setup_only:
         print(f"vLLM's virtualenv: {venv} ({installed_versions(venv)})")
         return 0
+    for size in {s for s, _, _ in parse_configs(args)} | set(args.model_size.split(",")):
+        if size not in MODEL_SIZES:
+            parser.error(f"unknown model size {size!r} (one of {', '.join(MODEL_SIZES)})")
     cores = parse_core_list(args.cores) if args.cores else sorted(os.sched_getaffinity(0))
-    checkpoint = benchmark_checkpoint(args.model_size)
     scratch = Path(tempfile.mkdtemp(prefix="peer-compare-"))
     args.log_dir = Path(args.log_dir or scratch)
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -253,16 +334,19 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict = {
         "benchmark": "peer_compare", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cores": cores,
-        "checkpoint": {"size": args.model_size, "path": str(checkpoint)},
+        "model_sizes": {s: LARGE_SHAPES.get(s, s) for s in sorted({c[0] for c in parse_configs(args)})},
         "bench_command": " ".join(["python -m bench.peer_compare", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"cpu": cpu_model(), "cores_online": os.cpu_count()},
+        "machine": {"cpu": cpu_model(), "cores_online": os.cpu_count(), "cpu_flags": cpu_flags(),
+                    "loadavg_1min_before": os.getloadavg()[0]},
         "versions": {"vllm_venv": installed_versions(venv),
                      "tandem_venv": {"torch": torch.__version__, "transformers": transformers.__version__}},
         "log_dir": str(args.log_dir),
     }
     if not args.skip_offline:
-        result["offline"] = run_offline(args, venv, checkpoint, cores, scratch)
+        result["offline"] = run_offline(args, venv, cores, scratch)
     if not args.skip_online:
+        checkpoint = peer_checkpoint(args.model_size.split(",")[0])
+        result["checkpoint_online"] = str(checkpoint)
         result["online"] = run_online(args, venv, checkpoint, cores)
     result["loadavg_1min_after"] = os.getloadavg()[0]
     result["comparisons"] = compare(result)

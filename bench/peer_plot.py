@@ -25,10 +25,14 @@ def plot_offline(report: dict, out: Path) -> Path:
             ax.barh(y + offset, median, height=0.38, color=COLORS[engine], label=engine if y == 0 else None)
             ax.scatter(runs, [y + offset] * len(runs), s=10, color="black", alpha=0.5, zorder=3)
             ax.text(max([median, *runs]), y + offset, f"  {median:.0f}", va="center", fontsize=8)
-        labels.append(f"{config['dtype']}, {config['threads']} thread(s)\nTandem/vLLM {config['ratio_tandem_over_vllm']:.2f}x")
+        size = f"{config['model_size']} " if "model_size" in config else ""
+        labels.append(f"{size}{config['dtype']}, {config['threads']} thread(s)\n"
+                      f"Tandem/vLLM {config['ratio_tandem_over_vllm']:.2f}x")
         y += 1
     ax.set_yticks(range(len(configs)), labels)
     ax.set_xlabel("output tokens/s (median bar, repeats as dots)")
+    if len({c.get("model_size") for c in configs}) > 1:
+        ax.set_xscale("log")  # shapes 100x apart in speed share the axis
     ax.set_title(f"Offline LLM.generate, {report['machine']['cpu']}")
     ax.legend(loc="lower right")
     fig.tight_layout()

@@ -1,0 +1,220 @@
+"""Real-model-sized random checkpoints for the peer benchmark, built locally (no model hub), and their int8 W8A8 twin.
+
+- ``build_random_checkpoint``: a Llama of one of ``LARGE_SHAPES`` (TinyLlama-1.1B's or Llama-3.2-3B's shape), random
+  bf16 weights written tensor group by tensor group into ~2 GiB safetensors shards with their index (the whole
+  model is never in memory, so the 3B shape builds in a few GiB), a byte-level BPE tokenizer trained to the
+  model's full vocabulary (every id decodes, so both engines detokenize as they would a real model), and the
+  EOS rows of the output projection zeroed (``bench/peer_transformers.make_eos_unreachable``'s reason).
+- ``write_w8a8``: the same model as a compressed-tensors ``int-quantized`` checkpoint as llm-compressor's W8A8
+  preset writes it (int8 decoder linears, ``weight_scale`` ``[out, 1]`` per output channel in the model dtype,
+  activations dynamic per token, ``lm_head`` ignored), which Tandem and vLLM's CPU build both load.
+- ``weight_bytes_per_token``: the bytes a batch-1 decode step must read (every weight once, the embedding
+  table one row): the numerator of the memory-bandwidth bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+LARGE_SHAPES: dict[str, dict] = {
+    "1.1b": dict(  # TinyLlama-1.1B
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+        num_key_value_heads=4, rope_theta=10000.0, tie_word_embeddings=False),
+    "3b": dict(  # Llama-3.2-3B (no llama3 rope scaling: positions stay under 2048 here)
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+        num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=True),
+}
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SHARD_BYTES = 2 << 30
+INIT_STD = 0.02
+
+
+def _tokenizer(vocab_size: int):
+    """A BPE tokenizer trained on random words until it has exactly ``vocab_size`` entries."""
+    from pipeline.builtin_model import build_tokenizer
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    num_words = max(100_000, vocab_size * 3)
+    corpus = [" ".join("".join(rng.choice(letters) for _ in range(rng.randint(3, 12))) for _ in range(1000))
+              for _ in range(num_words // 1000)]
+    tokenizer = build_tokenizer(vocab_size, corpus)
+    if len(tokenizer) != vocab_size:
+        raise RuntimeError(f"tokenizer reached {len(tokenizer)} entries, not {vocab_size}")
+    return tokenizer
+
+
+def _tensor_groups(shape: dict, generator: torch.Generator):
+    """(name, bf16 tensor) of the whole model, embedding first, one layer at a time."""
+    hidden, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    head_dim = hidden // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * head_dim
+
+    def normal(*size):
+        return torch.empty(*size).normal_(0.0, INIT_STD, generator=generator).to(torch.bfloat16)
+
+    yield "model.embed_tokens.weight", normal(vocab, hidden)
+    for i in range(shape["num_hidden_layers"]):
+        prefix = f"model.layers.{i}"
+        yield f"{prefix}.input_layernorm.weight", torch.ones(hidden, dtype=torch.bfloat16)
+        yield f"{prefix}.post_attention_layernorm.weight", torch.ones(hidden, dtype=torch.bfloat16)
+        for name, size in (("q_proj", (hidden, hidden)), ("k_proj", (kv, hidden)), ("v_proj", (kv, hidden)),
+                           ("o_proj", (hidden, hidden))):
+            yield f"{prefix}.self_attn.{name}.weight", normal(*size)
+        for name, size in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+            yield f"{prefix}.mlp.{name}.weight", normal(*size)
+    yield "model.norm.weight", torch.ones(hidden, dtype=torch.bfloat16)
+    if not shape["tie_word_embeddings"]:
+        yield "lm_head.weight", normal(vocab, hidden)
+
+
+def _write_shards(path: Path, tensors, transform=lambda name, t: {name: t}) -> None:
+    """Stream ``(name, tensor)`` into ``model-XXXXX-of-YYYYY.safetensors`` shards plus the index."""
+    from safetensors.torch import save_file
+
+    shards: list[dict] = [{}]
+    sizes = [0]
+    files: list[str] = []
+
+    def flush():
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shards[-1], path / name, metadata={"format": "pt"})
+        files.append(name)
+        return {k: name for k in shards[-1]}
+
+    weight_map: dict[str, str] = {}
+    for name, tensor in tensors:
+        for out_name, out in transform(name, tensor).items():
+            if sizes[-1] and sizes[-1] + out.nbytes > SHARD_BYTES:
+                weight_map |= flush()
+                shards.append({})
+                sizes.append(0)
+            shards[-1][out_name] = out
+            sizes[-1] += out.nbytes
+    weight_map |= flush()
+    total = len(files)
+    for i, name in enumerate(files):  # the names count the shards, known only at the end
+        final = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        os.replace(path / name, path / final)
+        weight_map = {k: (final if v == name else v) for k, v in weight_map.items()}
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def build_random_checkpoint(path: Path, size: str, seed: int = 0) -> Path:
+    """Write the random bf16 Llama of ``LARGE_SHAPES[size]`` to ``path`` (atomically); returns ``path``."""
+    import transformers
+
+    shape = LARGE_SHAPES[size]
+    staging = path.with_name(path.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    tokenizer = _tokenizer(shape["vocab_size"])
+    tokenizer.save_pretrained(staging)
+    config = transformers.LlamaConfig(**shape, max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=None, torch_dtype="bfloat16",
+                                      architectures=["LlamaForCausalLM"])
+    config.save_pretrained(staging)
+    head = "model.embed_tokens.weight" if shape["tie_word_embeddings"] else "lm_head.weight"
+
+    def zero_eos(name: str, tensor: torch.Tensor) -> dict:
+        if name == head:
+            tensor[tokenizer.eos_token_id] = 0  # EOS logit exactly 0: greedy never ends a request early
+        return {name: tensor}
+
+    _write_shards(staging, _tensor_groups(shape, torch.Generator().manual_seed(seed)), zero_eos)
+    staging.rename(path)
+    return path
+
+
+def _w8a8_config() -> dict:
+    def args(strategy: str, dynamic: bool) -> dict:
+        return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "dynamic": dynamic,
+                "group_size": None, "block_structure": None, "actorder": None, "observer": None if dynamic else "minmax",
+                "observer_kwargs": {}}
+
+    return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": args("channel", False),
+                                          "input_activations": args("token", True), "output_activations": None}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None, "global_compression_ratio": None, "sparsity_config": {}}
+
+
+def write_w8a8(source: Path, path: Path) -> Path:
+    """``source`` (a sharded float checkpoint) as compressed-tensors W8A8 at ``path`` (atomically)."""
+    from safetensors import safe_open
+
+    from pipeline.quantization.int8 import quantize_per_row, quantize_with_scale
+
+    staging = path.with_name(path.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    files = sorted(source.glob("*.safetensors"))
+
+    def tensors():
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+
+    def quantize(name: str, tensor: torch.Tensor) -> dict:
+        module = name.rpartition(".")[0]
+        if not (name.endswith(".weight") and module.endswith(LINEAR_NAMES)):
+            return {name: tensor}
+        _, scale = quantize_per_row(tensor.float())  # fp32 [out, 1]
+        scale = scale.to(tensor.dtype)  # stored in the model dtype: quantize with the scale as stored
+        return {name: quantize_with_scale(tensor.float(), scale.float()), f"{module}.weight_scale": scale}
+
+    _write_shards(staging, tensors(), quantize)
+    config = json.loads((staging / "config.json").read_text())
+    config["quantization_config"] = _w8a8_config()
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    staging.rename(path)
+    return path
+
+
+def weight_bytes_per_token(checkpoint: Path, dtype: torch.dtype) -> int:
+    """Bytes of weights one batch-1 decode step reads, run in ``dtype`` (int8 tensors stay one byte each):
+    every tensor once, except the input embedding table, of which one row is read (unless it is the tied head)."""
+    from safetensors import safe_open
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    tied = config.get("tie_word_embeddings", False)
+    total = 0
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                info = handle.get_slice(name)
+                numel = 1
+                for n in info.get_shape():
+                    numel *= n
+                if name == "model.embed_tokens.weight" and not tied:
+                    numel = info.get_shape()[1]
+                width = 1 if info.get_dtype() in ("I8", "U8") else dtype.itemsize
+                total += numel * width
+    return total
+
+
+def peer_checkpoint(size: str, is_int8: bool = False) -> Path:
+    """The benchmark's checkpoint of ``size`` (built once, cached under ``$TANDEM_HOME``): ``small`` / ``medium``
+    as ``bench/serve_compare.benchmark_checkpoint`` builds them, ``1.1b`` / ``3b`` here; ``is_int8``: its W8A8 twin."""
+    if size not in LARGE_SHAPES:
+        from bench.serve_compare import benchmark_checkpoint
+
+        float_path = benchmark_checkpoint(size)
+    else:
+        home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
+        float_path = home / f"bench-{size}-bf16-no-eos"
+        if not (float_path / "config.json").is_file():
+            build_random_checkpoint(float_path, size)
+    if not is_int8:
+        return float_path
+    int8_path = float_path.with_name(float_path.name + "-w8a8")
+    if not (int8_path / "config.json").is_file():
+        write_w8a8(float_path, int8_path)
+    return int8_path

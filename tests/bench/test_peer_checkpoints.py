@@ -1,0 +1,108 @@
+"""The peer benchmark's locally built checkpoints (a tiny stand-in for the 1.1B / 3B shapes, several shards), their
+W8A8 twin, the bytes a decode step reads, the bandwidth bound's arithmetic and the --configs parsing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from bench import memory_bandwidth, peer_checkpoints, peer_decode
+from bench.peer_compare import parse_configs
+
+TINY = dict(vocab_size=700, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("peer-ckpt")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(peer_checkpoints.LARGE_SHAPES, "tiny", TINY)
+        patch.setattr(peer_checkpoints, "SHARD_BYTES", 40_000)  # several shards
+        bf16 = peer_checkpoints.build_random_checkpoint(root / "bf16", "tiny")
+        int8 = peer_checkpoints.write_w8a8(bf16, root / "w8a8")
+    return bf16, int8
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            out |= {name: handle.get_tensor(name) for name in handle.keys()}
+    return out
+
+
+def test_random_checkpoint_is_sharded_full_vocabulary_and_never_ends(checkpoints):
+    bf16, _ = checkpoints
+    index = json.loads((bf16 / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in bf16.glob("*.safetensors"))
+    assert len(files) > 1 and set(index["weight_map"].values()) == set(files)
+    assert len(AutoTokenizer.from_pretrained(bf16)) == TINY["vocab_size"]
+    model = AutoModelForCausalLM.from_pretrained(bf16, torch_dtype=torch.float32).eval()
+    eos = model.config.eos_token_id
+    assert model.config.num_hidden_layers == 2 and torch.count_nonzero(model.lm_head.weight[eos]) == 0
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 40, 300, 699]])).logits
+    assert (logits[..., eos] == 0).all() and (logits.max(-1).values > 0).all()
+
+
+def test_w8a8_twin_is_compressed_tensors_per_channel_and_close_to_the_weights(checkpoints):
+    bf16, int8 = checkpoints
+    config = json.loads((int8 / "config.json").read_text())["quantization_config"]
+    group = config["config_groups"]["group_0"]
+    assert config["format"] == "int-quantized" and config["ignore"] == ["lm_head"]
+    assert group["weights"]["strategy"] == "channel" and group["input_activations"]["strategy"] == "token"
+    floats, quantized = _tensors(bf16), _tensors(int8)
+    weight = floats["model.layers.1.mlp.down_proj.weight"].float()
+    values, scale = quantized["model.layers.1.mlp.down_proj.weight"], quantized["model.layers.1.mlp.down_proj.weight_scale"]
+    assert values.dtype == torch.int8 and scale.shape == (weight.shape[0], 1)
+    assert (values.float() * scale.float() - weight).abs().max() <= scale.float().max() * 0.51
+    assert quantized["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_tandem_runs_the_w8a8_twin_close_to_the_bf16_model(checkpoints):
+    from pipeline import LLM, SamplingParams
+
+    bf16, int8 = checkpoints
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompt = [[1, 40, 300, 699, 12, 7]]
+    outs = [LLM(model=str(path), model_config={"dtype": "bfloat16"}).generate(prompt, params)[0] for path in (bf16, int8)]
+    assert all(len(o.token_ids) == 1 for o in outs)
+
+
+def test_weight_bytes_per_token_reads_one_embedding_row_and_int8_at_one_byte(checkpoints):
+    bf16, int8 = checkpoints
+    h, i, v, kv = 64, 96, 700, 32
+    per_layer = (h * h * 2 + kv * h * 2) + 3 * h * i
+    expected_float = 2 * (2 * per_layer + 2 * 2 * h + h + h + v * h)  # layers, norms, final norm, one row, head
+    assert peer_checkpoints.weight_bytes_per_token(bf16, torch.bfloat16) == expected_float
+    scales = 2 * 2 * (h + kv + kv + h + i + i + h)  # bf16 [out, 1] per linear
+    expected_int8 = 2 * per_layer + scales + 2 * (2 * 2 * h + h + h + v * h)
+    assert peer_checkpoints.weight_bytes_per_token(int8, torch.bfloat16) == expected_int8
+
+
+def test_bound_is_bytes_over_bandwidth():
+    decode = {"median_step_ms": {"tandem": 50.0, "vllm": 100.0}}
+    bandwidth = {"copy": {"median_gb_s": 20.0}, "read": {"median_gb_s": 40.0}}
+    out = peer_decode.against_bound(decode, 2 * 10**9, bandwidth)
+    assert out["bound_ms_at_copy"] == pytest.approx(100.0) and out["bound_ms_at_read"] == pytest.approx(50.0)
+    assert out["fraction_of_copy_bound"] == pytest.approx({"tandem": 2.0, "vllm": 1.0})
+    assert out["fraction_of_read_bound"] == pytest.approx({"tandem": 1.0, "vllm": 0.5})
+
+
+def test_bandwidth_reports_every_kernel_and_repeat():
+    report = memory_bandwidth.measure(threads=1, size_mib=8, repeats=3)
+    for kind in ("copy", "triad", "read"):
+        assert len(report[kind]["gb_s"]) == 3 and report[kind]["median_gb_s"] > 0
+
+
+def test_configs_from_the_command_line():
+    args = argparse.Namespace(configs="1.1b:int8:2,small:float32:1", model_size="small", dtypes="x", threads="1")
+    assert parse_configs(args) == [("1.1b", "int8", 2), ("small", "float32", 1)]
+    args = argparse.Namespace(configs=None, model_size="small,1.1b", dtypes="bfloat16,int8", threads="1,2")
+    assert len(parse_configs(args)) == 8 and parse_configs(args)[0] == ("small", "bfloat16", 1)
