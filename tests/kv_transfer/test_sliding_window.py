@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import load_kernels
+from kv_transfer.layout import kv_layout
 from kv_transfer.sliding_window import (
     LayerSend, first_needed_block, first_query_position, leaves_blocks_incomplete, plan_sends, planned_bytes,
 )
@@ -117,3 +118,15 @@ def test_only_a_transfer_that_skips_blocks_leaves_them_incomplete():
     assert not leaves_blocks_incomplete(record, request(8))  # the window covers the prompt
     assert not leaves_blocks_incomplete(record, request(40, num_cached_tokens=36))  # the sink's cache covers the rest
     assert not leaves_blocks_incomplete(layout((0, 0)), request(40))
+
+
+def test_the_compatibility_record_carries_the_windows_and_refuses_a_different_one():
+    cache = torch.zeros(3, 2, 4, PAGE, 2, 8)
+    record = kv_layout(cache, "m", layer_windows=[8, None, 8])
+    assert record.layer_windows == (8, 0, 8) and record.attention_windows == (8, 0, 8)
+    assert kv_layout(cache, "m", layer_windows=[None] * 3).layer_windows == ()  # no window: as before
+    assert kv_layout(cache, "m").attention_windows == (0, 0, 0)
+    (problem,) = record.mismatch(kv_layout(cache, "m", layer_windows=[4, None, 4]))
+    assert problem.startswith("layer_windows:")
+    with pytest.raises(ValueError, match="layer_windows"):
+        kv_layout(cache, "m", layer_windows=[8, None])
