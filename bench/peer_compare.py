@@ -161,9 +161,9 @@ def _offline_config(args, size: str, dtype: str, threads: int, cores: list[int],
         if dtype == "bfloat16" and size in args.decode_latency.split(","):
             paths = peer_decode.write_workloads(scratch, len(tokenizer), special, args.decode_prompt_len,
                                                 args.decode_tokens, args.seed)
-            decode = peer_decode.measure(runners, paths, args.decode_tokens, args.repeats)
+            decode = peer_decode.measure(runners, paths, args.decode_tokens, args.repeats, threads)
             decode |= peer_decode.against_bound(decode, weight_bytes_per_token(checkpoint, torch.bfloat16),
-                                                bandwidth[threads])
+                                                decode["bandwidth_during"])
         versions = {engine: runner.versions for engine, runner in runners.items()}
     finally:
         for runner in runners.values():

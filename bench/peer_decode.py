@@ -3,8 +3,8 @@
 One request of ``prompt_len`` random tokens is run twice per engine and repeat: with ``max_tokens`` 1 (prefill
 and the first token) and with ``1 + num_tokens``; the difference over ``num_tokens`` is one decode step's time,
 free of prefill and of the engine's per-request costs. The bound is the time a step needs to read every weight
-once at the measured bandwidth (``bench/memory_bandwidth.py``); the KV cache of a short prompt is a few MiB,
-left out of the numerator.
+once at the bandwidth measured after each repeat (``bench/memory_bandwidth.py``; the median over repeats),
+so the bound sees the same neighbours as the engines; the KV cache of a short prompt (a few MiB) is left out.
 """
 
 from __future__ import annotations
@@ -28,9 +28,13 @@ def write_workloads(scratch: Path, vocab_size: int, special_ids: set[int], promp
     return paths[0], paths[1]
 
 
-def measure(runners: dict, workloads: tuple[Path, Path], num_tokens: int, repeats: int) -> dict:
-    """ms per decode step of each engine, every repeat (engines alternate which goes first)."""
+def measure(runners: dict, workloads: tuple[Path, Path], num_tokens: int, repeats: int, threads: int) -> dict:
+    """ms per decode step of each engine, every repeat (engines alternate which goes first), and the memory
+    bandwidth measured in each repeat too, so the bound sees the same neighbours as the engines."""
+    from bench import memory_bandwidth
+
     step_ms: dict[str, list[float]] = {engine: [] for engine in runners}
+    bandwidths = []
     first, full = workloads
     for runner in runners.values():  # batch-1 shapes are new to both engines: their first run is not timed
         runner.run(first), runner.run(full)
@@ -41,7 +45,10 @@ def measure(runners: dict, workloads: tuple[Path, Path], num_tokens: int, repeat
             long = runners[engine].run(full)["wall_s"]
             step_ms[engine].append((long - short) / num_tokens * 1e3)
             print(f"batch-1 decode repeat {repeat}: {engine:>6} {step_ms[engine][-1]:6.1f} ms/token", flush=True)
-    return {"num_tokens": num_tokens, "step_ms": step_ms,
+        bandwidths.append(memory_bandwidth.measure(threads, repeats=5))
+    bandwidth = {kind: {"median_gb_s": statistics.median(b[kind]["median_gb_s"] for b in bandwidths),
+                        "per_repeat_gb_s": [b[kind]["median_gb_s"] for b in bandwidths]} for kind in ("copy", "read")}
+    return {"num_tokens": num_tokens, "step_ms": step_ms, "bandwidth_during": bandwidth,
             "median_step_ms": {e: statistics.median(v) for e, v in step_ms.items()}}
 
 

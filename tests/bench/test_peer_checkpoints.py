@@ -106,3 +106,20 @@ def test_configs_from_the_command_line():
     assert parse_configs(args) == [("1.1b", "int8", 2), ("small", "float32", 1)]
     args = argparse.Namespace(configs=None, model_size="small,1.1b", dtypes="bfloat16,int8", threads="1,2")
     assert len(parse_configs(args)) == 8 and parse_configs(args)[0] == ("small", "bfloat16", 1)
+
+
+def test_decode_step_is_the_difference_of_two_runs_over_the_tokens(monkeypatch, tmp_path):
+    class FakeRunner:
+        def __init__(self, step_s):
+            self.step_s = step_s
+
+        def run(self, workload):
+            max_tokens = json.loads(workload.read_text())["max_tokens"][0]
+            return {"wall_s": 0.5 + (max_tokens - 1) * self.step_s}
+
+    monkeypatch.setattr(memory_bandwidth, "measure", lambda threads, repeats: {
+        "copy": {"median_gb_s": 10.0}, "read": {"median_gb_s": 12.0}})
+    paths = peer_decode.write_workloads(tmp_path, 100, {0, 1, 2}, prompt_len=8, num_tokens=4, seed=0)
+    out = peer_decode.measure({"tandem": FakeRunner(0.02), "vllm": FakeRunner(0.04)}, paths, 4, repeats=3, threads=1)
+    assert out["median_step_ms"] == pytest.approx({"tandem": 20.0, "vllm": 40.0})
+    assert out["bandwidth_during"]["copy"]["per_repeat_gb_s"] == [10.0] * 3
