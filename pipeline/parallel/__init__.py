@@ -25,7 +25,7 @@ def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, devi
     """
     from pipeline.cpu_placement import rank_placement
     from pipeline.parallel.model import Collectives, TensorParallelLlama
-    from pipeline.parallel.ranks import RankGroup, rank_device
+    from pipeline.parallel.ranks import STARTUP_TIMEOUT_S, RankGroup, rank_device
     from pipeline.parallel.shard_spec import ShardSpec, check_checkpoint, read_shards
     from pipeline.weights import load_hf_config
 
@@ -44,7 +44,7 @@ def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, devi
                       timeout_s, placements)
     try:
         collectives = group.join_group(
-            lambda: Collectives(group.store, 0, size, rank_device(device, 0), timeout_s))
+            lambda: Collectives(group.store, 0, size, rank_device(device, 0), timeout_s, STARTUP_TIMEOUT_S))
         spec = ShardSpec.of(hf_config, 0, size)
         model = TensorParallelLlama(hf_config, dtype, rank_device(device, 0), spec, collectives, driver=group)
         model.load_weights(read_shards(model_path, spec))

@@ -24,16 +24,19 @@ class Collectives:
     """The rank's ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA), its own rather than the
     global default group, so several tensor-parallel models can live in one process one after another."""
 
-    def __init__(self, store, rank: int, size: int, device: torch.device, timeout_s: float):
+    def __init__(self, store, rank: int, size: int, device: torch.device, timeout_s: float, setup_timeout_s: float):
+        """``timeout_s`` bounds each collective's wait (``tensor_parallel_timeout_s``); ``setup_timeout_s`` the
+        group's own (its rendezvous waits for every rank, which may still be importing torch and loading)."""
         import torch.distributed as dist
 
-        timeout = self.timeout = datetime.timedelta(seconds=timeout_s)  # the group's, and each wait's
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        setup_timeout = datetime.timedelta(seconds=max(timeout_s, setup_timeout_s))
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
+            options._timeout = setup_timeout
             self.group = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
-            self.group = dist.ProcessGroupGloo(store, rank, size, timeout)
+            self.group = dist.ProcessGroupGloo(store, rank, size, setup_timeout)
         self.rank, self.size = rank, size
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,9 @@ Each step's inputs travel from rank 0 over a pipe per child (a pickled tuple of 
 small arrays per step, with ordering, end-of-file when rank 0 dies, and no timeout while rank 0 idles
 between calls); the activations travel over ``torch.distributed`` collectives (``model.Collectives``),
 which time out (``timeout_s``) if a rank stops answering. A child leaves when rank 0 says stop, when
-its pipe closes (rank 0 exited or was killed), or when a collective fails; ``RankGroup.close`` (also
-run when the group is garbage-collected and at interpreter exit) stops, then kills, every child.
+its pipe closes (rank 0 exited or was killed; the kernel also kills it then, ``PR_SET_PDEATHSIG``), or when a
+collective fails; it ignores SIGTERM and SIGINT (rank 0 decides). ``RankGroup.close`` (also run when the group
+is garbage-collected and at interpreter exit) asks every child to stop, then kills it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from pipeline.parallel.shard_spec import ShardSpec, TensorParallelError
 
 T = TypeVar("T")
 STARTUP_TIMEOUT_S = 300.0  # spawning a child, importing torch and loading its shard
+STOP_GRACE_S = 5.0  # ranks asked to stop have this long to leave before they are killed
 
 
 @dataclass(frozen=True)
@@ -150,7 +153,7 @@ class RankGroup:
                 raise TensorParallelError(f"tensor-parallel rank {rank} does not answer: {exc}") from exc
 
     def close(self) -> None:
-        """Stop every child rank (asked first, then terminated, then killed). Idempotent."""
+        """Stop every child rank (asked first, killed if still running after ``STOP_GRACE_S``). Idempotent."""
         self._finalizer()
 
 
@@ -172,12 +175,10 @@ def _stop_ranks(processes: list, pipes: list) -> None:
             pipe.send(("stop", None))
         except OSError:
             pass
+    deadline = time.monotonic() + STOP_GRACE_S  # one grace for them all: a hung rank costs it once
     for process in processes:
-        process.join(timeout=5.0)
-        if process.is_alive():
-            process.terminate()
-            process.join(timeout=5.0)
-        if process.is_alive():
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+        if process.is_alive():  # no SIGTERM: a rank ignores it (run_rank)
             process.kill()
             process.join()
     for pipe in pipes:
@@ -246,7 +247,7 @@ def _load_rank(args: RankArgs):
         torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", args.store_port, args.size, False,
                           timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
-    collectives = Collectives(store, args.rank, args.size, device, args.timeout_s)
+    collectives = Collectives(store, args.rank, args.size, device, args.timeout_s, STARTUP_TIMEOUT_S)
     hf_config = load_hf_config(args.model_path)
     spec = ShardSpec.of(hf_config, args.rank, args.size)
     model = TensorParallelLlama(hf_config, args.dtype, device, spec, collectives)

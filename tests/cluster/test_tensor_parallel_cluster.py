@@ -19,22 +19,22 @@ from deploy.cpu_plan import plan_cores
 from pipeline.cpu_placement import rank_cores
 from tests.cluster.conftest import (CLUSTER_CONFIG, PROMPT_TOKENS_COMPUTED, check_concurrent_greedy_streams, migrations,
                                     openai_client, running_cluster, wait_for_idle_blocks, wait_for_incarnation,
-                                    wait_for_metric, worker_metric)
+                                    wait_for_metric)
 from tests.pipeline.test_tensor_parallel import is_running, wait_gone
 
 TP_WORKER = "colocated-0"
 SIZES = {TP_WORKER: 2}
-STREAM_PROMPTS = [[5, 17, 42, 8], [9, 9, 100, 3, 77], [250, 1, 60], [33, 44, 55, 66, 11], [7, 130, 21], [88, 2]]
-STREAM_TOKENS = 150
+STREAM_PROMPTS = [[5, 17, 42, 8], [9, 9, 100, 3, 77], [250, 1, 60], [33, 44, 55, 66, 11]]
+STREAM_TOKENS = 120
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoint, tmp_path_factory):
     cores = sorted(os.sched_getaffinity(0))
-    # slow steps (20 ms each): a 150-token stream runs for seconds, long enough to kill a rank mid-answer
+    # slow steps (20 ms each): a 120-token stream runs for seconds, long enough to kill a rank mid-answer
     with running_cluster(tiny_checkpoint("llama"), tmp_path_factory.mktemp("tensor-parallel"), num_prefill=0,
-                         num_decode=0, num_colocated=2, max_restarts=2, tensor_parallel_sizes=SIZES,
-                         cpu_plan=plan_cores(cores, 0, 0, 2, num_ranks=SIZES),
+                         num_decode=0, num_colocated=2, max_restarts=5, tensor_parallel_sizes=SIZES,
+                         cpu_plan=plan_cores(cores, 0, 0, 2, num_ranks=SIZES), config={"tensor_parallel_timeout_s": 5},
                          entry_module="tests.cluster.slow_steps", env={"TANDEM_TEST_STEP_DELAY_S": "0.02"}) as c:
         yield c
 
@@ -95,23 +95,50 @@ def test_a_killed_rank_takes_its_worker_down_and_no_stream_fails(cluster, tiny_c
         assert started.acquire(timeout=60), f"a stream did not start: {results}"
     assert wait_for_metric(cluster.url, "tandem_worker_running_requests", TP_WORKER, above=0)
     before = worker_entry(cluster.url, TP_WORKER)
-    old_pids = [before["pid"], *before["rank_pids"]]
-    assert all(is_running(pid) for pid in old_pids)
+    assert all(is_running(pid) for pid in [before["pid"], *before["rank_pids"]])
     os.kill(before["rank_pids"][0], signal.SIGKILL)  # rank 1 of 2, found through the router, not by name
     for thread in threads:
         thread.join(timeout=120)
     assert results == {i: ("completed", text) for i, text in enumerate(want)}  # 0 failed, exact text
     assert migrations(cluster.url) >= 1
-    assert wait_gone(old_pids, timeout_s=30) == []  # rank 0 went with its rank: nothing orphaned
+    wait_restarted(cluster, before)  # rank 0 went with its rank: nothing orphaned, both back
+    assert "exited with code 1" in Path(cluster.log_dir, "launcher.log").read_text()  # it exited itself, whole
+    wait_for_idle_blocks(cluster.url, cluster.worker_names, CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=20)
+
+
+def wait_restarted(cluster, old: dict) -> dict:
+    """Once ``old`` (a /ready entry of the TP worker) is replaced: no process of it is left, and the new
+    incarnation is registered with a live rank 1. Returns the new entry."""
+    assert wait_gone([old["pid"], *old["rank_pids"]], timeout_s=60) == []
     deadline = time.monotonic() + 60
-    while cluster.pids.get(TP_WORKER) in (None, before["pid"]):
+    while cluster.pids.get(TP_WORKER) in (None, old["pid"]):
         assert time.monotonic() < deadline, f"{TP_WORKER} was not restarted"
         time.sleep(0.1)
     wait_for_incarnation(cluster.url, TP_WORKER, cluster.pids[TP_WORKER], timeout_s=60)
-    after = worker_entry(cluster.url, TP_WORKER)
-    assert len(after["rank_pids"]) == 1 and all(is_running(pid) for pid in after["rank_pids"])
-    assert "exited with code 1" in Path(cluster.log_dir, "launcher.log").read_text()  # it exited itself, whole
+    new = worker_entry(cluster.url, TP_WORKER)
+    assert len(new["rank_pids"]) == 1 and all(is_running(pid) for pid in new["rank_pids"])
+    return new
+
+
+def test_a_rank_that_dies_while_its_worker_idles_takes_it_down(cluster):
+    """No request runs, so no collective fails: rank 0's loop notices the exit by itself."""
+    before = worker_entry(cluster.url, TP_WORKER)
+    os.kill(before["rank_pids"][0], signal.SIGKILL)
+    wait_restarted(cluster, before)
+
+
+def test_a_hung_rank_is_detected_by_the_collective_timeout(cluster, reference_text):
+    """Rank 1 frozen (SIGSTOP): rank 0's next collective gives up after tensor_parallel_timeout_s (5 s here),
+    its requests are retried elsewhere with their exact text, and the worker is replaced, the frozen rank killed."""
+    log = Path(cluster.log_path(TP_WORKER))
+    num_timeouts = log.read_text().count("collective failed on rank 0")
+    before = worker_entry(cluster.url, TP_WORKER)
+    os.kill(before["rank_pids"][0], signal.SIGSTOP)
+    try:
+        check_concurrent_greedy_streams(cluster.url, reference_text, num_requests=6, seed=7)  # some land on it
+        wait_restarted(cluster, before)
+    finally:
+        if is_running(before["rank_pids"][0]):
+            os.kill(before["rank_pids"][0], signal.SIGKILL)
+    assert log.read_text().count("collective failed on rank 0") > num_timeouts
     wait_for_idle_blocks(cluster.url, cluster.worker_names, CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=20)
-    check_concurrent_greedy_streams(cluster.url, lambda p, n: (None, tokenizer.decode(
-        hf_greedy(model, p, n, ignore_eos=False), skip_special_tokens=True)), num_requests=4, seed=5)
-    assert worker_metric(cluster.url, "tandem_worker_running_requests", TP_WORKER) == 0
