@@ -58,10 +58,10 @@ def sent_bytes_after(url: str, before: float, want: float) -> float:
 
 def test_local_layers_send_only_their_window_and_a_shared_prefix_stays_exact(cluster, gemma3_checkpoint, hf_reference):
     """1P1D: prompts of twice the window and far past it move the global layers' blocks whole and the local
-    layers' last window only, and their completions are transformers' own. The decode worker keeps that request's blocks out of
-    its prefix cache: a prompt sharing the long one's start but ending before its window (whose local layers
-    would read exactly the blocks that never came) is exact too, for both of its greedy choices (forked on the
-    decode worker), and its KV is sent again in full."""
+    layers' last window only, and their completions are transformers' own. The decode worker keeps those
+    requests' blocks out of its prefix cache: a prompt sharing the long one's start but ending before its window
+    (whose local layers would read exactly the blocks that never came) is exact too, for both of its greedy
+    choices (forked on the decode worker), and its KV is sent again in full."""
     from tests.conftest import hf_greedy
 
     shape, running = cluster
@@ -90,6 +90,7 @@ def test_local_layers_send_only_their_window_and_a_shared_prefix_stays_exact(clu
         assert [int(token.split(":")[1]) for token in choice.logprobs.tokens] == want
     # a second choice shares the full blocks before the last prompt token and computes from there itself
     page_size = CLUSTER_CONFIG["kv_cache"]["page_size"]
-    want_bytes, _ = windowed_kv_bytes(config, LOCAL_LAYERS["gemma3"], len(branch_ids), (len(branch_ids) - 1) // page_size * page_size)
+    fork_start = (len(branch_ids) - 1) // page_size * page_size
+    want_bytes, _ = windowed_kv_bytes(config, LOCAL_LAYERS["gemma3"], len(branch_ids), fork_start)
     assert sent_bytes_after(running.url, before, want_bytes) == want_bytes
     wait_for_idle_blocks(running.url, running.worker_names, CLUSTER_CONFIG["kv_cache"]["num_blocks"])

@@ -75,7 +75,7 @@ def test_plan_sends_full_layers_everything_and_sliding_layers_their_window():
     sends = plan_sends(windows, PAGE, 40, 0, 10)
     assert sends == [LayerSend(2, 3, 0, 8), LayerSend(0, 5, 8, 10)]
     # shipped in pieces as chunks complete: the same blocks per layer
-    pieces = plan_sends(windows, PAGE, 40, 0, 5) + plan_sends(windows, PAGE, 40, 5, 9) + plan_sends(windows, PAGE, 40, 9, 10)
+    pieces = [send for start, stop in ((0, 5), (5, 9), (9, 10)) for send in plan_sends(windows, PAGE, 40, start, stop)]
     per_layer = {layer: sorted(b for s in pieces for b in range(s.block_start, s.block_stop)
                                if s.layer_start <= layer < s.layer_stop) for layer in range(5)}
     assert per_layer == {0: [8, 9], 1: [8, 9], 2: list(range(10)), 3: [8, 9], 4: [8, 9]}
