@@ -42,3 +42,30 @@ def test_tandem_up_refuses_before_starting_anything(capsys):
 def test_a_worker_of_a_prefill_or_decode_role_refuses_several_ranks(capsys):
     assert main(["worker", "--role", "DecodeOnly", "--tensor-parallel-size", "2"]) == 2
     assert "a DecodeOnly worker with tensor_parallel_size=2 needs the cross-layout KV transfer" in capsys.readouterr().err
+
+
+class _Started(Exception):
+    """Raised by the stand-in cluster: what tandem up would start, captured, nothing started."""
+
+
+def test_tandem_up_gives_each_worker_its_ranks_and_each_rank_its_cores(monkeypatch):
+    import deploy.local_launcher
+    import pipeline.cpu_placement
+
+    captured = {}
+
+    def fake_cluster(**kwargs):
+        captured.update(kwargs)
+        raise _Started
+
+    monkeypatch.setattr(deploy.local_launcher, "LocalCluster", fake_cluster)
+    monkeypatch.setattr(pipeline.cpu_placement, "allowed_cores", lambda cpu_cores: [0, 1, 2, 3])  # a 4-core host
+    with pytest.raises(_Started):
+        main(["up", "--colocated", "2", "--tensor-parallel-size", "2"])
+    assert captured["tensor_parallel_sizes"] == {}  # the shared config carries 2 to every worker
+    assert captured["config"]["tensor_parallel_size"] == 2
+    assert captured["cpu_plan"] == {"colocated-0": [0, 1], "colocated-1": [2, 3]}  # one core per rank
+    with pytest.raises(_Started):  # P/D at 1 beside colocated workers at 2: their own flag, on their command line
+        main(["up", "--prefill", "1", "--decode", "1", "--colocated", "1", "--tensor-parallel-size", "2",
+              "--prefill-tensor-parallel-size", "1", "--decode-tensor-parallel-size", "1"])
+    assert captured["tensor_parallel_sizes"] == {"prefill-0": 1, "decode-0": 1}
