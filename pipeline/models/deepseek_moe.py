@@ -97,5 +97,5 @@ class DeepseekMoe(nn.Module):
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:  # [num_tokens, hidden]
         weights, expert_ids = route_grouped(x, self.gate.weight, self.gate.e_score_correction_bias, self.spec,
                                             self.routing)  # [num_tokens, top_k] each
-        routed = kernels.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, expert_ids)
+        routed = self.experts(x, weights, expert_ids, kernels)
         return routed + self.shared_experts(x, kernels)

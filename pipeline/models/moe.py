@@ -53,6 +53,10 @@ class StackedExperts(nn.Module):
         self.gate_up_proj = empty_parameter(num_experts, 2 * intermediate, hidden_size, dtype=dtype, device=device)
         self.down_proj = empty_parameter(num_experts, hidden_size, intermediate, dtype=dtype, device=device)
 
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                kernels: Kernels) -> torch.Tensor:  # [num_tokens, hidden]: each token's top-k experts, weighted
+        return kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
 
 class SparseMoeBlock(nn.Module):
     """The MoE MLP: ``gate`` (the router, ``[num_experts, hidden]``) and the stacked ``experts``."""
@@ -67,7 +71,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:  # [num_tokens, hidden]
         topk_weights, topk_ids = route(self.gate(x), self.spec)  # [num_tokens, top_k] each
-        return kernels.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, topk_weights, topk_ids)
+        return self.experts(x, topk_weights, topk_ids, kernels)
 
 
 # Checkpoint names of a sparse block's tensors: per expert, stacked, and the router.

@@ -39,6 +39,13 @@ def int8_gemm(x_q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(x_q, weight_t)
 
 
+def int8_product(x: torch.Tensor, weight_t: torch.Tensor, weight_scale_row: torch.Tensor) -> torch.Tensor:
+    """``[rows, in]`` float x (int8 ``[in, out]`` with fp32 ``[1, out]`` scales) -> fp32 ``[rows, out]``: the
+    activations quantized per row on the fly, the product in int8 -> int32, both scales applied."""
+    x_q, x_scale = quantize_per_row(x)  # [rows, in] int8, [rows, 1] fp32
+    return int8_gemm(x_q.contiguous(), weight_t).float().mul_(x_scale).mul_(weight_scale_row)
+
+
 class Int8Linear(nn.Module):
     """A ``layers.Linear`` whose product runs in int8 (same ``shard_sizes``, bias and checkpoint names).
 

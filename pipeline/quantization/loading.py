@@ -13,8 +13,9 @@ kept weights out for the GEMM.
 
 Eligible: every linear but the output projection (``lm_head``, whose logits stay in the model dtype), a
 mixture-of-experts router (a ``gate`` beside ``experts``) and a linear whose module reads its weight instead of
-calling it (``weights_read_directly``: MLA's ``kv_b_proj``, loaded dequantized). Experts are stacked tensors, not linears: a
-quantized MoE checkpoint loads its experts dequantized and runs them in the model dtype.
+calling it (``weights_read_directly``: MLA's ``kv_b_proj``, loaded dequantized). Experts are stacked tensors, not
+linears: they load dequantized, and where the checkpoint's experts are int8 W8A8 (or ``--quantization int8``)
+``finish`` turns each stacked experts module into ``Int8StackedExperts`` (``int8_experts.py``).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ import torch
 from pipeline.checkpoint_errors import CheckpointError
 from pipeline.checkpoint_files import read_config_json, weight_files
 from pipeline.models.layers import Linear
+from pipeline.models.moe import StackedExperts
 from pipeline.quantization.config import QuantizationSpec, check_load_time_quantization, quantization_spec
 from pipeline.quantization.dequantize import dequantize_weight
 from pipeline.quantization.fp8 import Fp8Linear, fits_fp8_gemm, fp8_gemm_available
 from pipeline.quantization.int8 import Int8Linear
+from pipeline.quantization.int8_experts import Int8StackedExperts
 from pipeline.quantization.mxfp4 import Mxfp4Pairs
 
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -66,6 +69,7 @@ class QuantizationPlan:
 
     spec: QuantizationSpec | None
     kept: dict[str, torch.dtype] = field(default_factory=dict)  # checkpoint prefix -> its weights' dtype, loaded as is
+    int8_experts: bool = False  # stacked MoE experts become Int8StackedExperts once loaded
 
     def tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors as the (swapped) model takes them."""
@@ -137,12 +141,14 @@ class QuantizationPlan:
                                       + (f" or one per output channel ({rows})" if leaf == "weight_scale" else ""))
             yield f"{prefix}.{leaf}", scale
 
-    @staticmethod
-    def finish(model: torch.nn.Module) -> None:
-        """Once every tensor is in: int8 layers quantize (``--quantization int8``) and lay out their weights."""
-        for module in model.modules():
+    def finish(self, model: torch.nn.Module) -> None:
+        """Once every tensor is in: int8 layers quantize (``--quantization int8``) and lay out their weights;
+        with ``int8_experts``, each stacked MoE experts module is replaced by its int8 form."""
+        for name, module in list(model.named_modules()):
             if isinstance(module, (Int8Linear, Fp8Linear)):
                 module.finish_loading()
+            elif self.int8_experts and isinstance(module, StackedExperts):
+                _replace(model, name, Int8StackedExperts(module.gate_up_proj, module.down_proj))
 
 
 def plan_quantization(model: torch.nn.Module, path: str | os.PathLike, requested: str | None) -> QuantizationPlan | None:
@@ -154,6 +160,9 @@ def plan_quantization(model: torch.nn.Module, path: str | os.PathLike, requested
         return None
     plan = QuantizationPlan(spec)
     dtypes = tensor_dtypes(weight_files(path))
+    # experts run int8 where the checkpoint stores them int8 W8A8 (or --quantization int8 asks for it)
+    plan.int8_experts = requested == "int8" or (spec is not None and spec.is_w8a8_int8 and any(
+        ".experts." in name and dtype == "I8" for name, dtype in dtypes.items()))
     checkpoint_names = getattr(model, "_checkpoint_names", None)
     for name, module in list(model.named_modules()):
         if type(module) is not Linear or checkpoint_names is None or not _is_eligible(model, name):

@@ -19,12 +19,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import TORCH_KERNELS
 from pipeline import LLM, SamplingParams
 from pipeline.checkpoint_errors import CheckpointError
 from pipeline.models.layers import Linear
+from pipeline.models.moe import StackedExperts
 from pipeline.quantization.config import quantization_spec
 from pipeline.quantization.fp8 import Fp8Linear, quantize_fp8_per_row
 from pipeline.quantization.int8 import Int8Linear, quantize_per_row
+from pipeline.quantization.int8_experts import Int8StackedExperts
 from tests.conftest import hf_greedy, hf_logprobs
 from tests.deepseek_checkpoints import deepseek_checkpoint  # noqa: F401 (a fixture)
 from tests.moe_checkpoints import moe_checkpoint  # noqa: F401 (a fixture)
@@ -126,15 +129,59 @@ def test_load_time_int8_agrees_with_the_float_model(tiny_checkpoint, hf_referenc
     assert max_error < 0.15 and agreement >= 0.85, (max_error, agreement)  # measured 0.050 / 94%
 
 
-def test_int8_moe_checkpoint_runs_with_dequantized_experts(moe_checkpoint, quantized_checkpoint, hf_reference):
-    quantized, reference = quantized_checkpoint("w8a8_int8_channel", moe_checkpoint("qwen3_moe"))
+# measured: Qwen3-MoE 0.076 / 95% (W8A8), 0.100 / 94% (at load; 0.045 with the experts left float); Mixtral at
+# load 0.388 / 95% with int8 experts, 0.389 with float ones: int8 attention moves near-tied routing choices
+MOE_INT8_BOUNDS = {"qwen3_moe": 0.2, "mixtral": 0.45}
+
+
+@pytest.mark.parametrize("scheme", ["w8a8_int8_channel", None])  # None: --quantization int8 at load
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_int8_moe_runs_its_experts_in_int8(family, scheme, moe_checkpoint, quantized_checkpoint, hf_reference):
+    if scheme is None:
+        quantized = reference = moe_checkpoint(family)
+        llm = LLM(quantized, model_config={"quantization": "int8"}, **ENGINE)
+    else:
+        quantized, reference = quantized_checkpoint(scheme, moe_checkpoint(family))
+        llm = LLM(quantized, **ENGINE)
     hf_model, _ = hf_reference(reference)
-    llm = LLM(quantized, **ENGINE)
     layer = llm.engine.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Int8Linear) and isinstance(layer.mlp.gate, Linear)
-    assert layer.mlp.experts.gate_up_proj.dtype == torch.float32  # experts: dequantized at load
+    # experts run int8 where the checkpoint stores them int8 (the test writer quantizes Qwen3-MoE's per-expert
+    # gate/up/down_proj, not Mixtral's w1/w2/w3) or --quantization int8 asks for it; else in the model dtype
+    if scheme is None or family == "qwen3_moe":
+        assert isinstance(layer.mlp.experts, Int8StackedExperts) and layer.mlp.experts.gate_up_t.dtype == torch.int8
+    else:
+        assert isinstance(layer.mlp.experts, StackedExperts)
     max_error, agreement = teacher_forced_errors(llm, hf_model, sequences())
-    assert max_error < 0.2 and agreement >= 0.9, (max_error, agreement)
+    assert max_error < MOE_INT8_BOUNDS[family] and agreement >= 0.9, (max_error, agreement)
+
+
+def test_int8_experts_are_their_integer_arithmetic():
+    """Each expert's two GEMMs are (q(x) q(W)^T) s_x s_w exactly (float64 here), SwiGLU between them, rows
+    weighted and summed per token: Int8StackedExperts against that, written out token by token."""
+    generator = torch.Generator().manual_seed(3)
+    num_experts, hidden, inter, top_k = 4, 32, 24, 2
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=generator) * 0.1
+    down = torch.randn(num_experts, hidden, inter, generator=generator) * 0.1
+    x = torch.randn(9, hidden, generator=generator)
+    topk_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(9)])
+    topk_weights = torch.rand(9, top_k, generator=generator)
+    experts = Int8StackedExperts(gate_up, down)
+    got = experts(x, topk_weights, topk_ids, TORCH_KERNELS)
+
+    def exact(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [n, in] x float [out, in]
+        rows_q, rows_scale = quantize_per_row(rows)
+        weight_q, weight_scale = quantize_per_row(weight)
+        return (rows_q.double() @ weight_q.double().t()) * rows_scale.double() * weight_scale.double().t()
+
+    want = torch.zeros(9, hidden, dtype=torch.float64)
+    for token in range(9):
+        for choice in range(top_k):
+            e = int(topk_ids[token, choice])
+            gate, up = exact(x[token:token + 1], gate_up[e]).float().chunk(2, dim=-1)
+            h = F.silu(gate) * up
+            want[token] += topk_weights[token, choice].double() * exact(h, down[e])[0]
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("static_input", [False, True])

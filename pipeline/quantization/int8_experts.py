@@ -1,0 +1,51 @@
+"""A mixture-of-experts layer's stacked experts in W8A8 int8 (``moe.StackedExperts``' int8 form).
+
+Each expert's gate/up and down weights are int8 with one scale per output channel (as ``Int8Linear``'s), kept
+transposed per expert (``[experts, in, out]``) for ``torch._int_mm``; the rows routed to an expert (grouped as
+``kernels.moe_ref`` groups them, one GEMM pair per expert) are quantized per row on the fly, so each GEMM is
+int8 x int8 -> int32 and the SwiGLU between them runs in fp32. Built after loading from the float stacked
+experts: a W8A8 checkpoint's int8 experts come through the loader dequantized (``w_q * s``) and quantize back
+to the same int8 values and scales (the row's largest value is ``127 * s``), ``--quantization int8`` quantizes
+the float ones. Resident memory is int8 (a quarter of fp32, half of bf16); loading holds the float experts of
+the model until this replaces them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import Kernels
+from kernels.moe_ref import experts_over_grouped_rows
+from pipeline.quantization.int8 import int8_product, quantize_per_row
+
+
+def _quantized_per_expert(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float ``[experts, out, in]`` -> (int8 ``[experts, in, out]``, fp32 scales ``[experts, 1, out]``)."""
+    num_experts, out_features, in_features = stacked.shape
+    weight_q, scale = quantize_per_row(stacked.reshape(num_experts * out_features, in_features))
+    weight_t = weight_q.view(num_experts, out_features, in_features).transpose(1, 2).contiguous()
+    return weight_t, scale.view(num_experts, 1, out_features).contiguous()
+
+
+class Int8StackedExperts(nn.Module):
+    """Same call as ``StackedExperts``: ``experts(x, topk_weights, topk_ids, kernels)`` -> ``[num_tokens, hidden]``."""
+
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor):
+        super().__init__()
+        self.num_experts = gate_up_proj.shape[0]
+        self.dtype = gate_up_proj.dtype
+        self.gate_up_t, self.gate_up_scale = _quantized_per_expert(gate_up_proj.data)  # [e, hidden, 2 * inter]
+        self.down_t, self.down_scale = _quantized_per_expert(down_proj.data)  # [e, inter, hidden]
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                kernels: Kernels) -> torch.Tensor:
+        def expert(index: int, rows: torch.Tensor) -> torch.Tensor:  # [count, hidden] -> [count, hidden]
+            gate_up = int8_product(rows, self.gate_up_t[index], self.gate_up_scale[index])  # fp32 [count, 2 * inter]
+            return int8_product(kernels.silu_and_mul(gate_up), self.down_t[index], self.down_scale[index]).to(self.dtype)
+
+        return experts_over_grouped_rows(x, topk_weights, topk_ids, self.num_experts, expert)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.gate_up_t.shape[1]}, "
+                f"intermediate={self.down_t.shape[1]}, activations=per-token int8")
