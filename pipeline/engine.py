@@ -164,10 +164,13 @@ class LLMEngine:
         if driver is not None:
             driver.check_alive()
 
-    def close_ranks(self) -> None:
-        """Stop the tensor-parallel ranks 1..N-1, if any (asked, then terminated, then killed). Idempotent."""
+    def close_ranks(self, has_failed: bool = False) -> None:
+        """Stop the tensor-parallel ranks 1..N-1, if any: asked, then killed after a grace (none when
+        ``has_failed``: a rank died or hung, the group cannot run another step). Idempotent."""
         driver = getattr(self.model, "driver", None)
-        if driver is not None:
+        if driver is not None and has_failed:
+            driver.close(grace_s=0.0)
+        elif driver is not None:
             driver.close()
 
     # -------------------------------------------------------------- requests

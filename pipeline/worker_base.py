@@ -95,6 +95,7 @@ class WorkerBase:
         except TensorParallelError as exc:  # a rank died or hung: the worker exits and is restarted whole
             logger.critical("worker %s: %s; exiting (its launcher restarts it with all its ranks)", self.worker_id, exc)
             self._fail_in_flight_quietly(f"worker {self.worker_id} lost a tensor-parallel rank")
+            self.engine.close_ranks(has_failed=True)  # a hung rank is killed now, not after a grace
             raise
         finally:
             self.close()

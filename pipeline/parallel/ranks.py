@@ -86,7 +86,8 @@ class RankGroup:
             theirs.close()
             self.processes.append(process)
             self.pipes.append(ours)
-        self._finalizer = weakref.finalize(self, _stop_ranks, self.processes, self.pipes)
+        self._grace_s = [STOP_GRACE_S]  # close(grace_s) changes it for the finalizer, which holds this list
+        self._finalizer = weakref.finalize(self, _stop_ranks, self.processes, self.pipes, self._grace_s)
 
     @property
     def pids(self) -> list[int]:
@@ -152,8 +153,10 @@ class RankGroup:
             except OSError as exc:  # BrokenPipeError: the child is gone
                 raise TensorParallelError(f"tensor-parallel rank {rank} does not answer: {exc}") from exc
 
-    def close(self) -> None:
-        """Stop every child rank (asked first, killed if still running after ``STOP_GRACE_S``). Idempotent."""
+    def close(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop every child rank (asked first, killed if still running after ``grace_s``; 0 once the group
+        failed: a rank that hung would only use up the grace). Idempotent."""
+        self._grace_s[0] = grace_s
         self._finalizer()
 
 
@@ -169,13 +172,13 @@ def _reported_error(pipe) -> str:
     return ""
 
 
-def _stop_ranks(processes: list, pipes: list) -> None:
+def _stop_ranks(processes: list, pipes: list, grace_s: list[float]) -> None:
     for pipe in pipes:
         try:
             pipe.send(("stop", None))
         except OSError:
             pass
-    deadline = time.monotonic() + STOP_GRACE_S  # one grace for them all: a hung rank costs it once
+    deadline = time.monotonic() + grace_s[0]  # one grace for them all: a hung rank costs it once
     for process in processes:
         process.join(timeout=max(0.0, deadline - time.monotonic()))
         if process.is_alive():  # no SIGTERM: a rank ignores it (run_rank)
