@@ -13,9 +13,16 @@ import pytest
 import torch
 
 from pipeline import LLM
-from pipeline.quantization.fp8 import Fp8Linear, fp8_gemm_available, quantize_fp8_per_row
-from pipeline.quantization.int8 import Int8Linear, quantize_per_row
-from tests.pipeline.test_quantization import BOUNDS, FP8_GEMM_BOUNDS, linear_kinds, sequences, teacher_forced_errors
+from pipeline.quantization.fp8 import fp8_gemm_available
+from tests.pipeline.test_quantization import (
+    BOUNDS,
+    FP8_GEMM_BOUNDS,
+    fp8_layer_and_exact,
+    int8_layer_and_exact,
+    linear_kinds,
+    sequences,
+    teacher_forced_errors,
+)
 from tests.quantized_checkpoints import quantized_checkpoint  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.gpu,
@@ -29,36 +36,17 @@ needs_fp8_gemm = pytest.mark.skipif(not torch.cuda.is_available() or not fp8_gem
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 16, 17, 64])  # below, at and past cuBLASLt's 16-row minimum
 def test_int8_linear_on_cuda_is_its_integer_arithmetic(num_tokens):
-    generator = torch.Generator().manual_seed(num_tokens)
-    x = torch.randn(num_tokens, 64, generator=generator)
-    weight_q, weight_scale = quantize_per_row(torch.randn(96, 64, generator=generator))  # [out, in], [out, 1]
-    layer = Int8Linear(64, [32, 64], True, torch.float32, DEVICE, is_prequantized=True)
-    layer.weight.data.copy_(weight_q)
-    layer.weight_scale.data.copy_(weight_scale)
-    layer.bias.data.copy_(torch.randn(96, generator=generator))
-    layer.finish_loading()
-    x_q, x_scale = quantize_per_row(x)
-    exact = (x_q.double() @ weight_q.double().t()) * x_scale.double() * weight_scale.double().t()
+    layer, x, exact = int8_layer_and_exact(num_tokens, DEVICE, seed=num_tokens)
     got = layer(x.to(DEVICE))
     assert got.device.type == DEVICE and got.shape == (num_tokens, 96)
-    torch.testing.assert_close(got.double().cpu(), exact + layer.bias.double().cpu(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got.double().cpu(), exact, rtol=1e-5, atol=1e-4)
 
 
 @needs_fp8_gemm
 @pytest.mark.parametrize("num_tokens", [1, 7, 64])
 def test_fp8_linear_on_cuda_is_its_scaled_product(num_tokens):
-    generator = torch.Generator().manual_seed(num_tokens)
-    x = torch.randn(num_tokens, 64, generator=generator)
-    weight_q, weight_scale = quantize_fp8_per_row(torch.randn(96, 64, generator=generator))
-    layer = Fp8Linear(64, [32, 64], True, torch.float32, DEVICE)
-    layer.weight.data.copy_(weight_q)
-    layer.weight_scale.data.copy_(weight_scale)
-    layer.bias.data.copy_(torch.randn(96, generator=generator))
-    layer.finish_loading()
-    x_q, x_scale = quantize_fp8_per_row(x)
-    exact = (x_q.double() * x_scale.double()) @ (weight_q.double() * weight_scale.double()).t()
-    got = layer(x.to(DEVICE)).double().cpu()
-    torch.testing.assert_close(got, exact + layer.bias.double().cpu(), rtol=1e-2, atol=1e-2)  # one bf16 rounding
+    layer, x, exact = fp8_layer_and_exact(num_tokens, DEVICE, seed=num_tokens)
+    torch.testing.assert_close(layer(x.to(DEVICE)).double().cpu(), exact, rtol=1e-2, atol=1e-2)  # one bf16 rounding
 
 
 @pytest.mark.parametrize("scheme", ["w8a8_int8_channel", "w8a8_int8_tensor_static"])

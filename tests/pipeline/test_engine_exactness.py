@@ -32,9 +32,10 @@ def references(tiny_checkpoint, hf_reference):
     return get
 
 
-def generate_and_check(llm: LLM, prompts, expected) -> None:
+def generate_and_check(llm: LLM, prompts, expected, num_new_tokens: int = NUM_NEW_TOKENS) -> None:
+    """``llm``'s greedy outputs are ``expected`` token for token, each to its length, and every block is back."""
     free_at_start = llm.engine.kv_manager.num_free_blocks
-    outputs = llm.generate(prompts, greedy(NUM_NEW_TOKENS))
+    outputs = llm.generate(prompts, greedy(num_new_tokens))
     for i, (out, want) in enumerate(zip(outputs, expected)):
         assert out.token_ids == want, f"prompt {i} (len {len(prompts[i])}) diverged"
         assert out.finish_reason == "length"

@@ -11,12 +11,12 @@ import pytest
 
 from bench.draft_checkpoint import truncated_copy
 from pipeline import LLM
-from tests.conftest import assert_no_leaks, greedy, hf_greedy
+from tests.conftest import hf_greedy
 from tests.deepseek_checkpoints import deepseek_checkpoint  # noqa: F401 (a fixture)
 from tests.gemma_checkpoints import gemma3_checkpoint  # noqa: F401 (a fixture)
 from tests.gpt_oss_checkpoints import gpt_oss_checkpoint  # noqa: F401 (a fixture)
 from tests.moe_checkpoints import moe_checkpoint  # noqa: F401 (a fixture)
-from tests.pipeline.test_engine_exactness import make_prompts, record_preemptions
+from tests.pipeline.test_engine_exactness import generate_and_check, make_prompts, record_preemptions
 
 # family -> (the fixture that builds it, its name there)
 FAMILIES = {
@@ -48,14 +48,6 @@ def family(request, hf_reference):
     return get
 
 
-def check_exact(llm: LLM, prompts, expected) -> None:
-    free_at_start = llm.engine.kv_manager.num_free_blocks
-    outputs = llm.generate(prompts, greedy(NUM_NEW_TOKENS))
-    for i, (out, want) in enumerate(zip(outputs, expected)):
-        assert out.token_ids == want, f"prompt {i} (len {len(prompts[i])}) diverged"
-    assert_no_leaks(llm.engine.kv_manager, free_at_start)
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_tiny_pages_small_chunks_and_preemption(name, family):
     """Page size 2, 7-token steps shared by several prompts (at most 3 tokens each), a pool too small for the
@@ -64,7 +56,7 @@ def test_tiny_pages_small_chunks_and_preemption(name, family):
     llm = LLM(model=path, max_batch_input_tokens=7, long_prefill_token_threshold=3,
               kv_cache={"page_size": 2, "num_blocks": 40, "enable_prefix_caching": False})
     preempted = record_preemptions(llm)
-    check_exact(llm, prompts, expected)
+    generate_and_check(llm, prompts, expected, NUM_NEW_TOKENS)
     assert preempted, "the pool was meant to be too small for the whole batch"
 
 
@@ -73,7 +65,7 @@ def test_overlap_scheduler(name, family):
     path, prompts, expected = family(name)
     llm = LLM(model=path, enable_overlap_scheduler=True, max_batch_input_tokens=16,
               kv_cache={"page_size": 4, "num_blocks": 128})
-    check_exact(llm, prompts, expected)
+    generate_and_check(llm, prompts, expected, NUM_NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +90,7 @@ def test_speculative_decoding(name, draft, family, truncated_draft):
     path, prompts, expected = family(name)
     llm = LLM(model=path, draft_model={"model_path": truncated_draft(name) if draft == "truncated" else None},
               speculative={"num_speculative_tokens": K}, kv_cache={"page_size": 4, "num_blocks": 256})
-    check_exact(llm, prompts, expected)
+    generate_and_check(llm, prompts, expected, NUM_NEW_TOKENS)
     stats = llm.engine.speculator.stats
     assert stats.num_draft_tokens > 0
     if draft == "self":

@@ -184,39 +184,55 @@ def test_int8_experts_are_their_integer_arithmetic():
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("static_input", [False, True])
-def test_int8_linear_is_its_integer_arithmetic(static_input):
-    """Int8Linear's output is (q(x) q(W)^T) s_x s_w + b computed exactly, up to fp32 rounding."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(7, 64, generator=generator)  # [tokens, in]
+def int8_layer_and_exact(num_tokens: int = 7, device="cpu", static_input: bool = False, seed: int = 0):
+    """(an ``Int8Linear`` of random int8 weights on ``device``, its input ``x`` (CPU), the float64 result of its
+    integer arithmetic (q(x) q(W)^T) s_x s_w + b)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, 64, generator=generator)  # [tokens, in]
     weight_q, weight_scale = quantize_per_row(torch.randn(96, 64, generator=generator))  # [out, in], [out, 1]
-    layer = Int8Linear(64, [32, 64], True, torch.float32, "cpu", is_prequantized=True, static_input=static_input)
+    layer = Int8Linear(64, [32, 64], True, torch.float32, device, is_prequantized=True, static_input=static_input)
     layer.weight.data.copy_(weight_q)
     layer.weight_scale.data.copy_(weight_scale)
-    layer.bias.data.copy_(torch.randn(96, generator=generator))
+    bias = torch.randn(96, generator=generator)
+    layer.bias.data.copy_(bias)
     if static_input:
         layer.input_scale.data.fill_(0.02)  # x of std 1 clips past 2.54: the clamp is part of what is checked
         x_q, x_scale = torch.round(x / 0.02).clamp(-128, 127), torch.tensor(0.02)
     else:
         x_q, x_scale = quantize_per_row(x)
     layer.finish_loading()
-    exact = (x_q.double() @ weight_q.double().t()) * x_scale.double() * weight_scale.double().t() + layer.bias.double()
+    exact = (x_q.double() @ weight_q.double().t()) * x_scale.double() * weight_scale.double().t() + bias.double()
+    return layer, x, exact
+
+
+def fp8_layer_and_exact(num_tokens: int = 7, device="cpu", seed: int = 0):
+    """(an ``Fp8Linear`` of random fp8 weights on ``device``, its input ``x`` (CPU), the float64 scaled product
+    (q(x) s_x)(W_q s_w)^T + b)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, 64, generator=generator)
+    weight_q, weight_scale = quantize_fp8_per_row(torch.randn(96, 64, generator=generator))
+    layer = Fp8Linear(64, [32, 64], True, torch.float32, device)
+    layer.weight.data.copy_(weight_q)
+    layer.weight_scale.data.copy_(weight_scale)
+    bias = torch.randn(96, generator=generator)
+    layer.bias.data.copy_(bias)
+    layer.finish_loading()
+    x_q, x_scale = quantize_fp8_per_row(x)
+    exact = (x_q.double() * x_scale.double()) @ (weight_q.double() * weight_scale.double()).t() + bias.double()
+    return layer, x, exact
+
+
+@pytest.mark.parametrize("static_input", [False, True])
+def test_int8_linear_is_its_integer_arithmetic(static_input):
+    """Int8Linear's output is (q(x) q(W)^T) s_x s_w + b computed exactly, up to fp32 rounding."""
+    layer, x, exact = int8_layer_and_exact(static_input=static_input)
     torch.testing.assert_close(layer(x).double(), exact, rtol=1e-6, atol=1e-5)
 
 
 def test_fp8_linear_is_its_scaled_product():
     """Fp8Linear's output is (q(x) s_x)(W_q s_w)^T + b, rounded once to bf16 by _scaled_mm."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(7, 64, generator=generator)
-    weight_q, weight_scale = quantize_fp8_per_row(torch.randn(96, 64, generator=generator))
-    layer = Fp8Linear(64, [32, 64], True, torch.float32, "cpu")
-    layer.weight.data.copy_(weight_q)
-    layer.weight_scale.data.copy_(weight_scale)
-    layer.bias.data.copy_(torch.randn(96, generator=generator))
-    layer.finish_loading()
-    x_q, x_scale = quantize_fp8_per_row(x)
-    exact = (x_q.double() * x_scale.double()) @ (weight_q.double() * weight_scale.double()).t()
-    torch.testing.assert_close(layer(x).double(), exact + layer.bias.double(), rtol=1e-2, atol=1e-2)
+    layer, x, exact = fp8_layer_and_exact()
+    torch.testing.assert_close(layer(x).double(), exact, rtol=1e-2, atol=1e-2)
 
 
 def test_load_time_quantization_is_close_to_the_float_linear():
