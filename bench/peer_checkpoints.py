@@ -30,6 +30,14 @@ LARGE_SHAPES: dict[str, dict] = {
         vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
         num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=True),
 }
+# Mixture-of-experts shapes, built with transformers' own classes (small enough to build in memory): a Qwen3-MoE
+# with 32 experts, top-8 renormalised, on every layer — the issue's "32+ experts, top-8"
+MOE_SHAPES: dict[str, tuple[str, dict]] = {
+    "qwen3-moe": ("qwen3_moe", dict(
+        tokenizer_vocab_size=2048, hidden_size=768, intermediate_size=2048, moe_intermediate_size=384,
+        num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4, head_dim=64, num_experts=32,
+        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=2048, initializer_range=0.05)),
+}
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHARD_BYTES = 2 << 30
 INIT_STD = 0.02
@@ -202,13 +210,26 @@ def weight_bytes_per_token(checkpoint: Path, dtype: torch.dtype) -> int:
 
 def peer_checkpoint(size: str, is_int8: bool = False) -> Path:
     """The benchmark's checkpoint of ``size`` (built once, cached under ``$TANDEM_HOME``): ``small`` / ``medium``
-    as ``bench/serve_compare.benchmark_checkpoint`` builds them, ``1.1b`` / ``3b`` here; ``is_int8``: its W8A8 twin."""
-    if size not in LARGE_SHAPES:
+    as ``bench/serve_compare.benchmark_checkpoint`` builds them, ``1.1b`` / ``3b`` and ``qwen3-moe`` here;
+    ``is_int8``: its W8A8 twin."""
+    home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
+    if size in MOE_SHAPES:
+        float_path = home / f"bench-{size}-no-eos"
+        if not (float_path / "config.json").is_file():
+            from bench.peer_transformers import make_eos_unreachable
+            from pipeline.builtin_model import build_checkpoint
+
+            staging = float_path.with_name(float_path.name + ".partial")
+            shutil.rmtree(staging, ignore_errors=True)
+            architecture, settings = MOE_SHAPES[size]
+            build_checkpoint(staging, architecture, **settings)
+            make_eos_unreachable(staging)
+            staging.rename(float_path)
+    elif size not in LARGE_SHAPES:
         from bench.serve_compare import benchmark_checkpoint
 
         float_path = benchmark_checkpoint(size)
     else:
-        home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
         float_path = home / f"bench-{size}-bf16-no-eos"
         if not (float_path / "config.json").is_file():
             build_random_checkpoint(float_path, size)

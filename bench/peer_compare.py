@@ -36,13 +36,13 @@ import time
 from pathlib import Path
 
 from bench import memory_bandwidth, peer_decode
-from bench.peer_checkpoints import LARGE_SHAPES, peer_checkpoint, weight_bytes_per_token
+from bench.peer_checkpoints import LARGE_SHAPES, MOE_SHAPES, peer_checkpoint, weight_bytes_per_token
 from bench.peer_vllm import VLLM_VERSION, VllmServe, cpu_env, default_venv, installed_versions, setup_venv, venv_python
 from bench.serve_compare import client_on, cpu_model, run_tandem, write_comparison
 
 RUNNER = Path(__file__).with_name("offline_runner.py")
 ONLINE_SYSTEMS = ("vllm", "tandem-colocated", "tandem-1p1d")
-MODEL_SIZES = ("small", "medium", *LARGE_SHAPES)
+MODEL_SIZES = ("small", "medium", *LARGE_SHAPES, *MOE_SHAPES)
 # The large shapes' offline workload, sized so a repeat takes well under a minute on 2 cores
 LARGE_WORKLOADS = {"1.1b": dict(num_prompts=12, min_prompt_len=16, max_prompt_len=256, output_len=32),
                    "3b": dict(num_prompts=8, min_prompt_len=16, max_prompt_len=128, output_len=16)}
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict = {
         "benchmark": "peer_compare", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cores": cores,
-        "model_sizes": {s: LARGE_SHAPES.get(s, s) for s in sorted({c[0] for c in parse_configs(args)})},
+        "model_sizes": {s: LARGE_SHAPES.get(s) or MOE_SHAPES.get(s, s) for s in sorted({c[0] for c in parse_configs(args)})},
         "bench_command": " ".join(["python -m bench.peer_compare", *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"cpu": cpu_model(), "cores_online": os.cpu_count(), "cpu_flags": cpu_flags(),
                     "loadavg_1min_before": os.getloadavg()[0]},
