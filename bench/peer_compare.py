@@ -6,7 +6,8 @@
 - **Offline**: both engines' ``LLM.generate`` on one seeded workload (48 prompts of 16-512 random
   tokens, 96 tokens out each, greedy, EOS ignored, prefix caching off), per dtype and thread count.
   Each engine runs in a process of its own (``bench/offline_runner.py``), pinned to the same cores,
-  loaded once; repeats alternate which engine goes first, so both see the same neighbours. Tokens are
+  loaded once; repeats alternate which engine goes first, so both see the same neighbours, and each run
+  starts once the other engine's processes are idle (``OfflineRunner.settle``). Tokens are
   compared between the engines. ``--model-size`` / ``--configs`` pick the checkpoints: the small and medium
   random Llamas, the TinyLlama-1.1B and Llama-3.2-3B shapes (random bf16 weights built locally,
   ``bench/peer_checkpoints.py``; smaller workloads, ``LARGE_WORKLOADS``), and dtype ``int8``: the same model as a
@@ -65,6 +66,24 @@ def offline_workload(args, vocab_size: int, special_ids: set[int]) -> dict:
     return {"prompt_token_ids": prompts, "max_tokens": [args.output_len] * args.num_prompts}
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of ``pid`` and every process under it, every thread."""
+    total, ticks = 0, os.sysconf("SC_CLK_TCK")
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            for task in Path(f"/proc/{current}/task").iterdir():
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+                children = task / "children"
+                if children.is_file():
+                    pending.extend(int(c) for c in children.read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total / ticks
+
+
 class OfflineRunner:
     """One engine in its own process (``bench/offline_runner.py``), loaded once, timed on request."""
 
@@ -93,7 +112,23 @@ class OfflineRunner:
     def run(self, workload: Path) -> dict:
         self.process.stdin.write(json.dumps({"cmd": "run", "workload": str(workload)}) + "\n")
         self.process.stdin.flush()
-        return self._read()
+        reply = self._read()
+        reply["settle_s"] = self.settle()
+        return reply
+
+    def settle(self, idle_fraction: float = 0.05, interval_s: float = 0.25, limit_s: float = 10.0) -> float:
+        """Wait until this engine's processes are idle (under ``idle_fraction`` of a core over ``interval_s``);
+        returns the wait. vLLM's processes keep a core busy for about a second after ``generate`` returns
+        (measured: ~1 CPU-second), which a run started at once on the same cores would pay for."""
+        started = time.monotonic()
+        before = _cpu_seconds(self.process.pid)
+        while time.monotonic() - started < limit_s:
+            time.sleep(interval_s)
+            now = _cpu_seconds(self.process.pid)
+            if now - before < idle_fraction * interval_s:
+                break
+            before = now
+        return time.monotonic() - started
 
     def close(self) -> None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 import torch
@@ -123,3 +124,18 @@ def test_decode_step_is_the_difference_of_two_runs_over_the_tokens(monkeypatch, 
     out = peer_decode.measure({"tandem": FakeRunner(0.02), "vllm": FakeRunner(0.04)}, paths, 4, repeats=3, threads=1)
     assert out["median_step_ms"] == pytest.approx({"tandem": 20.0, "vllm": 40.0})
     assert out["bandwidth_during"]["copy"]["per_repeat_gb_s"] == [10.0] * 3
+
+
+def test_cpu_seconds_counts_a_busy_child_process():
+    import subprocess
+    import sys
+    import time
+
+    from bench.peer_compare import _cpu_seconds
+
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.5)
+        assert _cpu_seconds(os.getpid()) - _cpu_seconds(child.pid) >= 0 and _cpu_seconds(child.pid) > 0.1
+    finally:
+        child.wait()
