@@ -102,6 +102,7 @@ class OfflineRunner:
         self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=self._log, env=env, text=True, start_new_session=True)
         self.versions = self._read()["versions"]
+        self.settle()  # its warm-up leaves the same tail as a run
 
     def _read(self) -> dict:
         for line in self.process.stdout:
