@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 # Row counts for which the packed weight is used (others: F.linear, which is faster there); one row on
-# one thread is memory-bound GEMV, where MKL is ahead.
+# one thread is memory-bound GEMV, where MKL's fp32 GEMV is ahead on AVX2 (Zen 3). A bf16 row always takes the
+# packed weight: F.linear's bf16 GEMV reads 15-31 GB/s on one Zen 5 core, oneDNN's packed 30-78 GB/s
+# (TinyLlama-1.1B's layers, docs/benchmarks.md), so batch-1 bf16 decode was 2x slower on one thread.
 PACKED_MIN_ROWS = 2
 PACKED_MAX_ROWS = 256
 
@@ -60,7 +62,8 @@ class CpuLinear:
             x = x.to(self.compute_dtype)
         rows = x.shape[0]
         use_packed = self.packed is not None and x.dim() == 2 and (
-            PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or (rows == 1 and torch.get_num_threads() > 1))
+            PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS
+            or (rows == 1 and (torch.get_num_threads() > 1 or self.compute_dtype == torch.bfloat16)))
         if use_packed:
             out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         else:

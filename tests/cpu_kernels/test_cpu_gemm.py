@@ -38,3 +38,16 @@ def test_bf16_widened_to_fp32_is_a_bf16_gemm_with_fp32_accumulation():
     expected = (x.double() @ weight.double().T).to(torch.bfloat16)  # exact products, one rounding
     torch.testing.assert_close(out, expected, atol=0, rtol=1e-2)
     assert (out != expected).float().mean() < 0.05  # fp32 accumulation: almost always the same rounding
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_native_bf16_row_is_a_bf16_gemm_with_fp32_accumulation(threads, rows):
+    # one bf16 row takes the packed oneDNN weight on any thread count where oneDNN has bf16 GEMMs
+    torch.manual_seed(3)
+    weight, x = torch.randn(96, 256).bfloat16(), torch.randn(rows, 256).bfloat16()
+    layer = CpuLinear(weight, None)
+    out = layer(x)
+    expected = (x.double() @ weight.double().T).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    torch.testing.assert_close(out, expected, atol=0, rtol=1e-2)
+    assert (out != expected).float().mean() < 0.05
