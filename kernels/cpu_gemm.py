@@ -3,8 +3,8 @@
 ``F.linear`` on the CPU hands the weight to MKL in its checkpoint layout on every call, which small
 batches pay for: measured on this project's 2-core machine, oneDNN with the weight packed once is 1.2-1.7x
 faster for 2-64 rows on one thread and 1.6-4.4x on two (decode batches), the same from about 128
-rows, and slower for a single row on one thread (docs/benchmarks.md). So ``CpuLinear`` keeps both forms
-and picks by the number of rows. The packed copy doubles the weights' memory; ``model.cpu_weight_prepack``
+rows, and slower for a single fp32 row on one thread (docs/benchmarks.md; a single bf16 row is 2-2.7x faster
+packed on AVX-512 BF16). So ``CpuLinear`` keeps both forms and picks by the number of rows and the dtype. The packed copy doubles the weights' memory; ``model.cpu_weight_prepack``
 turns it off.
 
 bf16 weights on a CPU whose oneDNN has no bf16 GEMM (no AVX-512 BW/VL/DQ nor AVX-NE-CONVERT, e.g. AMD Zen
