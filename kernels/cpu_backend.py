@@ -1,8 +1,9 @@
 """The CPU kernel set, for ``load_kernels("cpu")`` (and "auto" on a CPU device): the native kernels of
 ``kernels/native`` where they apply, the torch references for every other op and wherever a native
 kernel does not take its inputs (so the set is always complete, built or not), and linear layers on
-oneDNN with packed weights (``kernels/cpu_gemm.py``). A mixture-of-experts MLP's experts run the
-reference (``kernels/moe_ref.py``): one MKL GEMM pair per expert over its tokens. Gemma's offset RMSNorm and
+oneDNN with packed weights (``kernels/cpu_gemm.py``). A mixture-of-experts MLP's stacked experts get a
+``CpuLinear`` pair per expert the same way, run over the tokens grouped by expert as the reference groups them
+(``kernels/moe_ref.py``): one packed GEMM pair per expert. Gemma's offset RMSNorm and
 GELU-tanh gated activation run their torch references too (no native kernel yet)."""
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
         if hasattr(module, "gemm") and weight is not None and weight.device.type == "cpu":
             module.gemm = CpuLinear(weight.detach(), None if module.bias is None else module.bias.detach(),
                                     prepack=prepack_weights)
+        elif hasattr(module, "expert_gemms") and module.gate_up_proj.device.type == "cpu":
+            # a mixture-of-experts layer's stacked experts: each expert's pair of GEMMs packed like a linear's
+            module.expert_gemms = [
+                (CpuLinear(gate_up.detach(), None, prepack=prepack_weights), CpuLinear(down.detach(), None,
+                                                                                        prepack=prepack_weights))
+                for gate_up, down in zip(module.gate_up_proj, module.down_proj)]
     if hasattr(model, "logits_gemm") and hasattr(model, "output_weight"):
         lm_head = getattr(model, "lm_head", None)
         model.logits_gemm = lm_head.gemm if lm_head is not None and lm_head.gemm is not None else CpuLinear(

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import nn
 
 from kernels import Kernels
+from kernels.moe_ref import experts_over_grouped_rows
 from pipeline.checkpoint_errors import CheckpointError
 from pipeline.models.layers import Linear, WeightSlot, empty_parameter
 
@@ -52,10 +55,20 @@ class StackedExperts(nn.Module):
         self.shard_sizes = [intermediate, intermediate]  # gate_up_proj's row blocks: gate, then up
         self.gate_up_proj = empty_parameter(num_experts, 2 * intermediate, hidden_size, dtype=dtype, device=device)
         self.down_proj = empty_parameter(num_experts, hidden_size, intermediate, dtype=dtype, device=device)
+        # per expert, (gate_up, down) GEMMs the kernel set prepared (the CPU set: oneDNN with packed weights,
+        # ``kernels.cpu_backend.prepare_model_cpu``); None: the kernel set's ``fused_moe`` over the stacked weights
+        self.expert_gemms: list[tuple[Callable, Callable]] | None = None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 kernels: Kernels) -> torch.Tensor:  # [num_tokens, hidden]: each token's top-k experts, weighted
-        return kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        if self.expert_gemms is None:
+            return kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+        def expert(index: int, rows: torch.Tensor) -> torch.Tensor:  # [count, hidden] -> [count, hidden]
+            gate_up, down = self.expert_gemms[index]
+            return down(kernels.silu_and_mul(gate_up(rows)))
+
+        return experts_over_grouped_rows(x, topk_weights, topk_ids, self.gate_up_proj.shape[0], expert)
 
 
 class SparseMoeBlock(nn.Module):
