@@ -1,4 +1,4 @@
-"""A mixture-of-experts checkpoint (Qwen3-MoE, a dense layer among sparse ones) served by real processes:
+"""Mixture-of-experts checkpoints (Qwen3-MoE with a dense layer among sparse ones; Mixtral) served by real processes:
 colocated, and 1P1D with every prompt prefilled on the prefill worker and its KV sent to the decode
 worker. Greedy completions must be transformers' own, token for token, with its logprobs (1e-4); afterwards
 every KV block is back."""
@@ -18,16 +18,18 @@ PROMPTS = ["Hello there, how are you?", "The quick brown fox", "def main():\n"]
 NUM_NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
+@pytest.fixture(scope="module", params=[(family, shape) for family in ("qwen3_moe", "mixtral") for shape in SHAPES],
+                ids=lambda param: "-".join(param))
 def cluster(request, moe_checkpoint, tmp_path_factory):
-    with running_cluster(moe_checkpoint("qwen3_moe"), tmp_path_factory.mktemp(f"moe-{request.param}"),
-                         **SHAPES[request.param]) as running:
-        yield request.param, running
+    family, shape = request.param
+    with running_cluster(moe_checkpoint(family), tmp_path_factory.mktemp(f"moe-{family}-{shape}"),
+                         **SHAPES[shape]) as running:
+        yield family, shape, running
 
 
 def test_greedy_completions_match_transformers(cluster, moe_checkpoint, hf_reference):
-    shape, running = cluster
-    model, tokenizer = hf_reference(moe_checkpoint("qwen3_moe"))
+    family, shape, running = cluster
+    model, tokenizer = hf_reference(moe_checkpoint(family))
     prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
     check_greedy_against_transformers(running, model, tokenizer, prompt_ids, NUM_NEW_TOKENS,
                                       is_remote_prefill=shape == "1p1d")
