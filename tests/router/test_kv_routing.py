@@ -119,7 +119,9 @@ def test_a_long_generation_weighs_as_the_kv_it_may_grow_to(router_factory, max_t
     b = router.add_worker("b-cold", script=held, role=PipelineRole.DecodeOnly, page_size=4, max_length=1024)
     a.send_raw(encode(KVEvents(worker_id="a-cached", seq=0, stored=cached, full=True)))
     assert a.wait_for(lambda: router.state.dispatcher.registry.kv_index.num_blocks("a-cached") == len(cached))
-    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=10)
+    # where the requests land is the point, not how soon: a machine busy with other tests' clusters can hold a
+    # request's HTTP round trip, or a fake worker's heartbeat (then the request waits for admission), for seconds
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=90)
 
     def send() -> None:  # held until the workers stop with the test
         try:
@@ -129,10 +131,8 @@ def test_a_long_generation_weighs_as_the_kv_it_may_grow_to(router_factory, max_t
 
     for _ in range(2):
         threading.Thread(target=send, daemon=True).start()
-        # where the requests land is the point, not how soon: a machine busy with other tests' clusters can
-        # hold a request's HTTP round trip past wait_for's default 5 s
         assert a.wait_for(lambda n=len(a.requests) + len(b.requests): len(a.requests) + len(b.requests) > n,
-                          timeout=30)
+                          timeout=60)
     assert len(a.requests) == 1 + (second_on == "a-cached") and len(b.requests) == (second_on == "b-cold")
 
 
@@ -212,7 +212,9 @@ def test_a_prefill_worker_lacking_the_shared_system_prompt_is_asked_to_warm_it(r
             workers[name].send_raw(encode(KVEvents(worker_id=name, seq=0, stored=hashes, full=True)))
     index = router.state.dispatcher.registry.kv_index
     assert workers["d0"].wait_for(lambda: all(index.num_blocks(n) == 4 for n in ("d0", "d1", "p0")))
-    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=10)
+    # where the requests land is the point, not how soon: a machine busy with other tests' clusters can hold a
+    # request's HTTP round trip, or a fake worker's heartbeat (then the request waits for admission), for seconds
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=90)
 
     def send() -> None:  # held until the workers stop with the test
         try:
