@@ -39,10 +39,15 @@ def int8_gemm(x_q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(x_q, weight_t)
 
 
-def int8_product(x: torch.Tensor, weight_t: torch.Tensor, weight_scale_row: torch.Tensor) -> torch.Tensor:
+def int8_product(x: torch.Tensor, weight_t: torch.Tensor, weight_scale_row: torch.Tensor,
+                 act_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``[rows, in]`` float x (int8 ``[in, out]`` with fp32 ``[1, out]`` scales) -> fp32 ``[rows, out]``: the
-    activations quantized per row on the fly, the product in int8 -> int32, both scales applied."""
-    x_q, x_scale = quantize_per_row(x)  # [rows, in] int8, [rows, 1] fp32
+    activations quantized on the fly (per row, or by the static ``act_scale``), the product in int8 -> int32,
+    both scales applied."""
+    if act_scale is None:
+        x_q, x_scale = quantize_per_row(x)  # [rows, in] int8, [rows, 1] fp32
+    else:
+        x_q, x_scale = quantize_with_scale(x, act_scale), act_scale
     return int8_gemm(x_q.contiguous(), weight_t).float().mul_(x_scale).mul_(weight_scale_row)
 
 
@@ -91,12 +96,7 @@ class Int8Linear(nn.Module):
             self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
-        if self.act_scale is None:
-            x_q, x_scale = quantize_per_row(x)  # [num_tokens, in] int8, [num_tokens, 1] fp32
-        else:
-            x_q, x_scale = quantize_with_scale(x, self.act_scale), self.act_scale
-        out = int8_gemm(x_q.contiguous(), self.weight_t).float()  # [num_tokens, out]
-        out = out.mul_(x_scale).mul_(self.scale_row)
+        out = int8_product(x, self.weight_t, self.scale_row, self.act_scale)  # [num_tokens, out] fp32
         if self.bias is not None:
             out = out.add_(self.bias)
         return out.to(self.dtype)
