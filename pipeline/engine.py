@@ -83,6 +83,7 @@ class LLMEngine:
             self.model, self.hf_config = load_tensor_parallel_model(config, model_path, self.dtype, self.device)
         else:
             self.model, self.hf_config = load_model(model_path, self.dtype, self.device, config.model.quantization)
+        self.rank_driver = getattr(self.model, "driver", None)  # tensor parallelism: ranks 1..N-1; None with one rank
         self.tokenizer = load_tokenizer(model_path)
         self.vocab_size = self.hf_config.vocab_size
         self.max_length = min(config.max_length or 10**9, self.hf_config.max_position_embeddings)
@@ -154,24 +155,21 @@ class LLMEngine:
     @property
     def rank_pids(self) -> list[int]:
         """Pids of tensor-parallel ranks 1..N-1 (this process is rank 0); none with ``tensor_parallel_size`` 1."""
-        driver = getattr(self.model, "driver", None)
-        return driver.pids if driver is not None else []
+        return self.rank_driver.pids if self.rank_driver is not None else []
 
     def check_ranks(self) -> None:
         """``TensorParallelError`` naming every rank that exited (a no-op with one rank): a worker checks
         between steps too, so a rank that dies while it idles takes it down at once, not at the next request."""
-        driver = getattr(self.model, "driver", None)
-        if driver is not None:
-            driver.check_alive()
+        if self.rank_driver is not None:
+            self.rank_driver.check_alive()
 
     def close_ranks(self, has_failed: bool = False) -> None:
         """Stop the tensor-parallel ranks 1..N-1, if any: asked, then killed after a grace (none when
         ``has_failed``: a rank died or hung, the group cannot run another step). Idempotent."""
-        driver = getattr(self.model, "driver", None)
-        if driver is not None and has_failed:
-            driver.close(grace_s=0.0)
-        elif driver is not None:
-            driver.close()
+        if self.rank_driver is not None and has_failed:
+            self.rank_driver.close(grace_s=0.0)
+        elif self.rank_driver is not None:
+            self.rank_driver.close()
 
     # -------------------------------------------------------------- requests
     def add_request(

@@ -45,9 +45,7 @@ class LLM:
     def close(self) -> None:
         """Stop the tensor-parallel rank processes, if any (also done when the LLM is garbage-collected and
         at exit). Idempotent; a no-op with ``tensor_parallel_size`` = 1."""
-        ranks = getattr(self.engine.model, "driver", None)
-        if ranks is not None:
-            ranks.close()
+        self.engine.close_ranks()
 
     def __enter__(self) -> "LLM":
         return self
