@@ -80,8 +80,8 @@ class DecodeWorker(WorkerBase):
 
     @staticmethod
     def _shared_allocator(config: PipelineConfig, worker_id: str):
-        if config.transfer.transport == "zmq" or config.model.resolved_device() != "cpu":
-            return None
+        if config.transfer.transport == "zmq" or config.tensor_parallel_size > 1 or config.model.resolved_device() != "cpu":
+            return None  # (several ranks' caches move over ZMQ: kv_transfer/sharded_cache.py)
         from kv_transfer.shm import allocate_shared_kv_cache, remove_stale_shared_kv_caches
 
         # A worker killed with SIGKILL cannot remove its cache file; whoever starts next on this host does.

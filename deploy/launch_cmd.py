@@ -46,11 +46,11 @@ def register(sub) -> None:
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="give up if the cluster is not serving by then (default 300)")
     parser.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="A",
-                        help="ranks of each prefill worker (default: --tensor-parallel-size); more than 1 needs the "
-                        "cross-layout KV transfer, not built yet, and is refused")
+                        help="ranks of each prefill worker (default: --tensor-parallel-size); its KV reaches decode "
+                        "workers of any rank count, re-sliced (CPU)")
     parser.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="B",
-                        help="ranks of each decode worker (default: --tensor-parallel-size); more than 1 needs the "
-                        "cross-layout KV transfer, not built yet, and is refused. Colocated workers take "
+                        help="ranks of each decode worker (default: --tensor-parallel-size); it receives KV from "
+                        "prefill workers of any rank count, re-sliced (CPU). Colocated workers take "
                         "--tensor-parallel-size")
     add_supervision_flags(parser, share_cores_help="let every worker use every core of the pool (default: prefill and "
                           "decode workers get disjoint cores; the pool is --cpu-cores, else every core this process may use)")
@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     api_key = _checked_http_security(args, config)
     tensor_parallel_sizes = worker_tensor_parallel_sizes(
         args.prefill or 0, args.decode or 0, args.colocated, config.tensor_parallel_size,
-        args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size)  # P/D roles with TP > 1: refused here
+        args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size, device=config.model.device,
+        transport=config.transfer.transport)  # what a role cannot run with several ranks: refused here
     pool = allowed_cores(config.cpu_cores)  # a core that is not ours is an error here, not in every worker
     cpu_plan = plan_cores(pool, args.prefill or 0, args.decode or 0, args.colocated, share=args.share_cores,
                           num_ranks=tensor_parallel_sizes)

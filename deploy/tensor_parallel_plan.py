@@ -2,9 +2,9 @@
 ``--tensor-parallel-size`` (every role) and ``--prefill-tensor-parallel-size`` / ``--decode-tensor-parallel-size``
 (PrefillOnly / DecodeOnly workers), checked before anything starts. Pure functions, no torch.
 
-Colocated (PrefillAndDecode) workers take ``--tensor-parallel-size``. A PrefillOnly or DecodeOnly worker with
-more than one rank is refused (``pipeline.config.tensor_parallel_role_error``): its KV would have to move per
-rank slice, which the transfer does not do yet.
+Colocated (PrefillAndDecode) workers take ``--tensor-parallel-size``; PrefillOnly and DecodeOnly workers their own
+flag or it. Whatever a role cannot run with several ranks is refused by ``pipeline.config.tensor_parallel_role_error``
+(the KV of a prefill or decode worker's ranks moves re-sliced, on CPU).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ _ROLE_FLAGS = {"prefill": (PipelineRole.PrefillOnly, "--prefill-tensor-parallel-
 
 
 def worker_tensor_parallel_sizes(num_prefill: int, num_decode: int, num_colocated: int, tensor_parallel_size: int,
-                                 prefill_size: int | None = None, decode_size: int | None = None) -> dict[str, int]:
+                                 prefill_size: int | None = None, decode_size: int | None = None, *,
+                                 device: str = "cpu", transport: str = "auto") -> dict[str, int]:
     """{worker name: its tensor_parallel_size} for every worker (``prefill_size`` / ``decode_size`` None: the
     shared ``tensor_parallel_size``). ``ValueError`` naming the flag for a size below 1, or for several ranks
-    on a role that cannot run them yet (only when that role has workers)."""
+    on a role that cannot run them on ``device`` with KV ``transport`` (only when that role has workers)."""
     sizes = {"prefill": tensor_parallel_size if prefill_size is None else prefill_size,
              "decode": tensor_parallel_size if decode_size is None else decode_size,
              "colocated": tensor_parallel_size}
@@ -32,7 +33,7 @@ def worker_tensor_parallel_sizes(num_prefill: int, num_decode: int, num_colocate
         flag = flag if given[kind] else "--tensor-parallel-size"  # the flag the size came from
         if size < 1:
             raise ValueError(f"{flag}: must be >= 1 (got {size})")
-        error = tensor_parallel_role_error(role, size)
+        error = tensor_parallel_role_error(role, size, device, transport)
         if counts[kind] and error is not None:
             raise ValueError(f"{flag} {size} with {counts[kind]} {kind} worker{'s' if counts[kind] > 1 else ''}: "
                              + error.removeprefix("tensor_parallel_size: "))

@@ -26,12 +26,14 @@ from kernels import Kernels
 from kv_transfer import native
 from kv_transfer.blocks import Piece, paired_runs, runs
 from kv_transfer.checksum import KVChecksum
+from kv_transfer.sharded_cache import ShardedKVCache
 
 
-def byte_pages(kv_cache: torch.Tensor) -> np.ndarray | None:
-    """``[num_layers, pages_per_layer, num_blocks, page_bytes]`` uint8 view of a CPU cache (None on other devices);
-    ``pages_per_layer`` is 2 (K, V) or 1 (a latent cache)."""
-    if kv_cache.device.type != "cpu":
+def byte_pages(kv_cache: torch.Tensor | ShardedKVCache) -> np.ndarray | None:
+    """``[num_layers, pages_per_layer, num_blocks, page_bytes]`` uint8 view of a CPU cache (None on other devices,
+    and for a tensor-parallel worker's ranks, whose pieces go through ``ShardedKVCache``); ``pages_per_layer`` is 2
+    (K, V) or 1 (a latent cache)."""
+    if isinstance(kv_cache, ShardedKVCache) or kv_cache.device.type != "cpu":
         return None
     num_layers, pages_per_layer, num_blocks = kv_cache.shape[:3]
     return kv_cache.view(torch.uint8).view(num_layers, pages_per_layer, num_blocks, -1).numpy()
@@ -71,7 +73,10 @@ def pack_piece(
     buffer of ``buffers`` it lives in (None for device memory copied out)."""
     layers, src_ids = piece.layers, piece.src_block_ids
     if pages is None:
-        packed = kernels.pack_kv_blocks(kv_cache, torch.tensor(src_ids, dtype=torch.int64), layers)
+        if isinstance(kv_cache, ShardedKVCache):  # the full heads, from the ranks that own them
+            packed = kv_cache.pack(src_ids, layers)
+        else:
+            packed = kernels.pack_kv_blocks(kv_cache, torch.tensor(src_ids, dtype=torch.int64), layers)
         checksum.update_packed(packed)  # on the device: no extra host copy
         return packed.cpu().reshape(-1).view(torch.uint8).numpy(), None
     per_layer = pages.shape[1]
@@ -135,6 +140,9 @@ def land_piece(
         # [num_layers, pages_per_layer, n, page_size, num_kv_heads, head_dim], a view of ZMQ's receive buffer
         packed = torch.frombuffer(frame, dtype=torch.uint8).view(kv_cache.dtype).view(
             num_layers, kv_cache.shape[1], n, *kv_cache.shape[3:])
+        if isinstance(kv_cache, ShardedKVCache):  # the frame as it arrived, then each rank's heads into its shard
+            checksum.update_packed(packed)
+            return kv_cache.unpack(packed, dst_block_ids, layers)
         ids = torch.tensor(dst_block_ids, dtype=torch.int64)
         kernels.unpack_kv_blocks(packed.to(kv_cache.device), kv_cache, ids, layers)
         return checksum.update_blocks(kv_cache, dst_block_ids, layers)

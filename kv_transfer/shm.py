@@ -65,8 +65,9 @@ def allocate_shared_kv_cache(shape: tuple[int, ...] | torch.Size, dtype: torch.d
 
 
 def shared_kv_path(kv_cache: torch.Tensor) -> str | None:
-    """The /dev/shm file behind ``kv_cache`` if this process allocated it here, else None."""
-    if kv_cache.device.type != "cpu":
+    """The /dev/shm file behind ``kv_cache`` if this process allocated it here, else None (also for a tensor-parallel
+    worker's ``ShardedKVCache``, which is not one file)."""
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.device.type != "cpu":
         return None
     with _lock:
         return _owned.get(kv_cache.untyped_storage().data_ptr())

@@ -295,7 +295,8 @@ class PipelineConfig(_Section):
                     "max_batch_input_tokens: must be >= max_length when enable_chunked_prefill is false "
                     f"(got {self.max_batch_input_tokens} < {self.max_length})"
                 )
-        if (error := tensor_parallel_role_error(self.pipeline_role, self.tensor_parallel_size)) is not None:
+        if (error := tensor_parallel_role_error(self.pipeline_role, self.tensor_parallel_size, self.model.device,
+                                                self.transfer.transport)) is not None:
             raise ValueError(error)
         if self.speculative.num_speculative_tokens and self.enable_overlap_scheduler:
             raise ValueError("speculative.num_speculative_tokens: speculative decoding does not run with "
@@ -329,16 +330,21 @@ class PipelineConfig(_Section):
         return build_config(data)
 
 
-def tensor_parallel_role_error(role: PipelineRole, tensor_parallel_size: int) -> str | None:
-    """Why a ``role`` worker cannot run ``tensor_parallel_size`` ranks (None: it can). A PrefillOnly or
-    DecodeOnly worker with several ranks needs its KV moved per rank slice (each prefill rank's heads to the
-    decode ranks that own them), which the KV transfer does not do yet; the launchers check this too."""
+def tensor_parallel_role_error(role: PipelineRole, tensor_parallel_size: int, device: str = "cpu",
+                               transport: str = "auto") -> str | None:
+    """Why a ``role`` worker on ``device`` with KV ``transport`` cannot run ``tensor_parallel_size`` ranks (None: it
+    can). A PrefillOnly or DecodeOnly worker's ranks move their KV re-sliced for the other side's ranks
+    (kv_transfer/sharded_cache.py): over ZMQ, from CPU ranks; the launchers check this too."""
     if tensor_parallel_size == 1 or role is PipelineRole.PrefillAndDecode:
         return None
-    return (f"tensor_parallel_size: a {role.value} worker with tensor_parallel_size={tensor_parallel_size} needs the "
-            "cross-layout KV transfer (each rank's slice of the KV heads moved to the ranks that own it on the other "
-            "side), which is not built yet; run tensor parallelism on colocated (PrefillAndDecode) workers, or "
-            "prefill and decode workers with tensor_parallel_size 1 (docs/tensor-parallel.md)")
+    if device.startswith("cuda"):
+        return (f"tensor_parallel_size: a {role.value} worker with tensor_parallel_size={tensor_parallel_size} runs "
+                "on CPU only: moving each GPU rank's KV (CUDA IPC per rank) is not built yet; run tensor parallelism "
+                "on colocated (PrefillAndDecode) workers on GPUs (docs/tensor-parallel.md)")
+    if transport == "shm":
+        return (f"transfer.transport: 'shm' writes one cache in place; a {role.value} worker with "
+                f"tensor_parallel_size={tensor_parallel_size} moves its ranks' KV over 'zmq' (or 'auto')")
+    return None
 
 
 def build_config(data: Mapping[str, Any]) -> PipelineConfig:

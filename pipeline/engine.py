@@ -84,6 +84,7 @@ class LLMEngine:
         else:
             self.model, self.hf_config = load_model(model_path, self.dtype, self.device, config.model.quantization)
         self.rank_driver = getattr(self.model, "driver", None)  # tensor parallelism: ranks 1..N-1; None with one rank
+        self._sharded_kv_cache = None  # tensor parallelism: every rank's KV, once a transfer asks for it
         self.tokenizer = load_tokenizer(model_path)
         self.vocab_size = self.hf_config.vocab_size
         self.max_length = min(config.max_length or 10**9, self.hf_config.max_position_embeddings)
@@ -369,8 +370,16 @@ class LLMEngine:
 
     def kv_cache_for_transfer(self):
         """The tensor the transfer service reads and writes ``[num_layers, 2, num_blocks, page_size, kv_heads,
-        head_dim]`` (a draft model's layers after the target's, so its KV travels in the same transfer)."""
-        return self.kv_cache
+        head_dim]`` (a draft model's layers after the target's, so its KV travels in the same transfer); with
+        tensor parallelism every rank's cache as one ``ShardedKVCache`` (shared by the ranks on the first call,
+        which must come before the first step)."""
+        if self.rank_driver is None:
+            return self.kv_cache
+        if self._sharded_kv_cache is None:
+            from pipeline.parallel.kv_shards import sharded_kv_cache
+
+            self._sharded_kv_cache = sharded_kv_cache(self.rank_driver, self.hf_config, self.kv_cache)
+        return self._sharded_kv_cache
 
     def kv_layer_windows(self) -> list[int | None]:
         """Each layer of ``kv_cache_for_transfer`` with its attention window (None: full attention), so a

@@ -96,16 +96,42 @@ class RankGroup:
     def wait_ready(self) -> None:
         """Block until every child loaded its shard; ``TensorParallelError`` with its traceback if one failed."""
         for rank, pipe in enumerate(self.pipes, start=1):
-            while not pipe.poll(0.5):
-                self.check_alive()
+            self._expect_reply(rank, pipe, "ready", "failed to start")
+
+    def share_kv_caches(self, kv_shape: torch.Size, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Ranks 1..N-1's KV caches (each ``kv_shape``), mapped into this process: each rank allocates its cache in
+        shared memory itself (its pages its own), runs on it from then on, and sends the file's path, which is
+        removed once mapped here (the memory lives while either side maps it). For the KV transfer of a prefill or
+        decode worker (``pipeline.parallel.kv_shards``); CPU ranks only. Call it before the first forward."""
+        from kv_transfer.shm import open_shared_kv_cache
+        from kv_transfer.shm_files import unlink_quietly
+
+        if self._kv_shape_sent is not None:  # the ranks already compute on caches of their own
+            raise RuntimeError("share_kv_caches: the ranks' KV caches must be shared before the first forward")
+        self._send(("shared_kv_cache", tuple(kv_shape)))
+        self._kv_shape_sent = tuple(kv_shape)
+        caches = []
+        for rank, pipe in enumerate(self.pipes, start=1):
+            path = self._expect_reply(rank, pipe, "shared_kv_cache", "could not share its KV cache")
             try:
-                kind, detail = pipe.recv()
-            except EOFError:
-                kind, detail = "error", "exited while loading"
-            if kind != "ready":  # the child's whole traceback is on its stderr
-                self.close()
-                raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: "
-                                          f"{detail.strip().splitlines()[-1]}")
+                caches.append(open_shared_kv_cache(path, tuple(kv_shape), dtype))
+            finally:
+                unlink_quietly(path)
+        return caches
+
+    def _expect_reply(self, rank: int, pipe, kind: str, failure: str):
+        """The detail of the next message from ``rank``, which must be ``kind``; watching the children meanwhile.
+        ``TensorParallelError`` (the group closed) with the last line of the rank's traceback otherwise."""
+        while not pipe.poll(0.5):
+            self.check_alive()
+        try:
+            got, detail = pipe.recv()
+        except EOFError:
+            got, detail = "error", "exited"
+        if got != kind:  # the child's whole traceback is on its stderr
+            self.close()
+            raise TensorParallelError(f"tensor-parallel rank {rank} {failure}: {str(detail).strip().splitlines()[-1]}")
+        return detail
 
     def join_group(self, make_collectives: Callable[[], T]) -> T:
         """Rank 0's ``make_collectives()`` (it waits for every rank to join), watching the children meanwhile:
@@ -218,11 +244,26 @@ def run_rank(args: RankArgs, pipe) -> None:
                 return
             if kind == "kv_cache":
                 kv_cache = torch.zeros(payload, dtype=args.dtype, device=device)
+            elif kind == "shared_kv_cache":
+                kv_cache = _share_kv_cache(args, payload, pipe)
             elif kind == "forward":
                 batch = ForwardBatch(**{name: torch.from_numpy(array).to(device) for name, array in payload.items()})
                 model(batch, kv_cache, kernels)
             elif kind == "logits":
                 model.compute_logits(torch.empty(payload, hidden_size, dtype=args.dtype, device=device))
+
+
+def _share_kv_cache(args: RankArgs, shape: tuple[int, ...], pipe) -> torch.Tensor:
+    """The rank's KV cache allocated in shared memory (``RankGroup.share_kv_caches``), its path sent to rank 0."""
+    from kv_transfer.shm import allocate_shared_kv_cache, shared_kv_path
+
+    try:
+        kv_cache = allocate_shared_kv_cache(shape, args.dtype, f"tp-rank{args.rank}")
+    except BaseException:
+        pipe.send(("error", traceback.format_exc()))
+        raise
+    pipe.send(("shared_kv_cache", shared_kv_path(kv_cache)))
+    return kv_cache
 
 
 def _die_with(parent_pid: int) -> None:

@@ -46,13 +46,16 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     # Each layer's attention window in tokens, 0 for full attention; empty: every layer full. A sliding
     # layer's blocks outside the window its sink can still attend to are never sent (kv_transfer/sliding_window.py).
     layer_windows: tuple[int, ...] = ()
+    # How many ranks hold this end's heads (tensor parallelism). Not compared: every end sends and receives the
+    # full-head layout and re-slices for its own ranks (kv_transfer/sharded_cache.py), so any two sizes agree.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPE_SIZES)} (got {self.dtype!r})")
         if self.kv_kind not in KV_KINDS:
             raise ValueError(f"kv_kind: must be one of {', '.join(KV_KINDS)} (got {self.kv_kind!r})")
-        for name in ("page_size", "num_layers", "num_kv_heads", "head_dim"):
+        for name in ("page_size", "num_layers", "num_kv_heads", "head_dim", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)!r})")
         if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):

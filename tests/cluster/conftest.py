@@ -179,11 +179,23 @@ def windowed_kv_bytes(config, sliding_layers: list[bool], num_prompt_tokens: int
     layer_block_bytes = 2 * page_size * config.num_key_value_heads * config.head_dim * 4
     num_blocks = -(-num_prompt_tokens // page_size)
     first_query = num_prompt_tokens if first_query is None else first_query
-    first_window_block = max(first_query - config.sliding_window + 1, 0) // page_size  # sees keys q - W + 1 .. q
+    window = getattr(config, "sliding_window", None) or num_prompt_tokens  # no sliding layer: any window
+    first_window_block = max(first_query - window + 1, 0) // page_size  # sees keys q - W + 1 .. q
     num_sliding = sum(sliding_layers)
     num_full = len(sliding_layers) - num_sliding
     windowed = (num_full * num_blocks + num_sliding * (num_blocks - first_window_block)) * layer_block_bytes
     return windowed, len(sliding_layers) * num_blocks * layer_block_bytes
+
+
+def sent_kv_bytes_after(url: str, worker: str, before: float, want: float) -> float:
+    """``worker``'s tandem_kv_transfer_bytes_total minus ``before`` once it reached ``want`` (within 5 s: reports
+    lag a heartbeat), one heartbeat later still: what a transfer moved, nothing beyond it missed."""
+    metric = "tandem_kv_transfer_bytes_total"
+    deadline = time.monotonic() + 5
+    while (worker_metric(url, metric, worker) or 0.0) - before < want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.6)
+    return (worker_metric(url, metric, worker) or 0.0) - before
 
 
 PROMPT_TOKENS_COMPUTED = "tandem_worker_prompt_tokens_computed_total"

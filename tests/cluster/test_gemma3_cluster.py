@@ -11,7 +11,8 @@ import time
 import pytest
 
 from tests.cluster.conftest import (CLUSTER_CONFIG, check_greedy_against_transformers, openai_client, model_name,
-                                    running_cluster, wait_for_idle_blocks, windowed_kv_bytes, worker_metric)
+                                    running_cluster, sent_kv_bytes_after, wait_for_idle_blocks, windowed_kv_bytes,
+                                    worker_metric)
 from tests.gemma_checkpoints import LOCAL_LAYERS, gemma3_checkpoint  # noqa: F401 (a fixture)
 
 SHAPES = {
@@ -48,14 +49,6 @@ LONG_PROMPT = ("Sliding window attention lets each local layer look back only a 
 KV_BYTES = "tandem_kv_transfer_bytes_total"
 
 
-def sent_bytes_after(url: str, before: float, want: float) -> float:
-    deadline = time.monotonic() + 5  # reports lag a heartbeat
-    while (worker_metric(url, KV_BYTES, "prefill-0") or 0.0) - before < want and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.6)  # one more heartbeat: nothing beyond the formula either
-    return (worker_metric(url, KV_BYTES, "prefill-0") or 0.0) - before
-
-
 def test_local_layers_send_only_their_window_and_a_shared_prefix_stays_exact(cluster, gemma3_checkpoint, hf_reference):
     """1P1D: prompts of twice the window and far past it move the global layers' blocks whole and the local
     layers' last window only, and their completions are transformers' own. The decode worker keeps those
@@ -76,7 +69,7 @@ def test_local_layers_send_only_their_window_and_a_shared_prefix_stays_exact(clu
         check_greedy_against_transformers(running, model, tokenizer, [ids], NUM_NEW_TOKENS, is_remote_prefill=True)
         windowed, whole = windowed_kv_bytes(config, LOCAL_LAYERS["gemma3"], len(ids))
         assert windowed < whole
-        sent = sent_bytes_after(running.url, before, windowed)
+        sent = sent_kv_bytes_after(running.url, "prefill-0", before, windowed)
         print(f"{len(ids)}-token prompt: {sent:.0f} KV bytes sent, {whole} with every layer whole")
         assert sent == windowed, f"all layers whole would be {whole}"
 
@@ -92,5 +85,5 @@ def test_local_layers_send_only_their_window_and_a_shared_prefix_stays_exact(clu
     page_size = CLUSTER_CONFIG["kv_cache"]["page_size"]
     fork_start = (len(branch_ids) - 1) // page_size * page_size
     want_bytes, _ = windowed_kv_bytes(config, LOCAL_LAYERS["gemma3"], len(branch_ids), fork_start)
-    assert sent_bytes_after(running.url, before, want_bytes) == want_bytes
+    assert sent_kv_bytes_after(running.url, "prefill-0", before, want_bytes) == want_bytes
     wait_for_idle_blocks(running.url, running.worker_names, CLUSTER_CONFIG["kv_cache"]["num_blocks"])

@@ -5,6 +5,7 @@ migrates them), the worker comes back with both ranks, no old rank is left, and 
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -64,11 +65,11 @@ def test_each_rank_runs_on_its_own_cores(cluster):
         assert not set(allowed_cores(entry["pid"])) & set(allowed_cores(rank1))
 
 
-def test_a_killed_rank_takes_its_worker_down_and_no_stream_fails(cluster, tiny_checkpoint, hf_reference):
-    from tests.conftest import hf_greedy
-
-    model, tokenizer = hf_reference(tiny_checkpoint("llama"))
-    want = [tokenizer.decode(hf_greedy(model, p, STREAM_TOKENS), skip_special_tokens=True) for p in STREAM_PROMPTS]
+def streams_across(cluster, worker: str, act, prompts=STREAM_PROMPTS, num_tokens: int = STREAM_TOKENS) -> None:
+    """Greedy streams of ``prompts`` at once; once each has 10 tokens and ``worker`` runs some of them, ``act()``;
+    then every stream must complete with transformers' text (the uninterrupted one: 0 failed, nothing repeated
+    or missing)."""
+    want = [reference_greedy_text(cluster.model_path, p, num_tokens) for p in prompts]
     client = openai_client(cluster)
     name = client.models.list().data[0].id
     results: dict[int, tuple] = {}
@@ -77,7 +78,7 @@ def test_a_killed_rank_takes_its_worker_down_and_no_stream_fails(cluster, tiny_c
     def consume(i: int) -> None:
         text, chunks = "", 0
         try:
-            for chunk in client.completions.create(model=name, prompt=STREAM_PROMPTS[i], max_tokens=STREAM_TOKENS,
+            for chunk in client.completions.create(model=name, prompt=prompts[i], max_tokens=num_tokens,
                                                    temperature=0, stream=True, extra_body={"ignore_eos": True}):
                 if chunk.choices:
                     text += chunk.choices[0].text
@@ -88,34 +89,56 @@ def test_a_killed_rank_takes_its_worker_down_and_no_stream_fails(cluster, tiny_c
         except openai.APIError as exc:
             results[i] = ("error", repr(exc))
 
-    threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(len(STREAM_PROMPTS))]
+    threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
     for _ in threads:
         assert started.acquire(timeout=60), f"a stream did not start: {results}"
-    assert wait_for_metric(cluster.url, "tandem_worker_running_requests", TP_WORKER, above=0)
-    before = worker_entry(cluster.url, TP_WORKER)
-    assert all(is_running(pid) for pid in [before["pid"], *before["rank_pids"]])
-    os.kill(before["rank_pids"][0], signal.SIGKILL)  # rank 1 of 2, found through the router, not by name
+    assert wait_for_metric(cluster.url, "tandem_worker_running_requests", worker, above=0)
+    act()
     for thread in threads:
         thread.join(timeout=120)
-    assert results == {i: ("completed", text) for i, text in enumerate(want)}  # 0 failed, exact text
+    assert results == {i: ("completed", text) for i, text in enumerate(want)}
+
+
+def reference_greedy_text(model_path: str, prompt_ids: list[int], num_tokens: int) -> str:
+    """transformers' fp32 greedy continuation of ``prompt_ids`` (EOS ignored) as text, the model cached."""
+    from tests.conftest import hf_greedy
+
+    model, tokenizer = _reference_model(model_path)
+    return tokenizer.decode(hf_greedy(model, prompt_ids, num_tokens), skip_special_tokens=True)
+
+
+@functools.lru_cache(maxsize=4)
+def _reference_model(model_path: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(model_path))
+
+
+def test_a_killed_rank_takes_its_worker_down_and_no_stream_fails(cluster):
+    before = worker_entry(cluster.url, TP_WORKER)
+    assert all(is_running(pid) for pid in [before["pid"], *before["rank_pids"]])
+    # rank 1 of 2, found through the router, not by name
+    streams_across(cluster, TP_WORKER, lambda: os.kill(before["rank_pids"][0], signal.SIGKILL))
     assert migrations(cluster.url) >= 1
     wait_restarted(cluster, before)  # rank 0 went with its rank: nothing orphaned, both back
     assert "exited with code 1" in Path(cluster.log_dir, "launcher.log").read_text()  # it exited itself, whole
     wait_for_idle_blocks(cluster.url, cluster.worker_names, CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=20)
 
 
-def wait_restarted(cluster, old: dict) -> dict:
-    """Once ``old`` (a /ready entry of the TP worker) is replaced: no process of it is left, and the new
+def wait_restarted(cluster, old: dict, worker: str = TP_WORKER) -> dict:
+    """Once ``old`` (a /ready entry of the 2-rank ``worker``) is replaced: no process of it is left, and the new
     incarnation is registered with a live rank 1. Returns the new entry."""
     assert wait_gone([old["pid"], *old["rank_pids"]], timeout_s=60) == []
     deadline = time.monotonic() + 60
-    while cluster.pids.get(TP_WORKER) in (None, old["pid"]):
-        assert time.monotonic() < deadline, f"{TP_WORKER} was not restarted"
+    while cluster.pids.get(worker) in (None, old["pid"]):
+        assert time.monotonic() < deadline, f"{worker} was not restarted"
         time.sleep(0.1)
-    wait_for_incarnation(cluster.url, TP_WORKER, cluster.pids[TP_WORKER], timeout_s=60)
-    new = worker_entry(cluster.url, TP_WORKER)
+    wait_for_incarnation(cluster.url, worker, cluster.pids[worker], timeout_s=60)
+    new = worker_entry(cluster.url, worker)
     assert len(new["rank_pids"]) == 1 and all(is_running(pid) for pid in new["rank_pids"])
     return new
 

@@ -1,5 +1,6 @@
-"""``tandem up``'s tensor-parallel flags: each worker's rank count, and P/D roles with several ranks refused
-by name before anything starts (their KV would need the cross-layout transfer, not built yet)."""
+"""``tandem up``'s tensor-parallel flags: each worker's rank count per role, and what a role cannot run with several
+ranks (a size below 1; prefill and decode workers on GPUs, or forced onto the in-place shm transport) refused by
+name before anything starts."""
 
 from __future__ import annotations
 
@@ -9,39 +10,42 @@ from deploy.cli import main
 from deploy.tensor_parallel_plan import worker_tensor_parallel_sizes
 
 
-def test_colocated_workers_take_the_tensor_parallel_size():
+def test_each_role_takes_its_tensor_parallel_size():
     assert worker_tensor_parallel_sizes(0, 0, 2, 2) == {"colocated-0": 2, "colocated-1": 2}
-    # the P/D flags apply to their roles only; a role with no workers is not checked
+    # the P/D flags apply to their roles only
     assert worker_tensor_parallel_sizes(0, 0, 1, 1, prefill_size=4, decode_size=2) == {"colocated-0": 1}
     assert worker_tensor_parallel_sizes(1, 1, 1, 2, prefill_size=1, decode_size=1) == {
         "prefill-0": 1, "decode-0": 1, "colocated-0": 2}
+    assert worker_tensor_parallel_sizes(1, 2, 0, 1, prefill_size=2) == {"prefill-0": 2, "decode-0": 1, "decode-1": 1}
+    assert worker_tensor_parallel_sizes(1, 1, 0, 2) == {"prefill-0": 2, "decode-0": 2}
 
 
-@pytest.mark.parametrize("counts, sizes, message", [
-    ((1, 1, 0), (2, None, None), "--tensor-parallel-size 2 with 1 prefill worker: a PrefillOnly worker"),
-    ((1, 1, 0), (1, 2, None), "--prefill-tensor-parallel-size 2 with 1 prefill worker: a PrefillOnly worker"),
-    ((0, 2, 0), (1, None, 2), "--decode-tensor-parallel-size 2 with 2 decode workers: a DecodeOnly worker"),
-    ((0, 0, 1), (0, None, None), "--tensor-parallel-size: must be >= 1"),
-    ((1, 1, 0), (1, None, 0), "--decode-tensor-parallel-size: must be >= 1"),
+@pytest.mark.parametrize("counts, sizes, options, message", [
+    ((1, 1, 0), (2, None, None), {"device": "cuda"}, "--tensor-parallel-size 2 with 1 prefill worker: a PrefillOnly "
+                                                      "worker with tensor_parallel_size=2 runs on CPU only"),
+    ((0, 2, 0), (1, None, 2), {"transport": "shm"}, "--decode-tensor-parallel-size 2 with 2 decode workers: "
+                                                    "transfer.transport: 'shm' writes one cache in place"),
+    ((0, 0, 1), (0, None, None), {}, "--tensor-parallel-size: must be >= 1"),
+    ((1, 1, 0), (1, None, 0), {}, "--decode-tensor-parallel-size: must be >= 1"),
 ])
-def test_what_cannot_run_is_refused_by_flag(counts, sizes, message):
-    with pytest.raises(ValueError, match=message) as info:
-        worker_tensor_parallel_sizes(*counts, *sizes)
-    if "worker" in message:
-        assert "cross-layout KV transfer" in str(info.value) and "not built yet" in str(info.value)
+def test_what_cannot_run_is_refused_by_flag(counts, sizes, options, message):
+    with pytest.raises(ValueError, match=message):
+        worker_tensor_parallel_sizes(*counts, *sizes, **options)
+    if options:  # the same sizes on a colocated worker run
+        assert worker_tensor_parallel_sizes(0, 0, 1, max(s or 1 for s in sizes), **options)
 
 
 def test_tandem_up_refuses_before_starting_anything(capsys):
-    assert main(["up", "--decode-tensor-parallel-size", "2", "--ready-timeout", "1"]) == 2
+    assert main(["up", "--decode-tensor-parallel-size", "2", "--transfer-transport", "shm", "--ready-timeout", "1"]) == 2
     error = capsys.readouterr().err
-    assert "tandem up: error: --decode-tensor-parallel-size 2 with 1 decode worker" in error
+    assert "tandem up: error:" in error and "transfer.transport: 'shm' writes one cache in place" in error
     assert main(["up", "--colocated", "1", "--tensor-parallel-size", "0"]) == 2  # the config field's own check
     assert "tensor_parallel_size" in capsys.readouterr().err
 
 
-def test_a_worker_of_a_prefill_or_decode_role_refuses_several_ranks(capsys):
-    assert main(["worker", "--role", "DecodeOnly", "--tensor-parallel-size", "2"]) == 2
-    assert "a DecodeOnly worker with tensor_parallel_size=2 needs the cross-layout KV transfer" in capsys.readouterr().err
+def test_a_worker_of_a_prefill_or_decode_role_refuses_what_its_ranks_cannot_run(capsys):
+    assert main(["worker", "--role", "DecodeOnly", "--tensor-parallel-size", "2", "--transfer-transport", "shm"]) == 2
+    assert "a DecodeOnly worker with tensor_parallel_size=2 moves its ranks' KV over 'zmq'" in capsys.readouterr().err
 
 
 class _Started(Exception):

@@ -160,16 +160,17 @@ def test_size_one_is_the_single_process_engine(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("role", ["PrefillOnly", "DecodeOnly"])
-def test_prefill_and_decode_roles_refuse_tensor_parallel_in_their_config(role):
-    """Their KV would have to move per rank slice (the cross-layout transfer): refused when the config is read,
-    before any worker or rank starts; colocated workers run it (tests/cluster/test_tensor_parallel_cluster.py)."""
+def test_prefill_and_decode_roles_refuse_what_their_ranks_cannot_run_in_their_config(role):
+    """Their ranks' KV moves re-sliced over ZMQ from CPU ranks (tests/cluster/test_tensor_parallel_pd.py): GPU ranks
+    and the in-place shm transport are refused when the config is read, before any worker or rank starts."""
     from pipeline.config import ConfigError, PipelineConfig
 
-    with pytest.raises(ConfigError, match=f"a {role} worker with tensor_parallel_size=2 needs the cross-layout KV "
-                                          "transfer.*not built yet"):
-        PipelineConfig.load(overrides={"tensor_parallel_size": 2, "pipeline_role": role})
-    assert PipelineConfig.load(overrides={"tensor_parallel_size": 2}).tensor_parallel_size == 2  # colocated
-    assert PipelineConfig.load(overrides={"pipeline_role": role}).tensor_parallel_size == 1
+    with pytest.raises(ConfigError, match=f"a {role} worker with tensor_parallel_size=2 runs on CPU only"):
+        PipelineConfig.load(overrides={"tensor_parallel_size": 2, "pipeline_role": role, "model": {"device": "cuda"}})
+    with pytest.raises(ConfigError, match="'shm' writes one cache in place"):
+        PipelineConfig.load(overrides={"tensor_parallel_size": 2, "pipeline_role": role, "transfer": {"transport": "shm"}})
+    assert PipelineConfig.load(overrides={"tensor_parallel_size": 2, "pipeline_role": role}).tensor_parallel_size == 2
+    assert PipelineConfig.load(overrides={"tensor_parallel_size": 2, "model": {"device": "cuda"}}).tensor_parallel_size == 2
 
 
 def test_no_rank_outlives_a_killed_engine_process(tiny_checkpoint):
