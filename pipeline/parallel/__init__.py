@@ -18,15 +18,16 @@ __all__ = ["TensorParallelError", "load_tensor_parallel_model"]
 def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, device: str):
     """Start ranks 1..N-1, build rank 0's shard here; returns ``(model, hf_config)`` like ``weights.load_model``.
 
-    The model is rank 0's ``TensorParallelLlama``; ``model.driver`` is the ``RankGroup`` (close it to stop
+    The model is rank 0's shard (``model.load_shard``: ``TensorParallelLlama``, or ``TensorParallelLlamaMoe`` for
+    Qwen3-MoE and Mixtral); ``model.driver`` is the ``RankGroup`` (close it to stop
     the other ranks; it is also closed when garbage-collected and at exit). A collective that waits longer than
     ``config.tensor_parallel_timeout_s`` for a rank (stuck or gone) raises instead of hanging. Refuses, with
     ``TensorParallelError`` naming it, whatever tensor parallelism does not run yet.
     """
     from pipeline.cpu_placement import rank_placement
-    from pipeline.parallel.model import Collectives, TensorParallelLlama
+    from pipeline.parallel.model import Collectives, load_shard
     from pipeline.parallel.ranks import STARTUP_TIMEOUT_S, RankGroup, rank_device
-    from pipeline.parallel.shard_spec import ShardSpec, check_checkpoint, read_shards
+    from pipeline.parallel.shard_spec import check_checkpoint
     from pipeline.weights import load_hf_config
 
     size = config.tensor_parallel_size
@@ -45,11 +46,9 @@ def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, devi
     try:
         collectives = group.join_group(
             lambda: Collectives(group.store, 0, size, rank_device(device, 0), timeout_s, STARTUP_TIMEOUT_S))
-        spec = ShardSpec.of(hf_config, 0, size)
-        model = TensorParallelLlama(hf_config, dtype, rank_device(device, 0), spec, collectives, driver=group)
-        model.load_weights(read_shards(model_path, spec))
+        model = load_shard(hf_config, model_path, dtype, rank_device(device, 0), collectives, driver=group)
         group.wait_ready()
     except BaseException:
         group.close()
         raise
-    return model.eval(), hf_config
+    return model, hf_config

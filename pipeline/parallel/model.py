@@ -1,10 +1,14 @@
-"""One rank's shard of a dense Llama-family model, and the collectives that join the shards.
+"""One rank's shard of a Llama-family model (dense or mixture-of-experts), and the collectives that join the shards.
 
-The shard is the unchanged ``LlamaFamilyForCausalLM`` built from the rank's config (``ShardSpec.rank_config``:
-its heads, its MLP columns, its vocabulary rows) with three additions: an all-reduce after each
-row-parallel projection (o_proj, down_proj), a vocabulary-parallel embedding (masked lookup +
-all-reduce), and logits gathered from every rank's vocabulary rows. On rank 0 each ``forward`` and
-``compute_logits`` first tells the other ranks to do the same (``driver``), so they run in lockstep.
+The shard is the unchanged model class (``LlamaFamilyForCausalLM``; ``LlamaMoeFamilyForCausalLM`` for Qwen3-MoE
+and Mixtral; ``GptOssForCausalLM``) built from the rank's config (``ShardSpec.rank_config``: its heads, its MLP
+and expert columns, its vocabulary rows) with three additions: an all-reduce after each row-parallel part
+(o_proj, and the whole MLP of every layer, dense or sparse: once per layer), a vocabulary-parallel embedding
+(masked lookup + all-reduce), and logits gathered from every rank's vocabulary rows. On rank 0 each
+``forward`` and ``compute_logits`` first tells the other ranks to do the same (``driver``), so they run in
+lockstep. ``load_shard`` picks the shard class for a config and loads the rank's slices into it; every rank
+builds its shard through it. The experts are stacked at load and packed by the kernel set
+(``kernels.cpu_backend.prepare_model_cpu``) exactly as in a single-process model: only their sizes differ.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.models.gpt_oss import GptOssForCausalLM
 from pipeline.models.layers import empty_parameter
 from pipeline.models.llama import LlamaFamilyForCausalLM
-from pipeline.parallel.shard_spec import ShardSpec, TensorParallelError
+from pipeline.models.llama_moe import LlamaMoeFamilyForCausalLM
+from pipeline.models.registry import resolve_model_class
+from pipeline.parallel.shard_spec import ShardSpec, TensorParallelError, read_shards
 
 
 class Collectives:
@@ -79,8 +86,9 @@ class VocabParallelEmbedding(nn.Module):
         return self.collectives.all_reduce(embedded)
 
 
-class TensorParallelLlama(LlamaFamilyForCausalLM):
-    """A rank's shard of a Llama/Mistral/Qwen2/Qwen3 model; ``load_weights`` takes ``read_shards``' slices."""
+class TensorParallelShard:
+    """What every shard class adds to its model class (it comes first in the bases): the collectives around
+    the unchanged model. ``load_weights`` takes ``read_shards``' slices."""
 
     def __init__(self, hf_config, dtype: torch.dtype, device, spec: ShardSpec, collectives: Collectives,
                  driver=None):
@@ -91,7 +99,9 @@ class TensorParallelLlama(LlamaFamilyForCausalLM):
         self.model.embed_tokens = VocabParallelEmbedding(spec, hf_config.hidden_size, dtype, device, collectives)
         for layer in self.model.layers:  # row-parallel outputs are partial sums until reduced
             layer.self_attn.o_proj.register_forward_hook(self._reduce_output)
-            layer.mlp.down_proj.register_forward_hook(self._reduce_output)
+            # the MLP's output, dense (down_proj's) or sparse (the weighted sum of each token's experts, every
+            # expert's partial down_proj product): one all-reduce per layer for either kind
+            layer.mlp.register_forward_hook(self._reduce_output)
 
     def _reduce_output(self, module, inputs, output: torch.Tensor) -> torch.Tensor:
         return self.collectives.all_reduce(output)
@@ -114,3 +124,38 @@ class TensorParallelLlama(LlamaFamilyForCausalLM):
         hidden = self.collectives.broadcast(hidden.contiguous())
         local = super().compute_logits(hidden)  # [n, vocab / tp]
         return torch.cat(self.collectives.all_gather(local), dim=-1)[:, :self.full_vocab_size]
+
+
+class TensorParallelLlama(TensorParallelShard, LlamaFamilyForCausalLM):
+    """A rank's shard of a Llama/Mistral/Qwen2/Qwen3 model."""
+
+
+class TensorParallelLlamaMoe(TensorParallelShard, LlamaMoeFamilyForCausalLM):
+    """A rank's shard of a Qwen3-MoE/Mixtral model: every expert holds its slice of the intermediate dimension
+    (stacked and packed by the kernel set like any model's experts), the router is replicated."""
+
+
+class TensorParallelGptOss(TensorParallelShard, GptOssForCausalLM):
+    """A rank's shard of a gpt-oss model: its q heads' attention sinks, every expert's slice of the intermediate
+    dimension (the experts' down bias added on rank 0 only), the router replicated."""
+
+
+# The model class a checkpoint resolves to (pipeline/models/registry.py) -> its shard class.
+SHARD_CLASSES: dict[type, type[TensorParallelShard]] = {
+    LlamaFamilyForCausalLM: TensorParallelLlama,
+    LlamaMoeFamilyForCausalLM: TensorParallelLlamaMoe,
+    GptOssForCausalLM: TensorParallelGptOss,
+}
+
+
+def load_shard(hf_config, model_path: str, dtype: torch.dtype, device, collectives: Collectives,
+               driver=None) -> TensorParallelShard:
+    """Rank ``collectives.rank``'s shard of the checkpoint at ``model_path``, its slices loaded, in eval mode (every
+    rank builds its shard here: rank 0 with its ``driver``)."""
+    model_class = resolve_model_class(hf_config)
+    if model_class not in SHARD_CLASSES:  # check_supported refuses these first, by architecture
+        raise TensorParallelError(f"no tensor-parallel shard of {model_class.__name__}")
+    spec = ShardSpec.of(hf_config, collectives.rank, collectives.size)
+    model = SHARD_CLASSES[model_class](hf_config, dtype, device, spec, collectives, driver=driver)
+    model.load_weights(read_shards(model_path, spec))
+    return model.eval()

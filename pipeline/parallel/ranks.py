@@ -282,8 +282,7 @@ def _load_rank(args: RankArgs):
     import torch.distributed as dist
 
     from kernels import load_kernels
-    from pipeline.parallel.model import Collectives, TensorParallelLlama
-    from pipeline.parallel.shard_spec import read_shards
+    from pipeline.parallel.model import Collectives, load_shard
     from pipeline.weights import load_hf_config
 
     device = rank_device(args.device, args.rank)
@@ -293,10 +292,7 @@ def _load_rank(args: RankArgs):
                           timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
     collectives = Collectives(store, args.rank, args.size, device, args.timeout_s, STARTUP_TIMEOUT_S)
     hf_config = load_hf_config(args.model_path)
-    spec = ShardSpec.of(hf_config, args.rank, args.size)
-    model = TensorParallelLlama(hf_config, args.dtype, device, spec, collectives)
-    model.load_weights(read_shards(args.model_path, spec))
-    model.eval()
+    model = load_shard(hf_config, args.model_path, args.dtype, device, collectives)
     kernels = load_kernels(args.kernel_backend, str(device))
     kernels.prepare_model(model, args.cpu_weight_prepack)
     return model, kernels, hf_config.hidden_size

@@ -1,10 +1,13 @@
 """Which slice of each checkpoint tensor a tensor-parallel rank holds, and the rank's own view of the config.
 
-Megatron's layout for the dense Llama family: q/k/v and gate/up are split by output rows (q heads,
-kv heads, intermediate columns), o_proj and down_proj by input columns (their outputs are summed by
-an all-reduce), the embedding and the LM head by vocabulary rows (padded to a multiple of the TP
-size). When there are fewer KV heads than ranks, each rank keeps the one KV head its q heads read.
-Norms are replicated. ``read_shards`` reads only a rank's slice from the safetensors files.
+Megatron's layout for the Llama family: q/k/v and gate/up are split by output rows (q heads, kv heads,
+intermediate columns), o_proj and down_proj by input columns (their outputs are summed by an
+all-reduce), the embedding and the LM head by vocabulary rows (padded to a multiple of the TP size).
+When there are fewer KV heads than ranks, each rank keeps the one KV head its q heads read; gpt-oss's
+attention sinks go with their q heads. The mixture-of-experts families (Qwen3-MoE, Mixtral, gpt-oss) split
+every expert the same way, by its own intermediate dimension (vLLM's default for TP: each rank holds a
+slice of every expert), and replicate the router. Norms are replicated. ``read_shards`` reads only a
+rank's slice from the safetensors files.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ import torch
 from pipeline.checkpoint_files import read_config_json
 from pipeline.weights import open_weight_files
 
-# The architectures tensor parallelism runs: the dense Llama family (pipeline/models/llama.py).
-TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# The architectures tensor parallelism runs: the Llama family (pipeline/models/llama.py) and its MoE kin
+# (pipeline/models/llama_moe.py, pipeline/models/gpt_oss.py).
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+TENSOR_PARALLEL_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 
 
 class TensorParallelError(RuntimeError):
@@ -45,9 +51,50 @@ def check_supported(hf_config, tensor_parallel_size: int, quantization: str | No
     if num_kv_heads % tp and tp % num_kv_heads:
         raise TensorParallelError(
             f"tensor_parallel_size={tp} and num_key_value_heads={num_kv_heads}: one must divide the other")
-    if hf_config.intermediate_size % tp:
-        raise TensorParallelError(
-            f"tensor_parallel_size={tp} must divide intermediate_size={hf_config.intermediate_size}")
+    for field, size in split_mlp_sizes(hf_config).items():
+        if size % tp:
+            raise TensorParallelError(f"tensor_parallel_size={tp} must divide {field}={size}")
+
+
+def split_mlp_sizes(hf_config) -> dict[str, int]:
+    """The config fields of the intermediate dimensions the ranks split (the dense MLP's, the experts'), as used."""
+    if hf_config.model_type not in ("qwen3_moe", "mixtral"):  # dense, or gpt-oss (its experts' size)
+        return {"intermediate_size": hf_config.intermediate_size}
+    from pipeline.models.llama_moe import is_sparse_layer
+
+    sizes = {"moe_intermediate_size" if hf_config.model_type == "qwen3_moe" else "intermediate_size":
+             _expert_layout(hf_config)[0]}
+    if not all(is_sparse_layer(hf_config, index) for index in range(hf_config.num_hidden_layers)):
+        sizes["intermediate_size"] = hf_config.intermediate_size  # Qwen3-MoE's dense layers
+    return sizes
+
+
+def _expert_layout(hf_config) -> tuple[int, tuple[str, ...]]:
+    """(each expert's intermediate size, the checkpoint's gate/up/down names per expert: () for gpt-oss, whose
+    experts are stored stacked only); (0, ()) without experts."""
+    if hf_config.model_type == "gpt_oss":
+        return hf_config.intermediate_size, ()
+    if hf_config.model_type not in ("qwen3_moe", "mixtral"):
+        return 0, ()
+    from pipeline.models.llama_moe import moe_spec
+
+    spec = moe_spec(hf_config)
+    return spec.intermediate_size, spec.projection_names
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The part of one checkpoint tensor a rank holds: ``ranges`` ((start, length) blocks along ``dim``,
+    concatenated), zero-padded to ``padded`` along ``dim``; ``is_zero``: zeros of the whole shape instead."""
+
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+    padded: int
+    is_zero: bool = False
+
+
+# A row-parallel bias on ranks other than 0: zeros there, so the all-reduce adds it once.
+ZERO = Cut(0, (), 0, is_zero=True)
 
 
 @dataclass(frozen=True)
@@ -59,15 +106,17 @@ class ShardSpec:
     num_heads: int  # q heads in the whole model
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLP's
     vocab_size: int  # the checkpoint's (unpadded)
+    expert_intermediate_size: int = 0  # each expert's; 0: no experts
+    expert_projections: tuple[str, ...] = ()  # the checkpoint's gate, up and down names per expert; () gpt-oss's
 
     @classmethod
     def of(cls, hf_config, rank: int, size: int) -> "ShardSpec":
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         return cls(rank, size, num_heads, hf_config.num_key_value_heads or num_heads, head_dim,
-                   hf_config.intermediate_size, hf_config.vocab_size)
+                   hf_config.intermediate_size, hf_config.vocab_size, *_expert_layout(hf_config))
 
     @property
     def num_local_heads(self) -> int:
@@ -94,31 +143,69 @@ class ShardSpec:
         local.num_attention_heads = self.num_local_heads
         local.num_key_value_heads = self.num_local_kv_heads
         local.head_dim = self.head_dim
-        local.intermediate_size = self.intermediate_size // self.size
+        local.intermediate_size = self.intermediate_size // self.size  # Mixtral: the experts' too
+        if hasattr(local, "moe_intermediate_size"):  # Qwen3-MoE's experts
+            local.moe_intermediate_size = self.expert_intermediate_size // self.size
         local.vocab_size = self.vocab_per_rank
         return local
 
-    def slice_of(self, name: str) -> tuple[int, int, int, int] | None:
-        """(dim, start, length, padded length) of checkpoint tensor ``name`` this rank holds; None = all of it;
-        a bias of a row-parallel layer: (0, 0, 0, 0), meaning zeros on every rank but 0 (added once)."""
+    def slice_of(self, name: str) -> Cut | None:
+        """The part of checkpoint tensor ``name`` this rank holds; None = all of it."""
         parts = name.split(".")
         module, leaf = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
+        if "experts" in parts and self.expert_intermediate_size:
+            return self._expert_slice(module, leaf) if self.expert_projections else self._gpt_oss_expert_slice(leaf)
         q_rows, kv_rows = self.num_local_heads * self.head_dim, self.num_local_kv_heads * self.head_dim
         inter = self.intermediate_size // self.size
         if module == "q_proj":
-            return 0, self.rank * q_rows, q_rows, q_rows
+            return Cut(0, ((self.rank * q_rows, q_rows),), q_rows)
+        if module == "self_attn" and leaf == "sinks":  # gpt-oss: one per q head
+            return Cut(0, ((self.rank * self.num_local_heads, self.num_local_heads),), self.num_local_heads)
         if module in ("k_proj", "v_proj"):
-            return 0, self.first_kv_head * self.head_dim, kv_rows, kv_rows
+            return Cut(0, ((self.first_kv_head * self.head_dim, kv_rows),), kv_rows)
         if module in ("gate_proj", "up_proj"):
-            return 0, self.rank * inter, inter, inter
+            return Cut(0, ((self.rank * inter, inter),), inter)
         if module in ("o_proj", "down_proj"):
             if leaf == "bias":
-                return None if self.rank == 0 else (0, 0, 0, 0)
+                return None if self.rank == 0 else ZERO
             columns = q_rows if module == "o_proj" else inter
-            return 1, self.rank * columns, columns, columns
+            return Cut(1, ((self.rank * columns, columns),), columns)
         if module in ("embed_tokens", "lm_head"):
             start = self.rank * self.vocab_per_rank
-            return 0, start, max(0, min(self.vocab_per_rank, self.vocab_size - start)), self.vocab_per_rank
+            return Cut(0, ((start, max(0, min(self.vocab_per_rank, self.vocab_size - start))),), self.vocab_per_rank)
+        return None
+
+    def _expert_slice(self, module: str, leaf: str) -> Cut | None:
+        """An expert tensor's slice of the expert's intermediate dimension, in either checkpoint layout: per expert
+        (``experts.E.<gate|up>.weight`` ``[inter, hidden]``, ``experts.E.<down>.weight`` ``[hidden, inter]``) or
+        stacked (``experts.gate_up_proj`` ``[experts, 2 * inter, hidden]``: gate rows, then up rows;
+        ``experts.down_proj`` ``[experts, hidden, inter]``)."""
+        full = self.expert_intermediate_size
+        inter = full // self.size
+        start = self.rank * inter
+        gate, up, down = self.expert_projections
+        if module == "experts" and leaf == "gate_up_proj":
+            return Cut(1, ((start, inter), (full + start, inter)), 2 * inter)
+        if module == "experts" and leaf == "down_proj":
+            return Cut(2, ((start, inter),), inter)
+        if module in (gate, up):
+            return Cut(0, ((start, inter),), inter)
+        if module == down:
+            return Cut(1, ((start, inter),), inter)
+        return None
+
+    def _gpt_oss_expert_slice(self, leaf: str) -> Cut | None:
+        """gpt-oss's stacked experts, as stored: ``gate_up_proj`` ``[experts, hidden, 2 * inter]`` and its bias
+        ``[experts, 2 * inter]`` with gate and up interleaved (columns 2i, 2i + 1: one contiguous run per rank),
+        ``down_proj`` ``[experts, inter, hidden]``, and ``down_proj_bias`` (row-parallel: rank 0's only)."""
+        inter = self.expert_intermediate_size // self.size
+        start = self.rank * inter
+        if leaf in ("gate_up_proj", "gate_up_proj_bias"):
+            return Cut(2 if leaf == "gate_up_proj" else 1, ((2 * start, 2 * inter),), 2 * inter)
+        if leaf == "down_proj":
+            return Cut(1, ((start, inter),), inter)
+        if leaf == "down_proj_bias":
+            return None if self.rank == 0 else ZERO
         return None
 
 
@@ -131,17 +218,18 @@ def read_shards(path: str | os.PathLike, spec: ShardSpec) -> Iterator[tuple[str,
             if cut is None:
                 yield name, handle.get_tensor(name)
                 continue
-            dim, start, length, padded = cut
             view = handle.get_slice(name)
             shape = list(view.get_shape())
-            if padded == 0:  # a row-parallel bias on a rank other than 0
-                dtype = handle.get_slice(name)[0:1].dtype
-                yield name, torch.zeros(shape, dtype=dtype)
+            if cut.is_zero:
+                yield name, torch.zeros(shape, dtype=view[0:1].dtype)
                 continue
-            tensor = view[start:start + length] if dim == 0 else view[:, start:start + length]
-            if length < padded:  # the vocabulary's padding rows: never looked up, their logits dropped
-                shape[dim] = padded - length
-                tensor = torch.cat([tensor, torch.zeros(shape, dtype=tensor.dtype)], dim=dim)
+            lead = (slice(None),) * cut.dim
+            blocks = [view[lead + (slice(start, start + length),)] for start, length in cut.ranges]
+            tensor = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=cut.dim)
+            length = tensor.shape[cut.dim]
+            if length < cut.padded:  # the vocabulary's padding rows: never looked up, their logits dropped
+                shape[cut.dim] = cut.padded - length
+                tensor = torch.cat([tensor, torch.zeros(shape, dtype=tensor.dtype)], dim=cut.dim)
             yield name, tensor
 
 

@@ -1,0 +1,109 @@
+"""Tensor parallelism for the mixture-of-experts families (pipeline/parallel): two rank processes, each holding a
+slice of every expert's intermediate dimension, give transformers' fp32 tokens and logprobs (Qwen3-MoE, Mixtral,
+gpt-oss); the MoE architectures and checkpoints it does not run are refused by name."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline.parallel import TensorParallelError
+from tests.conftest import check_greedy_and_logprobs
+from tests.deepseek_checkpoints import deepseek_checkpoint  # noqa: F401 (a fixture)
+from tests.gpt_oss_checkpoints import gpt_oss_checkpoint  # noqa: F401 (a fixture)
+from tests.moe_checkpoints import SPARSE_LAYERS, moe_checkpoint  # noqa: F401 (a fixture)
+from tests.mxfp4_checkpoints import write_mxfp4
+from tests.pipeline.test_tensor_parallel import PROMPTS, _children, tp_llm, wait_gone
+
+
+def check_tp_moe(path: str, hf_model, num_new_tokens: int = 10, **overrides) -> None:
+    """A TP 2 engine over ``path``: greedy tokens equal transformers', logprobs within 1e-4; its ranks gone after."""
+    with tp_llm(path, **overrides) as llm:
+        config = hf_model.config
+        expert_size = config.moe_intermediate_size if config.model_type == "qwen3_moe" else config.intermediate_size
+        experts = llm.engine.model.model.layers[-1].mlp.experts  # [experts, hidden, intermediate / 2] on rank 0
+        assert experts.down_proj.shape[-1] == expert_size // 2
+        if overrides.get("kernel_backend") == "cpu" and hasattr(experts, "expert_gemms"):
+            assert experts.expert_gemms is not None  # packed per expert, as a single-process model's are
+        check_greedy_and_logprobs(llm, hf_model, PROMPTS, num_new_tokens, atol=1e-4)
+        pids = llm.engine.model.driver.pids
+    assert wait_gone(pids) == []
+
+
+@pytest.mark.parametrize("name, backend", [
+    ("qwen3_moe", "cpu"),  # GQA 4:2; 8 experts, top-4 renormalised; layer 1 dense (mlp_only_layers)
+    ("qwen3_moe_unnormed", "torch"),  # one KV head (replicated); top-4 of 10 unnormalised; layer 0 dense
+    # (decoder_sparse_step); tied embeddings, a vocabulary of 301 that 2 does not divide
+    ("mixtral", "cpu"),  # every layer sparse; top-2 of 8 with the routing weights in fp32
+])
+def test_moe_greedy_and_logprobs_match_transformers(name, backend, moe_checkpoint, hf_reference):  # noqa: F811
+    path = moe_checkpoint(name)
+    hf_model = hf_reference(path)[0]
+    sparse = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf_model.model.layers]
+    assert sparse == SPARSE_LAYERS[name]  # the dense layers among sparse ones really are there
+    check_tp_moe(path, hf_model, kernel_backend=backend)
+
+
+@pytest.mark.parametrize("name, backend", [
+    ("gpt_oss", "cpu"),  # GQA 4:2, sliding and full layers; biased router and experts; sinks; top-4 of 8
+    ("gpt_oss_gqa4", "torch"),  # one KV head (replicated), the sinks of each rank's q heads; top-2 of 6
+])
+def test_gpt_oss_greedy_and_logprobs_match_transformers(name, backend, gpt_oss_checkpoint, hf_reference):  # noqa: F811
+    path = gpt_oss_checkpoint(name)
+    check_tp_moe(path, hf_reference(path)[0], kernel_backend=backend)
+
+
+@pytest.fixture(scope="module")
+def stacked_mixtral(tmp_path_factory, moe_checkpoint, hf_reference) -> str:  # noqa: F811
+    """The Mixtral checkpoint re-saved with every layer's experts stacked (``experts.gate_up_proj``
+    ``[experts, 2 * inter, hidden]``: each rank reads two row blocks of it, its gate rows and its up rows)."""
+    source = Path(moe_checkpoint("mixtral"))
+    path = tmp_path_factory.mktemp("tiny-mixtral-stacked")
+    shutil.copytree(source, path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors*"))
+    hf_reference(str(source))[0].save_pretrained(path, save_original_format=False)
+    return str(path)
+
+
+def test_stacked_expert_layout_matches_transformers(stacked_mixtral, moe_checkpoint, hf_reference):  # noqa: F811
+    from safetensors import safe_open
+
+    with safe_open(next(Path(stacked_mixtral).glob("*.safetensors")), "pt") as handle:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in handle.keys()
+    check_tp_moe(stacked_mixtral, hf_reference(moe_checkpoint("mixtral"))[0], num_new_tokens=6)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("deepseek_v3", "not supported for architecture DeepseekV3ForCausalLM"),
+    ("int8", "quantized"),  # --quantization int8 of an MoE model: refused, not silently run unquantized
+    ("mxfp4", "quantized"),  # gpt-oss as the hub ships it
+])
+def test_unsupported_moe_setups_are_refused_by_name(case, expected, deepseek_checkpoint, moe_checkpoint,  # noqa: F811
+                                                    gpt_oss_checkpoint, tmp_path):  # noqa: F811
+    children_before = set(_children())
+    overrides = {}
+    if case == "deepseek_v3":
+        path = deepseek_checkpoint("deepseek_v3")
+    elif case == "int8":
+        path, overrides = moe_checkpoint("qwen3_moe"), {"model_config": {"dtype": "float32", "quantization": "int8"}}
+    else:
+        path = str(write_mxfp4(gpt_oss_checkpoint("gpt_oss"), tmp_path / "mxfp4"))
+    with pytest.raises(TensorParallelError, match=expected):
+        tp_llm(path, **overrides)
+    assert set(_children()) <= children_before  # refused before any rank was started
+
+
+@pytest.mark.parametrize("name, field, size", [
+    ("qwen3_moe", "moe_intermediate_size", 33),  # the experts'
+    ("qwen3_moe", "intermediate_size", 95),  # its dense layer's (mlp_only_layers)
+    ("mixtral", "intermediate_size", 47),  # the experts'
+])
+def test_an_intermediate_size_two_ranks_cannot_split_is_named(name, field, size, moe_checkpoint):  # noqa: F811
+    from pipeline.parallel.shard_spec import check_supported
+    from pipeline.weights import load_hf_config
+
+    hf_config = load_hf_config(moe_checkpoint(name))
+    setattr(hf_config, field, size)
+    with pytest.raises(TensorParallelError, match=f"tensor_parallel_size=2 must divide {field}={size}"):
+        check_supported(hf_config, 2, None, {})
