@@ -7,7 +7,12 @@
  *   rotary           rotate-half rotary embedding of q and k, in place
  *   store_kv         new K/V rows into their cache slots
  *   silu_and_mul     SiLU(gate) * up of a fused gate/up projection
- * all in fp32 or bf16 (fp32 arithmetic inside).
+ * all in fp32 or bf16 (fp32 arithmetic inside), and the W8A8 int8 linear's pieces (quantization/int8.py's
+ * torch code is their oracle, kernels/cpu_int8.py wraps them):
+ *   quantize_int8    activations to int8 codes per row, absmax and rounding in one pass (int8_isa.h)
+ *   rescale_int8     an int32 product to fp32 / bf16 with both scales and the bias (int8_isa.h)
+ *   int8_gemm        int8 x int8 -> int32 over a weight packed once, with that rescale fused (int8_gemm.h;
+ *                    its own choice of body: AVX-512 VNNI, or the portable one the tests force)
  *
  * Each body is compiled once per instruction set and the best one the CPU runs is chosen once, at
  * import: AVX-512, AVX2 + FMA, 16-byte vectors (SSE2 / NEON), and plain scalar; a row length the chosen
@@ -100,6 +105,26 @@ typedef struct {
     size_t element;
 } silu_args;
 
+typedef struct {
+    const void *x;          /* [rows][x_stride] fp32 / bf16 */
+    uint8_t *codes;         /* [rows][codes_stride]: q + offset, columns [cols, padded_cols) the code of zero */
+    float *scales;          /* per row, written when static_scale <= 0 */
+    int64_t x_stride, codes_stride;
+    float static_scale;     /* > 0: every row's scale */
+    int cols, padded_cols, offset, dtype;
+    size_t element;
+} quant_args;
+
+typedef struct {
+    const int32_t *acc;     /* [rows][acc_stride] */
+    const float *x_scales;  /* per row (x_scale_stride 1) or one (0) */
+    const float *w_scales;  /* [cols] */
+    const float *bias;      /* [cols] fp32, or NULL */
+    void *out;              /* [rows][out_stride] fp32 / bf16 */
+    int64_t acc_stride, x_scale_stride, out_stride;
+    int cols, out_dtype;
+} rescale_args;
+
 /* Keys per decode chunk: as many as fit STAGE_BYTES staged (K and V, every head of the item), in
  * [CHUNK, DOT_CHUNK], a multiple of CHUNK. */
 static int staged_chunk(int num_heads, int head_dim)
@@ -114,6 +139,7 @@ static int staged_chunk(int num_heads, int head_dim)
 #include "vec_isa.h"
 #include "paged_attention_isa.h"
 #include "elementwise_isa.h"
+#include "int8_isa.h"
 #include "isa_undef.h"
 
 #define ISA(name) name##_vec128
@@ -121,6 +147,7 @@ static int staged_chunk(int num_heads, int head_dim)
 #include "vec_isa.h"
 #include "paged_attention_isa.h"
 #include "elementwise_isa.h"
+#include "int8_isa.h"
 #include "isa_undef.h"
 
 /* The 16-lane bodies in portable vectors: never chosen by default, there so that every machine's tests
@@ -130,6 +157,7 @@ static int staged_chunk(int num_heads, int head_dim)
 #include "vec_isa.h"
 #include "paged_attention_isa.h"
 #include "elementwise_isa.h"
+#include "int8_isa.h"
 #include "isa_undef.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -140,6 +168,7 @@ static int staged_chunk(int num_heads, int head_dim)
 #include "vec_isa.h"
 #include "paged_attention_isa.h"
 #include "elementwise_isa.h"
+#include "int8_isa.h"
 #include "isa_undef.h"
 #pragma GCC pop_options
 
@@ -150,6 +179,7 @@ static int staged_chunk(int num_heads, int head_dim)
 #include "vec_isa.h"
 #include "paged_attention_isa.h"
 #include "elementwise_isa.h"
+#include "int8_isa.h"
 #include "isa_undef.h"
 #pragma GCC pop_options
 #define HAS_X86_VARIANTS 1
@@ -163,9 +193,11 @@ typedef struct {
     void (*rms_norm)(const norm_args *, int64_t, int64_t);
     void (*rotary)(const rotary_args *, int64_t, int64_t);
     void (*silu_and_mul)(const silu_args *, int64_t, int64_t);
+    void (*quantize_rows)(const quant_args *, int64_t, int64_t);
+    void (*rescale_rows)(const rescale_args *, int64_t, int64_t);
 } isa_entry;
 
-#define ISA_ENTRY(isa, width, test_only) {#isa, width, test_only, attend_item_##isa, rms_norm_rows_##isa, rotary_rows_##isa, silu_and_mul_rows_##isa}
+#define ISA_ENTRY(isa, width, test_only) {#isa, width, test_only, attend_item_##isa, rms_norm_rows_##isa, rotary_rows_##isa, silu_and_mul_rows_##isa, quantize_rows_##isa, rescale_rows_##isa}
 static const isa_entry ISAS[] = {
 #ifdef HAS_X86_VARIANTS
     ISA_ENTRY(avx512, 16, 0),
@@ -229,6 +261,10 @@ static void run_rows(void (*fn)(const void *, int64_t, int64_t), const void *arg
     (void)num_threads;
     fn(args, 0, num_rows);
 }
+
+#include "int8_gemm.h"
+
+static int selected_int8_gemm = -1; /* index into INT8_GEMMS: the VNNI body the CPU runs, or set_int8_gemm_isa's; -1 none */
 
 /* ------------------------------------------------------------------ scratch and work items */
 /* Rows padded to a multiple of the widest vector, per KV head, in the column layout. */
@@ -492,6 +528,139 @@ static PyObject *py_store_kv(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *py_quantize_int8(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long x, codes, scales;
+    long long num_rows;
+    int num_threads;
+    quant_args a;
+    if (!PyArg_ParseTuple(args, "KKKLLLfiiiii", &x, &codes, &scales, &num_rows, &a.x_stride, &a.codes_stride,
+                          &a.static_scale, &a.cols, &a.padded_cols, &a.offset, &a.dtype, &num_threads))
+        return NULL;
+    if (a.cols <= 0 || a.padded_cols < a.cols || a.codes_stride < a.padded_cols || (a.offset != 0 && a.offset != 128)) {
+        PyErr_SetString(PyExc_ValueError, "quantize_int8: bad column counts or offset");
+        return NULL;
+    }
+    a.x = (const void *)(uintptr_t)x;
+    a.codes = (uint8_t *)(uintptr_t)codes;
+    a.scales = (float *)(uintptr_t)scales;
+    a.element = a.dtype == DTYPE_BF16 ? 2 : 4;
+    Py_BEGIN_ALLOW_THREADS
+    run_rows((rows_fn)isa_for(a.cols)->quantize_rows, &a, num_rows, a.cols, num_threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_rescale_int8(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long acc, x_scales, w_scales, bias, out;
+    long long num_rows;
+    int num_threads;
+    rescale_args a;
+    if (!PyArg_ParseTuple(args, "KKKKKLLLLiii", &acc, &x_scales, &w_scales, &bias, &out, &num_rows, &a.acc_stride,
+                          &a.x_scale_stride, &a.out_stride, &a.cols, &a.out_dtype, &num_threads))
+        return NULL;
+    a.acc = (const int32_t *)(uintptr_t)acc;
+    a.x_scales = (const float *)(uintptr_t)x_scales;
+    a.w_scales = (const float *)(uintptr_t)w_scales;
+    a.bias = (const float *)(uintptr_t)bias;
+    a.out = (void *)(uintptr_t)out;
+    Py_BEGIN_ALLOW_THREADS
+    run_rows((rows_fn)isa_for(a.cols)->rescale_rows, &a, num_rows, a.cols, num_threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_int8_gemm(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long codes, packed, correction, x_scales, w_scales, bias, out;
+    int num_threads;
+    gemm_args g;
+    if (!PyArg_ParseTuple(args, "KKKKKKKLLLLiiii", &codes, &packed, &correction, &x_scales, &w_scales, &bias, &out,
+                          &g.rows, &g.codes_stride, &g.x_scale_stride, &g.out_stride, &g.cols, &g.k4, &g.out_dtype,
+                          &num_threads))
+        return NULL;
+    if (selected_int8_gemm < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "int8_gemm: this CPU has no int8 GEMM body chosen (no VNNI)");
+        return NULL;
+    }
+    if (g.cols <= 0 || g.k4 <= 0 || g.codes_stride < 4 * (int64_t)g.k4 || g.out_dtype < OUT_F32 || g.out_dtype > OUT_INT32) {
+        PyErr_SetString(PyExc_ValueError, "int8_gemm: bad shapes or output dtype");
+        return NULL;
+    }
+    g.codes = (const uint8_t *)(uintptr_t)codes;
+    g.packed = (const int8_t *)(uintptr_t)packed;
+    g.correction = (const int32_t *)(uintptr_t)correction;
+    g.x_scales = (const float *)(uintptr_t)x_scales;
+    g.w_scales = (const float *)(uintptr_t)w_scales;
+    g.bias = (const float *)(uintptr_t)bias;
+    g.out = (void *)(uintptr_t)out;
+    int64_t num_panels = (g.cols + INT8_PANEL - 1) / INT8_PANEL;
+    Py_BEGIN_ALLOW_THREADS
+    /* per panel: rows x K multiply-adds x 64 columns, counted in units run_rows weighs against its minimum */
+    run_rows((rows_fn)INT8_GEMMS[selected_int8_gemm].panels, &g, num_panels, g.rows * g.k4 * 16, num_threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_int8_gemm_isa(PyObject *self, PyObject *args)
+{
+    (void)self;
+    (void)args;
+    if (selected_int8_gemm < 0)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(INT8_GEMMS[selected_int8_gemm].name);
+}
+
+static PyObject *py_supported_int8_gemm_isas(PyObject *self, PyObject *args)
+{
+    (void)self;
+    (void)args;
+    PyObject *names = PyList_New(0);
+    for (int i = 0; names && i < NUM_INT8_GEMMS; i++) {
+        if (!int8_gemm_supported(&INT8_GEMMS[i]))
+            continue;
+        PyObject *name = PyUnicode_FromString(INT8_GEMMS[i].name);
+        if (!name || PyList_Append(names, name) != 0) {
+            Py_XDECREF(name);
+            Py_DECREF(names);
+            return NULL;
+        }
+        Py_DECREF(name);
+    }
+    return names;
+}
+
+static PyObject *py_set_int8_gemm_isa(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *name_object;
+    if (!PyArg_ParseTuple(args, "O", &name_object))
+        return NULL;
+    if (name_object == Py_None) { /* back to none: torch._int_mm, as on a CPU without VNNI */
+        selected_int8_gemm = -1;
+        Py_RETURN_NONE;
+    }
+    const char *name = PyUnicode_AsUTF8(name_object);
+    if (!name)
+        return NULL;
+    for (int i = 0; i < NUM_INT8_GEMMS; i++) {
+        if (strcmp(INT8_GEMMS[i].name, name) == 0) {
+            if (!int8_gemm_supported(&INT8_GEMMS[i])) {
+                PyErr_Format(PyExc_ValueError, "this CPU does not run %s", name);
+                return NULL;
+            }
+            selected_int8_gemm = i;
+            Py_RETURN_NONE;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "unknown int8 GEMM body %s", name);
+    return NULL;
+}
+
 static PyObject *py_isa(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -558,6 +727,23 @@ static PyMethodDef METHODS[] = {
     {"store_kv", py_store_kv, METH_VARARGS,
      "store_kv(key, value, k_cache, v_cache, slot_mapping (int64) (addresses), num_rows, key_stride, value_stride, "
      "k_block_stride, k_slot_stride, v_block_stride, v_slot_stride (bytes), page_size, row_bytes)"},
+    {"quantize_int8", py_quantize_int8, METH_VARARGS,
+     "quantize_int8(x, codes, scales (addresses), num_rows, x_stride, codes_stride, static_scale (<= 0: per row, "
+     "written to scales), cols, padded_cols, offset (0 or 128), dtype, num_threads): codes = round(x / scale) "
+     "clamped to [-128, 127], + offset, as bytes"},
+    {"rescale_int8", py_rescale_int8, METH_VARARGS,
+     "rescale_int8(acc (int32), x_scales, w_scales, bias (0: none), out (addresses), num_rows, acc_stride, "
+     "x_scale_stride (0: one scale), out_stride, cols, out_dtype (0 fp32, 1 bf16), num_threads): "
+     "out = acc * x_scale * w_scale (+ bias), each product rounded to fp32"},
+    {"int8_gemm", py_int8_gemm, METH_VARARGS,
+     "int8_gemm(codes (u8, q + 128), packed, correction, x_scales, w_scales, bias (0: none), out (addresses), "
+     "num_rows, codes_stride, x_scale_stride, out_stride, cols, k4, out_dtype (0 fp32, 1 bf16, 2 int32), "
+     "num_threads): the packed weight's product (int8_gemm.h), rescaled as rescale_int8 or left int32"},
+    {"int8_gemm_isa", py_int8_gemm_isa, METH_NOARGS,
+     "The int8 GEMM body in use (avx512_vnni, or portable when set), None where the CPU has no VNNI."},
+    {"supported_int8_gemm_isas", py_supported_int8_gemm_isas, METH_NOARGS, "Every int8 GEMM body this CPU runs."},
+    {"set_int8_gemm_isa", py_set_int8_gemm_isa, METH_VARARGS,
+     "Run int8_gemm with this body (None: none, as without VNNI); tests compare them."},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels run (the widest this CPU has, unless set_isa chose)."},
     {"supported_isas", py_supported_isas, METH_NOARGS, "Every instruction set this CPU runs, widest first."},
     {"set_isa", py_set_isa, METH_VARARGS, "Run the kernels with this instruction set (tests compare them)."},
@@ -571,6 +757,12 @@ PyMODINIT_FUNC PyInit__cpu_ops(void)
     for (int i = 0; i < NUM_ISAS; i++) {
         if (!ISAS[i].test_only && isa_supported(&ISAS[i])) {
             selected_isa = i;
+            break;
+        }
+    }
+    for (int i = 0; i < NUM_INT8_GEMMS; i++) {
+        if (!INT8_GEMMS[i].test_only && int8_gemm_supported(&INT8_GEMMS[i])) {
+            selected_int8_gemm = i;
             break;
         }
     }

@@ -2,8 +2,12 @@
 
 ``y = (q(x) @ W_q^T) * s_x * s_w (+ b)``: the activations are quantized to int8 on the fly (one scale per
 token, absmax / 127, or the checkpoint's static per-tensor ``input_scale``), the product runs as an int8 x int8
--> int32 GEMM (``torch._int_mm``: oneDNN on the CPU, which picks the VNNI / AMX kernels itself; cuBLASLt on
-CUDA), and the int32 result is scaled back in fp32. The weights stay int8 in memory (a quarter of fp32).
+-> int32 GEMM, and the int32 result is scaled back in fp32. The torch functions below are that arithmetic
+(``torch._int_mm``: cuBLASLt on CUDA, oneDNN on the CPU) and the oracle of the native CPU path
+(``kernels/cpu_int8.py``), which gives the same results bit for bit: one quantize pass over the activations, and
+on a CPU with AVX-512 VNNI a GEMM over a weight packed once at load that applies the scales and the bias itself
+(else ``torch._int_mm`` between the native quantize and rescale passes). The weights stay int8 in memory (a
+quarter of fp32; the packed copy beside the plain one makes it half).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_int8
 from pipeline.models.layers import empty_parameter
 
 INT8_MAX = 127.0
@@ -27,8 +32,10 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 values of ``x`` under a given (static) scale."""
-    return torch.div(x, scale, out=torch.empty_like(x, dtype=torch.float32)).round_().clamp_(-128, 127).to(torch.int8)
+    """int8 values of ``x`` under a given (static) scale, divided in fp32 (a bf16 ``x`` by a 0-dim scale would
+    otherwise be divided in bf16, torch's type promotion, and its quotient rounded to bf16 before rounding to int8)."""
+    quotient = torch.div(x.to(torch.float32), scale, out=torch.empty_like(x, dtype=torch.float32))
+    return quotient.round_().clamp_(-128, 127).to(torch.int8)
 
 
 def int8_gemm(x_q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
@@ -43,12 +50,41 @@ def int8_product(x: torch.Tensor, weight_t: torch.Tensor, weight_scale_row: torc
                  act_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``[rows, in]`` float x (int8 ``[in, out]`` with fp32 ``[1, out]`` scales) -> fp32 ``[rows, out]``: the
     activations quantized on the fly (per row, or by the static ``act_scale``), the product in int8 -> int32,
-    both scales applied."""
+    both scales applied (torch ops: CUDA, and the CPU without the native module)."""
     if act_scale is None:
         x_q, x_scale = quantize_per_row(x)  # [rows, in] int8, [rows, 1] fp32
     else:
         x_q, x_scale = quantize_with_scale(x, act_scale), act_scale
     return int8_gemm(x_q.contiguous(), weight_t).float().mul_(x_scale).mul_(weight_scale_row)
+
+
+class Int8Matrix:
+    """One int8 weight with its scales per output channel (and bias): ``matrix(x)`` is ``int8_product`` (+ bias)
+    in ``out_dtype``, through the native CPU kernels where they apply (the same values)."""
+
+    def __init__(self, weight_t: torch.Tensor, scale_row: torch.Tensor, bias: torch.Tensor | None = None,
+                 act_scale: torch.Tensor | None = None):
+        self.weight_t = weight_t  # int8 [in, out]
+        self.scale_row = scale_row  # fp32 [1, out]
+        self.bias = bias  # [out] in the model dtype, or None
+        self.act_scale = act_scale  # fp32 scalar, or None: per token
+        is_cpu = weight_t.device.type == "cpu"
+        # a static scale of zero (or less) divides as torch divides: leave it to the torch ops
+        self.is_native = is_cpu and cpu_int8.native_available() and (act_scale is None or float(act_scale) > 0)
+        self.bias_fp32 = None if bias is None or not self.is_native else bias.float().contiguous()
+        self.packed = (cpu_int8.pack(weight_t.t(), scale_row, bias)
+                       if self.is_native and cpu_int8.native_gemm_available() else None)
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:  # [rows, in] -> [rows, out]
+        if self.is_native and cpu_int8.native_quantize_available(x):
+            if self.packed is not None and cpu_int8.packed_gemm_preferred(x.shape[0]):
+                return cpu_int8.packed_product(x, self.packed, self.act_scale, out_dtype)
+            return cpu_int8.unpacked_product(x, self.weight_t, self.scale_row, self.bias_fp32, self.act_scale,
+                                             out_dtype)
+        out = int8_product(x, self.weight_t, self.scale_row, self.act_scale)  # [rows, out] fp32
+        if self.bias is not None:
+            out = out.add_(self.bias)
+        return out.to(out_dtype)
 
 
 class Int8Linear(nn.Module):
@@ -75,9 +111,10 @@ class Int8Linear(nn.Module):
             if static_input:  # every part sees the same input: their scales agree (the largest is used)
                 self.input_scale = empty_parameter(out_features, 1, dtype=torch.float32, device=device)
         self.static_input = is_prequantized and static_input
-        self.weight_t = None  # int8 [in, out], what the GEMM reads
+        self.weight_t = None  # int8 [in, out], what torch._int_mm reads
         self.scale_row = None  # fp32 [1, out]: the weight's scale per output channel
         self.act_scale = None  # fp32 scalar: the static activation scale, None = per token
+        self.matrix = None  # Int8Matrix: the product, from the layouts above (and a packed one on the CPU)
 
     @torch.no_grad()
     def finish_loading(self) -> None:
@@ -94,12 +131,11 @@ class Int8Linear(nn.Module):
         self.weight = nn.Parameter(self.weight_t.t(), requires_grad=False)
         if not self.is_prequantized:
             self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.matrix = Int8Matrix(self.weight_t, self.scale_row, None if self.bias is None else self.bias.data,
+                                 self.act_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
-        out = int8_product(x, self.weight_t, self.scale_row, self.act_scale)  # [num_tokens, out] fp32
-        if self.bias is not None:
-            out = out.add_(self.bias)
-        return out.to(self.dtype)
+        return self.matrix(x, self.dtype)
 
     def extra_repr(self) -> str:
         kind = "static" if self.static_input else "per-token"

@@ -1,9 +1,10 @@
 """A mixture-of-experts layer's stacked experts in W8A8 int8 (``moe.StackedExperts``' int8 form).
 
 Each expert's gate/up and down weights are int8 with one scale per output channel (as ``Int8Linear``'s), kept
-transposed per expert (``[experts, in, out]``) for ``torch._int_mm``; the rows routed to an expert (grouped as
-``kernels.moe_ref`` groups them, one GEMM pair per expert) are quantized per row on the fly, so each GEMM is
-int8 x int8 -> int32 and the SwiGLU between them runs in fp32. Built after loading from the float stacked
+transposed per expert (``[experts, in, out]``) for ``torch._int_mm`` and, on the CPU, packed per expert for the
+native GEMM (``int8.Int8Matrix``); the rows routed to an expert (grouped as ``kernels.moe_ref`` groups them, one
+GEMM pair per expert) are quantized per row on the fly, so each GEMM is int8 x int8 -> int32 and the SwiGLU
+between them runs in fp32. Built after loading from the float stacked
 experts: a W8A8 checkpoint's int8 experts come through the loader dequantized (``w_q * s``) and quantize back
 to the same int8 values and scales (the row's largest value is ``127 * s``), ``--quantization int8`` quantizes
 the float ones. Resident memory is int8 (a quarter of fp32, half of bf16); loading holds the float experts of
@@ -17,7 +18,7 @@ from torch import nn
 
 from kernels import Kernels
 from kernels.moe_ref import experts_over_grouped_rows
-from pipeline.quantization.int8 import int8_product, quantize_per_row
+from pipeline.quantization.int8 import Int8Matrix, quantize_per_row
 
 
 def _quantized_per_expert(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,12 +38,14 @@ class Int8StackedExperts(nn.Module):
         self.dtype = gate_up_proj.dtype
         self.gate_up_t, self.gate_up_scale = _quantized_per_expert(gate_up_proj.data)  # [e, hidden, 2 * inter]
         self.down_t, self.down_scale = _quantized_per_expert(down_proj.data)  # [e, inter, hidden]
+        self.matrices = [(Int8Matrix(self.gate_up_t[e], self.gate_up_scale[e]),
+                          Int8Matrix(self.down_t[e], self.down_scale[e])) for e in range(self.num_experts)]
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 kernels: Kernels) -> torch.Tensor:
         def expert(index: int, rows: torch.Tensor) -> torch.Tensor:  # [count, hidden] -> [count, hidden]
-            gate_up = int8_product(rows, self.gate_up_t[index], self.gate_up_scale[index])  # fp32 [count, 2 * inter]
-            return int8_product(kernels.silu_and_mul(gate_up), self.down_t[index], self.down_scale[index]).to(self.dtype)
+            gate_up, down = self.matrices[index]
+            return down(kernels.silu_and_mul(gate_up(rows, torch.float32)), self.dtype)  # via fp32 [count, 2 * inter]
 
         return experts_over_grouped_rows(x, topk_weights, topk_ids, self.num_experts, expert)
 
