@@ -73,3 +73,9 @@ def test_tandem_up_gives_each_worker_its_ranks_and_each_rank_its_cores(monkeypat
         main(["up", "--prefill", "1", "--decode", "1", "--colocated", "1", "--tensor-parallel-size", "2",
               "--prefill-tensor-parallel-size", "1", "--decode-tensor-parallel-size", "1"])
     assert captured["tensor_parallel_sizes"] == {"prefill-0": 1, "decode-0": 1}
+    with pytest.raises(_Started):  # P/D of different layouts: each its own ranks, each rank its own cores
+        main(["up", "--prefill", "1", "--decode", "1", "--prefill-tensor-parallel-size", "2",
+              "--decode-tensor-parallel-size", "1"])
+    assert captured["tensor_parallel_sizes"] == {"prefill-0": 2}  # decode-0 takes the shared size, 1
+    plan = captured["cpu_plan"]
+    assert len(plan["prefill-0"]) == 2 and len(plan["decode-0"]) >= 1 and not set(plan["prefill-0"]) & set(plan["decode-0"])
