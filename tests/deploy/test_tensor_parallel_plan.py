@@ -78,4 +78,4 @@ def test_tandem_up_gives_each_worker_its_ranks_and_each_rank_its_cores(monkeypat
               "--decode-tensor-parallel-size", "1"])
     assert captured["tensor_parallel_sizes"] == {"prefill-0": 2}  # decode-0 takes the shared size, 1
     plan = captured["cpu_plan"]
-    assert len(plan["prefill-0"]) == 2 and len(plan["decode-0"]) >= 1 and not set(plan["prefill-0"]) & set(plan["decode-0"])
+    assert len(plan["prefill-0"]) >= 2 and len(plan["decode-0"]) >= 1 and not set(plan["prefill-0"]) & set(plan["decode-0"])
