@@ -27,7 +27,7 @@ from typing import Callable, TypeVar
 import torch
 
 from pipeline.forward_batch import ForwardBatch
-from pipeline.parallel.shard_spec import ShardSpec, TensorParallelError
+from pipeline.parallel.shard_spec import TensorParallelError
 
 
 T = TypeVar("T")

@@ -17,7 +17,6 @@ import pytest
 from pipeline import LLM
 from pipeline.parallel import TensorParallelError
 from tests.conftest import TINY_CONFIGS, check_greedy_and_logprobs, greedy, hf_logprobs
-from tests.moe_checkpoints import moe_checkpoint  # noqa: F401 (a fixture)
 
 PROMPTS = [[1, 5, 9, 2, 7], list(range(3, 40)), [11, 4], [8] * 21]
 # a small step budget, so the long prompts are prefilled in chunks across steps
@@ -107,17 +106,15 @@ def test_one_kv_head_is_replicated_on_both_ranks(tiny_checkpoint, hf_reference):
 
 
 @pytest.mark.parametrize("case, expected", [
-    ("mixtral", "MixtralForCausalLM"),
     ("three_ranks", "tensor_parallel_size=3 must divide num_attention_heads=4"),
     ("int8", "quantized"),
     ("overlap", "enable_overlap_scheduler"),
 ])
-def test_unsupported_setups_are_refused_by_name(case, expected, tiny_checkpoint, moe_checkpoint):  # noqa: F811
+def test_unsupported_setups_are_refused_by_name(case, expected, tiny_checkpoint):
+    """(Architectures with no shard: tests/pipeline/test_tensor_parallel_moe.py.)"""
     children_before = set(_children())
     path, overrides = tiny_checkpoint("llama"), {}
-    if case == "mixtral":
-        path = moe_checkpoint("mixtral")
-    elif case == "three_ranks":
+    if case == "three_ranks":
         overrides["tensor_parallel_size"] = 3
     elif case == "int8":
         overrides["model_config"] = {"dtype": "float32", "quantization": "int8"}
