@@ -1,7 +1,9 @@
 """``tandem ray up|down|status|restart``: Tandem on a running Ray cluster (``pip install 'tandem[ray]'``).
 
 ``up`` starts the router and the workers as detached, named supervisor actors in the Ray namespace
-``tandem`` (``deploy.ray_cluster``); each runs one Tandem process and restarts it when it exits.
+``tandem`` (``deploy.ray_cluster``); each runs one Tandem process and restarts it when it exits. A worker
+with N ranks (``--tensor-parallel-size``, ``--prefill-`` / ``--decode-tensor-parallel-size``) runs them on
+one node, reserved as a placement group of N CPUs (``deploy.ray_cluster.rank_groups``).
 ``status`` shows each process, its node, pid, restarts and readiness; ``down`` stops everything a
 deployment started and nothing else; ``restart`` replaces every worker one at a time with no failed
 request (a rolling restart). Ray is imported only when one of these runs.
@@ -43,6 +45,12 @@ def register(sub) -> None:
     up.add_argument("--log-dir", default="/tmp/tandem-ray",
                     help="on each node, where processes log: DIR/NAME/PROCESS.log (default /tmp/tandem-ray)")
     up.add_argument("--ready-timeout", type=float, default=300.0)
+    up.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="A",
+                    help="ranks of each prefill worker (default: --tensor-parallel-size); a worker's ranks run on one "
+                         "node, in a placement group of a CPU per rank")
+    up.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="B",
+                    help="ranks of each decode worker (default: --tensor-parallel-size); colocated workers take "
+                         "--tensor-parallel-size")
     add_supervision_flags(up, share_cores_help="CPU nodes: let every worker use every core of its node (default: "
                           "prefill and decode workers on one node get disjoint cores, as in tandem up)")
     add_config_flags(up, skip=("pipeline_role", "security"))  # the deployment gives each process its role
@@ -111,6 +119,7 @@ def _up_options(args: argparse.Namespace):
     from deploy.ray_cluster.deployment import UpOptions
     from deploy.checkpoint_check import check_checkpoint
     from deploy.ray_cluster.spec import check_deployment_name, parse_resources
+    from deploy.tensor_parallel_plan import worker_tensor_parallel_sizes
     from pipeline.core_list import parse_core_list
 
     if args.max_restarts < 0:
@@ -122,9 +131,10 @@ def _up_options(args: argparse.Namespace):
     if (args.decode or 0) + args.colocated == 0:
         raise ValueError("a deployment needs at least one decode or colocated worker")
     config = config_from_args(args)  # every flag and the file section validated before anything starts
-    if config.tensor_parallel_size > 1:  # the ranks would share the worker's cores, and a node's, unplanned
-        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: tandem ray up does not place a "
-                         "worker's ranks yet (one placement group per worker); use tandem up, or size 1")
+    num_ranks = worker_tensor_parallel_sizes(  # what a role cannot run with several ranks: refused here, by flag
+        args.prefill or 0, args.decode or 0, args.colocated, config.tensor_parallel_size,
+        args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size, device=config.model.device,
+        transport=config.transfer.transport)
     given = config.model_fields_set  # set by a flag, the config file or a TANDEM_* variable
     if config.zmq_endpoint_base.startswith("ipc://") and "zmq_endpoint_base" in given:
         raise ValueError("zmq_endpoint_base: a Ray deployment spans nodes, so it needs tcp://HOST:PORT "
@@ -148,6 +158,7 @@ def _up_options(args: argparse.Namespace):
         decode_resources=parse_resources(args.decode_resources, "--decode-resources"),
         share_cores=args.share_cores,
         cpu_pool=parse_core_list(config.cpu_cores) if config.cpu_cores else None, cluster_key=cluster_key,
+        num_ranks={name: size for name, size in num_ranks.items() if size > 1},
     )
 
 

@@ -1,6 +1,7 @@
 """The driver side of ``tandem ray``: bring a deployment up on a running Ray cluster, report it, take it down.
 
-``up`` creates one detached supervisor actor per process (``deploy.ray_cluster.process_actor``), waits
+``up`` creates one detached supervisor actor per process (``deploy.ray_cluster.process_actor``), a
+tensor-parallel worker's inside its own placement group (``deploy.ray_cluster.rank_groups``), waits
 until Ray has placed them all, splits each CPU node's cores, starts the router and then the workers,
 and waits until the router reports every worker alive. Anything that goes wrong on the way stops
 what was started, so a failed ``up`` leaves nothing behind. The actors are detached: they outlive
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from deploy.ray_cluster import placement_groups
 from deploy.ray_cluster import spec as specs
 from deploy.ray_cluster.process_actor import ProcessSupervisor
 from deploy.ray_cluster.spec import NAMESPACE, ROUTER, ProcessSpec
@@ -51,6 +53,7 @@ class UpOptions:
     share_cores: bool = False
     cpu_pool: list[int] | None = None  # the user's cpu_cores, applied on every node
     cluster_key: str | None = field(default=None, repr=False)  # the key file's text, given to every process
+    num_ranks: dict = field(default_factory=dict)  # {worker name: tensor_parallel_size}, absent: 1
 
 
 def connect(address: str | None) -> None:
@@ -87,9 +90,9 @@ def up(options: UpOptions, say: Callable[[str], None] = print) -> str:
     """Deploy; returns the router's URL once every worker is alive."""
     import ray
 
-    existing = deployment_actors(options.deployment)
+    existing = sorted(deployment_actors(options.deployment)) + sorted(placement_groups.table(options.deployment))
     if existing:
-        raise DeployError(f"deployment {options.deployment!r} is already running ({', '.join(sorted(existing))}); "
+        raise DeployError(f"deployment {options.deployment!r} is already running ({', '.join(existing)}); "
                           f"`tandem ray down --name {options.deployment}` first, or choose another --name")
     router_ip = _router_node_ip(options.router_node)
     gpus = options.gpus_per_worker
@@ -99,16 +102,25 @@ def up(options: UpOptions, say: Callable[[str], None] = print) -> str:
               or f"tcp://{router_ip}:{options.zmq_port}"}
     env = {"TANDEM_API_KEY": options.api_key} if options.api_key else {}
     log_dir = os.path.join(options.log_dir, options.deployment)
+    names = specs.process_names(options.num_prefill, options.num_decode, options.num_colocated)
+    try:  # a tensor-parallel worker's placement group, checked against the live nodes before anything starts
+        bundles = placement_groups.bundles(names, options.num_ranks, gpus, options.prefill_resources,
+                                           options.decode_resources)
+    except ValueError as exc:
+        raise DeployError(str(exc)) from None
     actors = {}
     where: dict[str, dict] = {}  # filled as Ray places the actors
     remote_cls = ray.remote(ProcessSupervisor)
     try:
-        for name in specs.process_names(options.num_prefill, options.num_decode, options.num_colocated):
+        for name in names:
             spec = ProcessSpec(options.deployment, name, config, log_dir, options.max_restarts,
                                http_port=options.http_port, http_host=options.http_host, env=env,
-                               cluster_key=options.cluster_key)
+                               cluster_key=options.cluster_key, num_ranks=options.num_ranks.get(name, 1))
             if name == ROUTER:
                 placement = specs.actor_options({}, pin_to=specs.router_pin(options.router_node))
+            elif name in bundles:
+                group = placement_groups.create(spec.actor_name, bundles[name])
+                placement = placement_groups.actor_options(group, bundles[name])
             else:
                 resources = specs.worker_resources(name, gpus, options.prefill_resources, options.decode_resources)
                 placement = specs.actor_options(resources, spread=not resources)
@@ -116,12 +128,12 @@ def up(options: UpOptions, say: Callable[[str], None] = print) -> str:
                 name=spec.actor_name, namespace=NAMESPACE, lifetime="detached", max_restarts=options.max_restarts,
                 max_concurrency=4, **placement).remote(spec)
         say(f"placing {len(actors)} supervisor actors ({_describe_resources(gpus, options)})")
-        _wait_placed(actors, where, options.ready_timeout_s)
+        _wait_placed(actors, where, options.ready_timeout_s, bundles)
         cores = {} if gpus else specs.plan_node_cores(
-            where, share=options.share_cores, pool_limit=options.cpu_pool)
+            where, share=options.share_cores, pool_limit=options.cpu_pool,
+            held={name: int(bundle["CPU"]) for name, bundle in bundles.items()})
         for name, info in where.items():
-            bound = f", cores {_fmt(cores[name])}" if name in cores else ""
-            say(f"  {name}: node {info['node_ip']}{bound}")
+            say(f"  {name}: node {info['node_ip']}{_describe_placement(name, cores.get(name), options, bundles)}")
         ray.get(actors[ROUTER].start.remote(cores.get(ROUTER)))
         ray.get([actor.start.remote(cores.get(name)) for name, actor in actors.items() if name != ROUTER])
         url = ray.get(actors[ROUTER].status.remote())["url"]
@@ -130,7 +142,23 @@ def up(options: UpOptions, say: Callable[[str], None] = print) -> str:
     except BaseException:  # stop what started (an actor Ray never placed has nothing to stop), kill every actor
         _stop_and_kill({specs.actor_name(options.deployment, name): actor for name, actor in actors.items()},
                        placed={specs.actor_name(options.deployment, name) for name in where})
+        placement_groups.remove(set(placement_groups.table(options.deployment)))  # one made before its actor failed
         raise
+
+
+def _describe_placement(name: str, cores: list[int] | None, options: UpOptions, bundles: dict) -> str:
+    """", cores 0-1 (rank 0: 0; rank 1: 1), placement group tandem:colocated-0 {CPU: 2}" (what applies)."""
+    from pipeline.cpu_placement import rank_cores
+
+    text = ""
+    if cores:
+        shares = rank_cores(cores, options.num_ranks.get(name, 1))
+        ranks = "; ".join(f"rank {rank}: {_fmt(share)}" for rank, share in enumerate(shares))
+        text += f", cores {_fmt(cores)}" + (f" ({ranks})" if len(shares) > 1 else "")
+    if name in bundles:
+        bundle = ", ".join(f"{key}: {amount:g}" for key, amount in sorted(bundles[name].items()))
+        text += f", placement group {specs.actor_name(options.deployment, name)} {{{bundle}}}"
+    return text
 
 
 def _router_node_ip(router_node: str | None) -> str:
@@ -149,9 +177,9 @@ def _router_node_ip(router_node: str | None) -> str:
     return heads[0]
 
 
-def _wait_placed(actors: dict, where: dict[str, dict], timeout_s: float) -> None:
+def _wait_placed(actors: dict, where: dict[str, dict], timeout_s: float, bundles: dict | None = None) -> None:
     """Fill ``where`` with {name: where()} as Ray places the actors; an error naming the ones it could
-    not place within ``timeout_s``."""
+    not place within ``timeout_s`` (and the placement groups among them that Ray could not reserve)."""
     import ray
 
     pending = {actor.where.remote(): name for name, actor in actors.items()}
@@ -162,8 +190,11 @@ def _wait_placed(actors: dict, where: dict[str, dict], timeout_s: float) -> None
             where[pending.pop(ref)] = ray.get(ref)
     if pending:
         unplaced = sorted(pending.values())
+        groups = [f"{name}'s placement group {bundles[name]} (all its ranks on one node)"
+                  for name in unplaced if name in (bundles or {})]
         raise DeployError(f"Ray could not place {', '.join(unplaced)} within {timeout_s:g} s: no node has the "
-                          f"resources they ask for (cluster: {ray.available_resources()}); see `ray status`")
+                          f"resources they ask for{' (' + '; '.join(groups) + ')' if groups else ''} "
+                          f"(cluster: {ray.available_resources()}); see `ray status`")
 
 
 def _wait_ready(actors: dict, timeout_s: float) -> None:
@@ -217,6 +248,11 @@ def status(deployment: str | None = None) -> list[dict]:
         rows.append(row)
     for dep in {row["deployment"] for row in rows}:
         _add_readiness([row for row in rows if row["deployment"] == dep])
+    groups = placement_groups.table(deployment)
+    for row in rows:
+        entry = groups.get(specs.actor_name(row["deployment"], row["name"]))
+        if entry is not None:
+            row["placement_group"] = placement_groups.describe(entry)
     return rows
 
 
@@ -334,6 +370,9 @@ def down(deployment: str | None = None, say: Callable[[str], None] = print) -> l
     if workers:
         say(f"stopping {len(workers)} workers")
     _stop_and_kill(workers, placed=answering)
+    orphans = placement_groups.remove(set(placement_groups.table(deployment)))  # their actors already gone
+    if orphans:
+        say(f"removed placement groups left without their actors: {', '.join(orphans)}")
     return sorted(actors)
 
 
@@ -350,8 +389,9 @@ def _answering(actors: dict) -> set[str]:
 
 def _stop_and_kill(actors: dict, placed: set[str] | None = None, wait_s: float | None = 60.0) -> None:
     """Ask every actor ({actor name: handle}; only those in ``placed`` when given) to stop its process,
-    in parallel, then kill the actors; an actor that does not answer within ``wait_s`` (None: the actor's
-    own stop bound, its drain) is killed anyway, and its process dies with it (``deploy.parent_guard``)."""
+    in parallel, then kill the actors and remove their placement groups (named as they are); an actor that
+    does not answer within ``wait_s`` (None: the actor's own stop bound, its drain) is killed anyway, and its
+    process dies with it (``deploy.parent_guard``)."""
     import ray
 
     refs = [actor.stop.remote() for name, actor in actors.items() if placed is None or name in placed]
@@ -365,8 +405,9 @@ def _stop_and_kill(actors: dict, placed: set[str] | None = None, wait_s: float |
     deadline = time.monotonic() + 30.0  # ray.kill returns at once: wait until the names are gone
     while actors and time.monotonic() < deadline:
         if not set(ray.util.list_named_actors()) & set(actors):
-            return
+            break
         time.sleep(0.2)
+    placement_groups.remove(set(actors))  # a tensor-parallel worker's group goes with its actor
 
 
 def _describe_resources(gpus: float, options: UpOptions) -> str:

@@ -114,6 +114,7 @@ class ProcessSupervisor:
                 "deployment": self.spec.deployment, "name": self.spec.name, "role": self.spec.role,
                 "state": self._state, "node_ip": self.node_ip, "node_id": self.node_id,
                 "pid": proc.pid if running else None, "actor_pid": os.getpid(), "restarts": self._num_restarts,
+                "num_ranks": self.spec.num_ranks,
                 "cores": format_core_list(self._cores) if self._cores else None, "log": str(self.log_path),
                 "last_event": self._events[-1] if self._events else None, "events": list(self._events)[-5:],
                 "url": self.url if self.spec.is_router else None,

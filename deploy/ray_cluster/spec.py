@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from deploy.cpu_plan import plan_cores, router_cores
 from deploy.local_launcher import worker_names
+from deploy.ray_cluster.rank_groups import reserve_cores
 
 NAMESPACE = "tandem"  # every supervisor actor lives here
 ROUTER = "router"
@@ -48,6 +49,7 @@ class ProcessSpec:
     env: dict = field(default_factory=dict)  # set in the process's environment (e.g. TANDEM_API_KEY)
     # The cluster key file's text (docs/security.md); the actor writes it owner-only beside the log
     cluster_key: str | None = field(default=None, repr=False)
+    num_ranks: int = 1  # a worker's tensor_parallel_size: above 1, its actor runs in its placement group
 
     @property
     def actor_name(self) -> str:
@@ -66,7 +68,9 @@ class ProcessSpec:
         """The ``tandem`` subcommand and its flags (the config file and cores are added by the actor)."""
         if self.is_router:
             return [ROUTER, "--host", self.http_host or node_ip, "--port", str(self.http_port)]
-        return ["worker", "--role", self.role, "--worker-id", self.name]
+        ranks = ["--tensor-parallel-size", str(self.num_ranks)] if self.num_ranks != self.config.get(
+            "tensor_parallel_size", 1) else []  # as tandem up: only a size other than the config's
+        return ["worker", "--role", self.role, "--worker-id", self.name, *ranks]
 
 
 def actor_name(deployment: str, process: str) -> str:
@@ -145,14 +149,18 @@ def process_names(num_prefill: int, num_decode: int, num_colocated: int) -> list
     return [ROUTER, *worker_names(num_prefill, num_decode, num_colocated)]
 
 
-def plan_node_cores(where: dict[str, dict], share: bool = False,
-                    pool_limit: list[int] | None = None) -> dict[str, list[int]]:
+def plan_node_cores(where: dict[str, dict], share: bool = False, pool_limit: list[int] | None = None,
+                    held: dict[str, int] | None = None) -> dict[str, list[int]]:
     """{process name: cores} for CPU nodes: on each node the workers placed there split that node's
     cores as ``tandem up`` would (prefill apart from decode), and a router beside workers gets the
     cores ``tandem up`` would give it; a router alone on its node is not bound.
 
     ``where``: {process name: {"node_id": ..., "cores": [cores its actor may use]}} from the actors.
     ``pool_limit``: the user's ``cpu_cores``, applied on every node.
+    ``held``: {worker name: CPUs its placement group holds} (tensor-parallel workers): each gets that many
+    cores of its node to itself first (``rank_groups.reserve_cores``), the others split the rest (all the
+    pool if nothing is left). ``share``, or a pool with fewer cores than the groups hold: every worker
+    planned together as ``tandem up`` plans them, a worker of N ranks counting N times.
     """
     by_node: dict[str, list[str]] = {}
     for name, info in where.items():
@@ -165,11 +173,25 @@ def plan_node_cores(where: dict[str, dict], share: bool = False,
         workers = [n for n in names if n != ROUTER]
         if not workers:
             continue
-        counts = {prefix: [n for n in workers if n.startswith(prefix + "-")] for prefix in ROLE_OF_PREFIX}
-        local = plan_cores(pool, len(counts["prefill"]), len(counts["decode"]), len(counts["colocated"]), share)
-        for prefix, global_names in counts.items():  # local names ("decode-0") in order -> this node's workers
-            for index, global_name in enumerate(global_names):
-                plan[global_name] = local[f"{prefix}-{index}"]
+        node_held = {n: (held or {})[n] for n in workers if n in (held or {})}
+        reserved: dict[str, list[int]] = {}
+        if node_held and not share and len(pool) > 1 and sum(node_held.values()) <= len(pool):
+            reserved, left = reserve_cores(pool, node_held)
+            pool, node_held = left or pool, {}
+        plan.update(reserved)
+        plan.update(_plan_tandem_up(pool, [n for n in workers if n not in reserved], node_held, share))
         if ROUTER in names:
             plan[ROUTER] = router_cores({n: plan[n] for n in workers})
     return plan
+
+
+def _plan_tandem_up(pool: list[int], workers: list[str], num_ranks: dict[str, int], share: bool) -> dict[str, list[int]]:
+    """``tandem up``'s plan of ``workers`` (global names) over one node's ``pool``."""
+    if not workers:
+        return {}
+    counts = {prefix: [n for n in workers if n.startswith(prefix + "-")] for prefix in ROLE_OF_PREFIX}
+    local_names = {global_name: f"{prefix}-{index}" for prefix, global_names in counts.items()
+                   for index, global_name in enumerate(global_names)}  # this node's workers as tandem up names them
+    local = plan_cores(pool, len(counts["prefill"]), len(counts["decode"]), len(counts["colocated"]), share,
+                       num_ranks={local_names[n]: size for n, size in num_ranks.items()})
+    return {global_name: local[local_name] for global_name, local_name in local_names.items()}

@@ -1,0 +1,165 @@
+"""`tandem ray up --colocated 1 --tensor-parallel-size 2` on a real Ray head (loopback, 2 CPUs, stopped by pid).
+
+The worker's ranks are reserved as one placement group (one bundle of 2 CPUs, STRICT_PACK) that its supervisor
+actor runs in; rank 0 gets the node's two cores and gives one to each rank. Streams through the router are
+transformers' greedy text and /ready lists the worker's rank pids. The group holds the node's CPUs, so a second
+TP 2 deployment is not placed, and one of 4 ranks is refused up front. A killed rank, and a killed supervisor
+actor, bring the worker back in the same group; `tandem ray down` removes the group and every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.cluster.conftest import CLUSTER_CONFIG, check_concurrent_greedy_streams, wait_for_idle_blocks
+from tests.pipeline.test_tensor_parallel import is_running, wait_gone
+from tests.ray_support import RayHead, free_ports, processes_mentioning
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # about 2 minutes on 2 cores: a Ray head, a TP 2 worker started three times
+
+TANDEM = str(Path(sys.executable).with_name("tandem"))
+WORKER = "colocated-0"
+GROUP = f"tandem:{WORKER}"
+CONFIG_FLAGS = ["--kv-cache-page-size", str(CLUSTER_CONFIG["kv_cache"]["page_size"]),
+                "--kv-cache-num-blocks", str(CLUSTER_CONFIG["kv_cache"]["num_blocks"]),
+                "--max-batch-input-tokens", str(CLUSTER_CONFIG["max_batch_input_tokens"])]
+PLACEMENT_GROUPS = ("import json, logging, ray; ray.init(namespace='tandem', logging_level=logging.ERROR); "
+                    "print(json.dumps([g for g in ray.util.placement_group_table().values() "
+                    "if g['state'] != 'REMOVED']))")
+
+
+@pytest.fixture(scope="module")
+def head():
+    with RayHead(num_cpus=2) as ray_head:
+        yield ray_head
+    assert not processes_mentioning(ray_head.temp_dir), "a Ray process of the test head survived its stop"
+
+
+@pytest.fixture(scope="module")
+def deployment(head, tiny_checkpoint, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("ray-tp-logs")
+    http_port, zmq_port = free_ports(2)
+    result = head.run(TANDEM, "ray", "up", "--colocated", "1", "--tensor-parallel-size", "2",
+                      "--model", tiny_checkpoint("llama"), "--port", str(http_port), "--zmq-port", str(zmq_port),
+                      "--log-dir", str(log_dir), "--max-restarts", "3", "--ready-timeout", "240", *CONFIG_FLAGS,
+                      timeout_s=300)
+    info = {"url": f"http://127.0.0.1:{http_port}", "log_dir": str(log_dir), "up": result, "pids": set()}
+    try:
+        yield info
+    finally:
+        head.run(TANDEM, "ray", "down", timeout_s=120)  # idempotent: the last test has already done it
+        leftovers = processes_mentioning(str(log_dir))
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+        assert not leftovers, f"Tandem processes outlived tandem ray down: {leftovers}"
+
+
+def status(head) -> dict[str, dict]:
+    result = head.run(TANDEM, "ray", "status", "--json", timeout_s=60)
+    assert result.returncode == 0, result.stderr
+    return {row["name"]: row for row in json.loads(result.stdout)}
+
+
+def placement_groups(head) -> list[dict]:
+    """Every live placement group on the cluster, as Ray's table has them."""
+    result = head.run(sys.executable, "-c", PLACEMENT_GROUPS, timeout_s=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def worker_entry(url: str) -> dict:
+    """The TP worker's entry in the router's /ready: ``pid`` (rank 0) and ``rank_pids`` (rank 1)."""
+    return {w["worker_id"]: w for w in httpx.get(f"{url}/ready", timeout=5).json()["workers"]}[WORKER]
+
+
+def wait_back(head, deployment: dict, old: dict, timeout_s: float = 120) -> dict:
+    """Once the worker ``old`` (a /ready entry) is replaced: none of its processes left, the new one alive in
+    the router's view with a live rank 1 of its own. Returns the new entry."""
+    assert wait_gone([old["pid"], *old["rank_pids"]], timeout_s=60) == []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            entry = worker_entry(deployment["url"])
+        except (httpx.HTTPError, KeyError):
+            entry = {}
+        if (entry.get("alive") and entry["pid"] != old["pid"] and len(entry["rank_pids"]) == 1
+                and all(is_running(pid) for pid in [entry["pid"], *entry["rank_pids"]])):
+            deployment["pids"].update([entry["pid"], *entry["rank_pids"]])
+            return entry
+        time.sleep(0.5)
+    raise AssertionError(f"{WORKER} was not back with both ranks within {timeout_s:g} s: {status(head)}")
+
+
+def assert_in_its_group(head, group_id: str | None = None) -> dict:
+    """The worker's status row shows its group: one bundle of 2 CPUs, STRICT_PACK, reserved (same id if given)."""
+    row = status(head)[WORKER]
+    group = row["placement_group"]
+    assert group["name"] == GROUP and group["state"] == "CREATED" and group["strategy"] == "STRICT_PACK", group
+    assert group["bundle"] == {"CPU": 2.0} and row["node_id"] == group["node_id"] and row["num_ranks"] == 2, row
+    [table_entry] = [g for g in placement_groups(head) if g["name"] == GROUP]
+    assert group_id in (None, table_entry["placement_group_id"])
+    return table_entry
+
+
+def test_up_places_the_ranks_in_one_group_and_serves_transformers_text(head, deployment, reference_text):
+    up = deployment["up"]
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert f"{WORKER}: node 127.0.0.1, cores 0-1 (rank 0: 0; rank 1: 1), placement group {GROUP} {{CPU: 2}}" in up.stdout
+    deployment["group_id"] = assert_in_its_group(head)["placement_group_id"]
+    check_concurrent_greedy_streams(deployment["url"], reference_text, num_requests=6, seed=5)
+    entry = worker_entry(deployment["url"])
+    [rank1] = entry["rank_pids"]
+    assert entry["pid"] == status(head)[WORKER]["pid"] and is_running(rank1)
+    if len(os.sched_getaffinity(0)) >= 2:  # rank 0 on the first core Ray's reservation stands for, rank 1 the second
+        assert [sorted(os.sched_getaffinity(entry["pid"])), sorted(os.sched_getaffinity(rank1))] == [[0], [1]]
+    deployment["pids"].update([entry["pid"], rank1])
+
+
+def test_the_group_holds_its_cpus_and_what_cannot_be_placed_is_refused(head, deployment):
+    port = str(free_ports(1)[0])
+    second = head.run(TANDEM, "ray", "up", "--name", "second", "--colocated", "1", "--tensor-parallel-size", "2",
+                      "--port", port, "--log-dir", deployment["log_dir"], "--ready-timeout", "3", timeout_s=120)
+    assert second.returncode == 1 and "could not place colocated-0" in second.stderr, second.stderr
+    assert "placement group" in second.stderr  # the node's 2 CPUs are the first deployment's
+    too_big = head.run(TANDEM, "ray", "up", "--name", "big", "--colocated", "1", "--tensor-parallel-size", "4",
+                       "--port", port, "--log-dir", deployment["log_dir"], timeout_s=120)
+    assert too_big.returncode == 1 and "--tensor-parallel-size: colocated-0 runs its ranks on one node" in too_big.stderr
+    assert [g["name"] for g in placement_groups(head)] == [GROUP]  # neither left a group (nor an actor) behind
+    assert set(status(head)) == {"router", WORKER}
+
+
+def test_a_killed_rank_brings_the_worker_back_in_the_same_group(head, deployment, reference_text):
+    before = worker_entry(deployment["url"])
+    os.kill(before["rank_pids"][0], signal.SIGKILL)  # rank 0 notices, exits, and its supervisor restarts it
+    wait_back(head, deployment, before)
+    assert_in_its_group(head, deployment["group_id"])
+    check_concurrent_greedy_streams(deployment["url"], reference_text, num_requests=4, seed=6)
+
+
+def test_a_killed_supervisor_is_restarted_by_ray_in_the_same_group(head, deployment, reference_text):
+    row = status(head)[WORKER]
+    before = worker_entry(deployment["url"])
+    os.kill(row["actor_pid"], signal.SIGKILL)  # its worker and ranks die with it; Ray restarts it in its bundle
+    wait_back(head, deployment, before)
+    assert status(head)[WORKER]["actor_pid"] != row["actor_pid"]
+    assert_in_its_group(head, deployment["group_id"])
+    check_concurrent_greedy_streams(deployment["url"], reference_text, num_requests=4, seed=7)
+    wait_for_idle_blocks(deployment["url"], [WORKER], CLUSTER_CONFIG["kv_cache"]["num_blocks"])
+
+
+def test_down_removes_the_group_and_every_process(head, deployment):
+    result = head.run(TANDEM, "ray", "down", "--name", "tandem", timeout_s=120)
+    assert result.returncode == 0 and "2 processes" in result.stdout, result.stdout + result.stderr
+    assert status(head) == {}
+    assert placement_groups(head) == []
+    assert not [pid for pid in deployment["pids"] if is_running(pid)]
+    assert not processes_mentioning(deployment["log_dir"])
