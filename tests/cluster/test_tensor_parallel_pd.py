@@ -1,6 +1,7 @@
 """Prefill and decode workers of different tensor-parallel layouts in real clusters, every prompt prefilled remotely:
 
-- 1P(TP 2) + 1D(TP 1), on Qwen3 (two KV heads: each prefill rank sends its own, read from its shared cache);
+- 1P(TP 2) + 1D(TP 1), on Qwen3-MoE (two KV heads: each prefill rank sends its own, read from its shared cache;
+  every expert split between the prefill ranks, a dense layer among the sparse ones);
 - 1P(TP 1) + 2D(TP 2, TP 1), on Llama (two KV heads: each decode rank of decode-0 receives its own).
 
 Greedy output through the router is transformers' fp32 own, token for token, logprobs within 1e-4; the bytes moved
@@ -23,6 +24,7 @@ from tests.cluster.conftest import (CLUSTER_CONFIG, check_concurrent_greedy_stre
                                     wait_for_incarnation, wait_for_metric, windowed_kv_bytes, worker_metric)
 from tests.cluster.test_live_migration import metric
 from tests.cluster.test_tensor_parallel_cluster import streams_across, wait_restarted, worker_entry
+from tests.moe_checkpoints import moe_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_tensor_parallel import is_running
 
 KV_BYTES = "tandem_kv_transfer_bytes_total"
@@ -31,23 +33,23 @@ NUM_NEW_TOKENS = 10
 DRAIN_PROMPTS = [[5, 17, 42, 8], [9, 9, 100, 3, 77], [250, 1, 60], [33, 44, 55, 66, 11], [7, 7, 7], [120, 3, 4]]
 
 
-def start(tiny_checkpoint, tmp_path_factory, architecture: str, num_decode: int, sizes: dict[str, int], **kwargs):
+def start(model_path: str, tmp_path_factory, num_decode: int, sizes: dict[str, int], **kwargs):
     cores = sorted(os.sched_getaffinity(0))
-    return running_cluster(tiny_checkpoint(architecture), tmp_path_factory.mktemp(f"tp-pd-{architecture}"),
+    return running_cluster(model_path, tmp_path_factory.mktemp("tp-pd"),
                            num_prefill=1, num_decode=num_decode, max_restarts=5, tensor_parallel_sizes=sizes,
                            cpu_plan=plan_cores(cores, 1, num_decode, 0, num_ranks=sizes), **kwargs)
 
 
 @pytest.fixture(scope="module")
-def prefill_tp2(tiny_checkpoint, tmp_path_factory):
-    with start(tiny_checkpoint, tmp_path_factory, "qwen3", 1, {"prefill-0": 2}) as cluster:
+def prefill_tp2(moe_checkpoint, tmp_path_factory):
+    with start(moe_checkpoint("qwen3_moe"), tmp_path_factory, 1, {"prefill-0": 2}) as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
 def decode_tp2(tiny_checkpoint, tmp_path_factory):
     # slow steps (20 ms each): a 120-token stream runs for seconds, long enough to kill a rank mid-answer
-    with start(tiny_checkpoint, tmp_path_factory, "llama", 2, {"decode-0": 2},
+    with start(tiny_checkpoint("llama"), tmp_path_factory, 2, {"decode-0": 2},
                config={"tensor_parallel_timeout_s": 5, "drain_timeout_s": 60.0}, entry_module="tests.cluster.slow_steps",
                env={"TANDEM_TEST_STEP_DELAY_S": "0.02"}) as cluster:
         yield cluster
@@ -71,8 +73,8 @@ def check_remote_prefill_and_bytes(cluster, model, tokenizer, decode_workers: li
         assert received_bytes(cluster.url, decode_workers) - received_before == want  # counted by now too
 
 
-def test_a_two_rank_prefill_worker_feeds_a_one_rank_decode_worker(prefill_tp2, tiny_checkpoint, hf_reference):
-    model, tokenizer = hf_reference(tiny_checkpoint("qwen3"))
+def test_a_two_rank_prefill_worker_feeds_a_one_rank_decode_worker(prefill_tp2, moe_checkpoint, hf_reference):
+    model, tokenizer = hf_reference(moe_checkpoint("qwen3_moe"))
     assert model.config.num_key_value_heads == 2  # one per prefill rank
     assert len(worker_entry(prefill_tp2.url, "prefill-0")["rank_pids"]) == 1
     check_remote_prefill_and_bytes(prefill_tp2, model, tokenizer, ["decode-0"])
