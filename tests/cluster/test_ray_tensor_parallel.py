@@ -4,7 +4,8 @@ The worker's ranks are reserved as one placement group (one bundle of 2 CPUs, ST
 actor runs in; rank 0 gets the node's two cores and gives one to each rank. Streams through the router are
 transformers' greedy text and /ready lists the worker's rank pids. The group holds the node's CPUs, so a second
 TP 2 deployment is not placed, and one of 4 ranks is refused up front. A killed rank, and a killed supervisor
-actor, bring the worker back in the same group; `tandem ray down` removes the group and every process.
+actor, bring the worker back in the same group; `tandem ray down` removes the group and every process. Then a
+prefill worker of 2 ranks (its own group) feeds a decode worker of 1 with transformers' text.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster.conftest import CLUSTER_CONFIG, check_concurrent_greedy_streams, wait_for_idle_blocks
+from tests.cluster.conftest import (CLUSTER_CONFIG, PROMPT_TOKENS_COMPUTED, check_concurrent_greedy_streams,
+                                    wait_for_idle_blocks, wait_for_metric)
 from tests.pipeline.test_tensor_parallel import is_running, wait_gone
 from tests.ray_support import RayHead, free_ports, processes_mentioning
 
@@ -163,3 +165,25 @@ def test_down_removes_the_group_and_every_process(head, deployment):
     assert placement_groups(head) == []
     assert not [pid for pid in deployment["pids"] if is_running(pid)]
     assert not processes_mentioning(deployment["log_dir"])
+
+
+def test_a_prefill_worker_of_two_ranks_feeds_a_decode_worker_of_one(head, tiny_checkpoint, reference_text, tmp_path):
+    """P/D across layouts on Ray: prefill-0 (2 ranks) in its group, decode-0 (1 rank) beside it; every prompt is
+    prefilled remotely and its KV re-sliced for the decode worker; the text is transformers'."""
+    http_port, zmq_port = free_ports(2)
+    up = head.run(TANDEM, "ray", "up", "--name", "pd", "--prefill", "1", "--decode", "1",
+                  "--prefill-tensor-parallel-size", "2", "--model", tiny_checkpoint("llama"), "--port", str(http_port),
+                  "--zmq-port", str(zmq_port), "--log-dir", str(tmp_path), "--max-restarts", "0",
+                  "--router-max-local-prefill-length", "0", "--ready-timeout", "240", *CONFIG_FLAGS, timeout_s=300)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "placement group pd:prefill-0 {CPU: 2}" in up.stdout and "pd:decode-0" not in up.stdout
+        url = f"http://127.0.0.1:{http_port}"
+        check_concurrent_greedy_streams(url, reference_text, num_requests=4, seed=8)
+        assert wait_for_metric(url, PROMPT_TOKENS_COMPUTED, "prefill-0", above=0)  # prefilled by the 2-rank worker
+        workers = {w["worker_id"]: w for w in httpx.get(f"{url}/ready", timeout=5).json()["workers"]}
+        assert len(workers["prefill-0"]["rank_pids"]) == 1 and workers["decode-0"]["rank_pids"] == []
+    finally:
+        down = head.run(TANDEM, "ray", "down", "--name", "pd", timeout_s=120)
+    assert down.returncode == 0, down.stderr
+    assert placement_groups(head) == [] and not processes_mentioning(str(tmp_path))
