@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -103,6 +104,7 @@ def up(options: UpOptions, say: Callable[[str], None] = print) -> str:
     env = {"TANDEM_API_KEY": options.api_key} if options.api_key else {}
     log_dir = os.path.join(options.log_dir, options.deployment)
     names = specs.process_names(options.num_prefill, options.num_decode, options.num_colocated)
+    up_id = uuid.uuid4().hex
     try:  # a tensor-parallel worker's placement group, checked against the live nodes before anything starts
         bundles = placement_groups.bundles(names, options.num_ranks, gpus, options.prefill_resources,
                                            options.decode_resources)
@@ -115,7 +117,7 @@ def up(options: UpOptions, say: Callable[[str], None] = print) -> str:
         for name in names:
             spec = ProcessSpec(options.deployment, name, config, log_dir, options.max_restarts,
                                http_port=options.http_port, http_host=options.http_host, env=env,
-                               cluster_key=options.cluster_key, num_ranks=options.num_ranks.get(name, 1))
+                               cluster_key=options.cluster_key, num_ranks=options.num_ranks.get(name, 1), up_id=up_id)
             if name == ROUTER:
                 placement = specs.actor_options({}, pin_to=specs.router_pin(options.router_node))
             elif name in bundles:

@@ -12,7 +12,9 @@
   after the wait), and reports ``status``.
 
 When Ray restarts the actor itself (its process or node died; ``was_current_actor_reconstructed``) it
-starts its process again at once, unbound: a core plan made for another node means nothing here.
+starts its process again at once: on the cores this deployment planned for it when it is back on the same node
+(as a tensor-parallel worker's actor is, in its placement group, while the node lives), else unbound (a core
+plan made for another node means nothing here). The plan is kept in ``{log_dir}/{name}.cores.json``.
 
 Every fork happens on one thread that lives as long as the actor (the kernel ties the parent-death
 signal to the forking thread), and that thread alone touches the process; actor methods ask it.
@@ -29,6 +31,8 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+
+import json
 
 import httpx
 import yaml
@@ -81,8 +85,10 @@ class ProcessSupervisor:
         self._thread = threading.Thread(target=self._supervise, name=f"tandem-{spec.name}", daemon=True)
         self._thread.start()
         if context.was_current_actor_reconstructed:
-            self._note("Ray restarted this supervisor (its process or node died); starting the process again, "
-                       "not bound to cores (the core plan was made for the node it ran on before)")
+            self._cores = self._planned_cores()
+            self._note("Ray restarted this supervisor (its process or node died); starting the process again, " + (
+                f"on cores {format_core_list(self._cores)}, planned for this node" if self._cores else
+                "not bound to cores (the core plan was made for the node it ran on before)"))
             self._start_request.set()
 
     # ------------------------------------------------------------ methods
@@ -99,6 +105,7 @@ class ProcessSupervisor:
             if self._start_request.is_set():
                 raise RuntimeError(f"{self.spec.name} was already started")
             self._cores = cores
+            self._plan_path.write_text(json.dumps({"up_id": self.spec.up_id, "node_id": self.node_id, "cores": cores}))
             self._start_request.set()
         if not self._started.wait(timeout_s):
             raise TimeoutError(f"{self.spec.name}: the process did not start within {timeout_s:g} s")
@@ -160,6 +167,19 @@ class ProcessSupervisor:
         self._stopped.wait(timeout_s + 10.0)
         with self._lock:
             return self._state
+
+    @property
+    def _plan_path(self) -> Path:
+        return self.log_dir / f"{self.spec.name}.cores.json"
+
+    def _planned_cores(self) -> list[int] | None:
+        """The cores ``start`` was given, if this deployment gave them on this node (else None)."""
+        try:
+            plan = json.loads(self._plan_path.read_text())
+        except (OSError, ValueError):
+            return None
+        is_ours = self.spec.up_id and plan.get("up_id") == self.spec.up_id and plan.get("node_id") == self.node_id
+        return plan.get("cores") if is_ours else None
 
     # ------------------------------------------------------- supervision
     def _supervise(self) -> None:

@@ -50,6 +50,7 @@ class ProcessSpec:
     # The cluster key file's text (docs/security.md); the actor writes it owner-only beside the log
     cluster_key: str | None = field(default=None, repr=False)
     num_ranks: int = 1  # a worker's tensor_parallel_size: above 1, its actor runs in its placement group
+    up_id: str = ""  # one per ``tandem ray up``: a restarted actor reuses only its own deployment's core plan
 
     @property
     def actor_name(self) -> str:

@@ -155,6 +155,7 @@ def test_killed_supervisor_takes_its_process_down_and_ray_restarts_both(head, de
     rows = wait_for(head, lambda r: all_ready(r) and r["prefill-0"]["actor_pid"] != before["actor_pid"], 90,
                     "Ray did not restart the prefill-0 supervisor and its worker")
     assert any("Ray restarted this supervisor" in e for e in rows["prefill-0"]["events"]), rows["prefill-0"]
+    assert rows["prefill-0"]["cores"] == before["cores"]  # back on the same node: on the cores planned for it
     deployment["pids"].add(rows["prefill-0"]["pid"])
     assert_serves_exactly(deployment["url"], tokenizer, reference_text)
     wait_for_idle_blocks(deployment["url"], WORKERS, CLUSTER_CONFIG["kv_cache"]["num_blocks"])

@@ -4,7 +4,7 @@ The worker's ranks are reserved as one placement group (one bundle of 2 CPUs, ST
 actor runs in; rank 0 gets the node's two cores and gives one to each rank. Streams through the router are
 transformers' greedy text and /ready lists the worker's rank pids. The group holds the node's CPUs, so a second
 TP 2 deployment is not placed, and one of 4 ranks is refused up front. A killed rank, and a killed supervisor
-actor, bring the worker back in the same group; `tandem ray down` removes the group and every process. Then a
+actor, and a rolling restart bring the worker back in the same group, each rank on its core again; `tandem ray down` removes the group and every process. Then a
 prefill worker of 2 ranks (its own group) feeds a decode worker of 1 with transformers' text.
 """
 
@@ -121,9 +121,14 @@ def test_up_places_the_ranks_in_one_group_and_serves_transformers_text(head, dep
     entry = worker_entry(deployment["url"])
     [rank1] = entry["rank_pids"]
     assert entry["pid"] == status(head)[WORKER]["pid"] and is_running(rank1)
-    if len(os.sched_getaffinity(0)) >= 2:  # rank 0 on the first core Ray's reservation stands for, rank 1 the second
-        assert [sorted(os.sched_getaffinity(entry["pid"])), sorted(os.sched_getaffinity(rank1))] == [[0], [1]]
+    assert_one_core_per_rank(entry)
     deployment["pids"].update([entry["pid"], rank1])
+
+
+def assert_one_core_per_rank(entry: dict) -> None:
+    """Rank 0 on the first of the two cores Ray's reservation stands for, rank 1 on the second."""
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert [sorted(os.sched_getaffinity(pid)) for pid in [entry["pid"], *entry["rank_pids"]]] == [[0], [1]]
 
 
 def test_the_group_holds_its_cpus_and_what_cannot_be_placed_is_refused(head, deployment):
@@ -142,17 +147,27 @@ def test_the_group_holds_its_cpus_and_what_cannot_be_placed_is_refused(head, dep
 def test_a_killed_rank_brings_the_worker_back_in_the_same_group(head, deployment, reference_text):
     before = worker_entry(deployment["url"])
     os.kill(before["rank_pids"][0], signal.SIGKILL)  # rank 0 notices, exits, and its supervisor restarts it
-    wait_back(head, deployment, before)
+    assert_one_core_per_rank(wait_back(head, deployment, before))
     assert_in_its_group(head, deployment["group_id"])
     check_concurrent_greedy_streams(deployment["url"], reference_text, num_requests=4, seed=6)
+
+
+def test_a_rolling_restart_replaces_the_worker_in_the_same_group(head, deployment, reference_text):
+    before = worker_entry(deployment["url"])
+    result = head.run(TANDEM, "ray", "restart", "--timeout", "120", timeout_s=200)
+    assert result.returncode == 0 and "replaced 1 workers" in result.stdout, result.stdout + result.stderr
+    assert_one_core_per_rank(wait_back(head, deployment, before))
+    assert_in_its_group(head, deployment["group_id"])
 
 
 def test_a_killed_supervisor_is_restarted_by_ray_in_the_same_group(head, deployment, reference_text):
     row = status(head)[WORKER]
     before = worker_entry(deployment["url"])
     os.kill(row["actor_pid"], signal.SIGKILL)  # its worker and ranks die with it; Ray restarts it in its bundle
-    wait_back(head, deployment, before)
-    assert status(head)[WORKER]["actor_pid"] != row["actor_pid"]
+    assert_one_core_per_rank(wait_back(head, deployment, before))  # same node: the same cores, one per rank
+    after = status(head)[WORKER]
+    assert after["actor_pid"] != row["actor_pid"] and after["cores"] == row["cores"] == "0-1"
+    assert any("on cores 0-1, planned for this node" in event for event in after["events"]), after
     assert_in_its_group(head, deployment["group_id"])
     check_concurrent_greedy_streams(deployment["url"], reference_text, num_requests=4, seed=7)
     wait_for_idle_blocks(deployment["url"], [WORKER], CLUSTER_CONFIG["kv_cache"]["num_blocks"])
