@@ -11,7 +11,9 @@ Placement, as Ray actor options:
   address the user names (``node:<ip>``); it never moves, so its address is fixed for the workers;
 * workers with ``num_gpus`` each (1 on a cluster with GPUs), plus the custom resources the user gives
   per role (``--prefill-resources '{"prefill": 1}'``) so roles can be pinned to node types; with no
-  resources to steer them, workers are spread over the nodes (Ray's ``SPREAD``).
+  resources to steer them, workers are spread over the nodes (Ray's ``SPREAD``);
+* a worker of several ranks in a placement group of its own, one node for all its ranks
+  (``deploy.ray_cluster.rank_groups``).
 
 On CPU nodes the same core split as ``tandem up`` (``deploy.cpu_plan``) is made per node, once the
 actors are placed and each has said where it runs.
