@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from deploy import ray_cmd, tensor_parallel_plan
