@@ -45,18 +45,24 @@ def register(sub) -> None:
                         help="where each process logs (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="give up if the cluster is not serving by then (default 300)")
-    parser.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="A",
-                        help="ranks of each prefill worker (default: --tensor-parallel-size); its KV reaches decode "
-                        "workers of any rank count, re-sliced (CPU)")
-    parser.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="B",
-                        help="ranks of each decode worker (default: --tensor-parallel-size); it receives KV from "
-                        "prefill workers of any rank count, re-sliced (CPU). Colocated workers take "
-                        "--tensor-parallel-size")
+    add_tensor_parallel_flags(parser, "Each rank gets its own cores of the plan.")
     add_supervision_flags(parser, share_cores_help="let every worker use every core of the pool (default: prefill and "
                           "decode workers get disjoint cores; the pool is --cpu-cores, else every core this process may use)")
     add_config_flags(parser, skip=("pipeline_role", "security"))  # the launcher gives each process its role
     add_security_flags(parser, launcher=True)
     parser.set_defaults(handler=run)
+
+
+def add_tensor_parallel_flags(parser, placement: str) -> None:
+    """The per-role flags (``--tensor-parallel-size`` itself is a config field's flag); ``placement`` says where a
+    worker's ranks run under the launcher that adds them."""
+    parser.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="A",
+                        help="ranks of each prefill worker (default: --tensor-parallel-size); its KV reaches decode "
+                        f"workers of any rank count, re-sliced (CPU). {placement}")
+    parser.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="B",
+                        help="ranks of each decode worker (default: --tensor-parallel-size); it receives KV from "
+                        "prefill workers of any rank count, re-sliced (CPU). Colocated workers take "
+                        "--tensor-parallel-size")
 
 
 def add_supervision_flags(parser: argparse.ArgumentParser, share_cores_help: str) -> None:

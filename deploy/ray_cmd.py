@@ -17,7 +17,7 @@ import sys
 
 from deploy.config_flags import add_config_flags, config_from_args
 from deploy.keygen_cmd import add_security_flags
-from deploy.launch_cmd import add_supervision_flags
+from deploy.launch_cmd import add_supervision_flags, add_tensor_parallel_flags
 
 
 def register(sub) -> None:
@@ -45,12 +45,7 @@ def register(sub) -> None:
     up.add_argument("--log-dir", default="/tmp/tandem-ray",
                     help="on each node, where processes log: DIR/NAME/PROCESS.log (default /tmp/tandem-ray)")
     up.add_argument("--ready-timeout", type=float, default=300.0)
-    up.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="A",
-                    help="ranks of each prefill worker (default: --tensor-parallel-size); a worker's ranks run on one "
-                         "node, in a placement group of a CPU per rank")
-    up.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="B",
-                    help="ranks of each decode worker (default: --tensor-parallel-size); colocated workers take "
-                         "--tensor-parallel-size")
+    add_tensor_parallel_flags(up, "A worker's ranks run on one node, in a placement group of a CPU per rank.")
     add_supervision_flags(up, share_cores_help="CPU nodes: let every worker use every core of its node (default: "
                           "prefill and decode workers on one node get disjoint cores, as in tandem up)")
     add_config_flags(up, skip=("pipeline_role", "security"))  # the deployment gives each process its role
