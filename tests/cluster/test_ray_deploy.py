@@ -24,7 +24,7 @@ import pytest
 
 from tests.cluster.conftest import CLUSTER_CONFIG, wait_for_idle_blocks
 from tests.deploy.conftest import is_alive
-from tests.ray_support import RayHead, free_ports, processes_mentioning
+from tests.ray_support import RayHead, free_ports, processes_mentioning, tandem_ray_deployment
 
 pytest.importorskip("ray")
 
@@ -46,20 +46,10 @@ def head():
 
 @pytest.fixture(scope="module")
 def deployment(head, tiny_checkpoint, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("ray-logs")
-    http_port, zmq_port = free_ports(2)
-    result = head.run(TANDEM, "ray", "up", "--prefill", "1", "--decode", "2", "--model", tiny_checkpoint("llama"),
-                      "--port", str(http_port), "--zmq-port", str(zmq_port), "--log-dir", str(log_dir),
-                      "--max-restarts", "3", "--ready-timeout", "240", *CONFIG_FLAGS, timeout_s=300)
-    info = {"url": f"http://127.0.0.1:{http_port}", "log_dir": str(log_dir), "up": result, "pids": set()}
-    try:
+    with tandem_ray_deployment(head, TANDEM, tmp_path_factory.mktemp("ray-logs"), "--prefill", "1", "--decode", "2",
+                               "--model", tiny_checkpoint("llama"), "--max-restarts", "3", "--ready-timeout", "240",
+                               *CONFIG_FLAGS) as info:
         yield info
-    finally:
-        head.run(TANDEM, "ray", "down", timeout_s=120)  # idempotent: the last test has already done it
-        leftovers = processes_mentioning(str(log_dir))
-        for pid in leftovers:
-            os.kill(pid, signal.SIGKILL)
-        assert not leftovers, f"Tandem processes outlived tandem ray down: {leftovers}"
 
 
 def status(head, name: str | None = None) -> dict[str, dict]:

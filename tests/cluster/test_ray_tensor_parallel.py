@@ -23,7 +23,8 @@ import pytest
 from tests.cluster.conftest import (CLUSTER_CONFIG, PROMPT_TOKENS_COMPUTED, check_concurrent_greedy_streams,
                                     wait_for_idle_blocks, wait_for_metric)
 from tests.pipeline.test_tensor_parallel import is_running, wait_gone
-from tests.ray_support import RayHead, free_ports, processes_mentioning
+from tests.cluster.test_ray_deploy import status
+from tests.ray_support import RayHead, free_ports, processes_mentioning, tandem_ray_deployment
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # about 2 minutes on 2 cores: a Ray head, a TP 2 worker started three times
@@ -48,27 +49,10 @@ def head():
 
 @pytest.fixture(scope="module")
 def deployment(head, tiny_checkpoint, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("ray-tp-logs")
-    http_port, zmq_port = free_ports(2)
-    result = head.run(TANDEM, "ray", "up", "--colocated", "1", "--tensor-parallel-size", "2",
-                      "--model", tiny_checkpoint("llama"), "--port", str(http_port), "--zmq-port", str(zmq_port),
-                      "--log-dir", str(log_dir), "--max-restarts", "3", "--ready-timeout", "240", *CONFIG_FLAGS,
-                      timeout_s=300)
-    info = {"url": f"http://127.0.0.1:{http_port}", "log_dir": str(log_dir), "up": result, "pids": set()}
-    try:
+    with tandem_ray_deployment(head, TANDEM, tmp_path_factory.mktemp("ray-tp-logs"), "--colocated", "1",
+                               "--tensor-parallel-size", "2", "--model", tiny_checkpoint("llama"), "--max-restarts", "3",
+                               "--ready-timeout", "240", *CONFIG_FLAGS) as info:
         yield info
-    finally:
-        head.run(TANDEM, "ray", "down", timeout_s=120)  # idempotent: the last test has already done it
-        leftovers = processes_mentioning(str(log_dir))
-        for pid in leftovers:
-            os.kill(pid, signal.SIGKILL)
-        assert not leftovers, f"Tandem processes outlived tandem ray down: {leftovers}"
-
-
-def status(head) -> dict[str, dict]:
-    result = head.run(TANDEM, "ray", "status", "--json", timeout_s=60)
-    assert result.returncode == 0, result.stderr
-    return {row["name"]: row for row in json.loads(result.stdout)}
 
 
 def placement_groups(head) -> list[dict]:
