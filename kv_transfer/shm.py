@@ -36,11 +36,16 @@ _lock = threading.Lock()
 _owned: dict[int, str] = {}  # storage data_ptr -> file path, for caches this process allocated
 
 
-def allocate_shared_kv_cache(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, name: str) -> torch.Tensor:
+_ZMQ_REMEDY = "or set transfer.transport to zmq"
+
+
+def allocate_shared_kv_cache(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, name: str,
+                             remedy: str = _ZMQ_REMEDY) -> torch.Tensor:
     """A zero-filled CPU tensor of ``shape`` backed by a new file ``/dev/shm/tandem-kv.<pid>.<name>``.
 
     ``shape`` is the KV cache shape ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``.
-    Raises ``FileExistsError`` if this process already allocated a cache under ``name``.
+    Raises ``FileExistsError`` if this process already allocated a cache under ``name``, and ``OSError`` (ENOSPC)
+    naming what to change when /dev/shm is too small for it (``remedy``: the last way out it lists).
     """
     if not _NAME_RE.match(name):
         raise ValueError(f"name: only letters, digits, '_', '.', '-' (1-100 chars) are allowed (got {name!r})")
@@ -49,7 +54,7 @@ def allocate_shared_kv_cache(shape: tuple[int, ...] | torch.Size, dtype: torch.d
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # never clobber another cache
     try:
-        _reserve(fd, nbytes, path)
+        _reserve(fd, nbytes, path, remedy)
         tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(*shape)
     except BaseException:
         os.unlink(path)
@@ -95,7 +100,7 @@ def open_shared_kv_cache(path: str, shape: tuple[int, ...], dtype: torch.dtype) 
     return tensor
 
 
-def _reserve(fd: int, nbytes: int, path: str) -> None:
+def _reserve(fd: int, nbytes: int, path: str, remedy: str) -> None:
     """Commit ``nbytes`` of /dev/shm to the file now, or fail with a message that says what to change."""
     try:
         os.posix_fallocate(fd, 0, nbytes)
@@ -106,7 +111,7 @@ def _reserve(fd: int, nbytes: int, path: str) -> None:
         raise OSError(errno.ENOSPC, (
             f"not enough shared memory for the KV cache: it needs {nbytes / 2**30:.2f} GiB, {SHM_DIR} has "
             f"{stat.f_bavail * stat.f_frsize / 2**30:.2f} GiB free; enlarge {SHM_DIR} (docker: --shm-size), "
-            "lower kv_cache.cpu_kv_cache_gib / num_blocks, or set transfer.transport to zmq")) from None
+            f"lower kv_cache.cpu_kv_cache_gib / num_blocks, {remedy}")) from None
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14

@@ -258,7 +258,9 @@ def _share_kv_cache(args: RankArgs, shape: tuple[int, ...], pipe) -> torch.Tenso
     from kv_transfer.shm import allocate_shared_kv_cache, shared_kv_path
 
     try:
-        kv_cache = allocate_shared_kv_cache(shape, args.dtype, f"tp-rank{args.rank}")
+        kv_cache = allocate_shared_kv_cache(shape, args.dtype, f"tp-rank{args.rank}", remedy=(
+            f"or give the worker fewer ranks (each of a prefill or decode worker's {args.size} ranks keeps its KV "
+            "cache in shared memory, whatever transfer.transport says)"))
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         raise

@@ -49,9 +49,13 @@ def test_a_full_dev_shm_is_a_clear_error_at_allocation_and_leaves_no_file(monkey
 
     monkeypatch.setattr(shm.os, "posix_fallocate", no_space)
     name = f"full-{next(names)}"
-    with pytest.raises(OSError, match=r"not enough shared memory for the KV cache: it needs .* GiB.*--shm-size"):
+    with pytest.raises(OSError, match=r"not enough shared memory for the KV cache: it needs .* GiB.*--shm-size.*"
+                                      r"or set transfer.transport to zmq"):
         allocate_shared_kv_cache((2, 2, 4, 2, 1, 4), torch.float32, name)
     assert not os.path.exists(os.path.join(SHM_DIR, f"tandem-kv.{os.getpid()}.{name}"))
+    # a tensor-parallel rank's cache is in shared memory whatever the transport: its own way out
+    with pytest.raises(OSError, match=r"--shm-size.*num_blocks, or give the worker fewer ranks$"):
+        allocate_shared_kv_cache((2, 2, 4, 2, 1, 4), torch.float32, name, remedy="or give the worker fewer ranks")
 
 
 def test_memory_is_committed_and_mappings_prefaulted_without_changing_data():
