@@ -169,10 +169,12 @@ class RouterConfig(_Section):
         3, ge=0, description="a stream whose worker dies after its first token moves to another worker, which "
         "recomputes its prompt and the tokens sent so far and goes on (docs/load.md); at most this often, then it "
         "fails; 0 = never (n > 1 requests never move)")
-    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral", "harmony"] = Field(
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral", "harmony", "deepseek_v3",
+                              "deepseek_v31"] = Field(
         "auto", description="how tool calls are read from the model's text (docs/openai-api.md): hermes (Qwen, "
-        "Hermes <tool_call>), llama3_json, mistral ([TOOL_CALLS]), harmony (gpt-oss); auto = inferred from the chat "
-        "template; none = requests with tools get a 400 unless tool_choice is none")
+        "Hermes <tool_call>), llama3_json, mistral ([TOOL_CALLS]), harmony (gpt-oss), deepseek_v3 / deepseek_v31 "
+        "(DeepSeek-V3 / -R1, and V3.1 on: <｜tool▁calls▁begin｜>); auto = inferred from the chat template; none = "
+        "requests with tools get a 400 unless tool_choice is none")
     reasoning_parser: Literal["think", "qwen3", "deepseek_r1", "gpt_oss"] | None = Field(
         None, description="thinking models: <think>...</think> goes to reasoning_content, and constraints apply "
         "after it; gpt_oss: harmony's analysis channel is the reasoning, its final channel the content; None = the "

@@ -5,13 +5,15 @@ forces a call (``call_grammar``, for ``tool_choice`` "required" or a named tool)
 from __future__ import annotations
 
 from router.tool_parsers.base import StreamingToolParser, ToolCall, ToolCallDelta, ToolParser, new_call_id
+from router.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from router.tool_parsers.harmony import HarmonyToolParser
 from router.tool_parsers.hermes import HermesToolParser
 from router.tool_parsers.llama3_json import Llama3JsonToolParser
 from router.tool_parsers.mistral import MistralToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, HarmonyToolParser)
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, HarmonyToolParser,
+                                       DeepSeekV3ToolParser, DeepSeekV31ToolParser)
 }
 
 __all__ = ["TOOL_PARSERS", "StreamingToolParser", "ToolCall", "ToolCallDelta", "ToolParser", "get_tool_parser",
@@ -38,4 +40,6 @@ def infer_tool_parser(chat_template: str | None) -> str | None:
         found.add("llama3_json")
     if "<|call|>" in chat_template and "<|channel|>" in chat_template:
         found.add("harmony")
+    if "<｜tool▁calls▁begin｜>" in chat_template:  # V3's template fences the arguments as a json block, V3.1's not
+        found.add("deepseek_v3" if "```json" in chat_template else "deepseek_v31")
     return found.pop() if len(found) == 1 else None

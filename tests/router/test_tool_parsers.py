@@ -23,6 +23,19 @@ TIME = ("get_time", '{"zone": "UTC", "nested": {"deep": [1, {"x": "}"}]}}')
 ESCAPED_ARGUMENTS = json.dumps({"q": 'say "} now', "path": "C:\\"})  # escapes, a brace in a string
 ESCAPED = '{"name": "say", "parameters": ' + ESCAPED_ARGUMENTS + "}"
 
+# DeepSeek's markers, and its calls in V3's layout (fenced JSON) and in V3.1's
+DS_BLOCK, DS_BLOCK_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+
+def ds_v3(name: str, arguments: str) -> str:
+    return f"{DS_CALL}function{DS_SEP}{name}\n```json\n{arguments}\n```{DS_CALL_END}"
+
+
+def ds_v31(name: str, arguments: str) -> str:
+    return f"{DS_CALL}{name}{DS_SEP}{arguments}{DS_CALL_END}"
+
+
 # (parser, text, expected content, expected [(name, arguments)])
 CALLS = [
     ("hermes", "Sure.\n" + H(W) + "\n", "Sure.", [WEATHER]),
@@ -46,6 +59,14 @@ CALLS = [
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]' + TIME[1], "",
      [WEATHER, TIME]),
     ("mistral", "[TOOL_CALLS]say[ARGS]" + ESCAPED_ARGUMENTS + " ok", "ok", [("say", ESCAPED_ARGUMENTS)]),
+    ("deepseek_v3", "Let me check." + DS_BLOCK + ds_v3(*WEATHER) + "\n" + ds_v3(*TIME) + DS_BLOCK_END, "Let me check.",
+     [WEATHER, TIME]),
+    ("deepseek_v3", DS_BLOCK + ds_v31(*WEATHER) + ds_v3(*TIME) + DS_BLOCK_END + "\nDone.", "Done.", [WEATHER, TIME]),
+    ("deepseek_v3", DS_BLOCK + ds_v3("say", ESCAPED_ARGUMENTS), "", [("say", ESCAPED_ARGUMENTS)]),  # no end marker
+    ("deepseek_v3", DS_BLOCK + ds_v3(*WEATHER) + " then " + ds_v3(*TIME), "then " + ds_v3(*TIME), [WEATHER]),
+    ("deepseek_v31", DS_BLOCK + ds_v31(*WEATHER) + ds_v31(*TIME) + DS_BLOCK_END, "", [WEATHER, TIME]),
+    ("deepseek_v31", "Sure. " + DS_BLOCK + " " + ds_v31("now", "{}") + " " + DS_BLOCK_END + " ok", "Sure.ok",
+     [("now", "{}")]),
 ]
 # (parser, text): no well-formed call in it, so all of it is content, as written
 NOT_CALLS = [
@@ -70,6 +91,13 @@ NOT_CALLS = [
     ("mistral", "[TOOL_CALLS]get weather[ARGS]{}"),
     ("mistral", "[TOOL_CALLS]f[AR"),
     ("mistral", "no calls [TOOL"),
+    ("deepseek_v3", "No calls, just text."),
+    ("deepseek_v3", DS_BLOCK + DS_BLOCK_END),
+    ("deepseek_v3", DS_BLOCK + ds_v3("get_weather", '{"city": ')),  # cut mid-arguments
+    ("deepseek_v3", DS_BLOCK + DS_CALL + "function" + DS_SEP + "get weather\n```json\n{}\n```" + DS_CALL_END),
+    ("deepseek_v3", DS_BLOCK + ds_v3("f", "[1]") + DS_BLOCK_END),
+    ("deepseek_v31", DS_BLOCK + ds_v31("f", '{"a": 1} x') + DS_BLOCK_END),
+    ("deepseek_v31", "text " + DS_BLOCK[:7]),
 ]
 EXAMPLES = CALLS + [(parser_name, text, text, []) for parser_name, text in NOT_CALLS]
 
@@ -129,7 +157,9 @@ def _fuzz_text(parser_name: str, rng: random.Random) -> str:
         "mistral": ["[TOOL_CALLS]", "[TOOL_", "[ARGS]", "[" + W + "]", "get_time", '{"a": 1}', "[", "]", " ", "x", ","],
         "harmony": ["<|channel|>", "<|start|>assistant", "commentary to=functions.get_time ", "final", "analysis",
                     "<|message|>", '{"a": 1}', "<|call|>", "<|end|>", "<|ch", "<|", " ", "x"],
-    }[parser_name]
+        "deepseek_v3": [DS_BLOCK, DS_BLOCK_END, DS_CALL, DS_CALL_END, DS_SEP, ds_v3(*WEATHER), ds_v31(*TIME),
+                        "function", "get_time", "\n```json\n", "```", '{"a": 1}', DS_BLOCK[:5], " ", "x"],
+    }[parser_name.removesuffix("1")]
     return "".join(rng.choice(blocks) for _ in range(rng.randint(0, 8)))
 
 
@@ -152,6 +182,8 @@ def test_streaming_equals_extract_on_random_texts(parser_name):
     ("hermes", "Now " + H(W) + " and then more", "Nowand then more"),  # whitespace next to a call goes
     ("llama3_json", "The weather is fine", "The weather is fine"),
     ("mistral", "Checking the forecast [TOOL", "Checking the forecast"),
+    ("deepseek_v3", "Let me look " + DS_BLOCK[:4], "Let me look"),
+    ("deepseek_v3", "Plain text " + DS_BLOCK[:4] + "x", "Plain text " + DS_BLOCK[:4] + "x"),
 ])
 def test_ordinary_content_is_released_promptly(parser_name, text, released):
     stream = get_tool_parser(parser_name).streaming()
@@ -178,7 +210,8 @@ def test_call_ids():
 
 def test_registry_and_inference():
     assert {name: get_tool_parser(name).name for name in TOOL_PARSERS} == {
-        "hermes": "hermes", "llama3_json": "llama3_json", "mistral": "mistral", "harmony": "harmony"}
+        "hermes": "hermes", "llama3_json": "llama3_json", "mistral": "mistral", "harmony": "harmony",
+        "deepseek_v3": "deepseek_v3", "deepseek_v31": "deepseek_v31"}
     assert get_tool_parser("mistral").needs_special_tokens and not get_tool_parser("hermes").needs_special_tokens
     with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
         get_tool_parser("nope")
@@ -190,6 +223,10 @@ def test_registry_and_inference():
     assert infer_tool_parser("<|python_tag|>") == "llama3_json"
     assert infer_tool_parser(None) is None and infer_tool_parser("{{ messages }}") is None
     assert infer_tool_parser(qwen + "[TOOL_CALLS]") is None  # ambiguous
+    v3 = "'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + name + '\\n' + '```json'"
+    v31 = "'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + arguments"
+    assert infer_tool_parser(v3) == "deepseek_v3" and infer_tool_parser(v31) == "deepseek_v31"
+    assert get_tool_parser("deepseek_v3").needs_special_tokens
 
 
 def test_the_router_side_imports_no_torch():
@@ -215,7 +252,8 @@ def tokenizers():
     made = {}
     for kind, added, special in (("plain", ["<tool_call>", "</tool_call>"], []),
                                  ("mistral_v11", [], ["[TOOL_CALLS]", "[ARGS]"]),
-                                 ("mistral_v3", [], ["[TOOL_CALLS]"])):
+                                 ("mistral_v3", [], ["[TOOL_CALLS]"]),
+                                 ("deepseek", [], [DS_BLOCK, DS_BLOCK_END, DS_CALL, DS_CALL_END, DS_SEP])):
         tokenizer = build_tokenizer(vocab_size=512)
         tokenizer.add_tokens(added)
         tokenizer.add_tokens(special, special_tokens=True)
@@ -255,6 +293,14 @@ GRAMMAR_CASES = [
     ("mistral", "plain", "[TOOL_CALLS]" + json.dumps([{"name": "get_weather", "arguments": ONE}]),  # marker as text
      "[TOOL_CALLS]" + json.dumps([{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]),
      ["[TOOL_CALL]" + json.dumps([{"name": "get_weather", "arguments": ONE}])]),
+    ("deepseek_v3", "deepseek", DS_BLOCK + ds_v3("get_weather", json.dumps(ONE)) + DS_BLOCK_END,
+     DS_BLOCK + ds_v3("get_weather", json.dumps(ONE)) + "\n" + ds_v3("get_time", "{}") + DS_BLOCK_END,
+     [DS_BLOCK + ds_v31("get_weather", json.dumps(ONE)) + DS_BLOCK_END,  # the other layout
+      DS_BLOCK + ds_v3("get_weather", '{"days": 3}') + DS_BLOCK_END, ds_v3("get_weather", json.dumps(ONE))]),
+    ("deepseek_v31", "deepseek", DS_BLOCK + ds_v31("get_weather", json.dumps(ONE)) + DS_BLOCK_END,
+     DS_BLOCK + ds_v31("get_weather", json.dumps(ONE)) + ds_v31("get_time", "{}") + DS_BLOCK_END,
+     [DS_BLOCK + ds_v31("get_weathr", json.dumps(ONE)) + DS_BLOCK_END,
+      DS_BLOCK + ds_v31("get_weather", '{"city": "P", "days": 0}') + DS_BLOCK_END]),
 ]
 
 
