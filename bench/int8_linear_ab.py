@@ -7,7 +7,11 @@ activations in and out as the model runs them, for 1, 12 and 256 rows (batch-1 d
 12-request decode step, a prefill chunk) at 1 and 2 threads. Each variant cycles through enough copies of the
 layer that their weights (>= 128 MiB) do not stay in the L3 cache between calls, as a model's 22 layers do not;
 the variants take turns within each repeat, and each figure is the median over repeats of the time per call.
-Nothing asserts a timing. Usage: ``python -m bench.int8_linear_ab --out bench/results/int8_linear_ab.json``
+``--offline`` adds the whole model: the peer benchmark's TinyLlama-1.1B W8A8 checkpoint and offline workload
+(``bench/peer_compare.py``: 12 prompts, 1847 prompt tokens, 32 out each) through one ``LLM``, every int8 layer
+switched between the two paths run by run (alternating), with the time spent in the int8 layers split into
+prefill (more than 64 rows) and decode calls, and whether both paths generated the same tokens.
+Nothing asserts a timing. Usage: ``python -m bench.int8_linear_ab [--offline] --out bench/results/int8_linear_ab.json``
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from bench.quantization_bench import cpu_description
 from kernels import cpu_int8, cpu_native
+from pipeline.quantization import int8 as int8_module
 from pipeline.quantization.int8 import Int8Linear, int8_product, quantize_per_row
 
 SHAPES = {"qkv 2048->2560": (2048, 2560), "o 2048->2048": (2048, 2048), "gate_up 2048->11264": (2048, 11264),
@@ -97,11 +102,72 @@ def run(repeats: int, rows_list: tuple[int, ...], threads_list: tuple[int, ...])
     return results
 
 
+def run_offline(repeats: int, threads: int) -> dict:
+    """Old and new int8 layers in one engine, alternating runs of the peer benchmark's 1.1B workload."""
+    from collections import defaultdict
+
+    from transformers import AutoTokenizer
+
+    from bench.peer_checkpoints import peer_checkpoint
+    from bench.peer_compare import LARGE_WORKLOADS, offline_workload
+    from pipeline import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    checkpoint = peer_checkpoint("1.1b", True)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    shape = LARGE_WORKLOADS["1.1b"]
+    workload = offline_workload(argparse.Namespace(seed=0, **shape), len(tokenizer), set(tokenizer.all_special_ids))
+    llm = LLM(model=str(checkpoint), model_config={"dtype": "bfloat16", "device": "cpu"}, max_batch_size=64,
+              max_batch_input_tokens=2048, max_length=2048, kv_cache={"cpu_kv_cache_gib": 2})
+    prompts, max_tokens = workload["prompt_token_ids"], workload["max_tokens"]
+    native_call, state, in_layers = int8_module.Int8Matrix.__call__, {"path": "new"}, defaultdict(float)
+
+    def timed_call(matrix, x, out_dtype):
+        start = time.perf_counter()
+        if state["path"] == "old":
+            out = int8_product(x, matrix.weight_t, matrix.scale_row, matrix.act_scale)
+            out = (out if matrix.bias is None else out.add_(matrix.bias)).to(out_dtype)
+        else:
+            out = native_call(matrix, x, out_dtype)
+        in_layers[(state["path"], "prefill" if x.shape[0] > 64 else "decode")] += time.perf_counter() - start
+        return out
+
+    def generate(num: int | None = None) -> tuple[float, list]:
+        llm.engine.kv_manager.reset_prefix_cache()
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens[:num]]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts[:num], params)
+        return time.perf_counter() - start, [o.token_ids for o in outputs]
+
+    int8_module.Int8Matrix.__call__ = timed_call
+    try:
+        generate(4)
+        runs, tokens = {"old": [], "new": []}, {}
+        for _ in range(repeats):
+            for path in ("new", "old"):
+                state["path"] = path
+                in_layers.clear()
+                seconds, tokens[path] = generate()
+                runs[path].append({"wall_s": round(seconds, 3), "tok_s": round(sum(max_tokens) / seconds, 1),
+                                   "int8_prefill_s": round(in_layers[(path, "prefill")], 3),
+                                   "int8_decode_s": round(in_layers[(path, "decode")], 3),
+                                   "load_average_1m": os.getloadavg()[0]})
+                print(f"offline {path}: {runs[path][-1]}", flush=True)
+    finally:
+        int8_module.Int8Matrix.__call__ = native_call
+    median = {path: statistics.median(r["wall_s"] for r in runs[path]) for path in runs}
+    return {"threads": threads, "workload": shape, "runs": runs, "median_wall_s": median,
+            "speedup": round(median["old"] / median["new"], 2), "tokens_identical": tokens["old"] == tokens["new"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--threads", default=",".join(map(str, THREADS)))
+    parser.add_argument("--offline", action="store_true", help="also the whole 1.1B model (threads: the largest)")
+    parser.add_argument("--offline-repeats", type=int, default=3)
+    parser.add_argument("--skip-layers", action="store_true", help="only --offline")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows = tuple(int(r) for r in args.rows.split(","))
@@ -109,7 +175,9 @@ def main() -> None:
     report = {"cpu": cpu_description(), "native": cpu_native.describe(),
               "int8_gemm": cpu_native.ops.int8_gemm_isa() if cpu_native.ops is not None else None,
               "packed_gemm_for_all_rows": cpu_int8.packed_gemm_preferred(max(rows)),
-              "repeats": args.repeats, "results": run(args.repeats, rows, threads)}
+              "repeats": args.repeats, "results": [] if args.skip_layers else run(args.repeats, rows, threads)}
+    if args.offline:
+        report["offline"] = run_offline(args.offline_repeats, max(threads))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")

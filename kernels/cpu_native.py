@@ -24,5 +24,8 @@ def is_available() -> bool:
 
 
 def describe() -> str:
-    """One line for logs and benchmark reports: which instruction set the native kernels run."""
-    return f"native ({ops.isa()})" if ops is not None else "torch reference (native kernels not built)"
+    """One line for logs and benchmark reports: which instruction set the native kernels run (and the int8
+    GEMM: its packed-weight body, or ``torch._int_mm`` where the CPU has no VNNI)."""
+    if ops is None:
+        return "torch reference (native kernels not built)"
+    return f"native ({ops.isa()}, int8 GEMM {ops.int8_gemm_isa() or 'torch._int_mm'})"
