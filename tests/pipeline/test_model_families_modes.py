@@ -1,22 +1,30 @@
 """The mixture-of-experts, latent-attention and sliding-window families under the engine's other modes: chunked
-prefill with preemption by recompute, the overlap scheduler, and speculative decoding (the target as its own
-draft, and a one-layer truncation of it) — greedy tokens token for token transformers' own, fp32, CPU, no block
-leaks. The dense families are held to the same in ``test_engine_exactness.py`` and ``test_speculative.py``;
-this module runs those checks over Qwen3-MoE, Mixtral, Gemma 3, gpt-oss and DeepSeek-V3.
+prefill with preemption by recompute, the overlap scheduler, speculative decoding (the target as its own
+draft, and a one-layer truncation of it), n > 1 (choices forked from one prompt's KV), migration by replay (a
+request resumed after its first tokens) and with its KV (paused on one engine, its cache rows copied, activated on
+another), and structured output across both migrations — greedy tokens token for token transformers' own, the
+others equal to the uninterrupted run, fp32, CPU, no block leaks. The dense families are held to the same in
+``test_engine_exactness.py``, ``test_speculative.py``, ``test_resume.py`` and ``test_live_migration.py``; this module
+runs those checks over Qwen3-MoE, Mixtral, Gemma 3, gpt-oss and DeepSeek-V3.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench.draft_checkpoint import truncated_copy
-from pipeline import LLM
-from tests.conftest import hf_greedy
+from pipeline import LLM, SamplingParams
+from pipeline.protocol import StructuredOutput
+from tests.conftest import assert_no_leaks, hf_greedy
 from tests.deepseek_checkpoints import deepseek_checkpoint  # noqa: F401 (a fixture)
 from tests.gemma_checkpoints import gemma3_checkpoint  # noqa: F401 (a fixture)
 from tests.gpt_oss_checkpoints import gpt_oss_checkpoint  # noqa: F401 (a fixture)
 from tests.moe_checkpoints import moe_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import generate_and_check, make_prompts, record_preemptions
+from tests.pipeline.test_live_migration import decode_until
+from tests.pipeline.test_resume import SCHEMA, run
 
 # family -> (the fixture that builds it, its name there)
 FAMILIES = {
@@ -95,3 +103,78 @@ def test_speculative_decoding(name, draft, family, truncated_draft):
     assert stats.num_draft_tokens > 0
     if draft == "self":
         assert stats.acceptance_rate == 1.0
+
+
+@pytest.fixture(scope="module")
+def engine_pair(family):
+    """``engine_pair(name)`` -> two engines of the family's checkpoint (a stream's source and target)."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = tuple(LLM(model=family(name)[0], kv_cache={"page_size": 4, "num_blocks": 128})
+                                for _ in range(2))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_n_choices_share_their_prompt(name, family, engine_pair):
+    """n = 3 greedy: choices 1 and 2 fork from choice 0's prompt KV (sliding-window and latent blocks shared), and
+    every choice is transformers' greedy continuation."""
+    path, prompts, expected = family(name)
+    llm = engine_pair(name)[0]
+    free = llm.engine.kv_manager.num_free_blocks
+    outputs = llm.generate(prompts[:3], SamplingParams(n=3, temperature=0.0, max_tokens=NUM_NEW_TOKENS,
+                                                       ignore_eos=True))
+    for out, want in zip(outputs, expected):
+        assert [choice.token_ids for choice in out.choices] == [want] * 3
+    assert_no_leaks(llm.engine.kv_manager, free)
+
+
+GRAMMAR = SamplingParams(max_tokens=48, temperature=1.0, seed=3,
+                         structured_output=StructuredOutput(kind="json", value=json.dumps(SCHEMA)))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("params", ["greedy", "grammar"])
+def test_a_stream_migrates_by_replay_and_with_its_kv(name, params, family, engine_pair):
+    """The same stream three ways: uninterrupted; resumed after its first 5 tokens on the other engine (replay:
+    the prompt and those tokens recomputed); and paused after 5 tokens, its blocks' cache rows copied to the other
+    engine and activated there (live KV move, nothing recomputed). All three are the same tokens; under a JSON
+    schema, they parse."""
+    path, prompts, expected = family(name)
+    source, target = (llm.engine for llm in engine_pair(name))
+    free = {engine: engine.kv_manager.num_free_blocks for engine in (source, target)}
+    prompt = prompts[3]  # 29 tokens: past every sliding window
+    sampling = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True) if params == "greedy" \
+        else GRAMMAR
+    whole = run(source, f"whole-{name}-{params}", prompt, sampling)
+    if params == "greedy":
+        assert whole == expected[3]
+    replayed = run(target, f"replayed-{name}-{params}", prompt, sampling, resume=whole[:5])
+    assert replayed == whole
+
+    rid = f"moved-{name}-{params}"
+    source.add_request(rid, prompt, sampling)
+    sent = decode_until(source, rid, 5)
+    steps, paused = source.pause_decoding()
+    sent += [t for out in steps if out.request_id == rid for t in out.new_token_ids]
+    (seq,) = paused
+    target.add_request(rid, prompt, sampling, remote_prefill=True, resume_token_ids=sent)
+    target.reserve_remote()
+    num_blocks = -(-(seq.num_tokens - 1) // source.kv_manager.page_size)  # every token's KV but the last
+    src_blocks = list(source.kv_manager.block_table(rid)[:num_blocks])
+    dst_blocks = list(target.kv_manager.block_table(rid)[:num_blocks])
+    target.kv_cache[:, :, dst_blocks] = source.kv_cache[:, :, src_blocks]
+    source.abort_request(rid)
+    target.activate_migrated(rid)
+    rest = []
+    while target.has_unfinished_requests():
+        rest += [t for out in target.step() if out.request_id == rid for t in out.new_token_ids]
+    assert sent + rest == whole
+    if params == "grammar":
+        json.loads(target.tokenizer.decode(whole, skip_special_tokens=True))
+    for engine, before in free.items():
+        assert_no_leaks(engine.kv_manager, before)
