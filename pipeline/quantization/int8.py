@@ -7,7 +7,7 @@ token, absmax / 127, or the checkpoint's static per-tensor ``input_scale``), the
 (``kernels/cpu_int8.py``), which gives the same results bit for bit: one quantize pass over the activations, and
 on a CPU with AVX-512 VNNI a GEMM over a weight packed once at load that applies the scales and the bias itself
 (else ``torch._int_mm`` between the native quantize and rescale passes). The weights stay int8 in memory (a
-quarter of fp32; the packed copy beside the plain one makes it half).
+quarter of fp32; on the CPU the packed copy beside the plain one makes it half).
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ Each expert's gate/up and down weights are int8 with one scale per output channe
 transposed per expert (``[experts, in, out]``) for ``torch._int_mm`` and, on the CPU, packed per expert for the
 native GEMM (``int8.Int8Matrix``); the rows routed to an expert (grouped as ``kernels.moe_ref`` groups them, one
 GEMM pair per expert) are quantized per row on the fly, so each GEMM is int8 x int8 -> int32 and the SwiGLU
-between them runs in fp32. Built after loading from the float stacked
-experts: a W8A8 checkpoint's int8 experts come through the loader dequantized (``w_q * s``) and quantize back
-to the same int8 values and scales (the row's largest value is ``127 * s``), ``--quantization int8`` quantizes
-the float ones. Resident memory is int8 (a quarter of fp32, half of bf16); loading holds the float experts of
-the model until this replaces them.
+between them runs in fp32. Built after loading from the float stacked experts: a W8A8 checkpoint's int8
+experts come through the loader dequantized (``w_q * s``) and quantize back to the same int8 values and scales
+(the row's largest value is ``127 * s``), ``--quantization int8`` quantizes the float ones. Resident memory is
+int8 (a quarter of fp32, half of bf16; twice that on the CPU, where the packed copy sits beside the plain one);
+loading holds the float experts of the model until this replaces them.
 """
 
 from __future__ import annotations
