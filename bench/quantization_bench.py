@@ -2,7 +2,8 @@
 
 - ``gemm``: a 1.1B-shape layer (TinyLlama: hidden 2048, the fused gate/up 2048 -> 11264, down 5632 -> 2048)
   at several row counts: fp32 and bf16 through ``CpuLinear`` (oneDNN, weights packed once: the CPU set's
-  path), ``Int8Linear`` (per-token activation quantization + ``torch._int_mm`` + scaling), and the bare
+  path), ``Int8Linear`` (per-token activation quantization, the int8 GEMM and the rescale: the native VNNI
+  path on a CPU with AVX-512 VNNI, ``torch._int_mm`` between native passes elsewhere), and the bare
   ``torch._int_mm`` alone. The fastest of interleaved repeats, GFLOP/s counted as 2 * rows * in * out.
 - ``offline``: the ~150M random llama of ``bench.offline_throughput`` ("large") through ``LLM.generate``:
   prefill (16 prompts of 128 tokens, one output token each) and decode (16 prompts of 16 tokens, 32 greedy
