@@ -73,10 +73,15 @@ def main(argv: list[str] | None = None) -> int:
                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts]
         report["dtypes"][dtype_name] = {**agreement(ours, theirs), "tandem_kernels": kernels}
         print(dtype_name, json.dumps(report["dtypes"][dtype_name]), file=sys.stderr)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_report(args.out, report)
     return 0
+
+
+def write_report(path: Path, report: dict) -> None:
+    """``report`` as indented JSON at ``path`` (its folder made), said on stderr."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

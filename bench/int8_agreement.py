@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from bench.bf16_agreement import agreement
+    from bench.bf16_agreement import agreement, write_report
     from bench.peer_checkpoints import peer_checkpoint
     from bench.quantization_bench import cpu_description
     from pipeline import LLM, SamplingParams
@@ -80,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps({k: v for k, v in report.items() if k.startswith(("greedy", "teacher"))}, indent=1),
           file=sys.stderr)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_report(args.out, report)
     return 0
 
 

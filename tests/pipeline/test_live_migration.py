@@ -33,6 +33,25 @@ def decode_until(engine, request_id, num_tokens) -> list[int]:
     return tokens
 
 
+def move_with_kv(src, dst, seq, prompt, params, sent: list[int]) -> list[int]:
+    """``seq``, paused on ``src`` after the output tokens ``sent``, moved to ``dst`` with its KV (the cache rows of
+    its blocks copied tensor to tensor), activated there and decoded to its end; returns the tokens ``dst`` added."""
+    rid = seq.request_id
+    dst.add_request(rid, prompt, params, remote_prefill=True, resume_token_ids=sent)
+    (reserved,) = dst.reserve_remote()
+    assert reserved.token_ids == seq.token_ids
+    src_blocks = src.kv_manager.block_table(rid)
+    dst_blocks = dst.kv_manager.block_table(rid)
+    n = -(-(seq.num_tokens - 1) // src.kv_manager.page_size)  # blocks holding every token's KV but the last
+    dst.kv_cache[:, :, list(dst_blocks[:n])] = src.kv_cache[:, :, list(src_blocks[:n])]
+    src.abort_request(rid)  # the handoff is done: the source frees its blocks
+    dst.activate_migrated(rid)
+    rest = []
+    while dst.has_unfinished_requests():
+        rest += [t for out in dst.step() if out.request_id == rid for t in out.new_token_ids]
+    return rest
+
+
 @pytest.mark.parametrize("source", ["source", "source-overlap"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_stream_moved_with_its_kv_goes_on_exactly(engines, source, case):
@@ -52,18 +71,7 @@ def test_a_stream_moved_with_its_kv_goes_on_exactly(engines, source, case):
     assert seq.status is SequenceStatus.PAUSED and seq.num_computed_tokens == seq.num_tokens - 1
     assert src.step() == [] and not src.has_unfinished_requests()  # nothing decodes while paused
 
-    dst.add_request(rid, prompt, params, remote_prefill=True, resume_token_ids=sent)
-    (reserved,) = dst.reserve_remote()
-    assert reserved.token_ids == seq.token_ids
-    src_blocks = src.kv_manager.block_table(rid)
-    dst_blocks = dst.kv_manager.block_table(rid)
-    n = -(-(seq.num_tokens - 1) // src.kv_manager.page_size)  # blocks holding every token's KV but the last
-    dst.kv_cache[:, :, list(dst_blocks[:n])] = src.kv_cache[:, :, list(src_blocks[:n])]
-    src.abort_request(rid)  # the handoff is done: the source frees its blocks
-    dst.activate_migrated(rid)
-    rest = []
-    while dst.has_unfinished_requests():
-        rest += [t for out in dst.step() if out.request_id == rid for t in out.new_token_ids]
+    rest = move_with_kv(src, dst, seq, prompt, params, sent)
     assert sent + rest == whole
     if case == "grammar":
         json.loads(dst.tokenizer.decode(sent + rest, skip_special_tokens=True))

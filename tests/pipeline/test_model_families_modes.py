@@ -23,7 +23,7 @@ from tests.gemma_checkpoints import gemma3_checkpoint  # noqa: F401 (a fixture)
 from tests.gpt_oss_checkpoints import gpt_oss_checkpoint  # noqa: F401 (a fixture)
 from tests.moe_checkpoints import moe_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import generate_and_check, make_prompts, record_preemptions
-from tests.pipeline.test_live_migration import decode_until
+from tests.pipeline.test_live_migration import decode_until, move_with_kv
 from tests.pipeline.test_resume import SCHEMA, run
 
 # family -> (the fixture that builds it, its name there)
@@ -162,18 +162,7 @@ def test_a_stream_migrates_by_replay_and_with_its_kv(name, params, family, engin
     steps, paused = source.pause_decoding()
     sent += [t for out in steps if out.request_id == rid for t in out.new_token_ids]
     (seq,) = paused
-    target.add_request(rid, prompt, sampling, remote_prefill=True, resume_token_ids=sent)
-    target.reserve_remote()
-    num_blocks = -(-(seq.num_tokens - 1) // source.kv_manager.page_size)  # every token's KV but the last
-    src_blocks = list(source.kv_manager.block_table(rid)[:num_blocks])
-    dst_blocks = list(target.kv_manager.block_table(rid)[:num_blocks])
-    target.kv_cache[:, :, dst_blocks] = source.kv_cache[:, :, src_blocks]
-    source.abort_request(rid)
-    target.activate_migrated(rid)
-    rest = []
-    while target.has_unfinished_requests():
-        rest += [t for out in target.step() if out.request_id == rid for t in out.new_token_ids]
-    assert sent + rest == whole
+    assert sent + move_with_kv(source, target, seq, prompt, sampling, sent) == whole
     if params == "grammar":
         json.loads(target.tokenizer.decode(whole, skip_special_tokens=True))
     for engine, before in free.items():
