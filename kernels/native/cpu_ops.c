@@ -615,15 +615,32 @@ static PyObject *py_int8_gemm_isa(PyObject *self, PyObject *args)
     return PyUnicode_FromString(INT8_GEMMS[selected_int8_gemm].name);
 }
 
-static PyObject *py_supported_int8_gemm_isas(PyObject *self, PyObject *args)
+/* A table of interchangeable bodies (the instruction sets, the int8 GEMMs): how many, each one's name, whether this
+ * CPU runs it, and what to call one in an error. Listing the ones this CPU runs and choosing one by name, for
+ * Python, are written once over it. */
+typedef struct {
+    int count;
+    const char *(*name)(int);
+    int (*supported)(int);
+    const char *kind;
+} variant_table;
+
+static const char *isa_name(int i) { return ISAS[i].name; }
+static int isa_index_supported(int i) { return isa_supported(&ISAS[i]); }
+static const char *int8_gemm_name(int i) { return INT8_GEMMS[i].name; }
+static int int8_gemm_index_supported(int i) { return int8_gemm_supported(&INT8_GEMMS[i]); }
+static const variant_table ISA_TABLE = {NUM_ISAS, isa_name, isa_index_supported, "instruction set"};
+static const variant_table INT8_GEMM_TABLE = {NUM_INT8_GEMMS, int8_gemm_name, int8_gemm_index_supported,
+                                              "int8 GEMM body"};
+
+/* A list of the names of the table's entries this CPU runs. */
+static PyObject *supported_names(const variant_table *table)
 {
-    (void)self;
-    (void)args;
     PyObject *names = PyList_New(0);
-    for (int i = 0; names && i < NUM_INT8_GEMMS; i++) {
-        if (!int8_gemm_supported(&INT8_GEMMS[i]))
+    for (int i = 0; names && i < table->count; i++) {
+        if (!table->supported(i))
             continue;
-        PyObject *name = PyUnicode_FromString(INT8_GEMMS[i].name);
+        PyObject *name = PyUnicode_FromString(table->name(i));
         if (!name || PyList_Append(names, name) != 0) {
             Py_XDECREF(name);
             Py_DECREF(names);
@@ -632,6 +649,30 @@ static PyObject *py_supported_int8_gemm_isas(PyObject *self, PyObject *args)
         Py_DECREF(name);
     }
     return names;
+}
+
+/* *selected = the entry called name; ValueError (returns NULL) when there is none or this CPU does not run it. */
+static PyObject *select_variant(const variant_table *table, const char *name, int *selected)
+{
+    for (int i = 0; i < table->count; i++) {
+        if (strcmp(table->name(i), name) == 0) {
+            if (!table->supported(i)) {
+                PyErr_Format(PyExc_ValueError, "this CPU does not run %s", name);
+                return NULL;
+            }
+            *selected = i;
+            Py_RETURN_NONE;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "unknown %s %s", table->kind, name);
+    return NULL;
+}
+
+static PyObject *py_supported_int8_gemm_isas(PyObject *self, PyObject *args)
+{
+    (void)self;
+    (void)args;
+    return supported_names(&INT8_GEMM_TABLE);
 }
 
 static PyObject *py_set_int8_gemm_isa(PyObject *self, PyObject *args)
@@ -647,18 +688,7 @@ static PyObject *py_set_int8_gemm_isa(PyObject *self, PyObject *args)
     const char *name = PyUnicode_AsUTF8(name_object);
     if (!name)
         return NULL;
-    for (int i = 0; i < NUM_INT8_GEMMS; i++) {
-        if (strcmp(INT8_GEMMS[i].name, name) == 0) {
-            if (!int8_gemm_supported(&INT8_GEMMS[i])) {
-                PyErr_Format(PyExc_ValueError, "this CPU does not run %s", name);
-                return NULL;
-            }
-            selected_int8_gemm = i;
-            Py_RETURN_NONE;
-        }
-    }
-    PyErr_Format(PyExc_ValueError, "unknown int8 GEMM body %s", name);
-    return NULL;
+    return select_variant(&INT8_GEMM_TABLE, name, &selected_int8_gemm);
 }
 
 static PyObject *py_isa(PyObject *self, PyObject *args)
@@ -672,19 +702,7 @@ static PyObject *py_supported_isas(PyObject *self, PyObject *args)
 {
     (void)self;
     (void)args;
-    PyObject *names = PyList_New(0);
-    for (int i = 0; names && i < NUM_ISAS; i++) {
-        if (!isa_supported(&ISAS[i]))
-            continue;
-        PyObject *name = PyUnicode_FromString(ISAS[i].name);
-        if (!name || PyList_Append(names, name) != 0) {
-            Py_XDECREF(name);
-            Py_DECREF(names);
-            return NULL;
-        }
-        Py_DECREF(name);
-    }
-    return names;
+    return supported_names(&ISA_TABLE);
 }
 
 static PyObject *py_set_isa(PyObject *self, PyObject *args)
@@ -693,18 +711,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *args)
     const char *name;
     if (!PyArg_ParseTuple(args, "s", &name))
         return NULL;
-    for (int i = 0; i < NUM_ISAS; i++) {
-        if (strcmp(ISAS[i].name, name) == 0) {
-            if (!isa_supported(&ISAS[i])) {
-                PyErr_Format(PyExc_ValueError, "this CPU does not run %s", name);
-                return NULL;
-            }
-            selected_isa = i;
-            Py_RETURN_NONE;
-        }
-    }
-    PyErr_Format(PyExc_ValueError, "unknown instruction set %s", name);
-    return NULL;
+    return select_variant(&ISA_TABLE, name, &selected_isa);
 }
 
 static PyMethodDef METHODS[] = {
