@@ -3,8 +3,10 @@
 kernel does not take its inputs (so the set is always complete, built or not), and linear layers on
 oneDNN with packed weights (``kernels/cpu_gemm.py``). A mixture-of-experts MLP's stacked experts get a
 ``CpuLinear`` pair per expert the same way, run over the tokens grouped by expert as the reference groups them
-(``kernels/moe_ref.py``): one packed GEMM pair per expert. Gemma's offset RMSNorm and
-GELU-tanh gated activation run their torch references too (no native kernel yet)."""
+(``kernels/moe_ref.py``): one packed GEMM pair per expert; in bf16 on an AVX512-BF16 CPU, all experts' GEMMs in
+one native call each instead wherever no expert has more rows than ``kernels/cpu_moe.py`` takes (decode, and on a
+CPU without AMX prefill too). Gemma's offset RMSNorm and GELU-tanh gated activation run their torch references too
+(no native kernel yet)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from kernels import cpu_native
+from kernels import cpu_moe, cpu_native
 from kernels.cpu_gemm import CpuLinear
 from kernels.cpu_elementwise import apply_rotary_cpu, rms_norm_cpu, silu_and_mul_cpu, store_kv_cpu
 from kernels.cpu_paged_attention import paged_attention_cpu
@@ -42,6 +44,10 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
                 (CpuLinear(gate_up.detach(), None, prepack=prepack_weights), CpuLinear(down.detach(), None,
                                                                                         prepack=prepack_weights))
                 for gate_up, down in zip(module.gate_up_proj, module.down_proj)]
+            if prepack_weights and module.gate_up_proj.dtype == torch.bfloat16 and cpu_moe.native_available():
+                # and all experts packed once more for the one-call path (kernels/cpu_moe.py)
+                module.grouped_experts = cpu_moe.GroupedExperts(module.gate_up_proj.detach(),
+                                                                module.down_proj.detach())
     if hasattr(model, "logits_gemm") and hasattr(model, "output_weight"):
         lm_head = getattr(model, "lm_head", None)
         model.logits_gemm = lm_head.gemm if lm_head is not None and lm_head.gemm is not None else CpuLinear(

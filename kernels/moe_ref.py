@@ -55,18 +55,23 @@ def experts_over_grouped_rows(
     topk_ids: torch.Tensor,  # [num_tokens, top_k] expert of each choice
     num_experts: int,
     expert: Callable[[int, torch.Tensor], torch.Tensor],  # (expert id, its rows [count, hidden]) -> [count, hidden]
+    all_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """The grouping every MoE reference shares: rows sorted by expert, ``expert`` applied once per expert to
-    its contiguous run (one GEMM pair per expert, none per token), each row's output added into its token."""
+    its contiguous run (one GEMM pair per expert, none per token), each row's output added into its token.
+    ``all_experts`` (grouped rows, rows per expert) -> all their outputs in one go, or None to run ``expert``
+    per expert: the CPU's one-call path for few rows per expert (``kernels/cpu_moe.py``)."""
     top_k = topk_ids.shape[1]
     order, rows_per_expert = sort_rows_by_expert(topk_ids, num_experts)
     grouped = hidden.index_select(0, order // top_k)  # [num_rows, hidden]: each expert's rows contiguous
-    grouped_out = torch.empty_like(grouped)  # [num_rows, hidden]
-    start = 0
-    for index, count in enumerate(rows_per_expert.tolist()):
-        if count:
-            grouped_out[start : start + count] = expert(index, grouped[start : start + count])
-        start += count
+    grouped_out = None if all_experts is None else all_experts(grouped, rows_per_expert)  # [num_rows, hidden]
+    if grouped_out is None:
+        grouped_out = torch.empty_like(grouped)
+        start = 0
+        for index, count in enumerate(rows_per_expert.tolist()):
+            if count:
+                grouped_out[start : start + count] = expert(index, grouped[start : start + count])
+            start += count
     return combine_grouped_rows(grouped_out, order, topk_weights, hidden.dtype)
 
 

@@ -13,6 +13,10 @@
  *   rescale_int8     an int32 product to fp32 / bf16 with both scales and the bias (int8_isa.h)
  *   int8_gemm        int8 x int8 -> int32 over a weight packed once, with that rescale fused (int8_gemm.h;
  *                    its own choice of body: AVX-512 VNNI, or the portable one the tests force)
+ * and a mixture-of-experts layer's expert GEMMs over rows grouped by expert, bf16, all experts in one call
+ * (kernels/cpu_moe.py wraps it):
+ *   moe_gemm         each expert's rows x its weight packed once (moe_gemm.h; its own choice of body:
+ *                    AVX512-BF16, or the portable one the tests force)
  *
  * Each body is compiled once per instruction set and the best one the CPU runs is chosen once, at
  * import: AVX-512, AVX2 + FMA, 16-byte vectors (SSE2 / NEON), and plain scalar; a row length the chosen
@@ -265,6 +269,10 @@ static void run_rows(void (*fn)(const void *, int64_t, int64_t), const void *arg
 #include "int8_gemm.h"
 
 static int selected_int8_gemm = -1; /* index into INT8_GEMMS: the VNNI body the CPU runs, or set_int8_gemm_isa's; -1 none */
+
+#include "moe_gemm.h"
+
+static int selected_moe_gemm = -1; /* index into MOE_GEMMS: the AVX512-BF16 body the CPU runs, or set_moe_gemm_isa's; -1 none */
 
 /* ------------------------------------------------------------------ scratch and work items */
 /* Rows padded to a multiple of the widest vector, per KV head, in the column layout. */
@@ -615,6 +623,54 @@ static PyObject *py_int8_gemm_isa(PyObject *self, PyObject *args)
     return PyUnicode_FromString(INT8_GEMMS[selected_int8_gemm].name);
 }
 
+static PyObject *py_moe_gemm(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long x, packed, offsets, out;
+    int num_experts, num_threads;
+    moe_args m;
+    if (!PyArg_ParseTuple(args, "KKKKiLLiii", &x, &packed, &offsets, &out, &num_experts, &m.x_stride, &m.out_stride,
+                          &m.k, &m.cols, &num_threads))
+        return NULL;
+    if (selected_moe_gemm < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "moe_gemm: this CPU has no MoE GEMM body chosen (no AVX512-BF16)");
+        return NULL;
+    }
+    if (num_experts <= 0 || m.k <= 0 || m.cols <= 0 || m.x_stride < m.k || m.out_stride < m.cols) {
+        PyErr_SetString(PyExc_ValueError, "moe_gemm: bad shapes");
+        return NULL;
+    }
+    m.x = (const uint16_t *)(uintptr_t)x;
+    m.packed = (const uint16_t *)(uintptr_t)packed;
+    m.offsets = (const int64_t *)(uintptr_t)offsets;
+    m.out = (uint16_t *)(uintptr_t)out;
+    m.panels = (m.cols + MOE_PANEL - 1) / MOE_PANEL;
+    int32_t *experts = malloc(sizeof(int32_t) * (size_t)num_experts);
+    if (!experts)
+        return PyErr_NoMemory();
+    int64_t num_with_rows = 0;
+    for (int e = 0; e < num_experts; e++)
+        if (m.offsets[e + 1] > m.offsets[e])
+            experts[num_with_rows++] = e;
+    m.experts = experts;
+    Py_BEGIN_ALLOW_THREADS
+    /* per item: one panel's weights, K x 32, counted in units run_rows weighs against its minimum */
+    run_rows((rows_fn)MOE_GEMMS[selected_moe_gemm].items, &m, num_with_rows * m.panels, (int64_t)m.k * MOE_PANEL,
+             num_threads);
+    Py_END_ALLOW_THREADS
+    free(experts);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_moe_gemm_isa(PyObject *self, PyObject *args)
+{
+    (void)self;
+    (void)args;
+    if (selected_moe_gemm < 0)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(MOE_GEMMS[selected_moe_gemm].name);
+}
+
 /* A table of interchangeable bodies (the instruction sets, the int8 GEMMs): how many, each one's name, whether this
  * CPU runs it, and what to call one in an error. Listing the ones this CPU runs and choosing one by name, for
  * Python, are written once over it. */
@@ -632,6 +688,9 @@ static int int8_gemm_index_supported(int i) { return int8_gemm_supported(&INT8_G
 static const variant_table ISA_TABLE = {NUM_ISAS, isa_name, isa_index_supported, "instruction set"};
 static const variant_table INT8_GEMM_TABLE = {NUM_INT8_GEMMS, int8_gemm_name, int8_gemm_index_supported,
                                               "int8 GEMM body"};
+static const char *moe_gemm_name(int i) { return MOE_GEMMS[i].name; }
+static int moe_gemm_index_supported(int i) { return moe_gemm_supported(&MOE_GEMMS[i]); }
+static const variant_table MOE_GEMM_TABLE = {NUM_MOE_GEMMS, moe_gemm_name, moe_gemm_index_supported, "MoE GEMM body"};
 
 /* A list of the names of the table's entries this CPU runs. */
 static PyObject *supported_names(const variant_table *table)
@@ -689,6 +748,29 @@ static PyObject *py_set_int8_gemm_isa(PyObject *self, PyObject *args)
     if (!name)
         return NULL;
     return select_variant(&INT8_GEMM_TABLE, name, &selected_int8_gemm);
+}
+
+static PyObject *py_supported_moe_gemm_isas(PyObject *self, PyObject *args)
+{
+    (void)self;
+    (void)args;
+    return supported_names(&MOE_GEMM_TABLE);
+}
+
+static PyObject *py_set_moe_gemm_isa(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *name_object;
+    if (!PyArg_ParseTuple(args, "O", &name_object))
+        return NULL;
+    if (name_object == Py_None) { /* back to none: the per-expert oneDNN loop, as on a CPU without AVX512-BF16 */
+        selected_moe_gemm = -1;
+        Py_RETURN_NONE;
+    }
+    const char *name = PyUnicode_AsUTF8(name_object);
+    if (!name)
+        return NULL;
+    return select_variant(&MOE_GEMM_TABLE, name, &selected_moe_gemm);
 }
 
 static PyObject *py_isa(PyObject *self, PyObject *args)
@@ -751,6 +833,14 @@ static PyMethodDef METHODS[] = {
     {"supported_int8_gemm_isas", py_supported_int8_gemm_isas, METH_NOARGS, "Every int8 GEMM body this CPU runs."},
     {"set_int8_gemm_isa", py_set_int8_gemm_isa, METH_VARARGS,
      "Run int8_gemm with this body (None: none, as without VNNI); tests compare them."},
+    {"moe_gemm", py_moe_gemm, METH_VARARGS,
+     "moe_gemm(x (bf16, rows grouped by expert), packed, offsets (int64, num_experts + 1), out (bf16) (addresses), "
+     "num_experts, x_stride, out_stride, k, cols, num_threads): each expert's rows x its packed weight (moe_gemm.h)"},
+    {"moe_gemm_isa", py_moe_gemm_isa, METH_NOARGS,
+     "The MoE GEMM body in use (avx512_bf16, or portable when set), None where the CPU has no AVX512-BF16."},
+    {"supported_moe_gemm_isas", py_supported_moe_gemm_isas, METH_NOARGS, "Every MoE GEMM body this CPU runs."},
+    {"set_moe_gemm_isa", py_set_moe_gemm_isa, METH_VARARGS,
+     "Run moe_gemm with this body (None: none, as without AVX512-BF16); tests compare them."},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels run (the widest this CPU has, unless set_isa chose)."},
     {"supported_isas", py_supported_isas, METH_NOARGS, "Every instruction set this CPU runs, widest first."},
     {"set_isa", py_set_isa, METH_VARARGS, "Run the kernels with this instruction set (tests compare them)."},
@@ -770,6 +860,12 @@ PyMODINIT_FUNC PyInit__cpu_ops(void)
     for (int i = 0; i < NUM_INT8_GEMMS; i++) {
         if (!INT8_GEMMS[i].test_only && int8_gemm_supported(&INT8_GEMMS[i])) {
             selected_int8_gemm = i;
+            break;
+        }
+    }
+    for (int i = 0; i < NUM_MOE_GEMMS; i++) {
+        if (!MOE_GEMMS[i].test_only && moe_gemm_supported(&MOE_GEMMS[i])) {
+            selected_moe_gemm = i;
             break;
         }
     }

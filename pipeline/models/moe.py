@@ -58,6 +58,9 @@ class StackedExperts(nn.Module):
         # per expert, (gate_up, down) GEMMs the kernel set prepared (the CPU set: oneDNN with packed weights,
         # ``kernels.cpu_backend.prepare_model_cpu``); None: the kernel set's ``fused_moe`` over the stacked weights
         self.expert_gemms: list[tuple[Callable, Callable]] | None = None
+        # all experts' GEMMs in one native call each (the CPU set in bf16, ``kernels.cpu_moe``): (grouped rows, rows
+        # per expert, silu_and_mul) -> their outputs, or None where the groups are too large for it (the loop above)
+        self.grouped_experts: Callable | None = None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 kernels: Kernels) -> torch.Tensor:  # [num_tokens, hidden]: each token's top-k experts, weighted
@@ -68,7 +71,11 @@ class StackedExperts(nn.Module):
             gate_up, down = self.expert_gemms[index]
             return down(kernels.silu_and_mul(gate_up(rows)))
 
-        return experts_over_grouped_rows(x, topk_weights, topk_ids, self.gate_up_proj.shape[0], expert)
+        def all_experts(grouped: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor | None:
+            return self.grouped_experts(grouped, rows_per_expert, kernels.silu_and_mul)
+
+        return experts_over_grouped_rows(x, topk_weights, topk_ids, self.gate_up_proj.shape[0], expert,
+                                         None if self.grouped_experts is None else all_experts)
 
 
 class SparseMoeBlock(nn.Module):

@@ -1,0 +1,91 @@
+"""A mixture-of-experts layer's bf16 expert GEMMs on the CPU in one native call per GEMM (``kernels/native/moe_gemm.h``).
+
+``StackedExperts`` (pipeline/models/moe.py) calls ``GroupedExperts`` over its rows grouped by expert: all experts'
+gate/up GEMM in one call, the SiLU-and-mul over all rows, all experts' down GEMM in one call, wherever no expert has
+more than ``MAX_ROWS_PER_EXPERT`` rows; larger groups keep a packed oneDNN GEMM pair per expert (on AMX CPUs oneDNN
+runs AMX for prefill-sized groups). The weights are packed once at load (``pack``) in the panels the kernel streams.
+bf16 only: fp32 models keep the oneDNN loop.
+
+Why: one oneDNN call pair per expert read the experts' weights at 14-20 GB/s of the machine's 36-45 in decode
+(per-call overhead, two threads splitting each tiny GEMM); one call per layer, its threads splitting
+(expert, column panel) items, reads them near memory bandwidth (docs/benchmarks.md, issue 33).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_native
+
+PANEL = 32  # output columns per packed panel (moe_gemm.h)
+
+
+def _has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in cpuinfo)
+    except OSError:
+        return False
+
+
+# Most rows any expert may have for the one-call path. On this project's Zen 5 (AVX512-BF16, no AMX;
+# bench/moe_gemm_ab.py) it beat the per-expert oneDNN loop at every size measured, 1 to 256 rows per expert
+# (2-3x at 1-8 rows, 1.03-1.18x at 128-256); where the CPU has AMX, oneDNN's AMX kernels take groups larger than a
+# decode's (not measured: no AMX machine was at hand).
+MAX_ROWS_PER_EXPERT = 16 if _has_amx_bf16() else 256
+
+
+@dataclass
+class PackedExperts:
+    """Every expert's ``[out, in]`` bf16 weight in the native GEMM's layout, padded to whole panels and pairs."""
+
+    packed: torch.Tensor  # bf16 [num_experts, panels, k2, 32, 2]
+    in_features: int
+    out_features: int
+
+
+def native_available() -> bool:
+    """Whether the one-call expert GEMM runs here (an AVX512-BF16 CPU, or a test that chose the portable body)."""
+    return cpu_native.ops is not None and cpu_native.ops.moe_gemm_isa() is not None
+
+
+def pack(weights: torch.Tensor) -> PackedExperts:
+    """bf16 ``[num_experts, out, in]`` (any strides) -> the packed form."""
+    num_experts, out_features, in_features = weights.shape
+    k2 = -(-in_features // 2)
+    panels = -(-out_features // PANEL)
+    padded = F.pad(weights, (0, 2 * k2 - in_features, 0, panels * PANEL - out_features))  # [E, panels*32, 2*k2]
+    packed = padded.view(num_experts, panels, PANEL, k2, 2).permute(0, 1, 3, 2, 4).contiguous()
+    return PackedExperts(packed, in_features, out_features)
+
+
+def grouped_gemm(rows: torch.Tensor, offsets: torch.Tensor, weights: PackedExperts) -> torch.Tensor:
+    """bf16 ``[num_rows, in]`` grouped by expert (expert e's rows ``offsets[e]:offsets[e + 1]``, int64) ->
+    ``[num_rows, out]``: each expert's rows times its weight, fp32 sums rounded once to bf16."""
+    out = torch.empty((rows.shape[0], weights.out_features), dtype=torch.bfloat16)
+    if rows.shape[0] == 0:
+        return out
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    cpu_native.ops.moe_gemm(rows.data_ptr(), weights.packed.data_ptr(), offsets.data_ptr(), out.data_ptr(),
+                            weights.packed.shape[0], rows.stride(0), out.stride(0), weights.in_features,
+                            weights.out_features, torch.get_num_threads())
+    return out
+
+
+class GroupedExperts:
+    """A layer's experts packed for the one-call path: ``(rows grouped by expert, rows per expert, silu_and_mul)``
+    -> the experts' outputs, or None where the groups are too large for it (the caller runs its per-expert loop)."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):  # [E, 2 * inter, hidden], [E, hidden, inter]
+        self.gate_up = pack(gate_up)
+        self.down = pack(down)
+
+    def __call__(self, grouped: torch.Tensor, rows_per_expert: torch.Tensor, silu_and_mul) -> torch.Tensor | None:
+        if grouped.dtype != torch.bfloat16 or not native_available() or (
+                int(rows_per_expert.max()) > MAX_ROWS_PER_EXPERT):
+            return None
+        offsets = F.pad(torch.cumsum(rows_per_expert, 0), (1, 0))  # [num_experts + 1] int64
+        return grouped_gemm(silu_and_mul(grouped_gemm(grouped, offsets, self.gate_up)), offsets, self.down)
