@@ -24,8 +24,10 @@ def is_available() -> bool:
 
 
 def describe() -> str:
-    """One line for logs and benchmark reports: which instruction set the native kernels run (and the int8
-    GEMM: its packed-weight body, or ``torch._int_mm`` where the CPU has no VNNI)."""
+    """One line for logs and benchmark reports: which instruction set the native kernels run, the int8 GEMM (its
+    packed-weight body, or ``torch._int_mm`` where the CPU has no VNNI) and the MoE expert GEMM (its one-call body,
+    or the per-expert oneDNN loop where the CPU has no AVX512-BF16)."""
     if ops is None:
         return "torch reference (native kernels not built)"
-    return f"native ({ops.isa()}, int8 GEMM {ops.int8_gemm_isa() or 'torch._int_mm'})"
+    return (f"native ({ops.isa()}, int8 GEMM {ops.int8_gemm_isa() or 'torch._int_mm'}, "
+            f"MoE GEMM {ops.moe_gemm_isa() or 'per-expert oneDNN'})")

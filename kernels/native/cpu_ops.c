@@ -734,20 +734,26 @@ static PyObject *py_supported_int8_gemm_isas(PyObject *self, PyObject *args)
     return supported_names(&INT8_GEMM_TABLE);
 }
 
-static PyObject *py_set_int8_gemm_isa(PyObject *self, PyObject *args)
+/* select_variant for a table whose choice may also be none (``None``: -1, the torch path a CPU without the body runs). */
+static PyObject *select_optional_variant(const variant_table *table, PyObject *args, int *selected)
 {
-    (void)self;
     PyObject *name_object;
     if (!PyArg_ParseTuple(args, "O", &name_object))
         return NULL;
-    if (name_object == Py_None) { /* back to none: torch._int_mm, as on a CPU without VNNI */
-        selected_int8_gemm = -1;
+    if (name_object == Py_None) {
+        *selected = -1;
         Py_RETURN_NONE;
     }
     const char *name = PyUnicode_AsUTF8(name_object);
     if (!name)
         return NULL;
-    return select_variant(&INT8_GEMM_TABLE, name, &selected_int8_gemm);
+    return select_variant(table, name, selected);
+}
+
+static PyObject *py_set_int8_gemm_isa(PyObject *self, PyObject *args)
+{
+    (void)self; /* None: torch._int_mm, as on a CPU without VNNI */
+    return select_optional_variant(&INT8_GEMM_TABLE, args, &selected_int8_gemm);
 }
 
 static PyObject *py_supported_moe_gemm_isas(PyObject *self, PyObject *args)
@@ -759,18 +765,8 @@ static PyObject *py_supported_moe_gemm_isas(PyObject *self, PyObject *args)
 
 static PyObject *py_set_moe_gemm_isa(PyObject *self, PyObject *args)
 {
-    (void)self;
-    PyObject *name_object;
-    if (!PyArg_ParseTuple(args, "O", &name_object))
-        return NULL;
-    if (name_object == Py_None) { /* back to none: the per-expert oneDNN loop, as on a CPU without AVX512-BF16 */
-        selected_moe_gemm = -1;
-        Py_RETURN_NONE;
-    }
-    const char *name = PyUnicode_AsUTF8(name_object);
-    if (!name)
-        return NULL;
-    return select_variant(&MOE_GEMM_TABLE, name, &selected_moe_gemm);
+    (void)self; /* None: the per-expert oneDNN loop, as on a CPU without AVX512-BF16 */
+    return select_optional_variant(&MOE_GEMM_TABLE, args, &selected_moe_gemm);
 }
 
 static PyObject *py_isa(PyObject *self, PyObject *args)
