@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from kernels import cpu_moe, cpu_native
-from kernels.cpu_gemm import CpuLinear
+from kernels.cpu_gemm import PACKED_MAX_ROWS, CpuLinear
 from kernels.cpu_elementwise import apply_rotary_cpu, rms_norm_cpu, silu_and_mul_cpu, store_kv_cpu
 from kernels.cpu_paged_attention import paged_attention_cpu
 
@@ -39,15 +39,21 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
             module.gemm = CpuLinear(weight.detach(), None if module.bias is None else module.bias.detach(),
                                     prepack=prepack_weights)
         elif hasattr(module, "expert_gemms") and module.gate_up_proj.device.type == "cpu":
-            # a mixture-of-experts layer's stacked experts: each expert's pair of GEMMs packed like a linear's
-            module.expert_gemms = [
-                (CpuLinear(gate_up.detach(), None, prepack=prepack_weights), CpuLinear(down.detach(), None,
-                                                                                        prepack=prepack_weights))
-                for gate_up, down in zip(module.gate_up_proj, module.down_proj)]
-            if prepack_weights and module.gate_up_proj.dtype == torch.bfloat16 and cpu_moe.native_available():
-                # and all experts packed once more for the one-call path (kernels/cpu_moe.py)
+            # a mixture-of-experts layer's stacked experts: all of them packed once for the one-call path
+            # (kernels/cpu_moe.py) where it runs, and each expert's pair of GEMMs packed like a linear's for the
+            # groups it does not take; where it takes every group oneDNN's packed rows would serve (up to
+            # PACKED_MAX_ROWS), those copies would never be read, and are not made (the experts are held twice, not
+            # three times)
+            grouped = (prepack_weights and module.gate_up_proj.dtype == torch.bfloat16
+                       and cpu_moe.native_available())
+            if grouped:
                 module.grouped_experts = cpu_moe.GroupedExperts(module.gate_up_proj.detach(),
                                                                 module.down_proj.detach())
+            pack_each = prepack_weights and not (grouped and cpu_moe.MAX_ROWS_PER_EXPERT >= PACKED_MAX_ROWS)
+            module.expert_gemms = [
+                (CpuLinear(gate_up.detach(), None, prepack=pack_each), CpuLinear(down.detach(), None,
+                                                                                  prepack=pack_each))
+                for gate_up, down in zip(module.gate_up_proj, module.down_proj)]
     if hasattr(model, "logits_gemm") and hasattr(model, "output_weight"):
         lm_head = getattr(model, "lm_head", None)
         model.logits_gemm = lm_head.gemm if lm_head is not None and lm_head.gemm is not None else CpuLinear(

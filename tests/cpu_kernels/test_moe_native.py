@@ -116,6 +116,13 @@ def test_stacked_experts_one_call_matches_per_expert_loop(moe_body, num_tokens):
     kernels = load_kernels("cpu")
     kernels.prepare_model(experts)
     assert experts.grouped_experts is not None
+    # oneDNN's packed copies serve at most PACKED_MAX_ROWS rows: where the one call takes every such group they would
+    # never be read, and are not made (experts held twice, not three times)
+    from kernels import cpu_moe
+    from kernels.cpu_gemm import PACKED_MAX_ROWS
+
+    packed_each = [gemm.packed is not None for pair in experts.expert_gemms for gemm in pair]
+    assert packed_each == [cpu_moe.MAX_ROWS_PER_EXPERT < PACKED_MAX_ROWS] * len(packed_each)
     x = torch.randn(num_tokens, 64, generator=generator).to(torch.bfloat16)
     topk_weights = torch.softmax(torch.randn(num_tokens, 2, generator=generator), -1).to(torch.bfloat16)
     topk_ids = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(num_tokens)])
