@@ -123,13 +123,13 @@ def render(view: TopView, title: str):
     )
     table = Table(expand=False, pad_edge=False)
     for name, justify in (("worker", "left"), ("role", "left"), ("state", "left"), ("pid", "right"),
-                          ("run", "right"), ("queue", "right"), ("KV used", "right"), ("TTFT", "right"),
+                          ("ranks", "right"), ("run", "right"), ("queue", "right"), ("KV used", "right"), ("TTFT", "right"),
                           ("TPOT", "right"), ("KV xfer", "right"), ("restarts", "right")):
         table.add_column(name, justify=justify, no_wrap=True)
     for row in view.rows:
         table.add_row(
             row.worker, row.role, Text(row.state, style=_state_style(row.state)), str(row.pid or "-"),
-            str(row.num_running), str(row.num_queued),
+            str(row.num_ranks), str(row.num_running), str(row.num_queued),
             "-" if row.kv_used_fraction is None else f"{100 * row.kv_used_fraction:.0f}%",
             _ms(row.ttft_s), _ms(row.tpot_s), _bytes_per_s(row.transfer_bytes_per_s),
             Text(str(row.num_restarts), style="red" if row.num_restarts else ""),

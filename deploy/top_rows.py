@@ -54,6 +54,7 @@ class WorkerRow:
     role: str
     state: str  # serving, idle, draining, dead, or "busy 2.5s" (a long step)
     pid: int | None
+    num_ranks: int  # tensor parallelism: the worker's processes (rank 0, the pid, and ranks 1..N-1)
     num_running: int
     num_queued: int
     kv_used_fraction: float | None  # blocks held by live requests / blocks in the pool
@@ -104,7 +105,7 @@ def build_view(previous: Scrape, current: Scrape) -> TopView:
 
 
 def _worker_rows(previous: Scrape, current: Scrape, dt: float) -> list[WorkerRow]:
-    pids = {w["worker_id"]: w.get("pid") for w in (current.ready or {}).get("workers", [])}
+    entries = {w["worker_id"]: w for w in (current.ready or {}).get("workers", [])}
     up, draining = current.per_worker("tandem_worker_up"), current.per_worker("tandem_worker_draining")
     busy = current.per_worker("tandem_worker_busy_in_step_seconds")
     running = current.per_worker("tandem_worker_running_requests")
@@ -125,7 +126,8 @@ def _worker_rows(previous: Scrape, current: Scrape, dt: float) -> list[WorkerRow
         else:
             state = "serving" if running.get(worker) or queued.get(worker) else "idle"
         rows.append(WorkerRow(
-            worker=worker, role=role, state=state, pid=pids.get(worker),
+            worker=worker, role=role, state=state, pid=entries.get(worker, {}).get("pid"),
+            num_ranks=1 + len(entries.get(worker, {}).get("rank_pids") or ()),
             num_running=int(running.get(worker, 0)), num_queued=int(queued.get(worker, 0)),
             kv_used_fraction=used[worker] / total[worker] if total.get(worker) and worker in used else None,
             ttft_s=ttft.get(worker), tpot_s=tpot.get(worker),

@@ -7,7 +7,8 @@ import pytest
 from deploy.top_rows import Scrape, build_view
 
 READY = {"ready": True, "reason": "1 DecodeOnly and 1 PrefillOnly worker(s) alive",
-         "workers": [{"worker_id": "prefill-0", "pid": 101}, {"worker_id": "decode-0", "pid": 102}]}
+         "workers": [{"worker_id": "prefill-0", "pid": 101, "rank_pids": [201]},
+                     {"worker_id": "decode-0", "pid": 102, "rank_pids": []}]}
 
 
 def metrics_text(*, ok: float, errors: float, ttft: tuple[float, float], decode_tpot: tuple[float, float],
@@ -61,6 +62,7 @@ def test_rates_and_now_latencies_are_differences_between_two_scrapes():
     prefill, decode = view.rows  # prefill workers first: the order a request meets them
     assert (prefill.worker, prefill.role, prefill.pid, prefill.state) == ("prefill-0", "PrefillOnly", 101, "busy 2.5s")
     assert (decode.worker, decode.role, decode.pid, decode.state) == ("decode-0", "DecodeOnly", 102, "serving")
+    assert (prefill.num_ranks, decode.num_ranks) == (2, 1)  # a tensor-parallel worker's processes
     assert (decode.num_running, decode.num_queued, decode.kv_used_fraction) == (4, 1, 0.25)
     assert decode.ttft_s == pytest.approx(0.2) and decode.tpot_s == pytest.approx(0.05)
     assert decode.transfer_bytes_per_s == pytest.approx(2e6)
