@@ -25,7 +25,8 @@ import time
 import torch
 
 
-def _timed(fn, repeats: int) -> list[float]:
+def timed(fn, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn``, after one untimed call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -50,7 +51,7 @@ def measure(threads: int, size_mib: int = 512, repeats: int = 9) -> dict:
         }
         report = {"threads": threads, "array_mib": size_mib, "repeats": repeats}
         for name, (fn, num_arrays) in kernels.items():
-            rates = [num_arrays * a.nbytes / t / 1e9 for t in _timed(fn, repeats)]
+            rates = [num_arrays * a.nbytes / t / 1e9 for t in timed(fn, repeats)]
             report[name] = {"median_gb_s": statistics.median(rates), "gb_s": rates}
         return report
     finally:

@@ -10,34 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import time
 
 import torch
 
+from bench.memory_bandwidth import timed
+from bench.quantization_bench import cpu_description
 from kernels import cpu_moe, cpu_native
 from kernels.cpu_gemm import CpuLinear
 from kernels.cpu_elementwise import silu_and_mul_cpu
 
 
 def median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
+    return statistics.median(timed(fn, repeats)) * 1e3
 
 
 def main() -> None:
@@ -86,7 +71,7 @@ def main() -> None:
             print(f"{threads} thread(s), {rows:2d} rows/expert: loop {loop_ms:6.2f} ms ({row['loop_gb_s']:5.1f} GB/s)"
                   f"  one call {native_ms:6.2f} ms ({row['native_gb_s']:5.1f} GB/s)  {row['speedup']:.2f}x"
                   f"  max |diff| {difference:.3g}")
-    report = {"cpu": cpu_model(), "kernels": cpu_native.describe(),
+    report = {"cpu": cpu_description(), "kernels": cpu_native.describe(),
               "moe_gemm_body": cpu_native.ops.moe_gemm_isa(), "num_experts": num_experts, "hidden": hidden,
               "intermediate": inter, "weight_mb": round(weight_bytes / 1e6, 1), "results": results}
     if args.out:

@@ -42,19 +42,11 @@ def native_available() -> bool:
     return cpu_native.ops is not None
 
 
-def _has_amx_int8() -> bool:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any(line.startswith("flags") and " amx_int8" in line for line in cpuinfo)
-    except OSError:
-        return False
-
-
 # Where the CPU has AMX, oneDNN's AMX kernels behind torch._int_mm do many times the work per cycle of
 # AVX-512 VNNI: batches of more rows than a decode's take them (not measured here: no AMX machine was at hand;
 # on this project's Zen 5 the packed GEMM matched torch._int_mm from 256 rows up and was faster below).
 AMX_PACKED_MAX_ROWS = 16
-_IS_AMX = _has_amx_int8()
+_IS_AMX = "amx_int8" in cpu_native.cpu_flags()
 
 
 def packed_gemm_preferred(rows: int) -> bool:

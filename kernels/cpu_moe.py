@@ -22,20 +22,11 @@ from kernels import cpu_native
 
 PANEL = 32  # output columns per packed panel (moe_gemm.h)
 
-
-def _has_amx_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any(line.startswith("flags") and " amx_bf16" in line for line in cpuinfo)
-    except OSError:
-        return False
-
-
 # Most rows any expert may have for the one-call path. On this project's Zen 5 (AVX512-BF16, no AMX;
 # bench/moe_gemm_ab.py) it beat the per-expert oneDNN loop at every size measured, 1 to 256 rows per expert
 # (2-3x at 1-8 rows, 1.03-1.18x at 128-256); where the CPU has AMX, oneDNN's AMX kernels take groups larger than a
 # decode's (not measured: no AMX machine was at hand).
-MAX_ROWS_PER_EXPERT = 16 if _has_amx_bf16() else 256
+MAX_ROWS_PER_EXPERT = 16 if "amx_bf16" in cpu_native.cpu_flags() else 256
 
 
 @dataclass

@@ -7,6 +7,7 @@ first on purpose: the module's OpenMP runtime is the ``libgomp.so.1`` torch has 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch  # noqa: F401  (before the extension: its OpenMP symbols resolve to torch's runtime)
@@ -21,6 +22,18 @@ if os.environ.get("TANDEM_NATIVE_KERNELS", "1").lower() not in ("0", "false", "o
 
 def is_available() -> bool:
     return ops is not None
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux lists them (``/proc/cpuinfo``: ``amx_bf16``, ``avx512_vnni``, ...); empty
+    where they cannot be read. What the kernels choose a GEMM route by, where oneDNN's AMX kernels would win."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return frozenset(next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")),
+                                  ()))
+    except OSError:
+        return frozenset()
 
 
 def describe() -> str:
