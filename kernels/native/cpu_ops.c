@@ -215,13 +215,20 @@ static const isa_entry ISAS[] = {
 };
 #define NUM_ISAS ((int)(sizeof(ISAS) / sizeof(ISAS[0])))
 
+#ifdef HAS_X86_VARIANTS
+/* The AVX-512 subsets every AVX-512 body here is compiled for (foundation, byte/word, vector length, dq), and
+ * ``extra`` on top (a string literal, as __builtin_cpu_supports wants); after __builtin_cpu_init(). */
+#define CPU_HAS_AVX512_AND(extra)                                                                          \
+    (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&                            \
+     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports(extra))
+#endif
+
 static int isa_supported(const isa_entry *isa)
 {
 #ifdef HAS_X86_VARIANTS
     __builtin_cpu_init();
     if (strcmp(isa->name, "avx512") == 0)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
+        return CPU_HAS_AVX512_AND("fma");
     if (strcmp(isa->name, "avx2") == 0)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif

@@ -196,9 +196,7 @@ static int int8_gemm_supported(const int8_gemm_entry *gemm)
 #ifdef HAS_INT8_VNNI
     __builtin_cpu_init();
     if (strcmp(gemm->name, "avx512_vnni") == 0)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-               __builtin_cpu_supports("avx512vnni");
+        return CPU_HAS_AVX512_AND("avx512vnni");
 #endif
     (void)gemm;
     return 1;

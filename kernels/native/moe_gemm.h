@@ -177,9 +177,7 @@ static int moe_gemm_supported(const moe_gemm_entry *gemm)
 #ifdef HAS_MOE_AVX512_BF16
     __builtin_cpu_init();
     if (strcmp(gemm->name, "avx512_bf16") == 0)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-               __builtin_cpu_supports("avx512bf16");
+        return CPU_HAS_AVX512_AND("avx512bf16");
 #endif
     (void)gemm;
     return 1;
