@@ -83,15 +83,15 @@ def _add_common(parser: argparse.ArgumentParser, name_default: str | None) -> No
 
 
 def _on_ray(handler):
-    """Run ``handler(args, deployment module)`` connected to the cluster; a ``DeployError`` (no Ray
-    installed, no cluster, nothing placeable, not ready) is one line on stderr and exit code 1."""
+    """Run ``handler(args, deployment module, operations module)`` connected to the cluster; a ``DeployError`` (no
+    Ray installed, no cluster, nothing placeable, not ready) is one line on stderr and exit code 1."""
     def run(args: argparse.Namespace) -> int:
-        from deploy.ray_cluster import deployment
+        from deploy.ray_cluster import deployment, operations
 
         try:
             deployment.connect(args.address)
-            return handler(args, deployment)
-        except deployment.DeployError as exc:
+            return handler(args, deployment, operations)
+        except operations.DeployError as exc:
             print(f"tandem ray {args.ray_command}: error: {exc}", file=sys.stderr, flush=True)
             return 1
 
@@ -101,7 +101,7 @@ def _on_ray(handler):
 def run_up(args: argparse.Namespace) -> int:
     options = _up_options(args)  # bad flags fail here (exit 2), before Ray is touched
 
-    def up(_, deployment) -> int:
+    def up(_, deployment, operations) -> int:
         url = deployment.up(options, say=lambda line: print(line, flush=True))
         print(f"Tandem is ready at {url}/v1 (deployment {options.deployment!r}; `tandem ray status` for each "
               f"process, `tandem ray down --name {options.deployment}` to stop)", flush=True)
@@ -170,12 +170,12 @@ def _cluster_key_text(config) -> str | None:
 
 
 @_on_ray
-def run_down(args: argparse.Namespace, deployment) -> int:
+def run_down(args: argparse.Namespace, deployment, operations) -> int:
     if args.process:
-        removed = deployment.scale_down(args.name, args.process, say=lambda line: print(line, flush=True))
+        removed = operations.scale_down(args.name, args.process, say=lambda line: print(line, flush=True))
         print(f"removed {len(removed)} workers: {', '.join(removed)}", flush=True)
         return 0
-    removed = deployment.down(args.name, say=lambda line: print(line, flush=True))
+    removed = operations.down(args.name, say=lambda line: print(line, flush=True))
     what = f"deployment {args.name!r}" if args.name else "every Tandem deployment"
     print(f"stopped {what}: {len(removed)} processes and their actors" if removed else f"{what}: nothing running",
           flush=True)
@@ -183,15 +183,15 @@ def run_down(args: argparse.Namespace, deployment) -> int:
 
 
 @_on_ray
-def run_restart(args: argparse.Namespace, deployment) -> int:
-    replaced = deployment.rolling_restart(args.name, say=lambda line: print(line, flush=True), timeout_s=args.timeout)
+def run_restart(args: argparse.Namespace, deployment, operations) -> int:
+    replaced = operations.rolling_restart(args.name, say=lambda line: print(line, flush=True), timeout_s=args.timeout)
     print(f"replaced {len(replaced)} workers one at a time", flush=True)
     return 0
 
 
 @_on_ray
-def run_status(args: argparse.Namespace, deployment) -> int:
-    rows = deployment.status(args.name)
+def run_status(args: argparse.Namespace, deployment, operations) -> int:
+    rows = operations.status(args.name)
     if args.json:
         print(json.dumps(rows, indent=2), flush=True)
     elif not rows:
