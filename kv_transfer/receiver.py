@@ -254,6 +254,10 @@ class KVReceiver(IOThread):
             self._send(identity, HelloReply(ok=False, error=error, layout=self.layout, host_id=self._host_id))
             return
         self._peers[identity] = _Peer(ok=True, transport=transport)
+        if hello.layout.tensor_parallel_size != self.layout.tensor_parallel_size:
+            log.info("KV from sender %s (%d tensor-parallel ranks) to this receiver (%d): the full-head layout "
+                     "travels, each end re-slices for its own ranks", identity.hex(),
+                     hello.layout.tensor_parallel_size, self.layout.tensor_parallel_size)
         is_shm = transport == "shm"
         self._send(identity, HelloReply(
             ok=True, layout=self.layout, host_id=self._host_id, transport=transport,

@@ -5,6 +5,7 @@ every rank ends up holding exactly its own heads of the sender's KV (a head seve
 from __future__ import annotations
 
 import itertools
+import logging
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ def layout_of(cache) -> int:
 
 @pytest.mark.parametrize("sizes", [(1, 2), (2, 1), (2, 4), (4, 2), (4, 1), (1, 4)])
 @pytest.mark.parametrize("num_kv_heads", [NUM_KV_HEADS, 2])
-def test_a_transfer_between_layouts_lands_every_rank_its_heads(sizes, num_kv_heads):
+def test_a_transfer_between_layouts_lands_every_rank_its_heads(sizes, num_kv_heads, caplog):
     """Prefill TP a -> decode TP b over ZMQ, any a and b, fewer KV heads than ranks too (2 heads, 4 ranks)."""
     shape = (*SHAPE[:4], num_kv_heads, SHAPE[5])
     source_full, sink_full = random_cache(shape, seed=1), torch.zeros(shape)
@@ -63,6 +64,7 @@ def test_a_transfer_between_layouts_lands_every_rank_its_heads(sizes, num_kv_hea
     assert [layout_of(source), layout_of(sink)] == list(sizes)
     src_ids, dst_ids = [3, 4, 5, 11, 0], [7, 8, 9, 1, 15]
     expected_bytes = layout.kv_bytes(len(dst_ids))
+    caplog.set_level(logging.INFO, logger="kv_transfer.receiver")
     with KVReceiver(sink, kv_layout(sink, "tiny"), f"ipc:///tmp/tandem-test-sharded-{next(_ipc_names)}") as receiver, \
             KVSender(source, layout) as sender:
         receiver.expect("r", dst_ids, num_bytes=expected_bytes)
@@ -72,6 +74,12 @@ def test_a_transfer_between_layouts_lands_every_rank_its_heads(sizes, num_kv_hea
         sender.finish("r", b"done")
         (got,), (status,) = wait_for(receiver, sender, 1, 1, timeout=20)
     assert got.ok and status.ok and got.payload == b"done", (got, status)
+    # the compatibility record carries each end's rank count: the receiver says when the two differ
+    resliced = [r.getMessage() for r in caplog.records if "re-slices" in r.getMessage()]
+    if sizes[0] == sizes[1]:
+        assert resliced == []
+    else:
+        assert len(resliced) == 1 and f"({sizes[0]} tensor-parallel ranks) to this receiver ({sizes[1]})" in resliced[0]
     assert got.num_bytes == status.num_bytes == expected_bytes  # the bytes of a TP 1 -> TP 1 transfer
     landed = sink_full if sizes[1] == 1 else gather(sink)
     assert torch.equal(landed[:, :, dst_ids], source_full[:, :, src_ids])
