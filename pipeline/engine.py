@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Container
 
 import msgspec
@@ -26,41 +25,23 @@ from pipeline.generation_config import generation_eos_ids, read_generation_confi
 from pipeline.kv_pool import build_kv_pool
 from pipeline.model_runner import TORCH_DTYPES, ModelRunner
 from pipeline.output_processor import OutputProcessor
-from pipeline.overlap import InFlightStep, needs_host_tokens
+from pipeline.overlap import InFlightStep
 from pipeline.protocol import FinishReason, PromptLogprobs, SamplingParams
 from pipeline.protocol.requests import sibling_params
 from pipeline.protocol.cluster import WorkerLoad
-from pipeline.request_validation import RequestError, resolve_bad_words, validate_request
-from pipeline.sampler import Sampler, SequenceSamplingState, step_seed
+from pipeline.request_validation import RequestError, validate_request
+from pipeline.sampler import Sampler
 from pipeline.scheduler import Scheduler
-from pipeline.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceStatus
+from pipeline.sequence import Sequence, SequenceStatus
+from pipeline.sequence_builder import SequenceBuilder
+from pipeline.step_execution import StepExecutor
+from pipeline.step_output import StepOutput
 from pipeline.tokenizer import eos_token_ids, load_tokenizer
 from pipeline.weights import load_model
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "StepOutput", "RequestError"]
-
-
-@dataclass
-class StepOutput:
-    """What one request produced in one step."""
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_top_logprobs: int = 0  # the request's ``logprobs`` (top-N asked for)
-    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when the request asked for them
-    index: int = 0  # which choice (n > 1)
-    error: str | None = None  # with finish_reason "error": why
-    request_finished: bool = False  # this output ended the request's last running choice
-    # the last token ended the request as EOS or a stop token id: it is not part of the text
-    is_stop_token: bool = False
-    num_preemptions: int = 0  # with finish_reason: how often the scheduler preempted it (for its trace)
 
 
 class LLMEngine:
@@ -134,6 +115,9 @@ class LLMEngine:
             logger.warning("enable_overlap_scheduler on CPU: measured slower than off here (the host's work and the "
                            "model's Python share one interpreter lock); see docs/overlap.md")
         self._in_flight: InFlightStep | None = None
+        self.executor = StepExecutor(self.scheduler, self.runner, self.kv_manager, self.speculator, self.stream)
+        self.sequence_builder = SequenceBuilder(self.tokenizer, self.vocab_size, self.max_length, self.eos_token_ids,
+                                                self.device, is_speculative=self.speculator is not None)
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, kernels=%s",
             model_path, self.device, self.dtype, pool.num_blocks, config.kv_cache.page_size, self.kernels.name,
@@ -194,7 +178,7 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
         seq.priority = priority
         if resume_token_ids:
-            self._resume(seq, resume_token_ids, prefill_only)
+            self.sequence_builder.resume(seq, resume_token_ids, prefill_only)
         # n > 1 (not on a prefill-only worker, which computes the prompt once for the decode worker):
         # the other choices start once this one's prompt KV is written, sharing its blocks (_emit)
         siblings = [] if prefill_only else [
@@ -209,26 +193,8 @@ class LLMEngine:
 
     def _new_sequence(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool,
                       family_id: str | None = None, index: int = 0) -> Sequence:
-        max_total = self.max_length
-        if params.max_tokens is not None:
-            max_total = min(max_total, len(prompt_token_ids) + params.max_tokens)
-        if prefill_only:
-            max_total = len(prompt_token_ids) + 1
-        seq = Sequence(seq_id, list(prompt_token_ids), params, max_total_tokens=max_total,
-                       is_prefill_only=prefill_only, family_id=family_id or seq_id, index=index)
-        seq.speculates = self.speculator is not None and not prefill_only
-        generator = torch.Generator(device=self.device) if params.seed is not None else None
         grammar = self._grammar_matcher(params) if params.structured_output is not None else None
-        seq.sampling_state = SequenceSamplingState(
-            params=params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=[],
-            eos_token_ids=self.eos_token_ids,
-            bad_words_token_ids=resolve_bad_words(self.tokenizer, params.bad_words),
-            generator=generator,
-            grammar=grammar,
-        )
-        return seq
+        return self.sequence_builder.build(seq_id, prompt_token_ids, params, prefill_only, grammar, family_id, index)
 
     def warm_prefix(self, token_ids: list[int], num_computed_here: int = 0) -> bool:
         """Queue a prefix warm-up of ``token_ids`` (``pipeline/prefix_warmup.py``): their full blocks are
@@ -254,20 +220,6 @@ class LLMEngine:
     def get_choices(self, request_id: str) -> list[Sequence]:
         """Every choice of a request (n > 1: index order), finished or not, while the request is known."""
         return self._choices.members(request_id)
-
-    def _resume(self, seq: Sequence, token_ids: list[int], prefill_only: bool) -> None:
-        if prefill_only or seq.params.num_sequences > 1:
-            raise RequestError("resume_token_ids: only a single-choice request decoded here can resume")
-        if len(seq.prompt_token_ids) + len(token_ids) >= seq.max_total_tokens:
-            raise RequestError("resume_token_ids: nothing is left to generate")
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"resume_token_ids: token id {bad} is outside the vocabulary")
-        grammar = seq.sampling_state.grammar
-        for token_id in token_ids:
-            if grammar is not None and not grammar.accept(token_id):
-                raise RequestError("resume_token_ids: the tokens do not follow the request's constraint")
-            seq.append_token(token_id)
 
     def _grammar_matcher(self, params: SamplingParams):
         """A matcher for the request's constraint (compiled once per distinct constraint); a bad one is a RequestError."""
@@ -491,7 +443,7 @@ class LLMEngine:
         previous_read = Future()  # grammar masks of this step wait for it: their matchers take the previous tokens
         try:
             if not plan.is_empty:
-                self._in_flight = self._launch(plan, previous_read)
+                self._in_flight = self.executor.launch(plan, previous_read)
             if previous is not None:
                 outputs += self._read(previous)
             elif not outputs:
@@ -521,38 +473,7 @@ class LLMEngine:
         self.last_plan = plan
         if plan.is_empty:
             return []
-        for generator, seed in self._seeds(plan):
-            generator.manual_seed(seed)
-        if self.speculator is not None:
-            return self._run_speculative(plan)
-        sampled = self.runner.execute(plan.chunks, self.kv_manager.block_table)
-        token_ids = sampled.token_ids if sampled is not None else []
-        advanced = self.scheduler.update(plan, token_ids)
-        outputs: list[StepOutput] = []
-        for i, seq in enumerate(advanced):
-            logprobs = sampled.logprobs[i] if sampled.logprobs is not None else None
-            outputs.append(self._emit(seq, token_ids[i], logprobs))
-        return outputs
-
-    def _run_speculative(self, plan) -> list[StepOutput]:
-        """Run ``plan`` through ``pipeline/speculative``: a request may emit several tokens."""
-        results = self.speculator.run(plan.chunks, self.kv_manager.block_table)
-        outputs: list[StepOutput] = []
-        for chunk, result in zip(plan.chunks, results):
-            seq = chunk.seq
-            seq.num_computed_tokens = result.num_computed_tokens
-            seq.num_draft_computed_tokens = result.num_draft_computed_tokens
-            if result.token_ids:
-                outputs.append(self._emit_tokens(seq, result.token_ids, result.logprobs))
-        for chunk in plan.chunks:
-            seq = chunk.seq
-            # a block is cached only once both models' KV of it is written, by any sequence that still holds
-            # its blocks (a finished prefill-only request does: they wait for the transfer)
-            if self.kv_manager.has_sequence(seq.request_id):
-                self.kv_manager.register_computed(seq.request_id, seq.token_ids,
-                                                  min(seq.num_computed_tokens, seq.num_draft_computed_tokens))
-        self.scheduler.warmups.end_if_complete()
-        return outputs
+        return self.executor.run_at_once(plan, self._emit, self._emit_tokens)
 
     def _emit_tokens(self, seq: Sequence, token_ids: list[int],
                      logprobs: list[dict[int, float]] | None) -> StepOutput:
@@ -564,35 +485,10 @@ class LLMEngine:
             if out is None:
                 out = one
             else:
-                out.new_token_ids += one.new_token_ids
-                if one.new_logprobs is not None:
-                    out.new_logprobs = (out.new_logprobs or []) + one.new_logprobs
-                out.finish_reason, out.stop_reason, out.is_stop_token = one.finish_reason, one.stop_reason, one.is_stop_token
-                out.request_finished = one.request_finished
+                out.extend(one)
             if one.finish_reason is not None:
                 break
         return out
-
-    @staticmethod
-    def _seeds(plan) -> list[tuple[torch.Generator, int]]:
-        """A seed and the output position fix each draw of a seeded request: the same tokens alone or
-        batched, after preemption, with overlap on or off, or when another worker sampled the first token."""
-        seeds = []
-        for chunk in plan.chunks:
-            state = chunk.seq.sampling_state
-            if chunk.is_sampling and state.generator is not None:
-                seeds.append((state.generator, step_seed(chunk.seq.params.seed, chunk.seq.num_output_tokens)))
-        return seeds
-
-    def _launch(self, plan, previous_read: Future) -> InFlightStep:
-        """Queue ``plan`` on the execution stream; lengths advance now, token values come with ``_read``."""
-        seeds = self._seeds(plan)  # is_sampling and output positions are read before the lengths advance
-        future = self.runner.launch(plan.chunks, self.kv_manager.block_table, self.stream, seeds,
-                                    masks_after=previous_read)
-        sampled_chunks = [chunk for chunk in plan.chunks if chunk.is_sampling]
-        sampled = self.scheduler.update(plan, [PLACEHOLDER_TOKEN_ID] * len(sampled_chunks), register=False)
-        return InFlightStep(plan, future, sampled, [seq.num_tokens - 1 for seq in sampled],
-                            needs_host_tokens=any(needs_host_tokens(seq) for seq in sampled))
 
     def _take_in_flight(self) -> InFlightStep | None:
         step, self._in_flight = self._in_flight, None
