@@ -30,14 +30,11 @@ starts ranks 1..N-1 itself and exits when one of them dies; a restart starts all
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -45,10 +42,10 @@ from typing import Callable
 import httpx
 import yaml
 
-from deploy.parent_guard import DIE_WITH_PARENT_ENV
+from deploy.local_spawner import ProcessSpawner
 from deploy.process_group import terminate_groups
 from deploy.supervisor import RestartPolicy, Supervisor, SupervisorEvent
-from deploy.zygote_client import ForkedProcess, fork_server_enabled, shared_fork_server
+from deploy.zygote_client import ForkedProcess, fork_server_enabled
 from kv_transfer.shm_files import remove_shared_kv_files_of
 from pipeline.config import PipelineConfig
 from pipeline.core_list import format_core_list
@@ -96,17 +93,16 @@ class LocalCluster:
 
     def __post_init__(self) -> None:
         self.restart_policy = RestartPolicy(max_restarts=self.max_restarts)
-        self._commands: dict[str, list[str]] = {}
         self._lock = threading.Lock()  # processes and spawning: the supervision thread vs stop() and kill()
         self._is_stopping = threading.Event()
         self._is_forced = threading.Event()  # stop without waiting: the user asked twice
         self._supervisor: Supervisor | None = None
         self._supervision_thread: threading.Thread | None = None
-        self._spawner: ThreadPoolExecutor | None = None  # the one thread that forks (module docstring)
         self._workdir = Path(tempfile.mkdtemp(prefix="tandem-"))
         self.started_pids: set[int] = set()  # every process this cluster ever started (restarts included)
         self.log_dir = Path(self.log_dir) if self.log_dir else self._workdir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.spawner = ProcessSpawner(self.log_dir, self.entry_module, self.env, self.use_fork_server)
         self.config = dict(self.config)
         self.config.setdefault("zmq_endpoint_base", f"ipc://{self._workdir}/zmq")
         if self.model_path is not None:
@@ -145,7 +141,7 @@ class LocalCluster:
         return self._supervisor.failure if self._supervisor else None
 
     def log_path(self, name: str) -> Path:
-        return self.log_dir / f"{name}.log"
+        return self.spawner.log_path(name)
 
     # --------------------------------------------------------------- control
     def start(self, timeout_s: float = 180.0) -> "LocalCluster":
@@ -172,7 +168,7 @@ class LocalCluster:
             router_args += ["--cpu-cores", format_core_list(self.router_cores)]
         try:
             if self.use_fork_server and self.worker_names:
-                shared_fork_server(self.log_dir / "zygote.log")  # its imports overlap the router's start
+                self.spawner.start_fork_server()
             self._spawn("router", router_args + common)
             roles = {"prefill": "PrefillOnly", "decode": "DecodeOnly", "colocated": "PrefillAndDecode"}
             for name in self.worker_names:
@@ -187,31 +183,9 @@ class LocalCluster:
             raise
         return self
 
-    def _spawn(self, name: str, args: list[str]) -> int:
-        """Start ``name`` (first start: a fresh log; a restart: the same command, appended to its log).
-
-        Workers are forked by the fork server (``deploy.zygote``: torch and transformers imported once
-        per launcher, not once per process); the router, which never loads torch, is exec'd afresh."""
-        is_restart = name in self._commands
-        self._commands[name] = args
-        log_path = self.log_path(name)
-        with open(log_path, "ab" if is_restart else "wb") as log:
-            if is_restart:
-                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-                log.write(f"\n===== {stamp} tandem: {name} restarted; the previous run's output is above =====\n"
-                          .encode())
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, DIE_WITH_PARENT_ENV: str(os.getpid())}
-        argv = ["--log-level", "INFO", *args]
-        if name != "router" and self.use_fork_server:
-            proc = shared_fork_server(self.log_dir / "zygote.log").spawn(self.entry_module, argv, env, log_path)
-        else:
-            if self._spawner is None:
-                self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-spawner")
-            with open(log_path, "ab") as log:
-                proc = self._spawner.submit(
-                    subprocess.Popen, [sys.executable, "-m", self.entry_module, *argv],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                ).result()
+    def _spawn(self, name: str, args: list[str] | None = None) -> int:
+        """Start ``name`` with ``args`` (None: a restart, with the command it was last started with)."""
+        proc = self.spawner.spawn(name, args) if args is not None else self.spawner.respawn(name)
         self.processes[name] = proc
         self.started_pids.add(proc.pid)
         self._log_event(f"{name} started as pid {proc.pid}")
@@ -222,7 +196,7 @@ class LocalCluster:
         self._supervisor = Supervisor(
             list(self.processes), self.restart_policy,
             poll_exit=self._poll_exit,
-            respawn=lambda name: self._spawn(name, self._commands[name]),
+            respawn=self._spawn,
             why_cannot_serve=_why_cannot_serve, log_path_of=lambda name: str(self.log_path(name)),
         )
         self._supervision_thread = threading.Thread(target=self._supervise, name="tandem-supervisor", daemon=True)
@@ -368,9 +342,7 @@ class LocalCluster:
             terminate_groups(workers, timeout_s, self._is_forced)
         with self._lock:
             self.processes.clear()
-            spawner, self._spawner = self._spawner, None
-        if spawner is not None:  # every process has ended: its forking thread may go
-            spawner.shutdown(wait=True)
+        self.spawner.close()  # every process has ended: its forking thread may go
         for leftover in self._workdir.glob("zmq-*"):  # ipc socket files; logs stay for the user
             leftover.unlink(missing_ok=True)
         remove_shared_kv_files_of(self.started_pids)  # shared KV caches of workers that had to be killed
