@@ -17,7 +17,7 @@ from kernels.gelu_and_mul_ref import gelu_tanh_and_mul_ref
 from kernels.kv_pack_ref import pack_kv_blocks_ref, unpack_kv_blocks_ref
 from kernels.kv_store_ref import store_kv_ref
 from kernels.mla_attention_ref import mla_attention_ref, store_latent_ref
-from kernels.moe_ref import fused_moe_ref
+from kernels.moe_ref import combine_grouped_rows, fused_moe_ref
 from kernels.norm_rope_ref import apply_rotary_ref, rms_norm_ref
 from kernels.offset_rms_norm_ref import offset_rms_norm_ref
 from kernels.paged_attention_ref import paged_attention_ref
@@ -55,6 +55,9 @@ class Kernels:
     # attention over the latent rows (kernels/mla_attention_ref.py); the references unless a set has its own
     store_latent: Callable = store_latent_ref
     mla_attention: Callable = mla_attention_ref
+    # combine_grouped_rows(grouped_out, order, topk_weights, dtype): a mixture-of-experts layer's rows, still
+    # grouped by expert, weighted and summed into their tokens (kernels/moe_ref.py)
+    combine_grouped_rows: Callable = combine_grouped_rows
 
 
 TORCH_KERNELS = Kernels(

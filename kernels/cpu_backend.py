@@ -25,7 +25,7 @@ def cpu_kernels(torch_kernels):
     return replace(
         torch_kernels, name=f"cpu: {cpu_native.describe()}", paged_attention=paged_attention_cpu,
         rms_norm=rms_norm_cpu, apply_rotary=apply_rotary_cpu, store_kv=store_kv_cpu, silu_and_mul=silu_and_mul_cpu,
-        prepare_model=prepare_model_cpu,
+        prepare_model=prepare_model_cpu, combine_grouped_rows=cpu_moe.combine_grouped_rows_cpu,
     )
 
 

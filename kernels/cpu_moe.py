@@ -1,4 +1,5 @@
-"""A mixture-of-experts layer's bf16 expert GEMMs on the CPU in one native call per GEMM (``kernels/native/moe_gemm.h``).
+"""A mixture-of-experts layer's bf16 expert GEMMs on the CPU in one native call per GEMM (``kernels/native/moe_gemm.h``),
+and its combine (rows back into tokens) in one native pass, fp32 and bf16.
 
 ``StackedExperts`` (pipeline/models/moe.py) calls ``GroupedExperts`` over its rows grouped by expert: all experts'
 gate/up GEMM in one call, the SiLU-and-mul over all rows, all experts' down GEMM in one call, wherever no expert has
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native
+from kernels.moe_ref import combine_grouped_rows
 
 PANEL = 32  # output columns per packed panel (moe_gemm.h)
 
@@ -80,3 +82,27 @@ class GroupedExperts:
             return None
         offsets = F.pad(torch.cumsum(rows_per_expert, 0), (1, 0))  # [num_experts + 1] int64
         return grouped_gemm(silu_and_mul(grouped_gemm(grouped, offsets, self.gate_up)), offsets, self.down)
+
+
+_COMBINE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def combine_grouped_rows_cpu(grouped_out: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
+                             dtype: torch.dtype) -> torch.Tensor:
+    """``kernels.moe_ref.combine_grouped_rows``' contract, natively: each token gathers its ``top_k`` rows from
+    where they sit in expert order and sums them, weighted, in fp32 (bit for bit the reference's order and
+    rounding); the reference's ``index_add_`` runs on one thread, this splits the tokens over the threads.
+    Measured (hidden 768, top-8, bf16, 2048 tokens): 31 ms per layer for the reference on 1 thread, 20 on 2."""
+    num_tokens, top_k = topk_weights.shape
+    if not (cpu_native.ops is not None and grouped_out.dtype == dtype and dtype in _COMBINE_DTYPES
+            and grouped_out.dim() == 2 and grouped_out.stride(-1) == 1 and 1 <= top_k <= 64
+            and grouped_out.device.type == "cpu"):
+        return combine_grouped_rows(grouped_out, order, topk_weights, dtype)
+    positions = torch.empty_like(order)
+    positions[order] = torch.arange(order.numel(), dtype=order.dtype)  # [num_tokens * top_k]: row -> its place
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [num_tokens * top_k]
+    out = torch.empty((num_tokens, grouped_out.shape[1]), dtype=dtype)
+    cpu_native.ops.moe_combine(grouped_out.data_ptr(), positions.data_ptr(), weights.data_ptr(), out.data_ptr(),
+                               num_tokens, grouped_out.stride(0), out.stride(0), top_k, grouped_out.shape[1],
+                               _COMBINE_DTYPES[dtype], torch.get_num_threads())
+    return out

@@ -44,7 +44,7 @@ def combine_grouped_rows(grouped_out: torch.Tensor, order: torch.Tensor, topk_we
     num_tokens, top_k = topk_weights.shape
     acc_dtype = torch.promote_types(grouped_out.dtype, torch.float32)
     weights = topk_weights.reshape(-1).index_select(0, order).to(acc_dtype)  # [num_rows], in expert order
-    weighted = grouped_out.to(acc_dtype).mul_(weights.unsqueeze(-1))  # [num_rows, hidden]
+    weighted = grouped_out.to(acc_dtype) * weights.unsqueeze(-1)  # [num_rows, hidden] (not in place: fp32 rows are the caller's)
     out = torch.zeros(num_tokens, grouped_out.shape[-1], dtype=acc_dtype, device=grouped_out.device)
     return out.index_add_(0, order // top_k, weighted).to(dtype)
 
@@ -56,6 +56,7 @@ def experts_over_grouped_rows(
     num_experts: int,
     expert: Callable[[int, torch.Tensor], torch.Tensor],  # (expert id, its rows [count, hidden]) -> [count, hidden]
     all_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
+    combine: Callable = combine_grouped_rows,  # combine_grouped_rows' contract (the CPU set's is native)
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """The grouping every MoE reference shares: rows sorted by expert, ``expert`` applied once per expert to
     its contiguous run (one GEMM pair per expert, none per token), each row's output added into its token.
@@ -72,7 +73,7 @@ def experts_over_grouped_rows(
             if count:
                 grouped_out[start : start + count] = expert(index, grouped[start : start + count])
             start += count
-    return combine_grouped_rows(grouped_out, order, topk_weights, hidden.dtype)
+    return combine(grouped_out, order, topk_weights, hidden.dtype)
 
 
 def fused_moe_ref(

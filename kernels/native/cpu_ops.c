@@ -7,6 +7,7 @@
  *   rotary           rotate-half rotary embedding of q and k, in place
  *   store_kv         new K/V rows into their cache slots
  *   silu_and_mul     SiLU(gate) * up of a fused gate/up projection
+ *   moe_combine      a mixture-of-experts layer's rows, grouped by expert, weighted and summed into their tokens
  * all in fp32 or bf16 (fp32 arithmetic inside), and the W8A8 int8 linear's pieces (quantization/int8.py's
  * torch code is their oracle, kernels/cpu_int8.py wraps them):
  *   quantize_int8    activations to int8 codes per row, absmax and rounding in one pass (int8_isa.h)
@@ -110,6 +111,17 @@ typedef struct {
 } silu_args;
 
 typedef struct {
+    const void *rows;          /* [num_rows][rows_stride] fp32 / bf16: the experts' outputs, grouped by expert */
+    const int64_t *positions;  /* [num_tokens * top_k]: where (token, choice) is among the grouped rows */
+    const float *weights;      /* [num_tokens * top_k]: its routing weight */
+    void *out;                 /* [num_tokens][out_stride], the rows' dtype */
+    int64_t rows_stride, out_stride;
+    int top_k, hidden, dtype;
+    size_t element;
+} combine_args;
+#define MAX_COMBINE_TOP_K 64
+
+typedef struct {
     const void *x;          /* [rows][x_stride] fp32 / bf16 */
     uint8_t *codes;         /* [rows][codes_stride]: q + offset, columns [cols, padded_cols) the code of zero */
     float *scales;          /* per row, written when static_scale <= 0 */
@@ -197,11 +209,12 @@ typedef struct {
     void (*rms_norm)(const norm_args *, int64_t, int64_t);
     void (*rotary)(const rotary_args *, int64_t, int64_t);
     void (*silu_and_mul)(const silu_args *, int64_t, int64_t);
+    void (*moe_combine)(const combine_args *, int64_t, int64_t);
     void (*quantize_rows)(const quant_args *, int64_t, int64_t);
     void (*rescale_rows)(const rescale_args *, int64_t, int64_t);
 } isa_entry;
 
-#define ISA_ENTRY(isa, width, test_only) {#isa, width, test_only, attend_item_##isa, rms_norm_rows_##isa, rotary_rows_##isa, silu_and_mul_rows_##isa, quantize_rows_##isa, rescale_rows_##isa}
+#define ISA_ENTRY(isa, width, test_only) {#isa, width, test_only, attend_item_##isa, rms_norm_rows_##isa, rotary_rows_##isa, silu_and_mul_rows_##isa, moe_combine_rows_##isa, quantize_rows_##isa, rescale_rows_##isa}
 static const isa_entry ISAS[] = {
 #ifdef HAS_X86_VARIANTS
     ISA_ENTRY(avx512, 16, 0),
@@ -517,6 +530,32 @@ static PyObject *py_silu_and_mul(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* Each token's top_k rows, weighted, summed into it (moe_combine_rows in elementwise_isa.h). */
+static PyObject *py_moe_combine(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long rows, positions, weights, out;
+    long long num_tokens;
+    int num_threads;
+    combine_args a;
+    if (!PyArg_ParseTuple(args, "KKKKLLLiiii", &rows, &positions, &weights, &out, &num_tokens, &a.rows_stride,
+                          &a.out_stride, &a.top_k, &a.hidden, &a.dtype, &num_threads))
+        return NULL;
+    if (a.top_k < 1 || a.top_k > MAX_COMBINE_TOP_K) {
+        PyErr_SetString(PyExc_ValueError, "moe_combine: top_k must be 1 to 64");
+        return NULL;
+    }
+    a.rows = (const void *)(uintptr_t)rows;
+    a.positions = (const int64_t *)(uintptr_t)positions;
+    a.weights = (const float *)(uintptr_t)weights;
+    a.out = (void *)(uintptr_t)out;
+    a.element = a.dtype == DTYPE_BF16 ? 2 : 4;
+    Py_BEGIN_ALLOW_THREADS
+    run_rows((rows_fn)isa_for(a.hidden)->moe_combine, &a, num_tokens, (int64_t)(a.top_k + 1) * a.hidden, num_threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* K/V rows (num_kv_heads * head_dim contiguous elements each) into their slots; slot < 0 is skipped. */
 static PyObject *py_store_kv(PyObject *self, PyObject *args)
 {
@@ -816,6 +855,9 @@ static PyMethodDef METHODS[] = {
     {"silu_and_mul", py_silu_and_mul, METH_VARARGS,
      "silu_and_mul(x, out (addresses), num_rows, x_stride, out_stride, width, dtype, num_threads): "
      "out = silu(x[:, :width]) * x[:, width:]"},
+    {"moe_combine", py_moe_combine, METH_VARARGS,
+     "moe_combine(rows, positions (int64), weights (fp32), out (addresses), num_tokens, rows_stride, out_stride, "
+     "top_k, hidden, dtype, num_threads): each token's top_k rows times their weights, summed in fp32, into out"},
     {"store_kv", py_store_kv, METH_VARARGS,
      "store_kv(key, value, k_cache, v_cache, slot_mapping (int64) (addresses), num_rows, key_stride, value_stride, "
      "k_block_stride, k_slot_stride, v_block_stride, v_slot_stride (bytes), page_size, row_bytes)"},

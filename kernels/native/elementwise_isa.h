@@ -1,6 +1,6 @@
 /* The elementwise ops of a layer for one instruction set (included by cpu_ops.c after vec_isa.h):
- * RMSNorm with the residual add fused, rotary embedding, and SiLU(gate) * up (the KV store is a
- * plain copy, in cpu_ops.c). Each rounds where torch rounds (every op's result to the model dtype,
+ * RMSNorm with the residual add fused, rotary embedding, SiLU(gate) * up, and a mixture-of-experts
+ * layer's combine (the KV store is a plain copy, in cpu_ops.c). Each rounds where torch rounds (every op's result to the model dtype,
  * products not fused into sums), so fp32 results equal transformers' bit for bit except where a
  * reduction's order or exp's last bit differs (the norm's mean of squares, SiLU).
  *
@@ -109,6 +109,39 @@ static void ISA(silu_and_mul_rows)(const silu_args *a, int64_t first, int64_t la
             if (is_bf16)
                 silu = ISA(round_bf16)(silu);
             ISA(store_any)(out, i, silu * ISA(load_any)(up, i, is_bf16), is_bf16);
+        }
+    }
+}
+
+/* out[t] = sum over token t's top_k rows of weight * row, in fp32, rounded once to the dtype: the rows are added
+ * in the order they sit among the grouped rows (by expert), each product rounded before its add, as
+ * kernels/moe_ref.combine_grouped_rows' index_add_ sums them, so fp32 results equal it bit for bit. Tokens are
+ * independent (no two threads write one row), unlike index_add_, which torch runs on one thread. */
+static void ISA(moe_combine_rows)(const combine_args *a, int64_t first, int64_t last)
+{
+    const int n = a->hidden, k = a->top_k, is_bf16 = a->dtype == DTYPE_BF16;
+    int64_t position[MAX_COMBINE_TOP_K];
+    float weight[MAX_COMBINE_TOP_K];
+    for (int64_t t = first; t < last; t++) {
+        for (int j = 0; j < k; j++) { /* insertion sort by position: k is small */
+            int64_t p = a->positions[t * k + j];
+            float w = a->weights[t * k + j];
+            int i = j;
+            for (; i > 0 && position[i - 1] > p; i--) {
+                position[i] = position[i - 1];
+                weight[i] = weight[i - 1];
+            }
+            position[i] = p;
+            weight[i] = w;
+        }
+        char *out = (char *)a->out + (size_t)t * a->out_stride * a->element;
+        for (int i = 0; i < n; i += W) {
+            vf acc = ISA(splat)(0.0f); /* +0, as index_add_ adds into zeros */
+            for (int j = 0; j < k; j++) {
+                const char *row = (const char *)a->rows + (size_t)position[j] * a->rows_stride * a->element;
+                acc = acc + ROUNDED(ISA(load_any)(row, i, is_bf16) * weight[j]);
+            }
+            ISA(store_any)(out, i, acc, is_bf16);
         }
     }
 }

@@ -75,7 +75,8 @@ class StackedExperts(nn.Module):
             return self.grouped_experts(grouped, rows_per_expert, kernels.silu_and_mul)
 
         return experts_over_grouped_rows(x, topk_weights, topk_ids, self.gate_up_proj.shape[0], expert,
-                                         None if self.grouped_experts is None else all_experts)
+                                         None if self.grouped_experts is None else all_experts,
+                                         kernels.combine_grouped_rows)
 
 
 class SparseMoeBlock(nn.Module):
