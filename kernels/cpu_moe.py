@@ -3,8 +3,8 @@ and its combine (rows back into tokens) in one native pass, fp32 and bf16.
 
 ``StackedExperts`` (pipeline/models/moe.py) calls ``GroupedExperts`` over its rows grouped by expert: all experts'
 gate/up GEMM in one call, the SiLU-and-mul over all rows, all experts' down GEMM in one call, wherever no expert has
-more than ``MAX_ROWS_PER_EXPERT`` rows; larger groups keep a packed oneDNN GEMM pair per expert (on AMX CPUs oneDNN
-runs AMX for prefill-sized groups). The weights are packed once at load (``pack``) in the panels the kernel streams.
+more than ``MAX_ROWS_PER_EXPERT`` rows (every step, on a CPU without AMX); larger groups keep a packed oneDNN GEMM pair
+per expert (on AMX CPUs oneDNN runs AMX for prefill-sized groups). The weights are packed once at load (``pack``) in the panels the kernel streams.
 bf16 only: fp32 models keep the oneDNN loop.
 
 Why: one oneDNN call pair per expert read the experts' weights at 14-20 GB/s of the machine's 36-45 in decode
@@ -24,11 +24,15 @@ from kernels.moe_ref import combine_grouped_rows
 
 PANEL = 32  # output columns per packed panel (moe_gemm.h)
 
-# Most rows any expert may have for the one-call path. On this project's Zen 5 (AVX512-BF16, no AMX;
-# bench/moe_gemm_ab.py) it beat the per-expert oneDNN loop at every size measured, 1 to 256 rows per expert
-# (2-3x at 1-8 rows, 1.03-1.18x at 128-256); where the CPU has AMX, oneDNN's AMX kernels take groups larger than a
-# decode's (not measured: no AMX machine was at hand).
-MAX_ROWS_PER_EXPERT = 16 if "amx_bf16" in cpu_native.cpu_flags() else 256
+# Most rows any expert may have for the one-call path (None: no limit). Without AMX it takes every group: on this
+# project's Zen 5 (AVX512-BF16, no AMX) it beat the per-expert oneDNN loop at 1-512 rows per expert in isolation
+# (bench/moe_gemm_ab.py: 2-3x at 1-8 rows, 1.03-1.3x at 128-512), and in a real prefill it wins by more, because the
+# loop hands oneDNN a new row count per expert and step, and oneDNN builds a new GEMM primitive for each new shape
+# (768x768 at 400-600 rows, 2 threads: 794 GFLOP/s at a fixed count, 525-580 at counts never seen before). Same
+# process, the Qwen3-MoE peer workload, medians of 4 alternating runs: 8.15 -> 6.35 s on 2 threads, 14.1 -> 13.2 s
+# on 1. Where the CPU has AMX, oneDNN's AMX kernels should take groups larger than a decode's (not measured: no AMX
+# machine was at hand).
+MAX_ROWS_PER_EXPERT: int | None = 16 if "amx_bf16" in cpu_native.cpu_flags() else None
 
 
 @dataclass
@@ -78,7 +82,7 @@ class GroupedExperts:
 
     def __call__(self, grouped: torch.Tensor, rows_per_expert: torch.Tensor, silu_and_mul) -> torch.Tensor | None:
         if grouped.dtype != torch.bfloat16 or not native_available() or (
-                int(rows_per_expert.max()) > MAX_ROWS_PER_EXPERT):
+                MAX_ROWS_PER_EXPERT is not None and int(rows_per_expert.max()) > MAX_ROWS_PER_EXPERT):
             return None
         offsets = F.pad(torch.cumsum(rows_per_expert, 0), (1, 0))  # [num_experts + 1] int64
         return grouped_gemm(silu_and_mul(grouped_gemm(grouped, offsets, self.gate_up)), offsets, self.down)

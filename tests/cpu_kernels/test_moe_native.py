@@ -93,12 +93,32 @@ def test_grouped_gemm_is_within_one_bf16_step_of_onednn(moe_body, threads):
         assert (out[start:end] != current).float().mean().item() < 0.05
 
 
-def test_grouped_experts_declines_large_groups_and_fp32():
-    rows, weights, offsets = grouped_case([cpu_moe.MAX_ROWS_PER_EXPERT + 1, 1], 16, 32)
+def test_grouped_experts_declines_groups_past_the_limit_and_fp32(monkeypatch):
+    monkeypatch.setattr(cpu_moe, "MAX_ROWS_PER_EXPERT", 4)  # as on an AMX CPU, where oneDNN takes larger groups
+    rows, weights, offsets = grouped_case([5, 1], 16, 32)
     experts = cpu_moe.GroupedExperts(weights, weights.transpose(1, 2).contiguous())
     counts = offsets.diff()
     assert experts(rows, counts, lambda x: x) is None
+    assert experts(rows[1:], counts - torch.tensor([1, 0]), lambda x: x) is not None
+    monkeypatch.setattr(cpu_moe, "MAX_ROWS_PER_EXPERT", None)
+    assert experts(rows, counts, lambda x: x) is not None
     assert experts(rows.float(), counts, lambda x: x) is None
+
+
+def test_prefill_sized_groups_without_a_limit(moe_body, monkeypatch):
+    """Without a limit (a CPU without AMX) the one call takes prefill-sized groups too, uneven ones included."""
+    monkeypatch.setattr(cpu_moe, "MAX_ROWS_PER_EXPERT", None)
+    rows, weights, offsets = grouped_case([300, 0, 17, 520], 96, 64, seed=3)
+    _, down, _ = grouped_case([1], 32, 96, seed=4)  # [E, 96, 32]: back to the rows' width from half of 64
+    down = down.expand(4, -1, -1).contiguous()
+    experts = cpu_moe.GroupedExperts(weights, down)
+    out = experts(rows, offsets.diff(), lambda x: x[:, : x.shape[1] // 2])  # a stand-in activation: the first half
+    assert out is not None and out.shape == rows.shape
+    gate_up = cpu_moe.grouped_gemm(rows, offsets, experts.gate_up)
+    assert_within_one_rounding(gate_up, *exact_products(rows, weights, offsets), 96)
+    hidden = gate_up[:, :32]
+    exact, magnitude_down = exact_products(hidden, down, offsets)
+    assert_within_one_rounding(out, exact, magnitude_down, 32)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 12])
@@ -122,7 +142,8 @@ def test_stacked_experts_one_call_matches_per_expert_loop(moe_body, num_tokens):
     from kernels.cpu_gemm import PACKED_MAX_ROWS
 
     packed_each = [gemm.packed is not None for pair in experts.expert_gemms for gemm in pair]
-    assert packed_each == [cpu_moe.MAX_ROWS_PER_EXPERT < PACKED_MAX_ROWS] * len(packed_each)
+    takes_packed_rows = cpu_moe.MAX_ROWS_PER_EXPERT is None or cpu_moe.MAX_ROWS_PER_EXPERT >= PACKED_MAX_ROWS
+    assert packed_each == [not takes_packed_rows] * len(packed_each)
     x = torch.randn(num_tokens, 64, generator=generator).to(torch.bfloat16)
     topk_weights = torch.softmax(torch.randn(num_tokens, 2, generator=generator), -1).to(torch.bfloat16)
     topk_ids = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(num_tokens)])
