@@ -49,8 +49,9 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
             if grouped:
                 module.grouped_experts = cpu_moe.GroupedExperts(module.gate_up_proj.detach(),
                                                                 module.down_proj.detach())
-            pack_each = prepack_weights and not (grouped and (cpu_moe.MAX_ROWS_PER_EXPERT is None
-                                                              or cpu_moe.MAX_ROWS_PER_EXPERT >= PACKED_MAX_ROWS))
+            takes_every_packed_group = cpu_moe.MAX_ROWS_PER_EXPERT is None or (
+                PACKED_MAX_ROWS is not None and cpu_moe.MAX_ROWS_PER_EXPERT >= PACKED_MAX_ROWS)
+            pack_each = prepack_weights and not (grouped and takes_every_packed_group)
             module.expert_gemms = [
                 (CpuLinear(gate_up.detach(), None, prepack=pack_each), CpuLinear(down.detach(), None,
                                                                                   prepack=pack_each))

@@ -3,8 +3,9 @@
 ``F.linear`` on the CPU hands the weight to MKL in its checkpoint layout on every call, which small
 batches pay for: measured on this project's 2-core machine, oneDNN with the weight packed once is 1.2-1.7x
 faster for 2-64 rows on one thread and 1.6-4.4x on two (decode batches), the same from about 128
-rows, and slower for a single fp32 row on one thread (docs/benchmarks.md; a single bf16 row is 2-2.7x faster
-packed on AVX-512 BF16). So ``CpuLinear`` keeps both forms and picks by the number of rows and the dtype. The packed copy doubles the weights' memory; ``model.cpu_weight_prepack``
+rows, and slower for a single fp32 row on one thread (AVX2, Zen 3; docs/benchmarks.md). On an AVX-512 CPU the packed
+weight wins at every row count (MKL runs its AVX2 code on a non-Intel CPU). So ``CpuLinear`` keeps both forms and
+picks by the CPU, the number of rows and the dtype. The packed copy doubles the weights' memory; ``model.cpu_weight_prepack``
 turns it off.
 
 bf16 weights on a CPU whose oneDNN has no bf16 GEMM (no AVX-512 BW/VL/DQ nor AVX-NE-CONVERT, e.g. AMD Zen
@@ -18,12 +19,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Row counts for which the packed weight is used (others: F.linear, which is faster there); one row on
-# one thread is memory-bound GEMV, where MKL's fp32 GEMV is ahead on AVX2 (Zen 3). A bf16 row always takes the
-# packed weight: F.linear's bf16 GEMV reads 15-31 GB/s on one Zen 5 core, oneDNN's packed 30-78 GB/s
-# (TinyLlama-1.1B's layers, docs/benchmarks.md), so batch-1 bf16 decode was 2x slower on one thread.
-PACKED_MIN_ROWS = 2
-PACKED_MAX_ROWS = 256
+from kernels import cpu_native
+
+# Row counts for which the packed weight is used (others: F.linear). On a CPU with AVX-512 it takes every row count:
+# F.linear's BLAS is MKL, which runs its AVX2 code on a non-Intel CPU, and oneDNN's AVX-512 kernels beat it at every
+# size measured on Zen 5 (fp32: 2.2-2.4x at 257-2048 rows on 1 and 2 threads, ~100 against ~225 GFLOP/s a core, and
+# 1.3-1.5x for one row; bf16: 1.02-1.06x from 300 rows, 2-2.7x for one row; docs/cpu-kernels.md). Without AVX-512
+# (measured on Zen 3, AVX2): packed for 2-256 rows, where it is 1.2-4.4x faster, F.linear past them (0.82-1.02x
+# packed) and for one fp32 row on one thread (MKL's GEMV); a bf16 row there is computed in fp32 anyway.
+_IS_AVX512 = "avx512f" in cpu_native.cpu_flags()
+PACKED_MIN_ROWS = 1 if _IS_AVX512 else 2
+PACKED_MAX_ROWS: int | None = None if _IS_AVX512 else 256  # None: no limit
 
 
 def onednn_available() -> bool:
@@ -62,7 +68,7 @@ class CpuLinear:
             x = x.to(self.compute_dtype)
         rows = x.shape[0]
         use_packed = self.packed is not None and x.dim() == 2 and (
-            PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS
+            (PACKED_MIN_ROWS <= rows and (PACKED_MAX_ROWS is None or rows <= PACKED_MAX_ROWS))
             or (rows == 1 and (torch.get_num_threads() > 1 or self.compute_dtype == torch.bfloat16)))
         if use_packed:
             out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")

@@ -1,5 +1,6 @@
-"""``CpuLinear``: oneDNN with packed weights for 2-256 rows, F.linear otherwise, the same products; bf16
-layers on CPUs without bf16 GEMMs computed in fp32 and rounded, as a bf16 GEMM with fp32 accumulation."""
+"""``CpuLinear``: oneDNN with packed weights (every row count on AVX-512, 2-256 rows elsewhere), F.linear otherwise,
+the same products; bf16 layers on CPUs without bf16 GEMMs computed in fp32 and rounded, as a bf16 GEMM with fp32
+accumulation."""
 
 from __future__ import annotations
 
@@ -51,3 +52,27 @@ def test_native_bf16_row_is_a_bf16_gemm_with_fp32_accumulation(threads, rows):
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
     torch.testing.assert_close(out, expected, atol=0, rtol=1e-2)
     assert (out != expected).float().mean() < 0.05
+
+
+def test_which_rows_take_the_packed_weight(monkeypatch):
+    """AVX-512 CPUs: every row count (MKL, F.linear's BLAS, runs its AVX2 code on a non-Intel CPU); elsewhere 2-256."""
+    from kernels import cpu_gemm, cpu_native
+
+    if not cpu_gemm.onednn_available():
+        pytest.skip("no oneDNN in this torch build")
+    is_avx512 = "avx512f" in cpu_native.cpu_flags()
+    assert (cpu_gemm.PACKED_MIN_ROWS, cpu_gemm.PACKED_MAX_ROWS) == ((1, None) if is_avx512 else (2, 256))
+    linear = CpuLinear(torch.randn(32, 64), None)
+    calls = []
+    monkeypatch.setattr(cpu_gemm.F, "linear", lambda *args: calls.append(args[0].shape[0]) or torch.zeros(0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(cpu_gemm, "PACKED_MIN_ROWS", 1)
+    monkeypatch.setattr(cpu_gemm, "PACKED_MAX_ROWS", None)
+    for rows in (1, 300, 2048):
+        linear(torch.randn(rows, 64))
+    assert calls == []
+    monkeypatch.setattr(cpu_gemm, "PACKED_MIN_ROWS", 2)
+    monkeypatch.setattr(cpu_gemm, "PACKED_MAX_ROWS", 256)
+    for rows in (1, 2, 256, 257):
+        linear(torch.randn(rows, 64))
+    assert calls == [1, 257]

@@ -142,7 +142,8 @@ def test_stacked_experts_one_call_matches_per_expert_loop(moe_body, num_tokens):
     from kernels.cpu_gemm import PACKED_MAX_ROWS
 
     packed_each = [gemm.packed is not None for pair in experts.expert_gemms for gemm in pair]
-    takes_packed_rows = cpu_moe.MAX_ROWS_PER_EXPERT is None or cpu_moe.MAX_ROWS_PER_EXPERT >= PACKED_MAX_ROWS
+    takes_packed_rows = cpu_moe.MAX_ROWS_PER_EXPERT is None or (
+        PACKED_MAX_ROWS is not None and cpu_moe.MAX_ROWS_PER_EXPERT >= PACKED_MAX_ROWS)
     assert packed_each == [not takes_packed_rows] * len(packed_each)
     x = torch.randn(num_tokens, 64, generator=generator).to(torch.bfloat16)
     topk_weights = torch.softmax(torch.randn(num_tokens, 2, generator=generator), -1).to(torch.bfloat16)
