@@ -5,8 +5,8 @@ batches pay for: measured on this project's 2-core machine, oneDNN with the weig
 faster for 2-64 rows on one thread and 1.6-4.4x on two (decode batches), the same from about 128
 rows, and slower for a single fp32 row on one thread (AVX2, Zen 3; docs/benchmarks.md). On an AVX-512 CPU the packed
 weight wins at every row count (MKL runs its AVX2 code on a non-Intel CPU). So ``CpuLinear`` keeps both forms and
-picks by the CPU, the number of rows and the dtype. The packed copy doubles the weights' memory; ``model.cpu_weight_prepack``
-turns it off.
+picks by the CPU, the number of rows and the dtype. The packed copy doubles the weights' memory;
+``model.cpu_weight_prepack`` turns it off.
 
 bf16 weights on a CPU whose oneDNN has no bf16 GEMM (no AVX-512 BW/VL/DQ nor AVX-NE-CONVERT, e.g. AMD Zen
 3) would run torch's reference bf16 matmul at a few GFLOP/s. There the weights are widened to fp32 once

@@ -1,11 +1,11 @@
-"""A mixture-of-experts layer's bf16 expert GEMMs on the CPU in one native call per GEMM (``kernels/native/moe_gemm.h``),
-and its combine (rows back into tokens) in one native pass, fp32 and bf16.
+"""A mixture-of-experts layer's bf16 expert GEMMs on the CPU in one native call per GEMM
+(``kernels/native/moe_gemm.h``), and its combine (rows back into tokens) in one native pass, fp32 and bf16.
 
 ``StackedExperts`` (pipeline/models/moe.py) calls ``GroupedExperts`` over its rows grouped by expert: all experts'
 gate/up GEMM in one call, the SiLU-and-mul over all rows, all experts' down GEMM in one call, wherever no expert has
 more than ``MAX_ROWS_PER_EXPERT`` rows (every step, on a CPU without AMX); larger groups keep a packed oneDNN GEMM pair
-per expert (on AMX CPUs oneDNN runs AMX for prefill-sized groups). The weights are packed once at load (``pack``) in the panels the kernel streams.
-bf16 only: fp32 models keep the oneDNN loop.
+per expert (on AMX CPUs oneDNN runs AMX for prefill-sized groups). The weights are packed once at load (``pack``) in
+the panels the kernel streams. bf16 only: fp32 models keep the oneDNN loop.
 
 Why: one oneDNN call pair per expert read the experts' weights at 14-20 GB/s of the machine's 36-45 in decode
 (per-call overhead, two threads splitting each tiny GEMM); one call per layer, its threads splitting

@@ -44,7 +44,8 @@ def combine_grouped_rows(grouped_out: torch.Tensor, order: torch.Tensor, topk_we
     num_tokens, top_k = topk_weights.shape
     acc_dtype = torch.promote_types(grouped_out.dtype, torch.float32)
     weights = topk_weights.reshape(-1).index_select(0, order).to(acc_dtype)  # [num_rows], in expert order
-    weighted = grouped_out.to(acc_dtype) * weights.unsqueeze(-1)  # [num_rows, hidden] (not in place: fp32 rows are the caller's)
+    # [num_rows, hidden]; not in place: .to of fp32 rows is the caller's tensor itself
+    weighted = grouped_out.to(acc_dtype) * weights.unsqueeze(-1)
     out = torch.zeros(num_tokens, grouped_out.shape[-1], dtype=acc_dtype, device=grouped_out.device)
     return out.index_add_(0, order // top_k, weighted).to(dtype)
 
