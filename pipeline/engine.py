@@ -1,7 +1,8 @@
 """LLMEngine: the step loop of one worker (tokenizer, model, KV manager, scheduler, runner, sampler).
 
 ``add_request`` validates and queues; ``step`` schedules one batch, runs it and returns what each
-request produced in that step; ``abort_request`` ends a request and frees its blocks at once.
+request produced in that step; ``abort_request`` ends a request and frees its blocks at once (the requests
+it knows, and how one ends, live in ``pipeline/request_table.py``).
 The offline ``LLM`` and the workers drive it. KV that arrives from another worker or leaves for one
 (P/D, live migration, prefix warm-ups) passes the engine's narrow KV-move interface (the section "KV
 moves across workers" below): the connector halves in ``kv_transfer/connector`` see only that.
@@ -19,7 +20,6 @@ import torch
 from kernels import load_kernels
 from pipeline.builtin_model import BUILTIN_NOTICE, builtin_model_path
 from pipeline.config import PipelineConfig
-from pipeline.choices import RequestChoices
 from pipeline.execution_stream import ExecutionStream
 from pipeline.generation_config import generation_eos_ids, read_generation_config
 from pipeline.kv_pool import build_kv_pool
@@ -29,6 +29,7 @@ from pipeline.overlap import InFlightStep
 from pipeline.protocol import FinishReason, PromptLogprobs, SamplingParams
 from pipeline.protocol.requests import sibling_params
 from pipeline.protocol.cluster import WorkerLoad
+from pipeline.request_table import RequestTable
 from pipeline.request_validation import RequestError, validate_request
 from pipeline.sampler import Sampler
 from pipeline.scheduler import Scheduler
@@ -102,9 +103,8 @@ class LLMEngine:
 
             self.speculator = SpeculativeDecoder(self.runner, self.draft, self.draft_kv_cache, num_lookahead)
         self._grammars = None  # pipeline/structured_output BackendSet, built on the first structured request
-        self._sequences: dict[str, Sequence] = {}  # by sequence id: the request id, "<request id>/<i>" for choice i > 0
-        self._choices = RequestChoices()  # n > 1: each request's choices, forked from choice 0
-        self._held: dict[str, Sequence] = {}  # finished prefill-only requests whose blocks are not shipped yet
+        # each sequence by id, each request's choices, prefill-only requests held for shipping; ends them
+        self.requests = RequestTable(self.scheduler, self.runner, self.kv_manager, self.output_processor)
         self.last_plan = None  # the plan of the step whose outputs the last step() returned
         self.num_prompt_tokens_computed = 0  # cumulative: prompt tokens run through the model (not cached ones)
         self.num_warmup_tokens_computed = 0  # cumulative: tokens prefix warm-ups ran through the model
@@ -170,7 +170,7 @@ class LLMEngine:
         request's (with ``remote_prefill``: their KV comes from the worker that produced them, see
         ``activate_migrated``), and generation goes on after them. ``priority`` (vLLM's: lower is served
         first) orders admission and preemption under ``scheduling_policy = "priority"``."""
-        if request_id in self._sequences:
+        if request_id in self.requests:
             raise RequestError(f"request_id: {request_id!r} is already running")
         validate_request(prompt_token_ids, params, self.vocab_size, self.max_length)
         if params.best_of is not None and params.logprobs is None:  # candidates are ranked by their logprobs
@@ -186,10 +186,7 @@ class LLMEngine:
             for i in range(1, params.num_sequences)]
         # May raise QueueFullError before anything is recorded.
         (self.scheduler.add_remote if remote_prefill else self.scheduler.add)(seq)
-        for member in (seq, *siblings):
-            self._sequences[member.request_id] = member
-            self.output_processor.add(member)
-        self._choices.add(request_id, [seq, *siblings])
+        self.requests.add(request_id, [seq, *siblings])
 
     def _new_sequence(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool,
                       family_id: str | None = None, index: int = 0) -> Sequence:
@@ -219,7 +216,7 @@ class LLMEngine:
 
     def get_choices(self, request_id: str) -> list[Sequence]:
         """Every choice of a request (n > 1: index order), finished or not, while the request is known."""
-        return self._choices.members(request_id)
+        return self.requests.members(request_id)
 
     def _grammar_matcher(self, params: SamplingParams):
         """A matcher for the request's constraint (compiled once per distinct constraint); a bad one is a RequestError."""
@@ -236,50 +233,11 @@ class LLMEngine:
     def abort_request(self, request_id: str, keep_blocks: bool = False) -> bool:
         """End a request (every choice of it) wherever it is (queued, reserved, running or held) and free
         its blocks (``keep_blocks``: hold them until ``release_blocks``, e.g. while a transfer still reads them)."""
-        members, unforked = self._choices.pop(request_id)
-        for member in unforked:  # never scheduled: nothing to free
-            self._forget_unforked(member)
-        found = self._abort_one(request_id, keep_blocks)
-        for member in members[1:]:
-            found = self._abort_one(member.request_id, False) or found
-        return found
+        return self.requests.abort_request(request_id, keep_blocks)
 
     def abort_choice(self, request_id: str, index: int) -> bool:
-        """End one choice of an n > 1 request (the router stopped it on a stop string); the others go on.
-        A stop string matches only after a token, so choice 0 has started the others by then."""
-        members = self._choices.members(request_id)
-        if not 0 <= index < len(members):
-            return False
-        if len(members) == 1:
-            return self.abort_request(request_id)
-        member = members[index]
-        if self._choices.is_unforked(member):
-            self._choices.drop_unforked(member)
-            self._forget_unforked(member)
-        elif not self._abort_one(member.request_id, False):
-            return False
-        self._choices.leave(member)
-        return True
-
-    def _forget_unforked(self, member: Sequence) -> None:
-        self._sequences.pop(member.request_id, None)
-        self.output_processor.drop(member.request_id)
-        member.status = SequenceStatus.FINISHED
-
-    def _abort_one(self, request_id: str, keep_blocks: bool) -> bool:
-        if request_id in self._held:
-            if not keep_blocks:
-                self.release_blocks(request_id)
-            return True
-        seq = self._sequences.pop(request_id, None)
-        if seq is None:
-            return False
-        self.runner.forget(request_id)
-        self.scheduler.finish(seq, FinishReason.ABORT.value, keep_blocks=keep_blocks)
-        if keep_blocks:
-            self._held[request_id] = seq
-        self.output_processor.drop(request_id)
-        return True
+        """End one choice of an n > 1 request (the router stopped it on a stop string); the others go on."""
+        return self.requests.abort_choice(request_id, index)
 
     def load(self, **transfer_counters) -> WorkerLoad:
         """This worker's load report for the router (prefix-cached unheld blocks count as free)."""
@@ -305,7 +263,7 @@ class LLMEngine:
         return self._in_flight is not None
 
     def get_sequence(self, request_id: str) -> Sequence | None:
-        return self._sequences.get(request_id)
+        return self.requests.get(request_id)
 
     # ------------------------------------------------------ KV moves across workers
     # The one door for KV that crosses workers (kv_transfer/connector's ``SourceEngine`` / ``SinkEngine``):
@@ -358,8 +316,7 @@ class LLMEngine:
 
     def release_blocks(self, request_id: str) -> None:
         """Free the blocks a finished prefill-only request (or one aborted with ``keep_blocks``) kept for shipping."""
-        if self._held.pop(request_id, None) is not None:
-            self.kv_manager.free(request_id)
+        self.requests.release_blocks(request_id)
 
     def reserve_remote(self) -> list[Sequence]:
         """Reserve blocks for queued remote-prefill requests that fit (watermark, batch size); the newly
@@ -370,7 +327,7 @@ class LLMEngine:
                         prompt_logprobs: PromptLogprobs | None = None) -> StepOutput:
         """The prompt's KV arrived: record the first token (sampled by the prefill worker, with the
         prompt's logprobs when asked for), run stop checks on it, and let the sequence decode from the next step."""
-        seq = self._sequences[request_id]
+        seq = self.requests[request_id]
         if seq.prompt_logprobs is not None:
             seq.prompt_logprobs = prompt_logprobs or PromptLogprobs()
         self.scheduler.activate_remote(seq, first_token_id)
@@ -379,7 +336,7 @@ class LLMEngine:
     def activate_migrated(self, request_id: str, num_draft_computed_tokens: int | None = None) -> None:
         """A migrated stream's KV arrived from the worker that decoded it so far (every token but the last,
         which the client has already): decode on from the next step, emitting nothing now."""
-        seq = self._sequences[request_id]
+        seq = self.requests[request_id]
         seq.prompt_logprobs_sent = True  # sent with the first token, before the move
         self.scheduler.activate_migrated(seq, num_draft_computed_tokens)
 
@@ -404,7 +361,7 @@ class LLMEngine:
 
     def resume_paused(self, request_id: str) -> None:
         """A paused stream nobody took (the router declined its handoff): it decodes on here."""
-        seq = self._sequences.get(request_id)
+        seq = self.requests.get(request_id)
         if seq is not None and seq.status is SequenceStatus.PAUSED:
             self.scheduler.unpause(seq)
 
@@ -501,7 +458,7 @@ class LLMEngine:
         self.scheduler.register(step.plan)
         outputs: list[StepOutput] = []
         for row, (seq, position) in enumerate(zip(step.sampled, step.positions)):
-            if seq.is_finished or self._sequences.get(seq.request_id) is not seq:
+            if seq.is_finished or self.requests.get(seq.request_id) is not seq:
                 continue  # aborted while in flight: its blocks are already free, its token is dropped
             token_id = result.token_ids[row]
             seq.fill_token(position, token_id)
@@ -511,8 +468,7 @@ class LLMEngine:
 
     def _emit(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,
               num_tokens: int | None = None) -> StepOutput:
-        for sibling in self._choices.take_unforked(seq):  # choice 0's prompt KV is written (or arrived): the others start
-            self.scheduler.fork(seq, sibling)
+        self.requests.fork_waiting_choices(seq)
         out = StepOutput(seq.family_id, [token_id], num_prompt_tokens=seq.num_prompt_tokens,
                          num_cached_tokens=seq.num_cached_tokens, num_top_logprobs=seq.params.logprobs or 0,
                          index=seq.index)
@@ -537,15 +493,5 @@ class LLMEngine:
         if stop is not None:
             out.finish_reason, out.stop_reason = stop
             out.num_preemptions = seq.num_preemptions
-            self._finish(seq, *stop)
-            out.request_finished = self._choices.leave(seq)
+            out.request_finished = self.requests.finish(seq, *stop)
         return out
-
-    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
-        seq.drop_placeholders()  # overlap: the step launched after this token sampled one too many
-        self.runner.forget(seq.request_id)
-        self.scheduler.finish(seq, reason, stop_reason, keep_blocks=seq.is_prefill_only)
-        if seq.is_prefill_only:
-            self._held[seq.request_id] = seq
-        self.output_processor.finalize_text(seq)
-        del self._sequences[seq.request_id]
