@@ -139,6 +139,11 @@ def test_a_rank_that_fails_to_load_is_reported_and_stopped(tiny_checkpoint, tmp_
             return spawn.Process(target=target, args=(dataclasses.replace(rank_args, model_path=str(tmp_path)), pipe),
                                  **kwargs)
 
+    # the spawn context's resource tracker lives as long as this process: started here, it is not counted as a rank
+    # left behind (alone, this test used to start it itself and then fail on it)
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     children_before = set(_children())
     monkeypatch.setattr(multiprocessing, "get_context", lambda method: BrokenChildren())
     with pytest.raises(TensorParallelError, match="rank 1 .*(failed to start|exited).*config"):
