@@ -272,11 +272,24 @@ static void ISA(chunk_rows)(const attn_args *a, const int32_t *table, int32_t st
     }
 }
 
-/* Stage nk token rows' heads [first head, + num_heads) into dst [head][chunk][head_dim] fp32, for K and V. */
+/* Stage nk token rows' heads [first head, + num_heads) into dst [head][chunk][head_dim] fp32, for K and V.
+ * The rows STAGE_PREFETCH tokens ahead are prefetched: a page holds only page_size token rows, so the hardware
+ * prefetcher, which ramps up on each new run of lines, left one core's loads waiting on memory. Measured on Zen 5
+ * (48 decodes of 310 tokens, 4 KV heads of 64, bf16; paired whole-process runs, farm-bench): 1.71 -> 1.18 ms a call
+ * on 1 thread, 0.54 -> 0.49 ms on 2; the 512x8 model's bf16 offline workload about 9 % faster on 1 thread. */
+#ifndef STAGE_PREFETCH
+#define STAGE_PREFETCH 8
+#endif
 static void ISA(stage_chunk)(const char *const *k_tokens, const char *const *v_tokens, int nk, size_t first_head,
                              int num_heads, int head_dim, int chunk, int is_bf16, float *k_dst, float *v_dst)
 {
+    const size_t row_bytes = (size_t)num_heads * head_dim * (is_bf16 ? 2 : 4);
     for (int j = 0; j < nk; j++) {
+        if (j + STAGE_PREFETCH < nk)
+            for (size_t offset = 0; offset < row_bytes; offset += 64) {
+                __builtin_prefetch(k_tokens[j + STAGE_PREFETCH] + first_head + offset, 0, 3);
+                __builtin_prefetch(v_tokens[j + STAGE_PREFETCH] + first_head + offset, 0, 3);
+            }
         for (int h = 0; h < num_heads; h++) {
             float *k_row = k_dst + ((size_t)h * chunk + j) * head_dim, *v_row = v_dst + ((size_t)h * chunk + j) * head_dim;
             if (is_bf16) {
