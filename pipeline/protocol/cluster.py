@@ -1,4 +1,5 @@
-"""Control-plane messages between the router and workers, and between decode and prefill workers.
+"""Control-plane messages between the router and workers (the decode <-> prefill ones are in
+``pipeline/protocol/prefill_decode.py``, re-exported here).
 
 Sockets and who speaks on them (every frame is one msgpack-encoded tagged struct, never pickle):
 
@@ -8,13 +9,8 @@ Sockets and who speaks on them (every frame is one msgpack-encoded tagged struct
    the decode worker still verifies their KV; the router drops the decode worker's copy).
 2. router ROUTER -> worker DEALER, same connection: ``RouterToWorker`` = GenerateRequest | CancelRequest |
    RegisterAck | HandoffDeclined | WarmPrefix | StartPrefill; decode with ``decode_router_to_worker``.
-3. decode DEALER -> prefill ROUTER at the prefill worker's ``prefill_endpoint``:
-   ``DecodeToPrefill`` = PrefillRequest | CancelPrefill; decode with ``decode_decode_to_prefill``.
-   A draining decode worker's handoff socket speaks the same (``PrefillRequest.source_request_id``).
-4. prefill ROUTER -> decode DEALER, same connection: ``PrefillToDecode`` = PrefillRejected |
-   PrefillAccepted | PrefillStarted; decode with ``decode_prefill_to_decode``.
-5. ``PrefillDone`` is not sent on any of these: it is the completion payload the transfer service
-   delivers after the last KV bytes (``encode_prefill_done`` / ``decode_prefill_done``).
+3. decode <-> prefill (``DecodeToPrefill``, ``PrefillToDecode``, and the transfer's ``PrefillDone`` payload):
+   ``pipeline/protocol/prefill_decode.py``. Every message of both modules is encoded with ``encode``.
 
 Live migration on drain (decode_worker/kv_handoff.py): a draining DecodeOnly worker D1 pauses each
 decoding stream and sends ``HandoffOffer``. The router declines (``HandoffDeclined``: D1 decodes it on)
@@ -44,7 +40,10 @@ from typing import Union
 import msgspec
 
 from pipeline.config import PipelineRole
-from pipeline.protocol.requests import FinishReason, PromptLogprobs, SamplingParams, TokenLogprob
+from pipeline.protocol.prefill_decode import (CancelPrefill, DecodeToPrefill, PrefillAccepted, PrefillDone,
+                                              PrefillRejected, PrefillRequest, PrefillStarted, PrefillToDecode,
+                                              decode_decode_to_prefill, decode_prefill_done, decode_prefill_to_decode)
+from pipeline.protocol.requests import HOT_PATH_STRUCT, FinishReason, PromptLogprobs, SamplingParams, TokenLogprob
 
 PROTOCOL_VERSION = 1
 BUILTIN_MODEL_NAME = "tandem-builtin"
@@ -93,7 +92,7 @@ class FinishCode(enum.IntEnum):
         return FinishReason[self.name]
 
 
-_HOT = dict(array_like=True, omit_defaults=True, gc=False, kw_only=True)
+_HOT = HOT_PATH_STRUCT
 
 
 # ---------------------------------------------------------------- worker -> router
@@ -277,87 +276,11 @@ class StartPrefill(msgspec.Struct, tag=True, **_HOT):
 RouterToWorker = Union[GenerateRequest, CancelRequest, RegisterAck, HandoffDeclined, WarmPrefix, StartPrefill]
 
 
-# ---------------------------------------------------------------- decode <-> prefill
-
-
-class PrefillRequest(msgspec.Struct, tag=True, **_HOT):
-    """Decode -> prefill: compute this prompt and push its KV into ``dst_block_ids`` at ``transfer_endpoint``.
-
-    The first ``num_cached_tokens`` tokens' KV is already on the decode worker (prefix reuse); the
-    prefill worker does not send their full blocks (a block they fill only partly is sent whole).
-    ``ttl_s`` after ``PrefillStarted`` the decode worker gives up on this request (and ``ttl_s`` after
-    sending it, until ``PrefillAccepted``).
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    dst_block_ids: list[int]
-    num_cached_tokens: int
-    transfer_endpoint: str
-    decode_worker_id: str
-    ttl_s: float
-    # live migration: the stream's id on the draining decode worker asked; ``prompt_token_ids`` is then
-    # the prompt plus every output token, and the KV of all but the last is sent (nothing is computed)
-    source_request_id: str | None = None
-    priority: int = 0  # the request's (GenerateRequest.priority): the prefill worker's queue order
-    trace_context: dict[str, str] | None = None  # the request's (GenerateRequest.trace_context)
-
-
-class CancelPrefill(msgspec.Struct, tag=True, **_HOT):
-    request_id: str
-
-
-class PrefillRejected(msgspec.Struct, tag=True, **_HOT):
-    """Prefill -> decode: the request will not be prefilled (``retryable``: try another prefill worker)."""
-
-    request_id: str
-    error: str
-    retryable: bool = False
-
-
-class PrefillAccepted(msgspec.Struct, tag=True, **_HOT):
-    """Prefill -> decode: the request is queued on the prefill worker (sent at once on receipt).
-
-    From here until ``PrefillStarted`` no TTL runs: time spent queued behind other prompts on a busy
-    prefill worker is load, not a fault (a dead prefill worker is the router's to detect). Without
-    it, the decode worker gives up ``ttl_s`` after sending the request (the prefill worker is unreachable).
-    """
-
-    request_id: str
-
-
-class PrefillStarted(msgspec.Struct, tag=True, **_HOT):
-    """Prefill -> decode: the request's first chunk ran; the transfer TTL starts again on both sides."""
-
-    request_id: str
-
-
-DecodeToPrefill = Union[PrefillRequest, CancelPrefill]
-PrefillToDecode = Union[PrefillRejected, PrefillAccepted, PrefillStarted]
-
-
-class PrefillDone(msgspec.Struct, **_HOT):
-    """The transfer's completion payload: sent after the last KV bytes on the same ordered channel."""
-
-    request_id: str
-    first_token_id: int
-    first_logprobs: list[TokenLogprob] | None = None  # sampled first, then top-N
-    num_prompt_tokens: int = 0
-    num_computed_tokens: int = 0  # tokens the prefill worker actually ran (prompt minus cached prefix)
-    prefill_worker_id: str = ""
-    prompt_logprobs: PromptLogprobs | None = None  # computed here, where the prompt ran
-    num_draft_computed_tokens: int | None = None  # live migration: leading tokens whose draft-model KV came too
-
-
 # ---------------------------------------------------------------- codecs
 
 _encoder = msgspec.msgpack.Encoder()
 _worker_to_router = msgspec.msgpack.Decoder(WorkerToRouter)
 _router_to_worker = msgspec.msgpack.Decoder(RouterToWorker)
-_decode_to_prefill = msgspec.msgpack.Decoder(DecodeToPrefill)
-_prefill_to_decode = msgspec.msgpack.Decoder(PrefillToDecode)
-_prefill_done = msgspec.msgpack.Decoder(PrefillDone)
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -376,18 +299,6 @@ def decode_router_to_worker(
     frame: bytes | memoryview,
 ) -> GenerateRequest | CancelRequest | RegisterAck | HandoffDeclined | WarmPrefix:
     return _router_to_worker.decode(frame)
-
-
-def decode_decode_to_prefill(frame: bytes | memoryview) -> PrefillRequest | CancelPrefill:
-    return _decode_to_prefill.decode(frame)
-
-
-def decode_prefill_to_decode(frame: bytes | memoryview) -> PrefillRejected | PrefillAccepted | PrefillStarted:
-    return _prefill_to_decode.decode(frame)
-
-
-def decode_prefill_done(payload: bytes | memoryview) -> PrefillDone:
-    return _prefill_done.decode(payload)
 
 
 __all__ = [

@@ -7,6 +7,11 @@ import math
 import msgspec
 
 
+# struct options of the messages on the per-token path: a msgpack array, the tag first; trailing defaults not sent;
+# never tracked by the garbage collector (docs in pipeline/protocol/cluster.py)
+HOT_PATH_STRUCT = dict(array_like=True, omit_defaults=True, gc=False, kw_only=True)
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_length reached
