@@ -18,9 +18,10 @@ decides what to accept and claim and builds ``PrefillDone``):
 3. After every step, blocks that became complete are pushed to D at once, so the transfer overlaps
    the next chunk's compute. Blocks D already holds (its own prefix hit) are not sent.
 4. When the prompt is done, the last (partial) block follows, then ``PrefillDone`` (first token,
-   logprobs) as the completion payload on the same ordered channel. The first token also goes straight
-   to the router, which streams it at once (``first_token_delta``): the client need not wait for D to
-   verify the KV between two of its decode steps. D still emits it; the router keeps one of the two.
+   logprobs) as the completion payload on the same ordered channel. Before that, the first token goes
+   straight to the router, which streams it at once (``first_token_delta``): the client need not wait for
+   D to verify the KV between two of its decode steps. D still emits it; the router keeps one of the two
+   (the prefill worker's, sent before D can know the prompt is done, unless that message is delayed).
 5. Blocks are freed (kept in the prefix cache) only once D acknowledged the verified transfer, or
    at once when the transfer fails, D cancels (``CancelPrefill``) or the request's TTL passes.
    Each step is bounded by ``max_batch_input_tokens``, so cancels, TTLs and shipping are looked at
@@ -189,10 +190,10 @@ class PrefillWorker(WorkerBase):
             prefill_worker_id=self.worker_id,
             prompt_logprobs=out.prompt_logprobs,
         )
-        self.source.finish(out.request_id, encode(done), upto_block=-(-num_prompt_tokens // self.engine.page_size))
         early = first_token_delta(job.request, done, self.engine.eos_token_ids, self.engine.max_length)
-        if early is not None:
+        if early is not None:  # first: the client's first token waits on no KV, and precedes the decode worker's copy
             self.link.send_outputs([early])
+        self.source.finish(out.request_id, encode(done), upto_block=-(-num_prompt_tokens // self.engine.page_size))
 
     def has_work_in_flight(self) -> bool:
         return self.source.has_work() or super().has_work_in_flight()

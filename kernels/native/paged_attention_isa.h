@@ -15,13 +15,32 @@
  * Row-layout scores are [rows][stride]; column-layout scores [keys][rows_pad].
  */
 
-/* scores[r][j] = q[r] . keys[j] for the chunk's nk keys, two rows and four keys at a time. */
-static void ISA(scores_dot)(const float *q, int num_rows, int head_dim, const float *const *keys, int nk,
-                            float *scores, int stride)
+/* W values of a cache row from element d, in the cache's dtype (a constant where inlined). */
+static inline __attribute__((always_inline)) vf ISA(load_row)(const void *row, int d, const int is_bf16)
+{
+    return is_bf16 ? ISA(load_bf16)((const uint16_t *)row + d) : ISA(load)((const float *)row + d);
+}
+
+/* Prefetch one head row (row_bytes) of the cache, if there is one. */
+static inline __attribute__((always_inline)) void ISA(prefetch_row)(const char *row, size_t row_bytes)
+{
+    if (row)
+        for (size_t offset = 0; offset < row_bytes; offset += 64)
+            __builtin_prefetch(row + offset, 0, 3);
+}
+
+/* scores[r][j] = q[r] . keys[j] for the chunk's nk key rows, read in place from the cache, two rows and
+ * four keys at a time; ahead[j], the row this pass reads AHEAD_KEYS keys later, prefetched at key j. */
+static inline __attribute__((always_inline)) void ISA(scores_dot_rows)(const float *q, int num_rows, int head_dim,
+                                                                       const void *const *keys, int nk, float *scores,
+                                                                       int stride, const char *const *ahead,
+                                                                       size_t row_bytes, const int is_bf16)
 {
     for (int j = 0; j < nk; j += 4) {
-        const float *k0 = keys[j], *k1 = keys[j + 1 < nk ? j + 1 : j], *k2 = keys[j + 2 < nk ? j + 2 : j],
-                    *k3 = keys[j + 3 < nk ? j + 3 : j];
+        const void *k0 = keys[j], *k1 = keys[j + 1 < nk ? j + 1 : j], *k2 = keys[j + 2 < nk ? j + 2 : j],
+                   *k3 = keys[j + 3 < nk ? j + 3 : j];
+        for (int t = 0; t < 4 && j + t < nk; t++)
+            ISA(prefetch_row)(ahead[j + t], row_bytes);
         for (int r = 0; r < num_rows; r += 2) {
             const float *q0 = q + (size_t)r * head_dim;
             const float *q1 = r + 1 < num_rows ? q0 + head_dim : q0;
@@ -29,7 +48,8 @@ static void ISA(scores_dot)(const float *q, int num_rows, int head_dim, const fl
 #pragma GCC unroll 4
             for (int d = 0; d < head_dim; d += W) {
                 vf x0 = ISA(load)(q0 + d), x1 = ISA(load)(q1 + d);
-                vf y0 = ISA(load)(k0 + d), y1 = ISA(load)(k1 + d), y2 = ISA(load)(k2 + d), y3 = ISA(load)(k3 + d);
+                vf y0 = ISA(load_row)(k0, d, is_bf16), y1 = ISA(load_row)(k1, d, is_bf16);
+                vf y2 = ISA(load_row)(k2, d, is_bf16), y3 = ISA(load_row)(k3, d, is_bf16);
                 a00 += x0 * y0; a01 += x0 * y1; a02 += x0 * y2; a03 += x0 * y3;
                 a10 += x1 * y0; a11 += x1 * y1; a12 += x1 * y2; a13 += x1 * y3;
             }
@@ -42,6 +62,15 @@ static void ISA(scores_dot)(const float *q, int num_rows, int head_dim, const fl
             }
         }
     }
+}
+
+static void ISA(scores_dot)(const float *q, int num_rows, int head_dim, const void *const *keys, int nk, float *scores,
+                            int stride, const char *const *ahead, size_t row_bytes, int is_bf16)
+{
+    if (is_bf16)
+        ISA(scores_dot_rows)(q, num_rows, head_dim, keys, nk, scores, stride, ahead, row_bytes, 1);
+    else
+        ISA(scores_dot_rows)(q, num_rows, head_dim, keys, nk, scores, stride, ahead, row_bytes, 0);
 }
 
 /* qt[d][r] = q[r][d] for rows [0, num_rows), zero for the padding rows up to rows_pad. */
@@ -145,11 +174,13 @@ static void ISA(softmax_columns)(float *st, int num_rows, int rows_pad, int nk, 
 }
 
 /* o[r][d : d + DB * W] += sum_j p[r][j] * values[j][d : ...] for RB rows, p[r][j] at p[r * r_stride +
- * j * j_stride]: RB x DB accumulators held in registers across the chunk's keys (the callers pass
- * constants, so the loops unroll). */
+ * j * j_stride], values in the cache's dtype: RB x DB accumulators held in registers across the chunk's
+ * keys (the callers pass constants, so the loops unroll). The first block of a row (d == 0) prefetches
+ * ahead[j], the row this pass reads AHEAD_KEYS keys later (ahead may be NULL: nothing to prefetch). */
 static inline __attribute__((always_inline)) void ISA(pv_block)(float *o, int head_dim, const float *p, int r_stride,
-                                                                int j_stride, const float *const *values, int nk,
-                                                                int d, const int RB, const int DB)
+                                                                int j_stride, const void *const *values, int nk,
+                                                                int d, const char *const *ahead, size_t row_bytes,
+                                                                const int RB, const int DB, const int is_bf16)
 {
     vf acc[4][8];
     for (int r = 0; r < RB; r++)
@@ -157,9 +188,11 @@ static inline __attribute__((always_inline)) void ISA(pv_block)(float *o, int he
             acc[r][v] = ISA(load)(o + (size_t)r * head_dim + d + v * W);
 #pragma GCC unroll 4
     for (int j = 0; j < nk; j++) {
+        if (ahead && d == 0)
+            ISA(prefetch_row)(ahead[j], row_bytes);
         vf row[8];
         for (int v = 0; v < DB; v++)
-            row[v] = ISA(load)(values[j] + d + v * W);
+            row[v] = ISA(load_row)(values[j], d + v * W, is_bf16);
         for (int r = 0; r < RB; r++) {
             vf weight = ISA(splat)(p[(size_t)r * r_stride + (size_t)j * j_stride]);
             for (int v = 0; v < DB; v++)
@@ -171,33 +204,50 @@ static inline __attribute__((always_inline)) void ISA(pv_block)(float *o, int he
             ISA(store)(o + (size_t)r * head_dim + d + v * W, acc[r][v]);
 }
 
-/* pv_block over every d of RB rows from row r: DB vectors at a time, then one at a time. */
+/* pv_block over every d of RB rows from row r: DB vectors at a time, then one at a time (the prefetch
+ * from the rows' first block only, and from the first group of rows only: ahead_once clears it). */
 static inline __attribute__((always_inline)) void ISA(pv_rows)(float *acc, int head_dim, const float *probs,
-                                                               int r_stride, int j_stride, const float *const *values,
-                                                               int nk, int r, const int RB, const int DB)
+                                                               int r_stride, int j_stride, const void *const *values,
+                                                               int nk, int r, const char *const *ahead,
+                                                               size_t row_bytes, const int RB, const int DB,
+                                                               const int is_bf16)
 {
     float *o = acc + (size_t)r * head_dim;
     const float *p = probs + (size_t)r * r_stride;
     int d = 0;
     for (; d + DB * W <= head_dim; d += DB * W)
-        ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, RB, DB);
+        ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, ahead, row_bytes, RB, DB, is_bf16);
     for (; d < head_dim; d += W)
-        ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, RB, 1);
+        ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, d == 0 ? ahead : NULL, row_bytes, RB, 1,
+                      is_bf16);
 }
 
 /* acc[r] += sum_j probs[r][j] * values[j] over rows r and the chunk's nk value rows, probs[r][j] at
  * probs[r * r_stride + j * j_stride] (8 accumulators: 4 rows x 2 vectors, 2 x 4, or 1 x 8, by how many
- * rows are left). */
-static void ISA(accumulate_values)(float *acc, int num_rows, int head_dim, const float *probs, int r_stride,
-                                   int j_stride, const float *const *values, int nk)
+ * rows are left); ahead as pv_block's, prefetched once. */
+static inline __attribute__((always_inline)) void ISA(accumulate_rows)(float *acc, int num_rows, int head_dim,
+                                                                       const float *probs, int r_stride,
+                                                                       int j_stride, const void *const *values,
+                                                                       int nk, const char *const *ahead,
+                                                                       size_t row_bytes, const int is_bf16)
 {
     int r = 0;
-    for (; r + 4 <= num_rows; r += 4)
-        ISA(pv_rows)(acc, head_dim, probs, r_stride, j_stride, values, nk, r, 4, 2);
-    for (; r + 2 <= num_rows; r += 2)
-        ISA(pv_rows)(acc, head_dim, probs, r_stride, j_stride, values, nk, r, 2, 4);
-    for (; r < num_rows; r++)
-        ISA(pv_rows)(acc, head_dim, probs, r_stride, j_stride, values, nk, r, 1, 8);
+    for (; r + 4 <= num_rows; r += 4, ahead = NULL)
+        ISA(pv_rows)(acc, head_dim, probs, r_stride, j_stride, values, nk, r, ahead, row_bytes, 4, 2, is_bf16);
+    for (; r + 2 <= num_rows; r += 2, ahead = NULL)
+        ISA(pv_rows)(acc, head_dim, probs, r_stride, j_stride, values, nk, r, ahead, row_bytes, 2, 4, is_bf16);
+    for (; r < num_rows; r++, ahead = NULL)
+        ISA(pv_rows)(acc, head_dim, probs, r_stride, j_stride, values, nk, r, ahead, row_bytes, 1, 8, is_bf16);
+}
+
+static void ISA(accumulate_values)(float *acc, int num_rows, int head_dim, const float *probs, int r_stride,
+                                   int j_stride, const void *const *values, int nk, const char *const *ahead,
+                                   size_t row_bytes, int is_bf16)
+{
+    if (is_bf16)
+        ISA(accumulate_rows)(acc, num_rows, head_dim, probs, r_stride, j_stride, values, nk, ahead, row_bytes, 1);
+    else
+        ISA(accumulate_rows)(acc, num_rows, head_dim, probs, r_stride, j_stride, values, nk, ahead, row_bytes, 0);
 }
 
 /* Online softmax over one chunk of scores (nk keys, rows of `stride`): rescales each row's accumulator
@@ -272,40 +322,53 @@ static void ISA(chunk_rows)(const attn_args *a, const int32_t *table, int32_t st
     }
 }
 
-/* Stage nk token rows' heads [first head, + num_heads) into dst [head][chunk][head_dim] fp32, for K and V.
- * The rows STAGE_PREFETCH tokens ahead are prefetched: a page holds only page_size token rows, so the hardware
- * prefetcher, which ramps up on each new run of lines, left one core's loads waiting on memory. Measured on Zen 5
- * (48 decodes of 310 tokens, 4 KV heads of 64, bf16; paired whole-process runs, farm-bench): 1.71 -> 1.18 ms a call
- * on 1 thread, 0.54 -> 0.49 ms on 2; the 512x8 model's bf16 offline workload about 9 % faster on 1 thread. */
-#ifndef STAGE_PREFETCH
-#define STAGE_PREFETCH 8
-#endif
-static void ISA(stage_chunk)(const char *const *k_tokens, const char *const *v_tokens, int nk, size_t first_head,
-                             int num_heads, int head_dim, int chunk, int is_bf16, float *k_dst, float *v_dst)
+/* The few-rows path (decodes) over one chunk of nk keys, whose token rows (every head) are k_tokens /
+ * v_tokens, listed up to `listed` (past nk: the next chunk's, for the prefetch). Rows are read in place
+ * in the cache's dtype, token-major: DECODE_KEYS keys at a time across every head, then the next keys,
+ * so the cache is read in address order (a page's token rows are contiguous) and the prefetch of the
+ * rows AHEAD_KEYS on (in this pass, else the next), one head row per key, spreads evenly. Visiting one head over the whole
+ * chunk and then the next instead read each page in four strided passes: ~40 % slower from memory. */
+static void ISA(decode_chunk)(const attn_args *a, const work_item *item, scratch *s, const char *const *k_tokens,
+                              const char *const *v_tokens, int nk, int listed, int chunk)
 {
-    const size_t row_bytes = (size_t)num_heads * head_dim * (is_bf16 ? 2 : 4);
-    for (int j = 0; j < nk; j++) {
-        if (j + STAGE_PREFETCH < nk)
-            for (size_t offset = 0; offset < row_bytes; offset += 64) {
-                __builtin_prefetch(k_tokens[j + STAGE_PREFETCH] + first_head + offset, 0, 3);
-                __builtin_prefetch(v_tokens[j + STAGE_PREFETCH] + first_head + offset, 0, 3);
-            }
-        for (int h = 0; h < num_heads; h++) {
-            float *k_row = k_dst + ((size_t)h * chunk + j) * head_dim, *v_row = v_dst + ((size_t)h * chunk + j) * head_dim;
-            if (is_bf16) {
-                const uint16_t *k_src = (const uint16_t *)(k_tokens[j] + first_head) + (size_t)h * head_dim;
-                const uint16_t *v_src = (const uint16_t *)(v_tokens[j] + first_head) + (size_t)h * head_dim;
-                ISA(bf16_to_float)(k_row, k_src, head_dim);
-                ISA(bf16_to_float)(v_row, v_src, head_dim);
-            } else {
-                const float *k_src = (const float *)(k_tokens[j] + first_head) + (size_t)h * head_dim;
-                const float *v_src = (const float *)(v_tokens[j] + first_head) + (size_t)h * head_dim;
-                for (int d = 0; d < head_dim; d += W) {
-                    ISA(store)(k_row + d, ISA(load)(k_src + d));
-                    ISA(store)(v_row + d, ISA(load)(v_src + d));
+    const int head_dim = a->head_dim, group = a->num_q_heads / a->num_kv_heads, is_bf16 = a->dtype == DTYPE_BF16;
+    const int rows_per_head = item->num_tokens * group;
+    const size_t row_bytes = (size_t)head_dim * (is_bf16 ? 2 : 4);
+    const void *rows[DECODE_KEYS];
+    const char *ahead[DECODE_KEYS];
+    for (int pass = 0; pass < 2; pass++) {  /* scores from K, then (after the softmax) values from V */
+        const char *const *tokens = pass == 0 ? k_tokens : v_tokens;
+        for (int first = 0; first < nk; first += DECODE_KEYS) {
+            int n = nk - first < DECODE_KEYS ? nk - first : DECODE_KEYS;
+            for (int h = 0; h < item->num_heads; h++) {
+                size_t offset = (size_t)(item->kv_head + h) * row_bytes;
+                for (int t = 0; t < n; t++) {  /* read next: this pass's rows, then V's first (or the next chunk's K) */
+                    int later = first + t + AHEAD_KEYS;
+                    rows[t] = tokens[first + t] + offset;
+                    if (later < nk)
+                        ahead[t] = tokens[later] + offset;
+                    else if (pass == 0)
+                        ahead[t] = later - nk < nk ? v_tokens[later - nk] + offset : NULL;
+                    else
+                        ahead[t] = later < listed ? k_tokens[later] + offset : NULL;
                 }
+                size_t first_row = (size_t)h * rows_per_head;
+                float *scores = s->scores + first_row * chunk + first;
+                if (pass == 0)
+                    ISA(scores_dot)(s->q + first_row * head_dim, rows_per_head, head_dim, rows, n, scores, chunk, ahead,
+                                    row_bytes, is_bf16);
+                else
+                    ISA(accumulate_values)(s->acc + first_row * head_dim, rows_per_head, head_dim, scores, chunk, 1,
+                                           rows, n, ahead, row_bytes, is_bf16);
             }
         }
+        if (pass == 0)
+            for (int h = 0; h < item->num_heads; h++) {
+                size_t first_row = (size_t)h * rows_per_head;
+                ISA(softmax_chunk)(s->scores + first_row * chunk, rows_per_head, group, chunk, nk, head_dim, s->lo,
+                                   s->hi, s->row_max + first_row, s->row_sum + first_row,
+                                   s->acc + first_row * head_dim);
+            }
     }
 }
 
@@ -356,15 +419,17 @@ static void ISA(attend_item)(const attn_args *a, const work_item *item, scratch 
     int32_t key_begin = 0;
     if (a->sliding_window > 0 && first_pos - a->sliding_window + 1 > 0)
         key_begin = first_pos - a->sliding_window + 1;
-    /* decodes: each chunk's K/V rows are first staged, head-major and in fp32, reading every token's
-     * row whole (all heads at once): a page-sized stretch the hardware prefetcher streams, where visiting
-     * the heads one by one would read each token row in strided pieces at a third of the bandwidth */
-    const int chunk = is_columns ? COLUMN_CHUNK : staged_chunk(num_heads, head_dim);
-    const char *k_tokens[DOT_CHUNK], *v_tokens[DOT_CHUNK];  /* each key position's token row (all heads) */
-    const float *keys[DOT_CHUNK], *values[DOT_CHUNK];
+    /* Few rows (decodes): decode_chunk, reading K/V in place. Many rows (prefill tiles): bf16 rows are
+     * widened once per chunk and head into k_rows / v_rows, which every row then reads. */
+    const int chunk = is_columns ? COLUMN_CHUNK : DOT_CHUNK;
+    const char *k_tokens[DOT_CHUNK + AHEAD_KEYS], *v_tokens[DOT_CHUNK + AHEAD_KEYS]; /* token rows (all heads) */
+    const float *keys[COLUMN_CHUNK], *values[COLUMN_CHUNK];  /* the column layout's fp32 rows */
     for (int32_t start = key_begin; start < key_end; start += chunk) {
         int nk = key_end - start < chunk ? key_end - start : chunk;
-        ISA(chunk_rows)(a, table, start, nk, element, k_tokens, v_tokens);
+        int listed = nk;  /* token rows listed: the chunk's, and for decodes up to AHEAD_KEYS past it */
+        if (!is_columns)
+            listed = key_end - start < nk + AHEAD_KEYS ? key_end - start : nk + AHEAD_KEYS;
+        ISA(chunk_rows)(a, table, start, listed, element, k_tokens, v_tokens);
         /* visible columns [lo, hi) of each token: causal, inside the window, inside the chunk */
         for (int i = 0; i < num_tokens; i++) {
             int32_t pos = first_pos + i;
@@ -386,16 +451,14 @@ static void ISA(attend_item)(const attn_args *a, const work_item *item, scratch 
         if (is_columns)
             for (int r = rows_per_head; r < rows_pad; r++)
                 s->lo[r] = s->hi[r] = 0;
-        else
-            ISA(stage_chunk)(k_tokens, v_tokens, nk, (size_t)item->kv_head * head_dim * element, num_heads, head_dim,
-                             chunk, is_bf16, s->k_rows, s->v_rows);
+        if (!is_columns) {
+            ISA(decode_chunk)(a, item, s, k_tokens, v_tokens, nk, listed, chunk);
+            continue;
+        }
         for (int h = 0; h < num_heads; h++) {
             size_t head_offset = (size_t)(item->kv_head + h) * head_dim * element;
             for (int j = 0; j < nk; j++) {
-                if (!is_columns) {
-                    keys[j] = s->k_rows + ((size_t)h * chunk + j) * head_dim;
-                    values[j] = s->v_rows + ((size_t)h * chunk + j) * head_dim;
-                } else if (is_bf16) {
+                if (is_bf16) {
                     float *k_row = s->k_rows + (size_t)j * head_dim, *v_row = s->v_rows + (size_t)j * head_dim;
                     ISA(bf16_to_float)(k_row, (const uint16_t *)(k_tokens[j] + head_offset), head_dim);
                     ISA(bf16_to_float)(v_row, (const uint16_t *)(v_tokens[j] + head_offset), head_dim);
@@ -406,21 +469,13 @@ static void ISA(attend_item)(const attn_args *a, const work_item *item, scratch 
                     values[j] = (const float *)(v_tokens[j] + head_offset);
                 }
             }
+            size_t first_row = (size_t)h * rows_pad;
             float *acc = s->acc + (size_t)h * rows_per_head * head_dim;
-            if (is_columns) {
-                size_t first_row = (size_t)h * rows_pad;
-                ISA(scores_columns)(s->qt + first_row * head_dim, rows_pad, head_dim, keys, nk, s->scores);
-                ISA(softmax_columns)(s->scores, rows_per_head, rows_pad, nk, s->lo, s->hi, s->row_max + first_row,
-                                     s->row_sum + first_row, acc, head_dim);
-                ISA(accumulate_values)(acc, rows_per_head, head_dim, s->scores, 1, rows_pad, values, nk);
-            } else {
-                size_t first_row = (size_t)h * rows_per_head;
-                float *q = s->q + first_row * head_dim;
-                ISA(scores_dot)(q, rows_per_head, head_dim, keys, nk, s->scores, chunk);
-                ISA(softmax_chunk)(s->scores, rows_per_head, group, chunk, nk, head_dim, s->lo, s->hi,
-                                   s->row_max + first_row, s->row_sum + first_row, acc);
-                ISA(accumulate_values)(acc, rows_per_head, head_dim, s->scores, chunk, 1, values, nk);
-            }
+            ISA(scores_columns)(s->qt + first_row * head_dim, rows_pad, head_dim, keys, nk, s->scores);
+            ISA(softmax_columns)(s->scores, rows_per_head, rows_pad, nk, s->lo, s->hi, s->row_max + first_row,
+                                 s->row_sum + first_row, acc, head_dim);
+            ISA(accumulate_values)(acc, rows_per_head, head_dim, s->scores, 1, rows_pad, (const void *const *)values,
+                                   nk, NULL, 0, 0);
         }
     }
 
