@@ -32,6 +32,7 @@ TINY_LLAMA = dict(tokenizer_vocab_size=300, extra_vocab=7, hidden_size=64, inter
                   rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 64})
 NUM_BLOCKS = 512  # explicit: two workers on one GPU must not each take 90% of its free memory
+HEARTBEAT_S = 0.5  # the workers' default heartbeat period (worker.heartbeat_interval_s): the router's metrics lag it
 
 
 def engine_config(device: str) -> dict:
@@ -75,6 +76,20 @@ def wait_for_blocks_back(url: str, workers: list[str], timeout_s: float = 15.0) 
             return {"ok": True, "blocks": seen}
         time.sleep(0.25)
     return {"ok": False, "blocks": seen}
+
+
+def wait_for_transfers(url: str, worker: str, minimum: float, timeout_s: float = 10.0) -> dict:
+    """The ``tandem_kv_transfer*`` counters ``worker`` reports, once its transfer count reaches ``minimum`` (or at
+    the timeout): the router shows what the last heartbeat carried, and a short run can end before the heartbeat
+    that counts its transfers, which read as none."""
+    deadline, transfer = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        transfer = {metric: value for metric, labels, value in metric_samples(url)
+                    if metric.startswith("tandem_kv_transfer") and labels.get("worker") == worker}
+        if transfer.get("tandem_kv_transfers_total", 0.0) >= minimum:
+            break
+        time.sleep(0.25)
+    return transfer
 
 
 def gpu_processes() -> list[int]:
@@ -140,11 +155,12 @@ def run(args) -> dict:
         result["exact_vs_colocated"] = not mismatches
         result["mismatches"] = [{"request": i, "colocated": expected[i], "sequential": sequential[i],
                                  "concurrent": concurrent[i]} for i in mismatches[:4]]
+        # Not one per request: the second round's prompts may be cached on the decode worker already, and the
+        # shortest prompts have no KV to send
+        wait_for_transfers(url, "decode-0", minimum=len(prompts) // 2)
+        time.sleep(2 * HEARTBEAT_S)  # every report read from here on was sent after the last request ended
         result["blocks_back"] = wait_for_blocks_back(url, ["prefill-0", "decode-0"])
-        transfer = {}
-        for metric, labels, value in metric_samples(url):
-            if metric.startswith("tandem_kv_transfer") and labels.get("worker") == "decode-0":
-                transfer[metric] = value
+        transfer = wait_for_transfers(url, "decode-0", minimum=0)  # the final counts
         result["transfer_counters_decode"] = transfer
         seconds = transfer.get("tandem_kv_transfer_seconds_total", 0.0)
         moved = transfer.get("tandem_kv_transfer_bytes_total", 0.0)
@@ -162,8 +178,6 @@ def run(args) -> dict:
         problems.append(f"{len(mismatches)} of {len(prompts)} completions differ from the colocated engine's")
     if not result["blocks_back"]["ok"]:
         problems.append(f"KV blocks not back: {result['blocks_back']['blocks']}")
-    # Not one per request: the second round's prompts may be cached on the decode worker already, and the
-    # shortest prompts have no KV to send
     if num_transfers < len(prompts) // 2:
         problems.append(f"only {num_transfers:.0f} KV transfers for {len(prompts)} distinct prompts: the prefill "
                         "worker did not take them")
