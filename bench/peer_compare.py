@@ -178,29 +178,43 @@ def _offline_config(args, size: str, dtype: str, threads: int, cores: list[int],
     warmup_path.write_text(json.dumps({k: v[:4] for k, v in workload.items()}))
     pythons = {"tandem": Path(sys.executable), "vllm": venv_python(venv)}
     used = cores[:threads]
-    runners = {engine: OfflineRunner(engine, pythons[engine], checkpoint, engine_dtype, used, warmup_path,
-                                     args.log_dir / f"offline-{engine}-{size}-{dtype}-{threads}t.log", args.kv_cache_gib)
-               for engine in ("tandem", "vllm")}
+    def start(engine: str) -> OfflineRunner:
+        return OfflineRunner(engine, pythons[engine], checkpoint, engine_dtype, used, warmup_path,
+                             args.log_dir / f"offline-{engine}-{size}-{dtype}-{threads}t.log", args.kv_cache_gib)
+
+    # Both engines loaded at once, their repeats alternating (A B B A ...: drift falls on both alike); with
+    # --one-engine-at-a-time each is loaded, runs every repeat and is closed before the other starts (a model
+    # whose two engines do not fit in memory together)
+    alone = args.one_engine_at_a_time
+    runners = {} if alone else {engine: start(engine) for engine in ("tandem", "vllm")}
     runs: dict[str, list[dict]] = {"tandem": [], "vllm": []}
     tokens: dict[str, list] = {}
+    commands: dict[str, str] = {}
+    versions: dict[str, dict] = {}
     decode = None
+    order = ([(r, e) for e in ("tandem", "vllm") for r in range(args.repeats)] if alone else
+             [(r, e) for r in range(args.repeats) for e in (("tandem", "vllm") if r % 2 == 0 else ("vllm", "tandem"))])
     try:
-        for repeat in range(args.repeats):
-            for engine in (("tandem", "vllm") if repeat % 2 == 0 else ("vllm", "tandem")):
-                reply = runners[engine].run(workload_path)
-                tokens[engine] = reply.pop("token_ids")
-                reply["output_tokens_per_s"] = reply["output_tokens"] / reply["wall_s"]
-                reply["loadavg_1min"] = os.getloadavg()[0]
-                runs[engine].append(reply)
-                print(f"offline {size} {dtype} {threads}t repeat {repeat}: {engine:>6} {reply['wall_s']:6.2f} s "
-                      f"{reply['output_tokens_per_s']:7.1f} tok/s", flush=True)
-        if dtype == "bfloat16" and size in args.decode_latency.split(","):
+        for repeat, engine in order:
+            if engine not in runners:
+                for other in [e for e in runners if e != engine]:
+                    runners.pop(other).close()
+                runners[engine] = start(engine)
+            reply = runners[engine].run(workload_path)
+            tokens[engine] = reply.pop("token_ids")
+            reply["output_tokens_per_s"] = reply["output_tokens"] / reply["wall_s"]
+            reply["loadavg_1min"] = os.getloadavg()[0]
+            runs[engine].append(reply)
+            commands[engine] = " ".join(runners[engine].command)
+            versions[engine] = runners[engine].versions
+            print(f"offline {size} {dtype} {threads}t repeat {repeat}: {engine:>6} {reply['wall_s']:6.2f} s "
+                  f"{reply['output_tokens_per_s']:7.1f} tok/s", flush=True)
+        if dtype == "bfloat16" and size in args.decode_latency.split(",") and not alone:
             paths = peer_decode.write_workloads(scratch, len(tokenizer), special, args.decode_prompt_len,
                                                 args.decode_tokens, args.seed)
             decode = peer_decode.measure(runners, paths, args.decode_tokens, args.repeats, threads)
             decode |= peer_decode.against_bound(decode, weight_bytes_per_token(checkpoint, torch.bfloat16),
                                                 decode["bandwidth_during"])
-        versions = {engine: runner.versions for engine, runner in runners.items()}
     finally:
         for runner in runners.values():
             runner.close()
@@ -216,7 +230,8 @@ def _offline_config(args, size: str, dtype: str, threads: int, cores: list[int],
         "requests_token_identical": sum(a == b for a, b in zip(tokens["tandem"], tokens["vllm"])),
         "num_requests": len(workload["max_tokens"]),
         "batch1_decode": decode,
-        "commands": {e: " ".join(r.command) for e, r in runners.items()},
+        "commands": commands,
+        "one_engine_at_a_time": alone,
     }
 
 
@@ -338,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     offline.add_argument("--decode-prompt-len", type=int, default=16)
     offline.add_argument("--decode-tokens", type=int, default=32)
     offline.add_argument("--repeats", type=int, default=3)
+    offline.add_argument("--one-engine-at-a-time", action="store_true",
+                         help="load one engine, run its repeats, close it, then the other (for a model whose two "
+                              "engines do not fit in memory together; the repeats no longer alternate, and the batch-1 decode timing, which "
+                              "needs both at once, is skipped)")
     offline.add_argument("--num-prompts", type=int, default=48)
     offline.add_argument("--min-prompt-len", type=int, default=16)
     offline.add_argument("--max-prompt-len", type=int, default=512)
