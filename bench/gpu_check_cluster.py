@@ -65,31 +65,40 @@ def metric_samples(url: str) -> list[tuple[str, dict, float]]:
     return samples
 
 
+def poll_metrics(url: str, read, is_done, timeout_s: float):
+    """``read(samples)`` of the router's metrics every 0.25 s until ``is_done`` holds for it or the timeout:
+    (whether it held, the last value read). The router shows what each worker's last heartbeat carried."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read(metric_samples(url))
+        if is_done(value) or time.monotonic() >= deadline:
+            return is_done(value), value
+        time.sleep(0.25)
+
+
 def wait_for_blocks_back(url: str, workers: list[str], timeout_s: float = 15.0) -> dict:
     """{worker: (used, free)} once every worker reports 0 used and all blocks free (heartbeats lag ~0.5 s)."""
-    deadline, seen = time.monotonic() + timeout_s, {}
-    while time.monotonic() < deadline:
-        gauges = {(name, labels.get("worker")): value for name, labels, value in metric_samples(url)}
-        seen = {w: (gauges.get(("tandem_kv_blocks_used", w)), gauges.get(("tandem_kv_blocks_free", w)))
+    def read(samples):
+        gauges = {(name, labels.get("worker")): value for name, labels, value in samples}
+        return {w: (gauges.get(("tandem_kv_blocks_used", w)), gauges.get(("tandem_kv_blocks_free", w)))
                 for w in workers}
-        if all(used == 0 and free == NUM_BLOCKS for used, free in seen.values()):
-            return {"ok": True, "blocks": seen}
-        time.sleep(0.25)
-    return {"ok": False, "blocks": seen}
+
+    def is_back(seen):
+        return all(used == 0 and free == NUM_BLOCKS for used, free in seen.values())
+
+    ok, seen = poll_metrics(url, read, is_back, timeout_s)
+    return {"ok": ok, "blocks": seen}
 
 
 def wait_for_transfers(url: str, worker: str, minimum: float, timeout_s: float = 10.0) -> dict:
     """The ``tandem_kv_transfer*`` counters ``worker`` reports, once its transfer count reaches ``minimum`` (or at
-    the timeout): the router shows what the last heartbeat carried, and a short run can end before the heartbeat
-    that counts its transfers, which read as none."""
-    deadline, transfer = time.monotonic() + timeout_s, {}
-    while time.monotonic() < deadline:
-        transfer = {metric: value for metric, labels, value in metric_samples(url)
-                    if metric.startswith("tandem_kv_transfer") and labels.get("worker") == worker}
-        if transfer.get("tandem_kv_transfers_total", 0.0) >= minimum:
-            break
-        time.sleep(0.25)
-    return transfer
+    the timeout): a short run can end before the heartbeat that counts its transfers, which then read as none."""
+    def read(samples):
+        return {metric: value for metric, labels, value in samples
+                if metric.startswith("tandem_kv_transfer") and labels.get("worker") == worker}
+
+    return poll_metrics(url, read, lambda counters: counters.get("tandem_kv_transfers_total", 0.0) >= minimum,
+                        timeout_s)[1]
 
 
 def gpu_processes() -> list[int]:

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from bench.peer_checkpoints import peer_checkpoint
-    from bench.peer_compare import LARGE_WORKLOADS, offline_workload
+    from bench.peer_offline import LARGE_WORKLOADS, offline_workload
     from pipeline import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)

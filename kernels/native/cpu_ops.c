@@ -43,7 +43,6 @@
 
 
 
-#define CHUNK 16          /* decode chunks are multiples of this many keys */
 #define COLUMN_CHUNK 32   /* keys per online-softmax step of a prefill tile */
 #define DOT_CHUNK 256     /* ... of a decode (fewer rows: the bookkeeping is amortised over more keys) */
 #define DECODE_KEYS 16    /* keys a decode visits across every head before the next ones */

@@ -175,8 +175,8 @@ static void ISA(softmax_columns)(float *st, int num_rows, int rows_pad, int nk, 
 
 /* o[r][d : d + DB * W] += sum_j p[r][j] * values[j][d : ...] for RB rows, p[r][j] at p[r * r_stride +
  * j * j_stride], values in the cache's dtype: RB x DB accumulators held in registers across the chunk's
- * keys (the callers pass constants, so the loops unroll). The first block of a row (d == 0) prefetches
- * ahead[j], the row this pass reads AHEAD_KEYS keys later (ahead may be NULL: nothing to prefetch). */
+ * keys (the callers pass constants, so the loops unroll). Prefetches ahead[j], the row this pass reads
+ * AHEAD_KEYS keys later, at key j (ahead NULL: nothing to prefetch). */
 static inline __attribute__((always_inline)) void ISA(pv_block)(float *o, int head_dim, const float *p, int r_stride,
                                                                 int j_stride, const void *const *values, int nk,
                                                                 int d, const char *const *ahead, size_t row_bytes,
@@ -188,7 +188,7 @@ static inline __attribute__((always_inline)) void ISA(pv_block)(float *o, int he
             acc[r][v] = ISA(load)(o + (size_t)r * head_dim + d + v * W);
 #pragma GCC unroll 4
     for (int j = 0; j < nk; j++) {
-        if (ahead && d == 0)
+        if (ahead)
             ISA(prefetch_row)(ahead[j], row_bytes);
         vf row[8];
         for (int v = 0; v < DB; v++)
@@ -204,8 +204,8 @@ static inline __attribute__((always_inline)) void ISA(pv_block)(float *o, int he
             ISA(store)(o + (size_t)r * head_dim + d + v * W, acc[r][v]);
 }
 
-/* pv_block over every d of RB rows from row r: DB vectors at a time, then one at a time (the prefetch
- * from the rows' first block only, and from the first group of rows only: ahead_once clears it). */
+/* pv_block over every d of RB rows from row r: DB vectors at a time, then one at a time; the first
+ * block prefetches (ahead), the others not. */
 static inline __attribute__((always_inline)) void ISA(pv_rows)(float *acc, int head_dim, const float *probs,
                                                                int r_stride, int j_stride, const void *const *values,
                                                                int nk, int r, const char *const *ahead,
@@ -216,7 +216,8 @@ static inline __attribute__((always_inline)) void ISA(pv_rows)(float *acc, int h
     const float *p = probs + (size_t)r * r_stride;
     int d = 0;
     for (; d + DB * W <= head_dim; d += DB * W)
-        ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, ahead, row_bytes, RB, DB, is_bf16);
+        ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, d == 0 ? ahead : NULL, row_bytes, RB, DB,
+                      is_bf16);
     for (; d < head_dim; d += W)
         ISA(pv_block)(o, head_dim, p, r_stride, j_stride, values, nk, d, d == 0 ? ahead : NULL, row_bytes, RB, 1,
                       is_bf16);
@@ -224,7 +225,7 @@ static inline __attribute__((always_inline)) void ISA(pv_rows)(float *acc, int h
 
 /* acc[r] += sum_j probs[r][j] * values[j] over rows r and the chunk's nk value rows, probs[r][j] at
  * probs[r * r_stride + j * j_stride] (8 accumulators: 4 rows x 2 vectors, 2 x 4, or 1 x 8, by how many
- * rows are left); ahead as pv_block's, prefetched once. */
+ * rows are left); ahead as pv_block's, prefetched by the first group of rows only. */
 static inline __attribute__((always_inline)) void ISA(accumulate_rows)(float *acc, int num_rows, int head_dim,
                                                                        const float *probs, int r_stride,
                                                                        int j_stride, const void *const *values,
@@ -326,8 +327,9 @@ static void ISA(chunk_rows)(const attn_args *a, const int32_t *table, int32_t st
  * v_tokens, listed up to `listed` (past nk: the next chunk's, for the prefetch). Rows are read in place
  * in the cache's dtype, token-major: DECODE_KEYS keys at a time across every head, then the next keys,
  * so the cache is read in address order (a page's token rows are contiguous) and the prefetch of the
- * rows AHEAD_KEYS on (in this pass, else the next), one head row per key, spreads evenly. Visiting one head over the whole
- * chunk and then the next instead read each page in four strided passes: ~40 % slower from memory. */
+ * rows AHEAD_KEYS on (in this pass, else the next), one head row per key, spreads evenly. Visiting one
+ * head over the whole chunk and then the next read each page in four strided passes: ~25 % slower from
+ * memory (docs/cpu-kernels.md). */
 static void ISA(decode_chunk)(const attn_args *a, const work_item *item, scratch *s, const char *const *k_tokens,
                               const char *const *v_tokens, int nk, int listed, int chunk)
 {
@@ -448,13 +450,12 @@ static void ISA(attend_item)(const attn_args *a, const work_item *item, scratch 
                 s->hi[i] = hi;
             }
         }
-        if (is_columns)
-            for (int r = rows_per_head; r < rows_pad; r++)
-                s->lo[r] = s->hi[r] = 0;
         if (!is_columns) {
             ISA(decode_chunk)(a, item, s, k_tokens, v_tokens, nk, listed, chunk);
             continue;
         }
+        for (int r = rows_per_head; r < rows_pad; r++)  /* padding rows see nothing */
+            s->lo[r] = s->hi[r] = 0;
         for (int h = 0; h < num_heads; h++) {
             size_t head_offset = (size_t)(item->kv_head + h) * head_dim * element;
             for (int j = 0; j < nk; j++) {

@@ -48,7 +48,7 @@ static inline vf ISA(splat)(float x)
 
 /* W bf16 values widened to fp32 (a bf16 is the top half of an fp32). x86 widths use the widening-load
  * intrinsic: GCC lowers __builtin_convertvector under a target pragma to half-width pieces plus inserts
- * (7 instructions for 16 values, where 3 do), which made staging a decode's bf16 K/V the kernel's top cost. */
+ * (7 instructions for 16 values, where 3 do; no gain measurable on its own in the kernels that use it). */
 static inline vf ISA(load_bf16)(const uint16_t *p)
 {
 #if X86_REGISTER && VEC_BYTES == 64

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench import memory_bandwidth, peer_checkpoints, peer_decode
-from bench.peer_compare import parse_configs
+from bench.peer_offline import parse_configs
 
 TINY = dict(vocab_size=700, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False)
@@ -131,7 +131,7 @@ def test_cpu_seconds_counts_a_busy_child_process():
     import sys
     import time
 
-    from bench.peer_compare import _cpu_seconds
+    from bench.peer_offline import _cpu_seconds
 
     child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"])
     try:
