@@ -95,6 +95,8 @@ def compare(result: dict) -> dict:
     for config in result.get("offline", {}).get("configs", []):
         key = f"offline_{config.get('model_size', '')}_{config['dtype']}_{config['threads']}t"
         out[f"{key}_tandem_over_vllm"] = config["ratio_tandem_over_vllm"]
+        if config.get("peak_rss_gib"):
+            out[f"{key}_peak_rss_gib"] = config["peak_rss_gib"]
         if config.get("batch1_decode"):
             decode = config["batch1_decode"]
             out[f"{key}_batch1_decode"] = {"median_step_ms": decode["median_step_ms"],

@@ -37,22 +37,45 @@ def offline_workload(args, vocab_size: int, special_ids: set[int]) -> dict:
     return {"prompt_token_ids": prompts, "max_tokens": [args.output_len] * args.num_prompts}
 
 
-def _cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) of ``pid`` and every process under it, every thread."""
-    total, ticks = 0, os.sysconf("SC_CLK_TCK")
-    pending = [pid]
+def _process_tree(pid: int) -> list[Path]:
+    """``/proc/<pid>/task/<tid>`` of ``pid`` and of every process under it, every thread."""
+    tasks, pending = [], [pid]
     while pending:
         current = pending.pop()
         try:
             for task in Path(f"/proc/{current}/task").iterdir():
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])
+                tasks.append(task)
                 children = task / "children"
                 if children.is_file():
                     pending.extend(int(c) for c in children.read_text().split())
         except (FileNotFoundError, ProcessLookupError):
             continue
-    return total / ticks
+    return tasks
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of ``pid`` and every process under it, every thread."""
+    total = 0
+    for task in _process_tree(pid):
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _peak_rss_gib(pid: int) -> float:
+    """The peak resident memory (``VmHWM``) of ``pid`` and every process under it, summed: an engine whose
+    model runs in a child process (vLLM's engine core) counts it too."""
+    total_kib = 0
+    for process in {task.parent.parent for task in _process_tree(pid)}:
+        try:
+            status = (process / "status").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total_kib += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+    return total_kib / 2**20
 
 
 class OfflineRunner:
@@ -73,6 +96,7 @@ class OfflineRunner:
         self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=self._log, env=env, text=True, start_new_session=True)
         self.versions = self._read()["versions"]
+        self.peak_rss_gib: float | None = None  # set when closed
         self.settle()  # its warm-up leaves the same tail as a run
 
     def _read(self) -> dict:
@@ -103,6 +127,7 @@ class OfflineRunner:
         return time.monotonic() - started
 
     def close(self) -> None:
+        self.peak_rss_gib = _peak_rss_gib(self.process.pid)  # read before the engine exits
         try:
             self.process.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
             self.process.stdin.close()
@@ -151,11 +176,13 @@ def _offline_config(args, size: str, dtype: str, threads: int, cores: list[int],
     used = cores[:threads]
     commands: dict[str, str] = {}
     versions: dict[str, dict] = {}
+    started: list[OfflineRunner] = []
 
     def start(engine: str) -> OfflineRunner:
         runner = OfflineRunner(engine, pythons[engine], checkpoint, engine_dtype, used, warmup_path,
                                args.log_dir / f"offline-{engine}-{size}-{dtype}-{threads}t.log", args.kv_cache_gib)
         commands[engine], versions[engine] = " ".join(runner.command), runner.versions
+        started.append(runner)
         return runner
 
     # Both engines loaded at once, their repeats alternating (A B B A ...: drift falls on both alike); with
@@ -203,6 +230,7 @@ def _offline_config(args, size: str, dtype: str, threads: int, cores: list[int],
         "num_requests": len(workload["max_tokens"]),
         "batch1_decode": decode,
         "commands": commands,
+        "peak_rss_gib": {runner.engine: runner.peak_rss_gib for runner in started},
         "one_engine_at_a_time": alone,
     }
 

@@ -30,14 +30,25 @@ def cpu_kernels(torch_kernels):
 
 
 def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> None:
-    """Give every linear layer of a CPU model (and its output projection) a ``CpuLinear``. Idempotent."""
+    """Give every linear layer of a CPU model (and its output projection) a ``CpuLinear``. Idempotent.
+
+    A layer whose GEMM no longer reads its parameter (packed on an AVX-512 CPU, or widened to fp32) lets the
+    parameter go: it keeps its shape and dtype on the meta device, so the weights are held once. So do a
+    mixture-of-experts layer's stacked experts where the one-call grouped GEMM takes every group. A weight its
+    parent reads itself (``weights_read_directly``: MLA's ``kv_b_proj``) gets no GEMM and keeps its parameter.
+    """
     if getattr(model, "is_prepared_for_cpu", False):
         return
+    read_directly = {id(getattr(parent, leaf)) for parent in model.modules()
+                     for leaf in getattr(parent, "weights_read_directly", ())}
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if hasattr(module, "gemm") and weight is not None and weight.device.type == "cpu":
+        if (hasattr(module, "gemm") and weight is not None and weight.device.type == "cpu"
+                and id(module) not in read_directly):
             module.gemm = CpuLinear(weight.detach(), None if module.bias is None else module.bias.detach(),
                                     prepack=prepack_weights)
+            if not module.gemm.holds(weight):
+                module.weight = torch.nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
         elif hasattr(module, "expert_gemms") and module.gate_up_proj.device.type == "cpu":
             # a mixture-of-experts layer's stacked experts: all of them packed once for the one-call path
             # (kernels/cpu_moe.py) where it runs, and each expert's pair of GEMMs packed like a linear's for the
@@ -49,6 +60,12 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
             if grouped:
                 module.grouped_experts = cpu_moe.GroupedExperts(module.gate_up_proj.detach(),
                                                                 module.down_proj.detach())
+                if cpu_moe.MAX_ROWS_PER_EXPERT is None:  # it takes every group: nothing reads the stacked experts
+                    module.expert_gemms = None
+                    for name in ("gate_up_proj", "down_proj"):
+                        setattr(module, name, torch.nn.Parameter(torch.empty_like(getattr(module, name), device="meta"),
+                                                                 requires_grad=False))
+                    continue
             takes_every_packed_group = cpu_moe.MAX_ROWS_PER_EXPERT is None or (
                 PACKED_MAX_ROWS is not None and cpu_moe.MAX_ROWS_PER_EXPERT >= PACKED_MAX_ROWS)
             pack_each = prepack_weights and not (grouped and takes_every_packed_group)

@@ -5,8 +5,9 @@ batches pay for: measured on this project's 2-core machine, oneDNN with the weig
 faster for 2-64 rows on one thread and 1.6-4.4x on two (decode batches), the same from about 128
 rows, and slower for a single fp32 row on one thread (AVX2, Zen 3; docs/benchmarks.md). On an AVX-512 CPU the packed
 weight wins at every row count (MKL runs its AVX2 code on a non-Intel CPU). So ``CpuLinear`` keeps both forms and
-picks by the CPU, the number of rows and the dtype. The packed copy doubles the weights' memory;
-``model.cpu_weight_prepack`` turns it off.
+picks by the CPU, the number of rows and the dtype. Where the packed copy serves every call (an AVX-512 CPU),
+the checkpoint-layout copy is dropped once packed (``needs_plain_weight``), so the weights are held once;
+elsewhere both are kept (twice the weights' memory), and ``model.cpu_weight_prepack`` turns the packed copy off.
 
 bf16 weights on a CPU whose oneDNN has no bf16 GEMM (no AVX-512 BW/VL/DQ nor AVX-NE-CONVERT, e.g. AMD Zen
 3) would run torch's reference bf16 matmul at a few GFLOP/s. There the weights are widened to fp32 once
@@ -57,21 +58,38 @@ class CpuLinear:
         if widen_bf16 is None:
             widen_bf16 = self.dtype == torch.bfloat16 and not bf16_gemm_native()
         self.compute_dtype = torch.float32 if widen_bf16 else self.dtype
-        self.weight = weight if not widen_bf16 else weight.float()  # [out, in]
+        self.out_features = weight.shape[0]
+        self.weight: torch.Tensor | None = weight if not widen_bf16 else weight.float()  # [out, in]
         self.bias = bias if bias is None or not widen_bf16 else bias.float()
         self.packed = None
         if prepack and onednn_available() and self.compute_dtype in (torch.float32, torch.bfloat16):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 64)
+        if not self.needs_plain_weight:
+            self.weight = None  # every call reads the packed copy: the checkpoint layout would only take memory
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
+    @property
+    def needs_plain_weight(self) -> bool:
+        """Whether some call takes ``F.linear`` over the checkpoint-layout weight rather than the packed copy."""
+        return self.packed is None or PACKED_MIN_ROWS > 1 or PACKED_MAX_ROWS is not None
+
+    def holds(self, weight: torch.Tensor) -> bool:
+        """Whether this GEMM still reads ``weight``'s memory (else the layer's own parameter can be let go)."""
+        return (self.weight is not None
+                and self.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
-        rows = x.shape[0]
-        use_packed = self.packed is not None and x.dim() == 2 and (
+        lead, rows = x.shape[:-1], x.numel() // x.shape[-1]
+        if rows == 0:
+            return x.new_empty((*lead, self.out_features), dtype=self.dtype)
+        use_packed = self.packed is not None and (
             (PACKED_MIN_ROWS <= rows and (PACKED_MAX_ROWS is None or rows <= PACKED_MAX_ROWS))
             or (rows == 1 and (torch.get_num_threads() > 1 or self.compute_dtype == torch.bfloat16)))
         if use_packed:
-            out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+            flat = x.reshape(rows, x.shape[-1]).contiguous()
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            out = out.view(*lead, self.out_features)
         else:
             out = F.linear(x, self.weight, self.bias)
         return out if out.dtype == self.dtype else out.to(self.dtype)

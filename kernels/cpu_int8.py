@@ -54,6 +54,16 @@ def packed_gemm_preferred(rows: int) -> bool:
     return not _IS_AMX or rows <= AMX_PACKED_MAX_ROWS
 
 
+def packed_gemm_takes_every_batch() -> bool:
+    """Whether every batch takes the packed GEMM (no AMX), so that the int8 ``[in, out]`` layout need not be kept."""
+    return not _IS_AMX
+
+
+def native_activation_dtype(dtype: torch.dtype) -> bool:
+    """Whether the native quantize / rescale passes take activations of ``dtype``."""
+    return dtype in _DTYPE_CODES
+
+
 def native_gemm_available() -> bool:
     """Whether the native int8 GEMM runs here (a VNNI CPU, or a test that chose the portable body)."""
     return cpu_native.ops is not None and cpu_native.ops.int8_gemm_isa() is not None

@@ -27,8 +27,8 @@ class ModelConfig(ConfigSection):
     seed: int = Field(0, ge=0, description="seed of the global generator (unseeded requests)")
     cpu_weight_prepack: bool = Field(
         True, description="CPU: keep a copy of every linear weight packed for oneDNN, used for every batch on an "
-        "AVX-512 CPU and for batches of 2-256 rows elsewhere, where it is faster than the checkpoint layout (doubles "
-        "the weights' memory)")
+        "AVX-512 CPU (which then drops the checkpoint layout: the weights held once) and for batches of 2-256 rows "
+        "elsewhere, where it is faster than the checkpoint layout (both kept there: twice the weights' memory)")
     quantization: Literal["int8"] | None = Field(
         None, description="quantize a float checkpoint's linear layers at load (vLLM's --quantization): int8 = W8A8, "
         "int8 weights per output channel and int8 activations per token (docs/models.md); None = as the checkpoint "

@@ -56,7 +56,8 @@ class StackedExperts(nn.Module):
         self.gate_up_proj = empty_parameter(num_experts, 2 * intermediate, hidden_size, dtype=dtype, device=device)
         self.down_proj = empty_parameter(num_experts, hidden_size, intermediate, dtype=dtype, device=device)
         # per expert, (gate_up, down) GEMMs the kernel set prepared (the CPU set: oneDNN with packed weights,
-        # ``kernels.cpu_backend.prepare_model_cpu``); None: the kernel set's ``fused_moe`` over the stacked weights
+        # ``kernels.cpu_backend.prepare_model_cpu``); None: the kernel set's ``fused_moe`` over the stacked weights, or,
+        # with ``grouped_experts`` set, that takes every group (the stacked weights then kept only as shapes)
         self.expert_gemms: list[tuple[Callable, Callable]] | None = None
         # all experts' GEMMs in one native call each (the CPU set in bf16, ``kernels.cpu_moe``): (grouped rows, rows
         # per expert, silu_and_mul) -> their outputs, or None where the groups are too large for it (the loop above)
@@ -64,10 +65,12 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 kernels: Kernels) -> torch.Tensor:  # [num_tokens, hidden]: each token's top-k experts, weighted
-        if self.expert_gemms is None:
+        if self.expert_gemms is None and self.grouped_experts is None:
             return kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
         def expert(index: int, rows: torch.Tensor) -> torch.Tensor:  # [count, hidden] -> [count, hidden]
+            if self.expert_gemms is None:  # grouped_experts was to take every group: the stacked experts are gone
+                raise RuntimeError("the grouped expert GEMM declined a group it was prepared to take")
             gate_up, down = self.expert_gemms[index]
             return down(kernels.silu_and_mul(gate_up(rows)))
 

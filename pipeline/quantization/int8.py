@@ -60,31 +60,46 @@ def int8_product(x: torch.Tensor, weight_t: torch.Tensor, weight_scale_row: torc
 
 class Int8Matrix:
     """One int8 weight with its scales per output channel (and bias): ``matrix(x)`` is ``int8_product`` (+ bias)
-    in ``out_dtype``, through the native CPU kernels where they apply (the same values)."""
+    in ``out_dtype``, through the native CPU kernels where they apply (the same values).
+
+    Where the packed native GEMM takes every call (a VNNI CPU without AMX, activations in ``activation_dtype``
+    that the native passes take) the ``[in, out]`` layout is not kept: ``weight_t`` is None and the int8
+    weights are held once.
+    """
 
     def __init__(self, weight_t: torch.Tensor, scale_row: torch.Tensor, bias: torch.Tensor | None = None,
-                 act_scale: torch.Tensor | None = None):
-        self.weight_t = weight_t  # int8 [in, out]
+                 act_scale: torch.Tensor | None = None, activation_dtype: torch.dtype | None = None):
         self.scale_row = scale_row  # fp32 [1, out]
         self.bias = bias  # [out] in the model dtype, or None
         self.act_scale = act_scale  # fp32 scalar, or None: per token
+        self.out_features = weight_t.shape[1]
         is_cpu = weight_t.device.type == "cpu"
         # a static scale of zero (or less) divides as torch divides: leave it to the torch ops
         self.is_native = is_cpu and cpu_int8.native_available() and (act_scale is None or float(act_scale) > 0)
         self.bias_fp32 = None if bias is None or not self.is_native else bias.float().contiguous()
         self.packed = (cpu_int8.pack(weight_t.t(), scale_row, bias)
                        if self.is_native and cpu_int8.native_gemm_available() else None)
+        takes_every_call = (self.packed is not None and cpu_int8.packed_gemm_takes_every_batch()
+                            and activation_dtype is not None and cpu_int8.native_activation_dtype(activation_dtype))
+        self.weight_t = None if takes_every_call else weight_t  # int8 [in, out], or None: only the packed copy
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:  # [rows, in] -> [rows, out]
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:  # [..., in] -> [..., out]
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])  # [rows, in]
+        if self.is_native and x.stride(-1) != 1:
+            x = x.contiguous()
         if self.is_native and cpu_int8.native_quantize_available(x):
-            if self.packed is not None and cpu_int8.packed_gemm_preferred(x.shape[0]):
-                return cpu_int8.packed_product(x, self.packed, self.act_scale, out_dtype)
-            return cpu_int8.unpacked_product(x, self.weight_t, self.scale_row, self.bias_fp32, self.act_scale,
-                                             out_dtype)
-        out = int8_product(x, self.weight_t, self.scale_row, self.act_scale)  # [rows, out] fp32
-        if self.bias is not None:
-            out = out.add_(self.bias)
-        return out.to(out_dtype)
+            if self.packed is not None and (self.weight_t is None or cpu_int8.packed_gemm_preferred(x.shape[0])):
+                out = cpu_int8.packed_product(x, self.packed, self.act_scale, out_dtype)
+            else:
+                out = cpu_int8.unpacked_product(x, self.weight_t, self.scale_row, self.bias_fp32, self.act_scale,
+                                                out_dtype)
+        else:
+            out = int8_product(x, self.weight_t, self.scale_row, self.act_scale)  # [rows, out] fp32
+            if self.bias is not None:
+                out = out.add_(self.bias)
+            out = out.to(out_dtype)
+        return out.view(*lead, self.out_features)
 
 
 class Int8Linear(nn.Module):
@@ -111,7 +126,7 @@ class Int8Linear(nn.Module):
             if static_input:  # every part sees the same input: their scales agree (the largest is used)
                 self.input_scale = empty_parameter(out_features, 1, dtype=torch.float32, device=device)
         self.static_input = is_prequantized and static_input
-        self.weight_t = None  # int8 [in, out], what torch._int_mm reads
+        self.weight_t = None  # int8 [in, out], what torch._int_mm reads (None where only the packed copy is kept)
         self.scale_row = None  # fp32 [1, out]: the weight's scale per output channel
         self.act_scale = None  # fp32 scalar: the static activation scale, None = per token
         self.matrix = None  # Int8Matrix: the product, from the layouts above (and a packed one on the CPU)
@@ -125,14 +140,17 @@ class Int8Linear(nn.Module):
                 self.act_scale = self.input_scale.data.float().max()
         else:
             weight_q, scale = quantize_per_row(self.weight.data)  # [out, in], [out, 1]
-        self.weight_t = weight_q.t().contiguous()  # [in, out]
+        weight_t = weight_q.t().contiguous()  # [in, out]
         self.scale_row = scale.reshape(1, -1).contiguous()  # [1, out]
-        # one int8 copy: the parameter becomes a view of the GEMM's layout
-        self.weight = nn.Parameter(self.weight_t.t(), requires_grad=False)
         if not self.is_prequantized:
             self.weight_scale = nn.Parameter(scale, requires_grad=False)
-        self.matrix = Int8Matrix(self.weight_t, self.scale_row, None if self.bias is None else self.bias.data,
-                                 self.act_scale)
+        self.matrix = Int8Matrix(weight_t, self.scale_row, None if self.bias is None else self.bias.data,
+                                 self.act_scale, activation_dtype=self.dtype)
+        # one int8 copy: the parameter becomes a view of the GEMM's [in, out] layout, or, where the packed copy
+        # takes every call and the matrix kept no other, keeps only its shape (the meta device)
+        self.weight_t = self.matrix.weight_t
+        self.weight = nn.Parameter(weight_t.t() if self.weight_t is not None else
+                                   torch.empty(weight_q.shape, dtype=torch.int8, device="meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         return self.matrix(x, self.dtype)

@@ -139,3 +139,23 @@ def test_cpu_seconds_counts_a_busy_child_process():
         assert _cpu_seconds(os.getpid()) - _cpu_seconds(child.pid) >= 0 and _cpu_seconds(child.pid) > 0.1
     finally:
         child.wait()
+
+
+def test_peak_rss_counts_a_child_process_memory():
+    import subprocess
+    import sys
+    import time
+
+    from bench.peer_offline import _peak_rss_gib
+
+    # a child that touches 200 MiB and waits: its peak is counted under this process, and not ours under its
+    child = subprocess.Popen([sys.executable, "-c", "import time\nb = bytearray(200 << 20)\nprint(flush=True)\n"
+                              "time.sleep(5)"], stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()
+        time.sleep(0.1)
+        assert _peak_rss_gib(child.pid) >= 200 / 1024
+        assert _peak_rss_gib(os.getpid()) - _peak_rss_gib(child.pid) > 0
+    finally:
+        child.kill()
+        child.wait()

@@ -35,7 +35,8 @@ def test_bf16_widened_to_fp32_is_a_bf16_gemm_with_fp32_accumulation():
     weight, x = torch.randn(48, 64).bfloat16(), torch.randn(5, 64).bfloat16()
     layer = CpuLinear(weight, None, widen_bf16=True)
     out = layer(x)
-    assert out.dtype == torch.bfloat16 and layer.weight.dtype == torch.float32
+    assert out.dtype == torch.bfloat16 and layer.compute_dtype == torch.float32
+    assert layer.weight is None or layer.weight.dtype == torch.float32  # widened, or let go once packed
     expected = (x.double() @ weight.double().T).to(torch.bfloat16)  # exact products, one rounding
     torch.testing.assert_close(out, expected, atol=0, rtol=1e-2)
     assert (out != expected).float().mean() < 0.05  # fp32 accumulation: almost always the same rounding
@@ -76,3 +77,25 @@ def test_which_rows_take_the_packed_weight(monkeypatch):
     for rows in (1, 2, 256, 257):
         linear(torch.randn(rows, 64))
     assert calls == [1, 257]
+
+
+@pytest.mark.parametrize("rule", [(1, None), (2, 256)], ids=["avx512-rule", "avx2-rule"])
+def test_the_checkpoint_layout_is_kept_only_where_a_call_reads_it(monkeypatch, rule):
+    """Where the packed weight serves every row count the plain one is let go (the weights held once); where some
+    calls take F.linear it stays. Either way every shape of input gets F.linear's product."""
+    from kernels import cpu_gemm
+
+    if not onednn_available():
+        pytest.skip("no oneDNN in this torch build")
+    monkeypatch.setattr(cpu_gemm, "PACKED_MIN_ROWS", rule[0])
+    monkeypatch.setattr(cpu_gemm, "PACKED_MAX_ROWS", rule[1])
+    torch.manual_seed(4)
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    layer = CpuLinear(weight, bias)
+    assert layer.needs_plain_weight == (rule != (1, None))
+    assert (layer.weight is None) == (rule == (1, None)) and layer.holds(weight) == layer.needs_plain_weight
+    for x in (torch.randn(0, 24), torch.randn(1, 24), torch.randn(2, 24), torch.randn(300, 24),
+              torch.randn(3, 5, 24), torch.randn(4, 24)[:, :24].t().contiguous().t()):
+        out = layer(x)
+        assert out.shape == (*x.shape[:-1], 40)
+        torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)

@@ -125,6 +125,8 @@ def test_gemm_extremes_are_exact(gemm_body):
 
 def int8_linear(in_features: int, out_features: int, dtype: torch.dtype, bias: bool, static_input: bool,
                 seed: int = 0) -> Int8Linear:
+    """A W8A8 layer, loaded as from a checkpoint; ``reference_weight_t`` keeps its int8 ``[in, out]`` weight for
+    ``torch_path`` (the layer itself may keep only its packed copy)."""
     generator = torch.Generator().manual_seed(seed)
     weight_q, weight_scale = quantize_per_row(torch.randn(out_features, in_features, generator=generator))
     layer = Int8Linear(in_features, [out_features], bias, dtype, "cpu", is_prequantized=True, static_input=static_input)
@@ -135,12 +137,13 @@ def int8_linear(in_features: int, out_features: int, dtype: torch.dtype, bias: b
     if static_input:
         layer.input_scale.data.fill_(0.02)
     layer.finish_loading()
+    layer.reference_weight_t = weight_q.t().contiguous()
     return layer
 
 
 def torch_path(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     """The torch code's result: ``int8_product`` + bias, to the layer's dtype."""
-    out = int8_product(x, layer.weight_t, layer.scale_row, layer.act_scale)
+    out = int8_product(x, layer.reference_weight_t, layer.scale_row, layer.act_scale)
     if layer.bias is not None:
         out = out.add_(layer.bias)
     return out.to(layer.dtype)
@@ -160,14 +163,32 @@ def test_amx_sends_batches_to_int_mm(monkeypatch):
     """On an AMX CPU, more rows than a decode's go to torch._int_mm (oneDNN's AMX kernels), with the same result."""
     if not cpu_int8.native_gemm_available():
         pytest.skip("no native GEMM body on this CPU")
+    monkeypatch.setattr(cpu_int8, "_IS_AMX", True)
     layer = int8_linear(64, 96, torch.bfloat16, bias=True, static_input=False)
+    assert layer.weight_t is not None and layer.weight.untyped_storage().data_ptr() == \
+        layer.weight_t.untyped_storage().data_ptr()  # torch._int_mm's layout kept, and held once
     x = activations(cpu_int8.AMX_PACKED_MAX_ROWS + 1, 64, torch.bfloat16)
     want, calls = torch_path(layer, x), []
-    monkeypatch.setattr(cpu_int8, "_IS_AMX", True)
     monkeypatch.setattr(torch, "_int_mm", lambda *args, real=torch._int_mm: calls.append(1) or real(*args))
     assert torch.equal(layer(x), want) and len(calls) == 1
     layer(x[:cpu_int8.AMX_PACKED_MAX_ROWS])
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_where_the_packed_gemm_takes_every_call_the_int8_weight_is_held_once(monkeypatch, gemm_body, dtype):
+    """No AMX: every batch takes the packed GEMM, so torch._int_mm's ``[in, out]`` copy is not kept (the parameter
+    keeps its shape on the meta device); any input shape still gets the torch path's result."""
+    monkeypatch.setattr(cpu_int8, "_IS_AMX", False)
+    layer = int8_linear(64, 96, dtype, bias=True, static_input=False)
+    assert layer.weight_t is None and layer.matrix.weight_t is None
+    assert layer.weight.is_meta and layer.weight.shape == (96, 64) and layer.weight.dtype == torch.int8
+    for x in (activations(0, 64, dtype), activations(1, 64, dtype), activations(300, 64, dtype)):
+        assert torch.equal(layer(x), torch_path(layer, x))
+    batch = activations(6, 64, dtype).view(2, 3, 64)
+    assert torch.equal(layer(batch), torch_path(layer, batch.reshape(6, 64)).view(2, 3, 96))
+    wide = activations(5, 128, dtype)[:, ::2]  # every other column: a stride the native passes do not take
+    assert torch.equal(layer(wide), torch_path(layer, wide.contiguous()))
 
 
 def test_without_the_module_int8_runs_the_torch_code(monkeypatch):

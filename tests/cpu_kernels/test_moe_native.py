@@ -121,37 +121,53 @@ def test_prefill_sized_groups_without_a_limit(moe_body, monkeypatch):
     assert_within_one_rounding(out, exact, magnitude_down, 32)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 12])
-def test_stacked_experts_one_call_matches_per_expert_loop(moe_body, num_tokens):
-    """A layer's experts through the one-call path against its per-expert oneDNN loop (the native path off)."""
+def prepared_experts(gate_up: torch.Tensor, down: torch.Tensor, kernels, one_call: bool):
+    """A bf16 ``StackedExperts`` with these weights, prepared by the CPU set with the one-call MoE GEMM on or off."""
     from pipeline.models.moe import MoeSpec, StackedExperts
 
     spec = MoeSpec(num_experts=8, top_k=2, intermediate_size=48, renormalize=True, weights_in_fp32=False,
                    block_name="mlp", projection_names=("gate_proj", "up_proj", "down_proj"))
     experts = StackedExperts(spec, 64, torch.bfloat16, "cpu")
-    generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=generator) / 8)
-        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=generator) / 7)
-    kernels = load_kernels("cpu")
-    kernels.prepare_model(experts)
-    assert experts.grouped_experts is not None
-    # oneDNN's packed copies serve at most PACKED_MAX_ROWS rows: where the one call takes every such group they would
-    # never be read, and are not made (experts held twice, not three times)
+        experts.gate_up_proj.copy_(gate_up)
+        experts.down_proj.copy_(down)
+    before = cpu_native.ops.moe_gemm_isa()
+    if not one_call:
+        cpu_native.ops.set_moe_gemm_isa(None)
+    try:
+        kernels.prepare_model(experts)
+    finally:
+        cpu_native.ops.set_moe_gemm_isa(before)
+    return experts
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 12])
+def test_stacked_experts_one_call_matches_per_expert_loop(moe_body, num_tokens):
+    """A layer's experts through the one-call path against the same experts' per-expert oneDNN loop."""
     from kernels import cpu_moe
     from kernels.cpu_gemm import PACKED_MAX_ROWS
 
-    packed_each = [gemm.packed is not None for pair in experts.expert_gemms for gemm in pair]
-    takes_packed_rows = cpu_moe.MAX_ROWS_PER_EXPERT is None or (
-        PACKED_MAX_ROWS is not None and cpu_moe.MAX_ROWS_PER_EXPERT >= PACKED_MAX_ROWS)
-    assert packed_each == [not takes_packed_rows] * len(packed_each)
+    generator = torch.Generator().manual_seed(2)
+    gate_up, down = torch.randn(8, 96, 64, generator=generator) / 8, torch.randn(8, 64, 48, generator=generator) / 7
+    kernels = load_kernels("cpu")
+    experts = prepared_experts(gate_up, down, kernels, one_call=True)
+    loop = prepared_experts(gate_up, down, kernels, one_call=False)
+    assert experts.grouped_experts is not None and loop.grouped_experts is None
+    if cpu_moe.MAX_ROWS_PER_EXPERT is None:
+        # the one call takes every group: no per-expert GEMMs, and the stacked experts let go (held once)
+        assert experts.expert_gemms is None and experts.gate_up_proj.is_meta and experts.down_proj.is_meta
+        assert experts.gate_up_proj.shape == (8, 96, 64)
+    else:
+        # oneDNN's packed copies serve at most PACKED_MAX_ROWS rows: where the one call takes every such group they
+        # would never be read, and are not made (experts held twice, not three times)
+        packed_each = [gemm.packed is not None for pair in experts.expert_gemms for gemm in pair]
+        takes_packed_rows = PACKED_MAX_ROWS is not None and cpu_moe.MAX_ROWS_PER_EXPERT >= PACKED_MAX_ROWS
+        assert packed_each == [not takes_packed_rows] * len(packed_each)
     x = torch.randn(num_tokens, 64, generator=generator).to(torch.bfloat16)
     topk_weights = torch.softmax(torch.randn(num_tokens, 2, generator=generator), -1).to(torch.bfloat16)
     topk_ids = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(num_tokens)])
     fused = experts(x, topk_weights, topk_ids, kernels)
-    grouped_experts, experts.grouped_experts = experts.grouped_experts, None
-    looped = experts(x, topk_weights, topk_ids, kernels)
-    experts.grouped_experts = grouped_experts
+    looped = loop(x, topk_weights, topk_ids, kernels)
     torch.testing.assert_close(fused.float(), looped.float(), rtol=2 * 2.0**-8, atol=2e-3)
 
 
@@ -173,9 +189,11 @@ def test_bf16_model_generates_as_the_per_expert_loop(tmp_path):
     prompts = [torch.randint(0, 300, (length,), generator=generator).tolist() for length in (3, 29, 8, 1, 17)]
     fused = llm.generate(prompts, greedy(10, logprobs=1))
     before = cpu_native.ops.moe_gemm_isa()
-    cpu_native.ops.set_moe_gemm_isa(None)
+    cpu_native.ops.set_moe_gemm_isa(None)  # an engine prepared without the one call: the per-expert loop
     try:
-        looped = llm.generate(prompts, greedy(10, logprobs=1))
+        loop_llm = LLM(model=path, kernel_backend="cpu", model_config={"dtype": "bfloat16"}, max_batch_input_tokens=16,
+                       kv_cache={"page_size": 4, "num_blocks": 96, "enable_prefix_caching": False})
+        looped = loop_llm.generate(prompts, greedy(10, logprobs=1))
     finally:
         cpu_native.ops.set_moe_gemm_isa(before)
     for ours, theirs in zip(fused, looped):

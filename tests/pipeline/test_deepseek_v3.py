@@ -62,6 +62,15 @@ def test_batch_over_cached_prefix_matches_transformers(loaded, name, backend):
     assert paged.kv_cache.shape[1] == 1 and paged.kv_cache.shape[4] == 1  # built from the model's latent geometry
 
 
+def test_the_latent_up_projection_read_directly_keeps_its_weight_and_gets_no_gemm(loaded):
+    """MLA folds ``kv_b_proj`` into its queries and outputs, reading the weight itself: the CPU kernel set neither
+    packs a copy nobody calls nor lets the parameter go."""
+    model = loaded(next(iter(DEEPSEEK_CONFIGS)), "cpu")[0]
+    attention = [m for m in model.modules() if hasattr(m, "kv_b_proj")]
+    assert attention and all(m.kv_b_proj.gemm is None and m.kv_b_proj.weight.device.type == "cpu" for m in attention)
+    assert all(m.o_proj.gemm is not None for m in attention)
+
+
 def latent_and_expanded_bytes_per_token(c, dtype: torch.dtype) -> tuple[int, int]:
     """KV bytes per token over all layers: MLA's latent rows, and what expanded multi-head K and V would take."""
     size = torch.empty((), dtype=dtype).element_size()

@@ -127,6 +127,29 @@ def loaded(tiny_checkpoint, hf_reference):
     return loaded_models(tiny_checkpoint, hf_reference)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # untied, and tied to the embedding
+def test_a_cpu_model_holds_its_linear_weights_once_where_packing_serves_every_call(
+        monkeypatch, tiny_checkpoint, hf_reference, arch):
+    """With oneDNN's packed weights taking every row count (an AVX-512 CPU's rule, forced here on any CPU), each
+    linear layer's parameter is let go once packed: it keeps its shape on the meta device, the tied embedding
+    keeps its rows, and the model still computes transformers' logits."""
+    from kernels import cpu_gemm
+
+    if not cpu_gemm.onednn_available():
+        pytest.skip("no oneDNN in this torch build")
+    monkeypatch.setattr(cpu_gemm, "PACKED_MIN_ROWS", 1)
+    monkeypatch.setattr(cpu_gemm, "PACKED_MAX_ROWS", None)
+    path = tiny_checkpoint(arch)
+    model, hf_config = load_model(path, torch.float32, "cpu")
+    KERNELS["cpu"].prepare_model(model)
+    linears = [m for m in model.modules() if hasattr(m, "gemm")]
+    assert linears and all(m.gemm is not None and m.weight.is_meta for m in linears)
+    assert model.model.embed_tokens.weight.device.type == "cpu"
+    assert (model.lm_head is None) == hf_config.tie_word_embeddings
+    check_batch_over_cached_prefix(model, hf_config, hf_reference(path)[0], "cpu", prefix_lens=[5, 9],
+                                   continue_lens=[3, 1], num_decodes=2)
+
+
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_single_prefill_matches_transformers(loaded, arch, backend):
