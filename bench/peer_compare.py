@@ -36,7 +36,7 @@ from bench.peer_offline import LARGE_WORKLOADS, parse_configs, run_offline
 from bench.peer_vllm import VLLM_VERSION, VllmServe, default_venv, installed_versions, setup_venv
 from bench.serve_compare import client_on, cpu_model, run_tandem, write_comparison
 
-ONLINE_SYSTEMS = ("vllm", "tandem-colocated", "tandem-1p1d")
+ONLINE_SYSTEMS = ("vllm", "tandem-colocated", "tandem-1p1d", "tandem-1p1d-spill")
 MODEL_SIZES = ("small", "medium", *LARGE_SHAPES, *MOE_SHAPES)
 
 
@@ -113,7 +113,14 @@ def compare(result: dict) -> dict:
             out["online_saturation_output_throughput"] = {
                 "rate": top, "tandem-colocated": colo["output_throughput"], "vllm": peer_top["output_throughput"],
                 "ratio": colo["output_throughput"] / max(peer_top["output_throughput"], 1e-9)}
-        for name in ("tandem-1p1d", "tandem-colocated"):
+        for name in ("tandem-1p1d", "tandem-1p1d-spill"):
+            if name in online:
+                mine = _at_rate(online[name], top)
+                out[f"online_saturation_{name}"] = {
+                    "rate": top,
+                    "output_throughput_ratio": mine["output_throughput"] / max(peer_top["output_throughput"], 1e-9),
+                    "p99_tpot_ratio_vllm_over_tandem": peer_top["p99_tpot_ms"] / max(mine["p99_tpot_ms"], 1e-9)}
+        for name in ("tandem-1p1d", "tandem-1p1d-spill", "tandem-colocated"):
             if name in online:
                 mine = _at_rate(online[name], moderate)
                 out[f"online_moderate_tpot_{name}"] = {

@@ -33,9 +33,14 @@ from bench.serve_client import ClientSettings
 from bench.serve_metrics import parse_goodput
 from bench.serve_workload import CHAT_ENDPOINT, WorkloadSpec
 
-SYSTEMS = ("tandem-1p1d", "tandem-colocated", "transformers-serve")
+SYSTEMS = ("tandem-1p1d", "tandem-colocated", "transformers-serve", "tandem-1p1d-spill")
 PEER_ARGS = ("--cb-num-blocks", "256", "--cb-max-batch-tokens", "512")  # 256-token blocks: 1 GiB of KV here
-TANDEM_SHAPES = {"tandem-1p1d": (1, 1, 0), "tandem-colocated": (0, 0, 1)}  # (prefill, decode, colocated)
+# (prefill, decode, colocated)
+TANDEM_SHAPES = {"tandem-1p1d": (1, 1, 0), "tandem-colocated": (0, 0, 1), "tandem-1p1d-spill": (1, 1, 0)}
+# 1P1D whose decode worker also prefills prompts behind a long prefill queue, in chunks of at most 64 tokens beside
+# its decodes (docs/load.md, "Conditional disaggregation")
+TANDEM_CONFIGS = {"tandem-1p1d-spill": {"router": {"prefill_spill_tokens": 2048},
+                                        "max_prefill_tokens_beside_decodes": 64}}
 
 
 def cpu_model() -> str:
@@ -72,10 +77,13 @@ def run_tandem(name: str, checkpoint: Path, cores: list[int], run) -> tuple[dict
     num_prefill, num_decode, num_colocated = TANDEM_SHAPES[name]
     plan = plan_cores(cores, num_prefill, num_decode, num_colocated)
     beside_router = router_cores(plan)
+    config = TANDEM_CONFIGS.get(name, {})
     cluster = LocalCluster(num_prefill=num_prefill, num_decode=num_decode, num_colocated=num_colocated,
-                           model_path=str(checkpoint), port=free_port(), cpu_plan=plan, router_cores=beside_router)
+                           model_path=str(checkpoint), port=free_port(), cpu_plan=plan, router_cores=beside_router,
+                           config=config)
     flags = " ".join(f"--{flag} {n}" for flag, n in zip(("prefill", "decode", "colocated"), TANDEM_SHAPES[name]))
-    command = (f"tandem up --model {checkpoint} {flags} --cpu-cores {format_core_list(cores)}  "
+    settings = f" --config <{json.dumps(config)}>" if config else ""
+    command = (f"tandem up --model {checkpoint} {flags} --cpu-cores {format_core_list(cores)}{settings}  "
                f"# {describe_plan(plan)} | router (and this client): cores {format_core_list(beside_router)}")
     with cluster, client_on(beside_router):  # the client runs where tandem up puts the router
         report = run(cluster.url, checkpoint.name)
@@ -104,7 +112,7 @@ def run_transformers(checkpoint: Path, cores: list[int], run) -> tuple[dict, str
 def compare(systems: dict[str, dict]) -> dict:
     """The numbers the targets are stated in (see docs/benchmarks.md)."""
     out: dict = {}
-    pd, colo, peer = (systems.get(k) for k in SYSTEMS)
+    pd, colo, peer = (systems.get(k) for k in ("tandem-1p1d", "tandem-colocated", "transformers-serve"))
     if pd and colo:
         ref_rate = colo.get("goodput_rate") or min(r["request_rate"] for r in colo["runs"])
         at = {k: next(r for r in rep["runs"] if r["request_rate"] == ref_rate) for k, rep in (("pd", pd), ("colo", colo))}

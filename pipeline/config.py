@@ -47,6 +47,11 @@ class PipelineConfig(ConfigSection):
     long_prefill_token_threshold: int | None = Field(
         128, ge=1, description="while prompts wait, a prompt chunk takes at most this many tokens of a step, so short "
         "prompts are admitted beside a long one (the rest of the budget goes back to it); None = no cap")
+    max_prefill_tokens_beside_decodes: int | None = Field(
+        None, ge=1, description="chunked prefill: prompt tokens a step computes beside running decodes, so a prompt "
+        "lengthens every running request's next token (TPOT) by at most that chunk's time (a DecodeOnly worker "
+        "prefilling prompts the router spills to it, router.prefill_spill_tokens); a step with nothing to decode "
+        "takes the full max_batch_input_tokens; None = no cap (docs/load.md)")
     kvcache_ce_watermark: float = Field(
         0.95, gt=0.0, le=1.0, description="admit a prefill only while KV use stays under this fraction"
     )

@@ -119,6 +119,11 @@ class RouterConfig(ConfigSection):
         60.0, gt=0.0, description="a request that waited this long for a free worker gets 429")
     max_local_prefill_length: int = Field(
         32, ge=0, description="DecodeOnly workers prefill prompts up to this many tokens themselves (0 = never); see docs/load.md")
+    prefill_spill_tokens: int | None = Field(
+        None, ge=0, description="a DecodeOnly worker also prefills a longer prompt itself when the prefill worker's "
+        "queue (prompt tokens) exceeds its own plus the prompt by at least this many (queue-aware conditional "
+        "disaggregation: more throughput at saturation, longer decode steps on that worker while it prefills; "
+        "docs/load.md); None = never")
     request_timeout_s: float = Field(600.0, gt=0.0, description="a request unfinished after this gets 504")
     cors_allowed_origins: str = Field(
         "*", description="browser origins allowed to call the API (CORS), comma-separated; \"*\" = any (vLLM's "

@@ -87,6 +87,7 @@ class LLMEngine:
             kvcache_ce_watermark=config.kvcache_ce_watermark,
             max_queue_size=config.max_queue_size_tg,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_prefill_tokens_beside_decodes=config.max_prefill_tokens_beside_decodes,
             num_lookahead_tokens=num_lookahead,
             warmup_chunk_tokens=config.kv_cache.warmup_chunk_tokens,
             scheduling_policy=config.scheduling_policy,

@@ -9,7 +9,8 @@ Request lifecycle (colocated PrefillAndDecode role):
       long prompt never stalls the decodes beside it (decode-first mixed batches); while prompts
       wait, a chunk takes at most ``long_prefill_token_threshold`` tokens (vLLM's name), so a short
       prompt is admitted into the same step as the long one before it, and the leftover budget
-      returns to the chunks afterwards (no step is smaller for it);
+      returns to the chunks afterwards (no step is smaller for it); in a step that decodes, prompt
+      chunks take at most ``max_prefill_tokens_beside_decodes`` tokens in all (a TPOT bound);
    b. a running sequence that needs a new KV block when the pool is empty preempts the most
       recently admitted running sequence (its blocks are freed; it goes back to the front of the
       waiting queue and is recomputed later from prompt + tokens generated so far);
@@ -85,6 +86,7 @@ class Scheduler:
         kvcache_ce_watermark: float = 1.0,
         max_queue_size: int | None = None,
         long_prefill_token_threshold: int | None = None,
+        max_prefill_tokens_beside_decodes: int | None = None,
         num_lookahead_tokens: int = 0,
         warmup_chunk_tokens: int = 32,
         scheduling_policy: SchedulingPolicy | str = SchedulingPolicy.FCFS,
@@ -96,6 +98,7 @@ class Scheduler:
         self.kvcache_ce_watermark = kvcache_ce_watermark
         self.max_queue_size = max_queue_size
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_prefill_tokens_beside_decodes = max_prefill_tokens_beside_decodes
         self.num_lookahead_tokens = num_lookahead_tokens  # speculative decoding's K
         self.order = QueueOrder(scheduling_policy)  # where a sequence goes in each queue below
         self.waiting: deque[Sequence] = deque()
@@ -250,6 +253,8 @@ class Scheduler:
         # then admissions. While prompts wait, each chunk takes at most ``long_prefill_token_threshold``
         # tokens, so a short prompt behind a long one shares the step instead of waiting out the long
         # prompt's every chunk; what is left of the budget then goes back to the chunks, oldest first.
+        if out.chunks and self.enable_chunked_prefill and self.max_prefill_tokens_beside_decodes is not None:
+            budget = min(budget, self.max_prefill_tokens_beside_decodes)  # the decodes' next tokens wait on it
         cap = budget
         if self.waiting and self.enable_chunked_prefill and self.long_prefill_token_threshold is not None:
             cap = self.long_prefill_token_threshold

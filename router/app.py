@@ -81,6 +81,7 @@ def create_app(
         max_queued_requests=_or(max_queued_requests, router_config.max_queued_requests),
         queue_timeout_s=_or(queue_timeout_s, router_config.queue_timeout_s),
         max_local_prefill_length=router_config.max_local_prefill_length,
+        prefill_spill_tokens=router_config.prefill_spill_tokens,
         kv_overlap_weight=router_config.kv_overlap_weight if router_config.kv_aware_routing else None,
         max_migrations=router_config.max_migrations,
         warm_prefill_cache=router_config.warm_prefill_cache,

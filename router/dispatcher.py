@@ -78,6 +78,7 @@ class Dispatcher:
         max_queued_requests: int = 256,
         queue_timeout_s: float = 60.0,
         max_local_prefill_length: int = 0,
+        prefill_spill_tokens: int | None = None,
         kv_overlap_weight: float | None = None,
         max_migrations: int = 3,
         warm_prefill_cache: bool = False,
@@ -87,12 +88,15 @@ class Dispatcher:
         ``max_migrations``: how often a stream whose worker died (or drained) moves to another worker.
         ``warm_prefill_cache``: prefill workers are asked to warm their prefix caches (``router.prefill_warmups``).
         ``early_prefill``: a disaggregated request's prefill worker gets the prompt (``StartPrefill``) as its
-        decode worker gets the request, and starts before the decode worker has reserved blocks and asked."""
+        decode worker gets the request, and starts before the decode worker has reserved blocks and asked.
+        ``prefill_spill_tokens``: a prompt goes to its DecodeOnly worker instead of a prefill queue that much
+        longer than the decode worker's own (``router.policy``); None: never."""
         self.socket = WorkerSocket(router_endpoint(zmq_endpoint_base), self._on_message, metrics.bad_frames_total.inc)
         self.registry = registry
         self.metrics = metrics
         self.model_name = model_name
         self.max_local_prefill_length = max_local_prefill_length
+        self.prefill_spill_tokens = prefill_spill_tokens
         self.kv_overlap_weight = kv_overlap_weight
         self.warmups = PrefillWarmups(registry, metrics, self._send) if warm_prefill_cache else None
         self.early_prefill = early_prefill
@@ -239,7 +243,8 @@ class Dispatcher:
             views = self._views(prompt)
             route = choose_route(views, needed, self.in_flight.excluded(handle), num_prompt_tokens=num_prompt_tokens,
                                  max_local_prefill_length=(needed if resume else self.max_local_prefill_length),
-                                 kv_overlap_weight=self.kv_overlap_weight)
+                                 kv_overlap_weight=self.kv_overlap_weight,
+                                 prefill_spill_tokens=self.prefill_spill_tokens)
             wire_id = handle.new_attempt()
             msg = GenerateRequest(
                 request_id=wire_id,

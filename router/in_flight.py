@@ -2,9 +2,10 @@
 workers each must avoid, and the wire ids the router cancelled.
 
 A request's load lives in the registry's counters that routing reads: ``assign`` adds its share (decode
-slots and blocks; the prompt tokens its prefill worker must compute), ``release_prefill`` takes the prefill
-share back at its first token and ``unassign`` the rest. ``InFlightRequests`` is the one writer of a
-handle's route (``wire_id``, ``decode_worker_id``, ``prefill_worker_id``) and of its ``excluded`` workers.
+slots and blocks; the prompt tokens its prefill worker, or a decode worker prefilling locally, must
+compute), ``release_prefill`` takes the prefill share back at its first token and ``unassign`` the rest.
+``InFlightRequests`` is the one writer of a handle's route (``wire_id``, ``decode_worker_id``,
+``prefill_worker_id``) and of its ``excluded`` workers.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class InFlightRequests:
                 prefill.num_pending_prefill_tokens += num_new
                 prefill.num_routed_prefill_blocks += -(-num_new // max(prefill.page_size, 1))
                 placement.pending_prefill = (prefill.worker_id, num_new)
+        elif decode is not None:
+            # a local prefill: the decode worker's own backlog, which spilling a prompt there weighs
+            num_new = len(handle.prompt_token_ids) - route.decode.num_cached_prompt_tokens
+            decode.num_pending_prefill_tokens += num_new
+            placement.pending_prefill = (decode.worker_id, num_new)
 
     def unassign(self, handle: RequestHandle) -> float | None:
         """Take the request off its workers (no-op when it is on none). Returns how long it held a decode

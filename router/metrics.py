@@ -130,6 +130,10 @@ class RouterMetrics:
         self.prefill_first_tokens_total = Counter(
             "tandem_prefill_first_tokens_total", "Disaggregated requests whose first token was streamed as its prefill "
             "worker sent it, before the decode worker had verified the KV", registry=self.registry)
+        self.prefill_spills_total = Counter(
+            "tandem_prefill_spills_total", "Prompts a DecodeOnly worker prefilled itself because the prefill workers' "
+            "queue was longer than its own by router.prefill_spill_tokens (queue-aware conditional disaggregation)",
+            registry=self.registry)
         for side in ("decode", "prefill"):
             self.routed_prompt_tokens.labels(side)
             self.routed_cached_tokens.labels(side)
@@ -148,6 +152,8 @@ class RouterMetrics:
             self.routed_prompt_tokens.labels(side).inc(num_prompt_tokens)
             self.routed_cached_tokens.labels(side).inc(worker.num_cached_prompt_tokens)
             self.per_worker.note_route(worker.worker_id, num_prompt_tokens, worker.num_cached_prompt_tokens)
+        if route.is_spilled:
+            self.prefill_spills_total.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,6 +15,11 @@ Rules, in order:
    (conditional disaggregation, Dynamo's idea: shipping the KV of a short prompt costs more than
    computing it where it will be decoded); then it prefills locally (prefill None). Ties between
    prefill workers go to the one the router has given the fewest prompt blocks to compute so far.
+   With ``prefill_spill_tokens`` set, a DecodeOnly worker also prefills locally when the chosen prefill
+   worker's backlog (queued prompt tokens: reported plus sent since) exceeds the decode worker's own
+   backlog plus this prompt by at least that many tokens (Dynamo's queue-aware conditional
+   disaggregation): at saturation the decode workers' idle compute takes prompts off a prefill queue
+   that would start them later than a local prefill would finish them; below it nothing spills.
 5. No decode candidate -> ``NoRoute`` with the reason (the HTTP layer answers 503). Candidates that
    all run a full batch (router-side in-flight count >= their ``max_batch_size``) -> ``Saturated``
    (a ``NoRoute``): the request waits in the router's admission queue instead.
@@ -69,6 +74,7 @@ class WorkerView:
 class Route:
     decode: WorkerView
     prefill: WorkerView | None  # None: the decode worker prefills itself (colocated)
+    is_spilled: bool = False  # a DecodeOnly worker prefills it because the prefill queue was too long (rule 4)
 
 
 class NoRoute(Exception):
@@ -82,11 +88,11 @@ class Saturated(NoRoute):
 def choose_route(
     workers: Sequence[WorkerView], num_tokens: int, exclude: Iterable[str] = (), *,
     num_prompt_tokens: int | None = None, max_local_prefill_length: int = 0,
-    kv_overlap_weight: float | None = None,
+    kv_overlap_weight: float | None = None, prefill_spill_tokens: int | None = None,
 ) -> Route:
     """Pick (prefill or None, decode) for a request needing ``num_tokens`` (prompt + max output)
     whose prompt has ``num_prompt_tokens`` (default: all of ``num_tokens``); ``kv_overlap_weight``
-    None routes by load alone."""
+    None routes by load alone; ``prefill_spill_tokens`` None never spills a prompt to its decode worker."""
     excluded = set(exclude)
     fitting = [w for w in workers
                if w.worker_id not in excluded and w.max_length >= num_tokens and not w.is_draining]
@@ -107,8 +113,18 @@ def choose_route(
     if decode.role == PipelineRole.PrefillAndDecode or not prefill or uncached <= max_local_prefill_length:
         return Route(decode=decode, prefill=None)
     if kv_overlap_weight is None:
-        return Route(decode=decode, prefill=min(prefill, key=_prefill_key))
-    return Route(decode=decode, prefill=min(prefill, key=lambda w: _kv_prefill_key(w, num_prompt_tokens)))
+        chosen = min(prefill, key=_prefill_key)
+    else:
+        chosen = min(prefill, key=lambda w: _kv_prefill_key(w, num_prompt_tokens))
+    if prefill_spill_tokens is not None and (
+            prefill_backlog(decode) + uncached <= prefill_backlog(chosen) - prefill_spill_tokens):
+        return Route(decode=decode, prefill=None, is_spilled=True)
+    return Route(decode=decode, prefill=chosen)
+
+
+def prefill_backlog(w: WorkerView) -> int:
+    """Prompt tokens waiting for (or in) prefill on ``w``: its report plus what the router sent since."""
+    return w.num_queued_prefill_tokens + w.num_pending_prefill_tokens
 
 
 def choose_handoff_target(
@@ -182,14 +198,14 @@ def _kv_prefill_key(w: WorkerView, num_prompt_tokens: int) -> tuple:
     # the decode side). A weight above 1 here would let the first worker to cache a shared system prompt
     # win every new conversation, whose later turns then stay: one prefill cache holding them all.
     new_blocks = _blocks(num_prompt_tokens - w.num_cached_prompt_tokens, w.page_size)
-    queued_blocks = _blocks(w.num_queued_prefill_tokens + w.num_pending_prefill_tokens, w.page_size)
+    queued_blocks = _blocks(prefill_backlog(w), w.page_size)
     return (new_blocks + queued_blocks, w.num_routed_prefill_blocks, w.worker_id)
 
 
 def _prefill_key(w: WorkerView) -> tuple:
     # ties (idle prefill workers) go to the one that was given less to compute so far: with KV reuse, the
     # worker that takes a conversation's first turn computes its later ones too, so ties decide its home
-    return (w.num_queued_prefill_tokens + w.num_pending_prefill_tokens, w.num_routed_prefill_blocks, w.worker_id)
+    return (prefill_backlog(w), w.num_routed_prefill_blocks, w.worker_id)
 
 
 def _why_none(workers: Sequence[WorkerView], excluded: set[str], num_tokens: int) -> str:

@@ -38,7 +38,7 @@ class WorkerInfo:
     last_seen: float
     is_alive: bool = True
     num_inflight: int = 0  # requests the router has routed here and not seen finish (decode side)
-    num_pending_prefill_tokens: int = 0  # prompt tokens routed here (prefill side) still without a first token
+    num_pending_prefill_tokens: int = 0  # prompt tokens routed here to prefill (or prefill locally), no first token yet
     max_batch_size: int = 0  # from registration; 0: unknown
     registered_at: float = field(default_factory=time.time)
     num_inflight_blocks: int = 0  # blocks (prompt + max_tokens) of the requests routed here (decode side), not finished

@@ -153,6 +153,30 @@ def test_waiting_long_prompts_share_the_step_and_lose_no_budget():
     assert all(s.num_output_tokens == 2 for s in seqs) and kv.num_free_blocks == 256
 
 
+def test_beside_decodes_prompt_chunks_take_at_most_the_cap_and_alone_the_whole_budget():
+    kv = KVCacheManager(256, 4)
+    scheduler = Scheduler(kv, max_batch_size=8, max_batch_input_tokens=64, max_prefill_tokens_beside_decodes=8)
+    short, long = make_seq("short", 3, 8), make_seq("long", 200, 2)
+    scheduler.add(short)
+    assert [(c.seq.request_id, c.num_tokens) for c in step(scheduler).chunks] == [("short", 3)]
+    scheduler.add(long)
+    plans = [step(scheduler) for _ in range(10)]
+    # while the short request decodes (7 more tokens) the long prompt advances 8 tokens a step; then, nothing
+    # decoding, it takes the whole budget
+    assert [[(c.seq.request_id, c.num_tokens) for c in p.chunks] for p in plans] == (
+        [[("short", 1), ("long", 8)]] * 7 + [[("long", 64)], [("long", 64)], [("long", 16)]])
+    assert short.is_finished and long.num_output_tokens == 1
+    run_to_completion(scheduler, [long])
+    assert kv.num_free_blocks == 256
+    # without chunked prefill a whole prompt must fit one step: no cap applies
+    whole = Scheduler(KVCacheManager(256, 4), max_batch_size=8, max_batch_input_tokens=64,
+                      enable_chunked_prefill=False, max_prefill_tokens_beside_decodes=8)
+    whole.add(make_seq("a", 3, 10))
+    step(whole)
+    whole.add(make_seq("b", 40, 2))
+    assert [(c.seq.request_id, c.num_tokens) for c in step(whole).chunks] == [("a", 1), ("b", 40)]
+
+
 def test_speculative_lookahead_reserves_blocks_and_respects_limits():
     """A decoding request that speculates gets K lookahead slots (blocks reserved, budget charged), fewer
     near its length limit or when the budget is short; one that does not speculate gets none."""

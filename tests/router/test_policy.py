@@ -79,6 +79,45 @@ def test_short_prompts_are_prefilled_where_they_decode():
     assert choose_route(workers, 40, num_prompt_tokens=8).prefill.worker_id == "p0"  # threshold 0: always remote
 
 
+def test_a_long_prefill_queue_spills_prompts_to_the_decode_worker_only_when_asked():
+    # the prefill worker's backlog: 1000 reported + 2000 sent since its last heartbeat
+    workers = [w("d0", D, max_length=4096),
+               w("p0", P, max_length=4096, num_queued_prefill_tokens=1000, num_pending_prefill_tokens=2000)]
+    route = lambda prompt, **kw: choose_route(workers, prompt + 8, num_prompt_tokens=prompt, **kw)
+    assert route(1000).prefill.worker_id == "p0"  # prefill_spill_tokens None: never
+    assert route(952, prefill_spill_tokens=2048).prefill is None  # 0 + 952 <= 3000 - 2048
+    assert route(952, prefill_spill_tokens=2048).is_spilled and not route(1000).is_spilled
+    assert route(953, prefill_spill_tokens=2048).prefill.worker_id == "p0"
+    # the decode worker's own backlog (reported, and local prefills sent since) counts against spilling
+    busy = [w("d0", D, max_length=4096, num_queued_prefill_tokens=500, num_pending_prefill_tokens=400), workers[1]]
+    assert choose_route(busy, 108, num_prompt_tokens=100, prefill_spill_tokens=2048).prefill.worker_id == "p0"
+    assert choose_route(busy, 60, num_prompt_tokens=52, prefill_spill_tokens=2048).prefill is None
+    # a colocated worker is not a spill target: it prefills everything it serves anyway
+    assert choose_route([w("c0", PD), w("p0", P)], 10, prefill_spill_tokens=0).prefill is None
+
+
+def test_a_burst_of_long_prompts_is_shared_between_prefill_and_decode_workers_by_backlog():
+    """What the router's counters do between heartbeats (``InFlightRequests.assign``): twelve 1500-token prompts
+    at once go to the prefill worker until its queue is ``prefill_spill_tokens`` longer than the decode
+    worker's, then alternate; nothing spills while the prefill queue stays short."""
+    def burst(spill, count=12, length=1500):
+        backlog = {"p0": 0, "d0": 0}
+        where = []
+        for _ in range(count):
+            workers = [w("d0", D, num_pending_prefill_tokens=backlog["d0"], max_length=4096),
+                       w("p0", P, num_pending_prefill_tokens=backlog["p0"], max_length=4096)]
+            route = choose_route(workers, length + 8, num_prompt_tokens=length, prefill_spill_tokens=spill)
+            target = "d0" if route.prefill is None else "p0"
+            backlog[target] += length
+            where.append(target)
+        return where
+
+    assert burst(None) == ["p0"] * 12
+    assert burst(2048)[:3] == ["p0"] * 3 and burst(2048).count("d0") == 5
+    assert burst(0).count("d0") == 6  # no slack: an even split
+    assert burst(2048, count=2) == ["p0", "p0"]  # a short queue: every prompt where disaggregation puts it
+
+
 def test_saturated_workers_are_skipped_and_all_saturated_is_its_own_error():
     workers = [w("d0", D, num_inflight=4, max_batch_size=4), w("d1", D, num_inflight=9, max_batch_size=16), w("p0", P)]
     assert choose_route(workers, 10).decode.worker_id == "d1"

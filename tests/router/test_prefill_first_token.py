@@ -151,3 +151,33 @@ def test_the_prompt_goes_to_the_prefill_worker_as_the_request_goes_to_the_decode
         decode.emit(*_decode_answer(rid))
         assert done.wait(10)
         assert prefill.early_starts == ([start] if early else [])
+
+
+def test_with_a_spill_threshold_a_prompt_behind_a_long_prefill_queue_is_prefilled_by_its_decode_worker(router_factory):
+    """``router.prefill_spill_tokens``: the router's own count of what it sent the prefill worker (no heartbeat
+    has reported it yet) makes the second prompt of a burst go to the decode worker alone; its first token
+    releases the decode worker's backlog, and the next prompt goes through the prefill worker again."""
+    router = router_factory(config={"router": {"max_local_prefill_length": 0, "prefill_spill_tokens": 0}})
+    prefill, decode, client = _pd(router)
+    threads, results = [], []
+    for _ in range(2):
+        chunks, done = [], threading.Event()
+        threads.append(_stream(client, chunks, done))
+        results.append((chunks, done))
+        assert decode.wait_for(lambda: len(decode.requests) == len(threads))
+    first, second = decode.requests
+    assert first.prefill_worker_id == "p0" and second.prefill_worker_id is None and second.prefill_endpoint is None
+    assert router.metric("tandem_prefill_spills_total") == 1
+    for request in (first, second):
+        decode.emit(*_decode_answer(request.request_id))
+    for (chunks, done), thread in zip(results, threads):
+        assert done.wait(10) and _text(chunks)
+        thread.join(5)
+    router.wait_idle()
+    chunks, done = [], threading.Event()
+    _stream(client, chunks, done).join(0)
+    assert decode.wait_for(lambda: len(decode.requests) == 3)
+    assert decode.requests[2].prefill_worker_id == "p0"  # both backlogs back to 0: the prefill worker again
+    assert router.metric("tandem_prefill_spills_total") == 1
+    decode.emit(*_decode_answer(decode.requests[2].request_id))
+    assert done.wait(10)
