@@ -1,10 +1,10 @@
 """Real-model-sized random checkpoints for the peer benchmark, built locally (no model hub), and their int8 W8A8 twin.
 
-- ``build_random_checkpoint``: a Llama of one of ``LARGE_SHAPES`` (TinyLlama-1.1B's or Llama-3.2-3B's shape), random
-  bf16 weights written tensor group by tensor group into ~2 GiB safetensors shards with their index (the whole
-  model is never in memory, so the 3B shape builds in a few GiB), a byte-level BPE tokenizer trained to the
-  model's full vocabulary (every id decodes, so both engines detokenize as they would a real model), and the
-  EOS rows of the output projection zeroed (``bench/peer_transformers.make_eos_unreachable``'s reason).
+- ``build_random_checkpoint``: a Llama of one of ``LARGE_SHAPES`` (TinyLlama-1.1B's, Llama-3.2-3B's or
+  Llama-3.1-8B's shape), random bf16 weights written tensor group by tensor group into ~2 GiB safetensors shards
+  with their index (the whole model is never in memory, so the 3B shape builds in a few GiB), a byte-level BPE
+  tokenizer trained to the model's full vocabulary (every id decodes, so both engines detokenize as they would a
+  real model), and the EOS rows of the output projection zeroed (``bench/peer_transformers.make_eos_unreachable``'s reason).
 - ``write_w8a8``: the same model as a compressed-tensors ``int-quantized`` checkpoint as llm-compressor's W8A8
   preset writes it (int8 decoder linears, ``weight_scale`` ``[out, 1]`` per output channel in the model dtype,
   activations dynamic per token, ``lm_head`` ignored), which Tandem and vLLM's CPU build both load.
@@ -29,6 +29,9 @@ LARGE_SHAPES: dict[str, dict] = {
     "3b": dict(  # Llama-3.2-3B (no llama3 rope scaling: positions stay under 2048 here)
         vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
         num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=True),
+    "8b": dict(  # Llama-3.1-8B (16 GB in bf16: its two engines do not fit a 24 GiB machine at once)
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=False),
 }
 # Mixture-of-experts shapes, built with transformers' own classes (small enough to build in memory): a Qwen3-MoE
 # with 32 experts, top-8 renormalised, on every layer — the issue's "32+ experts, top-8"
@@ -86,32 +89,32 @@ def _write_shards(path: Path, tensors, transform=lambda name, t: {name: t}) -> N
     """Stream ``(name, tensor)`` into ``model-XXXXX-of-YYYYY.safetensors`` shards plus the index."""
     from safetensors.torch import save_file
 
-    shards: list[dict] = [{}]
-    sizes = [0]
     files: list[str] = []
 
-    def flush():
+    def flush(shard: dict) -> dict:
         name = f"model-{len(files) + 1:05d}.safetensors"
-        save_file(shards[-1], path / name, metadata={"format": "pt"})
+        save_file(shard, path / name, metadata={"format": "pt"})
         files.append(name)
-        return {k: name for k in shards[-1]}
+        return {k: name for k in shard}
 
     weight_map: dict[str, str] = {}
+    shard: dict = {}  # only the shard being filled is held: a written one is let go
+    shard_bytes = total_bytes = 0
     for name, tensor in tensors:
         for out_name, out in transform(name, tensor).items():
-            if sizes[-1] and sizes[-1] + out.nbytes > SHARD_BYTES:
-                weight_map |= flush()
-                shards.append({})
-                sizes.append(0)
-            shards[-1][out_name] = out
-            sizes[-1] += out.nbytes
-    weight_map |= flush()
+            if shard_bytes and shard_bytes + out.nbytes > SHARD_BYTES:
+                weight_map |= flush(shard)
+                shard, shard_bytes = {}, 0
+            shard[out_name] = out
+            shard_bytes += out.nbytes
+            total_bytes += out.nbytes
+    weight_map |= flush(shard)
     total = len(files)
     for i, name in enumerate(files):  # the names count the shards, known only at the end
         final = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
         os.replace(path / name, path / final)
         weight_map = {k: (final if v == name else v) for k, v in weight_map.items()}
-    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
@@ -210,7 +213,7 @@ def weight_bytes_per_token(checkpoint: Path, dtype: torch.dtype) -> int:
 
 def peer_checkpoint(size: str, is_int8: bool = False) -> Path:
     """The benchmark's checkpoint of ``size`` (built once, cached under ``$TANDEM_HOME``): ``small`` / ``medium``
-    as ``bench/serve_compare.benchmark_checkpoint`` builds them, ``1.1b`` / ``3b`` and ``qwen3-moe`` here;
+    as ``bench/serve_compare.benchmark_checkpoint`` builds them, ``1.1b`` / ``3b`` / ``8b`` and ``qwen3-moe`` here;
     ``is_int8``: its W8A8 twin."""
     home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
     if size in MOE_SHAPES:
