@@ -14,9 +14,10 @@
 - **The physical limit**: the machine's memory bandwidth (``bench/memory_bandwidth.py``) per thread count, and on
   the bf16 configs of ``--decode-latency`` sizes each engine's batch-1 decode step against weight bytes /
   bandwidth (``bench/peer_decode.py``).
-- **Online**: ``vllm serve``, ``tandem up`` colocated and ``tandem up`` 1P1D on the same cores, each
-  driven by the serving benchmark (``bench/serve.py``) with the same arrivals: the mixed workload
-  (30 % 1500 -> 8 tokens, 70 % 32 -> 96), at a moderate rate and all at once (saturation).
+- **Online**: ``vllm serve``, ``tandem up`` colocated, ``tandem up`` 1P1D, and 1P1D whose decode worker takes
+  prompts from a long prefill queue (``router.prefill_spill_tokens``, docs/load.md) on the same cores, each
+  driven by the serving benchmark (``bench/serve.py``) with the same arrivals: the mixed workload (30 % 1500 -> 8
+  tokens, 70 % 32 -> 96), at a moderate rate and all at once (saturation).
 
 The report has every repeat, the medians, the ratios the targets are stated in (``comparisons``), the
 commands and the versions; plots are written beside it (``bench/peer_plot.py``).
