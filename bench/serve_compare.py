@@ -70,6 +70,7 @@ def benchmark_checkpoint(size: str) -> Path:
 
 
 def run_tandem(name: str, checkpoint: Path, cores: list[int], run) -> tuple[dict, str]:
+    from deploy.config_flags import override_flags
     from deploy.cpu_plan import describe_plan, plan_cores, router_cores
     from deploy.local_launcher import LocalCluster
     from pipeline.core_list import format_core_list
@@ -82,20 +83,12 @@ def run_tandem(name: str, checkpoint: Path, cores: list[int], run) -> tuple[dict
                            model_path=str(checkpoint), port=free_port(), cpu_plan=plan, router_cores=beside_router,
                            config=config)
     flags = " ".join(f"--{flag} {n}" for flag, n in zip(("prefill", "decode", "colocated"), TANDEM_SHAPES[name]))
-    command = (f"tandem up --model {checkpoint} {flags} --cpu-cores {format_core_list(cores)}{_cli_flags(config)}  "
+    settings = "".join(f" {flag}" for flag in override_flags(config))
+    command = (f"tandem up --model {checkpoint} {flags} --cpu-cores {format_core_list(cores)}{settings}  "
                f"# {describe_plan(plan)} | router (and this client): cores {format_core_list(beside_router)}")
     with cluster, client_on(beside_router):  # the client runs where tandem up puts the router
         report = run(cluster.url, checkpoint.name)
     return report, command
-
-
-def _cli_flags(config: dict, prefix: str = "") -> str:
-    """``config`` overrides as ``tandem up`` flags: ``{"router": {"a_b": 1}, "c": 2}`` -> `` --router-a-b 1 --c 2``."""
-    flags = ""
-    for key, value in config.items():
-        name = f"{prefix}{key.replace('_', '-')}"
-        flags += _cli_flags(value, name + "-") if isinstance(value, dict) else f" --{name} {value}"
-    return flags
 
 
 @contextlib.contextmanager

@@ -83,6 +83,26 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def override_flags(overrides: dict[str, Any]) -> list[str]:
+    """``config_overrides``' inverse: a nested override dict as the flags that set it
+    (``{"router": {"prefill_spill_tokens": 2048}}`` -> ``["--router-prefill-spill-tokens", "2048"]``). Of the
+    model section only what ``--model``, ``--served-model-name`` and ``--quantization`` set has a flag."""
+    flags: list[str] = []
+    for name, value in overrides.items():
+        for sub_name, sub_value in (value.items() if isinstance(value, dict) else [(None, value)]):
+            if name == "model":
+                if sub_name not in _MODEL_FLAGS:
+                    raise ValueError(f"no flag sets model.{sub_name}: use a config file")
+                flag = _MODEL_FLAGS[sub_name]
+            else:
+                flag = "--" + (name if sub_name is None else f"{name}-{sub_name}").replace("_", "-")
+            flags += [flag, str(sub_value)]
+    return flags
+
+
+_MODEL_FLAGS = {"model_path": "--model", "served_model_name": "--served-model-name", "quantization": "--quantization"}
+
+
 def config_from_args(args: argparse.Namespace, **extra: Any) -> PipelineConfig:
     overrides = config_overrides(args)
     overrides.update(extra)

@@ -48,7 +48,7 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
             module.gemm = CpuLinear(weight.detach(), None if module.bias is None else module.bias.detach(),
                                     prepack=prepack_weights)
             if not module.gemm.holds(weight):
-                module.weight = torch.nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+                _let_go(module, "weight")
         elif hasattr(module, "expert_gemms") and module.gate_up_proj.device.type == "cpu":
             # a mixture-of-experts layer's stacked experts: all of them packed once for the one-call path
             # (kernels/cpu_moe.py) where it runs, and each expert's pair of GEMMs packed like a linear's for the
@@ -62,9 +62,8 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
                                                                 module.down_proj.detach())
                 if cpu_moe.MAX_ROWS_PER_EXPERT is None:  # it takes every group: nothing reads the stacked experts
                     module.expert_gemms = None
-                    for name in ("gate_up_proj", "down_proj"):
-                        setattr(module, name, torch.nn.Parameter(torch.empty_like(getattr(module, name), device="meta"),
-                                                                 requires_grad=False))
+                    _let_go(module, "gate_up_proj")
+                    _let_go(module, "down_proj")
                     continue
             takes_every_packed_group = cpu_moe.MAX_ROWS_PER_EXPERT is None or (
                 PACKED_MAX_ROWS is not None and cpu_moe.MAX_ROWS_PER_EXPERT >= PACKED_MAX_ROWS)
@@ -78,3 +77,9 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
         model.logits_gemm = lm_head.gemm if lm_head is not None and lm_head.gemm is not None else CpuLinear(
             model.output_weight().detach(), None, prepack=prepack_weights)
     model.is_prepared_for_cpu = True
+
+
+def _let_go(module: torch.nn.Module, name: str) -> None:
+    """Free a parameter nothing reads any more: it keeps its shape and dtype, on the meta device."""
+    meta = torch.empty_like(getattr(module, name), device="meta")
+    setattr(module, name, torch.nn.Parameter(meta, requires_grad=False))

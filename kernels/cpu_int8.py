@@ -71,7 +71,7 @@ def native_gemm_available() -> bool:
 
 def native_quantize_available(x: torch.Tensor) -> bool:
     """Whether the native quantize / rescale passes take these activations: CPU rows of fp32 or bf16."""
-    return (cpu_native.ops is not None and x.device.type == "cpu" and x.dtype in _DTYPE_CODES and x.dim() == 2
+    return (cpu_native.ops is not None and x.device.type == "cpu" and native_activation_dtype(x.dtype) and x.dim() == 2
             and x.stride(-1) == 1)
 
 

@@ -2,7 +2,8 @@
 
 ``add_request`` validates and queues; ``step`` schedules one batch, runs it and returns what each
 request produced in that step; ``abort_request`` ends a request and frees its blocks at once (the requests
-it knows, and how one ends, live in ``pipeline/request_table.py``).
+it knows, and how one ends, live in ``pipeline/request_table.py``; what each sampled token becomes, in
+``pipeline/token_emission.py``).
 The offline ``LLM`` and the workers drive it. KV that arrives from another worker or leaves for one
 (P/D, live migration, prefix warm-ups) passes the engine's narrow KV-move interface (the section "KV
 moves across workers" below): the connector halves in ``kv_transfer/connector`` see only that.
@@ -26,7 +27,7 @@ from pipeline.kv_pool import build_kv_pool
 from pipeline.model_runner import TORCH_DTYPES, ModelRunner
 from pipeline.output_processor import OutputProcessor
 from pipeline.overlap import InFlightStep
-from pipeline.protocol import FinishReason, PromptLogprobs, SamplingParams
+from pipeline.protocol import PromptLogprobs, SamplingParams
 from pipeline.protocol.requests import sibling_params
 from pipeline.protocol.cluster import WorkerLoad
 from pipeline.request_table import RequestTable
@@ -37,6 +38,7 @@ from pipeline.sequence import Sequence, SequenceStatus
 from pipeline.sequence_builder import SequenceBuilder
 from pipeline.step_execution import StepExecutor
 from pipeline.step_output import StepOutput
+from pipeline.token_emission import TokenEmitter
 from pipeline.tokenizer import eos_token_ids, load_tokenizer
 from pipeline.weights import load_model
 
@@ -106,6 +108,7 @@ class LLMEngine:
         self._grammars = None  # pipeline/structured_output BackendSet, built on the first structured request
         # each sequence by id, each request's choices, prefill-only requests held for shipping; ends them
         self.requests = RequestTable(self.scheduler, self.runner, self.kv_manager, self.output_processor)
+        self.emitter = TokenEmitter(self.requests, self.output_processor)  # what each sampled token becomes
         self.last_plan = None  # the plan of the step whose outputs the last step() returned
         self.num_prompt_tokens_computed = 0  # cumulative: prompt tokens run through the model (not cached ones)
         self.num_warmup_tokens_computed = 0  # cumulative: tokens prefix warm-ups ran through the model
@@ -181,7 +184,7 @@ class LLMEngine:
         if resume_token_ids:
             self.sequence_builder.resume(seq, resume_token_ids, prefill_only)
         # n > 1 (not on a prefill-only worker, which computes the prompt once for the decode worker):
-        # the other choices start once this one's prompt KV is written, sharing its blocks (_emit)
+        # the other choices start once this one's prompt KV is written, sharing its blocks (TokenEmitter.emit)
         siblings = [] if prefill_only else [
             self._new_sequence(f"{request_id}/{i}", prompt_token_ids, sibling_params(params, i), False, request_id, i)
             for i in range(1, params.num_sequences)]
@@ -332,7 +335,7 @@ class LLMEngine:
         if seq.prompt_logprobs is not None:
             seq.prompt_logprobs = prompt_logprobs or PromptLogprobs()
         self.scheduler.activate_remote(seq, first_token_id)
-        return self._emit(seq, first_token_id, first_logprobs)
+        return self.emitter.emit(seq, first_token_id, first_logprobs)
 
     def activate_migrated(self, request_id: str, num_draft_computed_tokens: int | None = None) -> None:
         """A migrated stream's KV arrived from the worker that decoded it so far (every token but the last,
@@ -431,22 +434,7 @@ class LLMEngine:
         self.last_plan = plan
         if plan.is_empty:
             return []
-        return self.executor.run_at_once(plan, self._emit, self._emit_tokens)
-
-    def _emit_tokens(self, seq: Sequence, token_ids: list[int],
-                     logprobs: list[dict[int, float]] | None) -> StepOutput:
-        """Append and emit several tokens of one request as one output; a stop drops the ones after it."""
-        out = None
-        for i, token_id in enumerate(token_ids):
-            seq.append_token(token_id)
-            one = self._emit(seq, token_id, logprobs[i] if logprobs is not None else None)
-            if out is None:
-                out = one
-            else:
-                out.extend(one)
-            if one.finish_reason is not None:
-                break
-        return out
+        return self.executor.run_at_once(plan, self.emitter.emit, self.emitter.emit_tokens)
 
     def _take_in_flight(self) -> InFlightStep | None:
         step, self._in_flight = self._in_flight, None
@@ -464,35 +452,5 @@ class LLMEngine:
             token_id = result.token_ids[row]
             seq.fill_token(position, token_id)
             logprobs = result.logprobs[row] if result.logprobs is not None else None
-            outputs.append(self._emit(seq, token_id, logprobs, num_tokens=position + 1))
+            outputs.append(self.emitter.emit(seq, token_id, logprobs, num_tokens=position + 1))
         return outputs
-
-    def _emit(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,
-              num_tokens: int | None = None) -> StepOutput:
-        self.requests.fork_waiting_choices(seq)
-        out = StepOutput(seq.family_id, [token_id], num_prompt_tokens=seq.num_prompt_tokens,
-                         num_cached_tokens=seq.num_cached_tokens, num_top_logprobs=seq.params.logprobs or 0,
-                         index=seq.index)
-        if seq.logprobs is not None and logprobs is not None:
-            seq.logprobs.append(logprobs)
-            out.new_logprobs = [logprobs]
-        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
-            out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
-        stop = self.output_processor.check_stop(seq, token_id, num_tokens)
-        out.is_stop_token = stop is not None and stop[0] == FinishReason.STOP.value and not isinstance(stop[1], str)
-        grammar = seq.sampling_state.grammar
-        if grammar is not None:
-            if not grammar.accept(token_id) and (stop is None or stop[0] != FinishReason.LENGTH.value):
-                # the mask allowed a token its matcher refuses: the output no longer satisfies the
-                # constraint, and a refused token never ends a request as a success
-                out.error = f"structured output: the grammar refused token {token_id} that its mask allowed"
-                logger.error("request %s: %s", seq.request_id, out.error)
-                stop = (FinishReason.ERROR.value, None)
-                out.is_stop_token = False
-            elif stop is None and grammar.is_finished:  # the constraint is complete: this token is its last text
-                stop = (FinishReason.STOP.value, None)
-        if stop is not None:
-            out.finish_reason, out.stop_reason = stop
-            out.num_preemptions = seq.num_preemptions
-            out.request_finished = self.requests.finish(seq, *stop)
-        return out

@@ -89,7 +89,7 @@ class Int8Matrix:
         if self.is_native and x.stride(-1) != 1:
             x = x.contiguous()
         if self.is_native and cpu_int8.native_quantize_available(x):
-            if self.packed is not None and (self.weight_t is None or cpu_int8.packed_gemm_preferred(x.shape[0])):
+            if self.packed is not None and cpu_int8.packed_gemm_preferred(x.shape[0]):  # always, where no weight_t
                 out = cpu_int8.packed_product(x, self.packed, self.act_scale, out_dtype)
             else:
                 out = cpu_int8.unpacked_product(x, self.weight_t, self.scale_row, self.bias_fp32, self.act_scale,

@@ -108,3 +108,17 @@ def test_served_model_name_flag_and_router_cors_flags():
     config = build_config(overrides)
     assert config.model.served_model_name == "team-model,alias"
     assert config.router.cors_allowed_origins == "https://a.example"
+
+
+def test_override_flags_are_the_flags_that_set_those_overrides():
+    from bench.serve_compare import TANDEM_CONFIGS
+    from deploy.cli import build_parser
+    from deploy.config_flags import config_overrides, override_flags
+
+    for overrides in [*TANDEM_CONFIGS.values(),
+                      {"model": {"model_path": "/ckpt", "served_model_name": "a,b"}, "max_batch_size": 8,
+                       "kv_cache": {"page_size": 4}, "enable_chunked_prefill": False}]:
+        args = build_parser().parse_args(["up", *override_flags(overrides)])
+        assert config_overrides(args) == overrides
+    with pytest.raises(ValueError, match="model.seed"):
+        override_flags({"model": {"seed": 3}})
