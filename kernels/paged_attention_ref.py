@@ -49,15 +49,30 @@ def paged_attention_ref(
     for i, kv_len in enumerate(kv_lens):
         if is_decode[i] or (short_seqs and 1 < q_lens[i] <= SHORT_QUERY_MAX_LEN):
             continue
-        q = query[starts[i] : starts[i + 1]]  # [q_len, num_q_heads, head_dim]
-        k, v = _gather_kv(k_cache, v_cache, block_tables[i], kv_len)  # [kv_len, num_kv_heads, head_dim]
-        if q.shape[0] == kv_len and sliding_window is None and sinks is None:
-            mask = None  # a whole prompt: plain causal, which lets the kernel skip the masked half
-        else:
-            q_pos = torch.arange(kv_len - q.shape[0], kv_len, device=query.device)
-            mask = _visible(q_pos, torch.arange(kv_len, device=query.device), sliding_window)
-        out[starts[i] : starts[i + 1]] = _attend(q, k, v, mask, scale, sinks)
+        out[starts[i] : starts[i + 1]] = sequence_attention(query[starts[i] : starts[i + 1]], k_cache, v_cache,
+                                                            block_tables[i], kv_len, scale, sliding_window, sinks)
     return out
+
+
+def sequence_attention(
+    q: torch.Tensor,  # [q_len, num_q_heads, head_dim]: one sequence's queries, its last q_len positions
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks_per_seq] int32, the sequence's pages
+    kv_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # [q_len, num_q_heads, head_dim]
+    """One sequence's attention over its K/V gathered from the pages: one ``scaled_dot_product_attention`` call
+    (torch's flash-attention kernel on a CPU), causal by position, inside ``sliding_window`` when set."""
+    k, v = _gather_kv(k_cache, v_cache, block_table, kv_len)  # [kv_len, num_kv_heads, head_dim]
+    if q.shape[0] == kv_len and sliding_window is None and sinks is None:
+        mask = None  # a whole prompt: plain causal, which lets the kernel skip the masked half
+    else:
+        q_pos = torch.arange(kv_len - q.shape[0], kv_len, device=q.device)
+        mask = _visible(q_pos, torch.arange(kv_len, device=q.device), sliding_window)
+    return _attend(q, k, v, mask, scale, sinks)
 
 
 # Decode pads each sequence's K/V to the longest context of its bucket; buckets of sequences sorted by
