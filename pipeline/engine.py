@@ -23,6 +23,7 @@ from pipeline.builtin_model import BUILTIN_NOTICE, builtin_model_path
 from pipeline.config import PipelineConfig
 from pipeline.execution_stream import ExecutionStream
 from pipeline.generation_config import generation_eos_ids, read_generation_config
+from pipeline.host_memory import keep_freed_memory
 from pipeline.kv_pool import build_kv_pool
 from pipeline.model_runner import TORCH_DTYPES, ModelRunner
 from pipeline.output_processor import OutputProcessor
@@ -95,6 +96,8 @@ class LLMEngine:
             scheduling_policy=config.scheduling_policy,
         )
         self.kernels = load_kernels(config.kernel_backend, self.device)
+        if self.device == "cpu" and config.cpu_keep_freed_memory:
+            keep_freed_memory()
         for model in {id(m): m for m in (self.model, self.draft.model if self.draft else None) if m}.values():
             self.kernels.prepare_model(model, config.model.cpu_weight_prepack)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kernels, Sampler(self.vocab_size, config.model.seed),

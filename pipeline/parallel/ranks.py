@@ -51,6 +51,7 @@ class RankArgs:
     timeout_s: float
     cores: list[int] | None = None  # bound to these (its own share of the worker's cores); None: as started
     parent_pid: int = 0  # rank 0: the child gets SIGKILL when it goes (Linux), however it goes
+    keep_freed_memory: bool = True  # on the CPU: pipeline/host_memory.py, as rank 0's engine does
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -63,7 +64,7 @@ class RankGroup:
 
     def __init__(self, size: int, model_path: str, dtype: torch.dtype, device: str, kernel_backend: str,
                  cpu_weight_prepack: bool, timeout_s: float,
-                 placements: list[tuple[list[int] | None, int]] | None = None):
+                 placements: list[tuple[list[int] | None, int]] | None = None, keep_freed_memory: bool = True):
         """``placements``: ranks 1..N-1's (cores or None, torch threads) (``cpu_placement.rank_placement``);
         default: unbound, an equal share of this process's cores in threads each."""
         import torch.distributed as dist
@@ -79,7 +80,7 @@ class RankGroup:
         placements = placements or [(None, max(1, cores // size))] * (size - 1)
         for rank, (rank_cores, num_threads) in enumerate(placements, start=1):
             args = RankArgs(rank, size, self.store.port, model_path, dtype, device, kernel_backend,
-                            cpu_weight_prepack, num_threads, timeout_s, rank_cores, os.getpid())
+                            cpu_weight_prepack, num_threads, timeout_s, rank_cores, os.getpid(), keep_freed_memory)
             ours, theirs = context.Pipe()
             process = context.Process(target=run_rank, args=(args, theirs), name=f"tandem-tp-rank{rank}", daemon=True)
             process.start()
@@ -284,6 +285,7 @@ def _load_rank(args: RankArgs):
     import torch.distributed as dist
 
     from kernels import load_kernels
+    from pipeline.host_memory import keep_freed_memory
     from pipeline.parallel.model import Collectives, load_shard
     from pipeline.weights import load_hf_config
 
@@ -296,5 +298,7 @@ def _load_rank(args: RankArgs):
     hf_config = load_hf_config(args.model_path)
     model = load_shard(hf_config, args.model_path, args.dtype, device, collectives)
     kernels = load_kernels(args.kernel_backend, str(device))
+    if device.type == "cpu" and args.keep_freed_memory:
+        keep_freed_memory()
     kernels.prepare_model(model, args.cpu_weight_prepack)
     return model, kernels, hf_config.hidden_size
