@@ -8,10 +8,10 @@ attention sinks: gpt-oss's, whose softmax the native kernel does not take yet).
 
 On a CPU with AMX, a bf16 sequence with many query rows (a prompt's chunk) goes instead to torch's flash-attention
 kernel over its gathered K/V (``paged_attention_ref.sequence_attention``): its two products are library bf16 GEMMs
-(oneDNN's brgemm, or MKL's bf16 GEMM), which run on AMX tiles there, where the native kernel's are AVX-512 FMAs. Decodes and short queries stay native (they
-read K/V in place and are bound by memory, not arithmetic). On a CPU without AMX the native kernel is the faster of
-the two (1.9 against 4.3 ns per query-key pair for a 512-row bf16 chunk over 1536 keys on a Zen 5 core), so
-nothing is routed there.
+(oneDNN's brgemm, or MKL's bf16 GEMM), which run on AMX tiles there, where the native kernel's are AVX-512 FMAs.
+Decodes and short queries stay native (they read K/V in place and are bound by memory, not arithmetic). On a CPU
+without AMX the native kernel is the faster of the two (1.9 against 4.3 ns per query-key pair for a 512-row bf16
+chunk over 1536 keys on a Zen 5 core), so nothing is routed there.
 """
 
 from __future__ import annotations

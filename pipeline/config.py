@@ -76,8 +76,8 @@ class PipelineConfig(ConfigSection):
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads of a worker; None = one per core it may use")
     cpu_keep_freed_memory: bool = Field(
-        True, description="CPU: the C heap keeps the memory a step frees for the next step (glibc: no mmap per "
-        "large tensor, no trim below 1 GiB free) instead of faulting it back in, zeroed, every step; the peak "
+        True, description="CPU: the C heap keeps the memory a step frees for the next step (glibc: blocks up to 32 MiB "
+        "from its heap, no trim below 1 GiB free) instead of faulting it back in, zeroed, every step; the peak "
         "resident memory is unchanged, but a worker stays at its peak (docs/cpu-kernels.md)")
     tensor_parallel_size: int = Field(
         1, ge=1, description="rank processes one model is split across, Megatron-style (heads, MLP columns, vocab); "
