@@ -8,7 +8,8 @@ Knows the reports of ``bench/``: ``offline_throughput`` (tok/s per system, every
 batch size, every repeat shown, beside each batch size's step split into host and compute),
 ``structured_output`` (µs per decode step of mask fill, accept and apply per grammar backend and batch
 size, p90 whiskers), ``speculative`` (tok/s with speculation off and per K for each batch size,
-acceptance per draft position, measured speedup beside the cost model's), and the serving reports
+acceptance per draft position, measured speedup beside the cost model's), ``prompt_attention`` (ns per
+query-key pair of the native kernel and torch's flash attention per chunk size), and the serving reports
 ``serve`` / ``serve_compare`` (``bench/serve_plot.py``: ``NAME_latency.png`` and ``NAME_slo.png``).
 Needs matplotlib (``pip install -e '.[bench]'``).
 """
@@ -29,7 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def kind_of(report: dict) -> str:
     if report.get("benchmark") in ("offline_throughput", "transfer", "overlap", "structured_output", "speculative",
-                                   "startup"):
+                                   "startup", "prompt_attention"):
         return report["benchmark"]
     if "results" in report and "peak_gbps" in report:
         return "kernels"
@@ -241,11 +242,29 @@ def plot_startup(report: dict, axes) -> str:
     return f"Start-up, 1P1D, built-in model, {report['cpu'].get('model', '?')} ({report['cpu'].get('cores')} cores)"
 
 
+def plot_prompt_attention(report: dict, ax) -> str:
+    """ns per query-key pair against the chunk's query rows, native and torch's path, per cached prefix."""
+    for prefix in sorted({case["prefix"] for case in report["cases"]}):
+        cases = [case for case in report["cases"] if case["prefix"] == prefix]
+        rows = [case["rows"] for case in cases]
+        for path, style in (("native", "-"), ("torch", "--")):
+            ax.plot(rows, [case[f"{path}_ns_per_pair"] for case in cases], style, marker="o",
+                    label=f"{path}, {prefix} cached keys")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("query rows in the chunk")
+    ax.set_ylabel("ns per query-key pair (median)")
+    ax.legend(fontsize="small")
+    best = report["torch_faster_from_rows"]
+    return (f"bf16 prompt attention, {report['cpu']['model']}, {report['threads']} thread(s): torch's path faster "
+            f"from {best if best is not None else 'no'} rows")
+
+
 PLOTTERS = {"startup": plot_startup, "offline_throughput": plot_offline, "transfer": plot_transfer, "kernels": plot_kernels,
-            "overlap": plot_overlap, "structured_output": plot_structured_output, "speculative": plot_speculative}
+            "overlap": plot_overlap, "structured_output": plot_structured_output, "speculative": plot_speculative,
+            "prompt_attention": plot_prompt_attention}
 PANELS = {"overlap": 2, "speculative": 3, "startup": 2}  # kinds drawn on more than one axis (their plotter takes them all)
 FIGSIZES = {"startup": (12, 3), "structured_output": (10, 5),  # one-axis kinds drawn as vertical bars, not one bar per row
-            "speculative": (17, 5)}
+            "speculative": (17, 5), "prompt_attention": (9, 5)}
 
 
 def render(report: dict, out: Path) -> Path:

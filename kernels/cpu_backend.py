@@ -17,13 +17,14 @@ import torch
 from kernels import cpu_moe, cpu_native
 from kernels.cpu_gemm import PACKED_MAX_ROWS, CpuLinear
 from kernels.cpu_elementwise import apply_rotary_cpu, rms_norm_cpu, silu_and_mul_cpu, store_kv_cpu
-from kernels.cpu_paged_attention import paged_attention_cpu
+from kernels.cpu_paged_attention import describe_prompt_route, paged_attention_cpu
 
 
 def cpu_kernels(torch_kernels):
     """``torch_kernels`` with the native CPU kernels in their places."""
     return replace(
-        torch_kernels, name=f"cpu: {cpu_native.describe()}", paged_attention=paged_attention_cpu,
+        torch_kernels, name=f"cpu: {cpu_native.describe()}, {describe_prompt_route()}",
+        paged_attention=paged_attention_cpu,
         rms_norm=rms_norm_cpu, apply_rotary=apply_rotary_cpu, store_kv=store_kv_cpu, silu_and_mul=silu_and_mul_cpu,
         prepare_model=prepare_model_cpu, combine_grouped_rows=cpu_moe.combine_grouped_rows_cpu,
     )

@@ -16,6 +16,8 @@ chunk over 1536 keys on a Zen 5 core), so nothing is routed there.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels import cpu_native
@@ -23,10 +25,35 @@ from kernels.paged_attention_ref import paged_attention_ref, sequence_attention
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
+
+def _flash_min_query_rows() -> int | None:
+    """64 on a CPU with AMX, else None; ``TANDEM_CPU_FLASH_MIN_QUERY_ROWS`` (a row count, or ``off``) overrides it,
+    e.g. with what ``python -m bench.cpu_prompt_attention`` measures on the machine."""
+    raw = os.environ.get("TANDEM_CPU_FLASH_MIN_QUERY_ROWS")
+    if raw is None:
+        return 64 if "amx_bf16" in cpu_native.cpu_flags() else None
+    if raw.strip().lower() in ("off", "none", "no", "0", ""):
+        return None
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = -1
+    if rows < 1:
+        raise ValueError(f"TANDEM_CPU_FLASH_MIN_QUERY_ROWS={raw!r}: a positive row count, or off")
+    return rows
+
+
 # A sequence with at least this many query rows, in one of these dtypes, goes to torch's flash attention (None:
 # none does). AMX multiplies bf16 tiles only, so fp32 stays native everywhere.
-FLASH_MIN_QUERY_ROWS: int | None = 64 if "amx_bf16" in cpu_native.cpu_flags() else None
+FLASH_MIN_QUERY_ROWS: int | None = _flash_min_query_rows()
 FLASH_DTYPES = (torch.bfloat16,)
+
+
+def describe_prompt_route() -> str:
+    """Where bf16 prompt chunks' attention runs, for the kernel set's name (logs, benchmark reports)."""
+    if FLASH_MIN_QUERY_ROWS is None:
+        return "prompt attention native"
+    return f"bf16 prompt attention torch flash from {FLASH_MIN_QUERY_ROWS} rows"
 
 
 def native_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

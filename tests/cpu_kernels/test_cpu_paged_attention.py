@@ -112,3 +112,33 @@ def test_nothing_is_routed_below_the_row_count(flash_route):
     torch.manual_seed(5)
     check(make_batch([1, 3, 1], [40, 3, 7], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16))
     assert flash_route == []
+
+
+FLASH_ROWS_OF = """
+import os, sys
+os.environ.update(dict(arg.split("=", 1) for arg in sys.argv[1:]))
+from kernels import cpu_paged_attention
+print(cpu_paged_attention.FLASH_MIN_QUERY_ROWS, "|", cpu_paged_attention.describe_prompt_route())
+"""
+
+
+@pytest.mark.parametrize("setting, expected", [("32", "32 | bf16 prompt attention torch flash from 32 rows"),
+                                               ("off", "None | prompt attention native")])
+def test_the_row_count_can_be_set_for_the_machine(setting, expected):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FLASH_ROWS_OF, f"TANDEM_CPU_FLASH_MIN_QUERY_ROWS={setting}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected
+
+
+def test_a_bad_row_count_is_a_clear_error():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FLASH_ROWS_OF, "TANDEM_CPU_FLASH_MIN_QUERY_ROWS=lots"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "TANDEM_CPU_FLASH_MIN_QUERY_ROWS='lots': a positive row count, or off" in done.stderr
