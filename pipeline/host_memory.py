@@ -5,8 +5,8 @@ and trims the heap's free top back to the kernel past twice that threshold. The 
 and rises to the size of each mapped block freed, so where it settles depends on the order of a process's
 first allocations. A CPU step allocates and frees its activations every layer; below a settled threshold, each
 step faults its pages back in, zeroed by the kernel: ~100,000 page faults and ~5 % of the time of a 512x8
-bf16 offline run on a Zen 5 core, in some processes of the 1.1B shape 250,000-350,000 faults and ~7 %, in
-others none (docs/cpu-kernels.md). vLLM's CPU build preloads tcmalloc into its processes for the same
+bf16 offline run on a Zen 5 core; 250,000-350,000 faults a run of the 1.1B shape in some processes, none in
+others (docs/cpu-kernels.md). vLLM's CPU build preloads tcmalloc into its processes for the same
 reason. Here glibc is told (``mallopt``) to settle at once where it would at best: blocks up to 32 MiB (its
 largest threshold) from the heap, and the heap's free top kept up to 1 GiB. The peak resident memory is
 unchanged (the same tensors are live at the peak), but the process stays near its peak rather than giving
