@@ -78,16 +78,11 @@ def crossover(cases: list[dict]) -> int | None:
 
 
 def cpu_description() -> dict:
+    from bench.serve_compare import cpu_model
     from kernels import cpu_native
 
-    model = "?"
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
-    except OSError:
-        pass
     flags = cpu_native.cpu_flags()
-    return {"model": model, "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
+    return {"model": cpu_model(), "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
             "native": cpu_native.describe()}
 
 
