@@ -46,8 +46,10 @@ class TandemEngine:
         import torch
 
         from kernels import cpu_native
+        from kernels.cpu_paged_attention import describe_prompt_route
 
-        return {"tandem": "0.1.0", "torch": torch.__version__, "kernels": cpu_native.describe()}
+        return {"tandem": "0.1.0", "torch": torch.__version__,
+                "kernels": f"{cpu_native.describe()}, {describe_prompt_route()}"}
 
 
 class VllmEngine:
