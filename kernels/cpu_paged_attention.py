@@ -87,10 +87,10 @@ def paged_attention_cpu(
     if sinks is not None or not native_applies(query, k_cache, v_cache):
         return paged_attention_ref(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
                                    sliding_window, sinks)
-    flash_seqs = _flash_sequences(query, cu_seqlens_q)
+    starts, flash_seqs = _flash_sequences(query, cu_seqlens_q)
     if not flash_seqs:
         return _native(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window)
-    starts, kv_lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    kv_lens = context_lens.tolist()
     out = torch.empty_like(query)
     for i in flash_seqs:
         out[starts[i]:starts[i + 1]] = sequence_attention(query[starts[i]:starts[i + 1]], k_cache, v_cache,
@@ -106,12 +106,13 @@ def paged_attention_cpu(
     return out
 
 
-def _flash_sequences(query: torch.Tensor, cu_seqlens_q: torch.Tensor) -> list[int]:
-    """The sequences of this batch that go to torch's flash attention (``FLASH_MIN_QUERY_ROWS``)."""
+def _flash_sequences(query: torch.Tensor, cu_seqlens_q: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(the batch's query offsets, the sequences that go to torch's flash attention: ``FLASH_MIN_QUERY_ROWS``);
+    without a route, or with too few rows in all, ([], []) and the offsets are not read."""
     if FLASH_MIN_QUERY_ROWS is None or query.dtype not in FLASH_DTYPES or query.shape[0] < FLASH_MIN_QUERY_ROWS:
-        return []
+        return [], []
     starts = cu_seqlens_q.tolist()
-    return [i for i, (start, end) in enumerate(zip(starts, starts[1:])) if end - start >= FLASH_MIN_QUERY_ROWS]
+    return starts, [i for i, (start, end) in enumerate(zip(starts, starts[1:])) if end - start >= FLASH_MIN_QUERY_ROWS]
 
 
 def _native(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window):

@@ -19,3 +19,22 @@ def make_batch(q_lens, context_lens, *, num_q_heads, num_kv_heads, head_dim, pag
     context_lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     # layer 1's views are strided across the outer dims, as the model runner passes them
     return query, kv_cache[1, 0], kv_cache[1, 1], cu_seqlens_q, context_lens, block_tables
+
+
+def route_prompts_to_flash(monkeypatch, dtypes) -> list[tuple[int, int]]:
+    """Route every sequence of 4 or more query rows in ``dtypes`` to torch's flash attention, as an AMX CPU routes
+    bf16 prompt chunks (``kernels/cpu_paged_attention.py``); returns the list each routed sequence's
+    (query rows, keys) is appended to."""
+    from kernels import cpu_paged_attention
+
+    routed: list[tuple[int, int]] = []
+    real = cpu_paged_attention.sequence_attention
+
+    def recording(q, k_cache, v_cache, block_table, kv_len, *args):
+        routed.append((q.shape[0], kv_len))
+        return real(q, k_cache, v_cache, block_table, kv_len, *args)
+
+    monkeypatch.setattr(cpu_paged_attention, "FLASH_MIN_QUERY_ROWS", 4)
+    monkeypatch.setattr(cpu_paged_attention, "FLASH_DTYPES", tuple(dtypes))
+    monkeypatch.setattr(cpu_paged_attention, "sequence_attention", recording)
+    return routed

@@ -9,7 +9,7 @@ import torch
 
 from kernels.cpu_paged_attention import native_applies, paged_attention_cpu
 from kernels.paged_attention_ref import paged_attention_ref
-from tests.paged_batches import make_batch
+from tests.paged_batches import make_batch, route_prompts_to_flash
 
 # (q_lens, context_lens, num_q_heads, num_kv_heads, head_dim, page_size)
 CASES = [
@@ -71,21 +71,13 @@ def test_layouts_it_does_not_take_run_the_reference():
 
 @pytest.fixture
 def flash_route(monkeypatch):
-    """Every sequence of 4 or more query rows, fp32 and bf16, routed to torch's flash attention as an AMX CPU
-    routes bf16 prompt chunks (``FLASH_MIN_QUERY_ROWS``); the row counts of the routed sequences are recorded."""
-    from kernels import cpu_paged_attention
+    """Every sequence of 4 or more query rows, fp32 and bf16, routed to torch's flash attention; (query rows,
+    keys) of each routed sequence, in order."""
+    return route_prompts_to_flash(monkeypatch, (torch.float32, torch.bfloat16))
 
-    routed: list[int] = []
-    real = cpu_paged_attention.sequence_attention
 
-    def recording(q, *args):
-        routed.append(q.shape[0])
-        return real(q, *args)
-
-    monkeypatch.setattr(cpu_paged_attention, "FLASH_MIN_QUERY_ROWS", 4)
-    monkeypatch.setattr(cpu_paged_attention, "FLASH_DTYPES", (torch.float32, torch.bfloat16))
-    monkeypatch.setattr(cpu_paged_attention, "sequence_attention", recording)
-    return routed
+def routed_rows(flash_route) -> list[int]:
+    return [rows for rows, _ in flash_route]
 
 
 @pytest.mark.parametrize("q_lens, context_lens, num_q_heads, num_kv_heads, head_dim, page_size", CASES)
@@ -96,7 +88,7 @@ def test_flash_route_matches_reference(isa, flash_route, q_lens, context_lens, n
     torch.manual_seed(3)
     check(make_batch(q_lens, context_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      page_size=page_size))
-    assert flash_route == [n for n in q_lens if n >= 4]
+    assert routed_rows(flash_route) == [n for n in q_lens if n >= 4]
 
 
 @pytest.mark.parametrize("sliding_window", [None, 5, 64])
@@ -105,13 +97,13 @@ def test_flash_route_bf16_over_prefixes_and_windows(isa, threads, flash_route, s
     batch = make_batch([1, 50, 1, 4, 70], [300, 80, 9, 12, 70], num_q_heads=8, num_kv_heads=2, head_dim=64,
                        page_size=16, dtype=torch.bfloat16)
     check(batch, sliding_window=sliding_window, dtype=torch.bfloat16)
-    assert flash_route == [50, 4, 70]
+    assert routed_rows(flash_route) == [50, 4, 70]
 
 
 def test_nothing_is_routed_below_the_row_count(flash_route):
     torch.manual_seed(5)
     check(make_batch([1, 3, 1], [40, 3, 7], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16))
-    assert flash_route == []
+    assert routed_rows(flash_route) == []
 
 
 FLASH_ROWS_OF = """

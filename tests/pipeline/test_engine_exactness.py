@@ -121,20 +121,12 @@ def test_prompt_chunks_through_torch_flash_attention_stay_exact(monkeypatch, tin
     """As an AMX CPU routes bf16 prompt chunks (``kernels/cpu_paged_attention.py``): every chunk of 4 or more rows
     goes to torch's flash attention over its gathered pages, in fp32 here so that tokens can be compared, while
     decodes in the same steps stay on the native kernel. 7-token steps split prompts over cached prefixes."""
-    from kernels import cpu_native, cpu_paged_attention
+    from kernels import cpu_native
+    from tests.paged_batches import route_prompts_to_flash
 
     if cpu_native.ops is None:
         pytest.skip("kernels._cpu_ops is not built: every sequence takes the reference")
-    routed: list[tuple[int, int]] = []
-    real = cpu_paged_attention.sequence_attention
-
-    def recording(q, k_cache, v_cache, block_table, kv_len, *args):
-        routed.append((q.shape[0], kv_len))
-        return real(q, k_cache, v_cache, block_table, kv_len, *args)
-
-    monkeypatch.setattr(cpu_paged_attention, "FLASH_MIN_QUERY_ROWS", 4)
-    monkeypatch.setattr(cpu_paged_attention, "FLASH_DTYPES", (torch.float32,))
-    monkeypatch.setattr(cpu_paged_attention, "sequence_attention", recording)
+    routed = route_prompts_to_flash(monkeypatch, (torch.float32,))
     prompts, expected = references("llama")
     llm = LLM(model=tiny_checkpoint("llama"), max_batch_input_tokens=7,
               kv_cache={"page_size": 4, "num_blocks": 128})
