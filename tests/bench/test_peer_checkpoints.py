@@ -133,11 +133,16 @@ def test_cpu_seconds_counts_a_busy_child_process():
 
     from bench.peer_offline import _cpu_seconds
 
-    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"])
+    # busy until killed, and read until it has run 0.1 CPU-s: on a loaded machine (the suite's other workers) a
+    # fixed wall-clock wait gave it less than that
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while _cpu_seconds(child.pid) <= 0.1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert _cpu_seconds(os.getpid()) - _cpu_seconds(child.pid) >= 0 and _cpu_seconds(child.pid) > 0.1
     finally:
+        child.kill()
         child.wait()
 
 
