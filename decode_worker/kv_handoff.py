@@ -66,7 +66,7 @@ class KVHandoff:
         if transfer is not None and transfer.status is SourceStatus.UNCLAIMED:
             self.source.release(stream_id)
             self._declined_at[stream_id] = time.monotonic()
-            self.engine.resume_paused(stream_id)
+            self.engine.kv.resume_paused(stream_id)
 
     def recently_declined(self) -> set[str]:
         """Streams not to pause and offer again yet."""
@@ -132,7 +132,7 @@ class KVHandoff:
             num_prompt_tokens=seq.num_prompt_tokens,
             prefill_worker_id=self.worker_id,
             num_draft_computed_tokens=seq.num_draft_computed_tokens if seq.speculates else None,
-        )), upto_block=-(-(seq.num_tokens - 1) // self.engine.page_size))
+        )), upto_block=-(-(seq.num_tokens - 1) // self.engine.kv.page_size))
 
     def sockets(self) -> list:
         return [self.source.socket.socket] if self.source is not None else []

@@ -60,9 +60,9 @@ class DecodeWorker(WorkerBase):
         # per request: decode > decode.queue (or decode.local_prefill), kv_transfer.receive, decode.decoding
         self.spans = tracing.request_spans()  # no-ops without tracing
         if self.is_disaggregated:
-            setup = ConnectorSetup.build(worker_id, self.engine.kv_cache_for_transfer(), self.model_fingerprint,
+            setup = ConnectorSetup.build(worker_id, self.engine.kv.cache_for_transfer(), self.model_fingerprint,
                                          config.transfer.transport, config.kernel_backend,
-                                         self.engine.kv_layer_windows())
+                                         self.engine.kv.layer_windows())
 
             def bind(name: str) -> str:
                 # Per incarnation (pid): a peer must handshake anew with a restarted worker (a new cache),
@@ -70,10 +70,10 @@ class DecodeWorker(WorkerBase):
                 return worker_bind_endpoint(config.zmq_endpoint_base, worker_id, f"{name}-{os.getpid()}",
                                             host=config.resolved_bind_host())
 
-            self.sink = setup.open_sink(self.ctx, self.engine, bind("kv"), config.transfer.ttl_s)
+            self.sink = setup.open_sink(self.ctx, self.engine.kv, bind("kv"), config.transfer.ttl_s)
             if config.transfer.kv_migration_on_drain:
                 self.handoff = KVHandoff(worker_id, self.engine, lambda: setup.open_source(
-                    self.ctx, self.engine, bind("handoff"), socket_name="handoff socket", sender_name="kv-handoff",
+                    self.ctx, self.engine.kv, bind("handoff"), socket_name="handoff socket", sender_name="kv-handoff",
                     logger=logger), spans=self.spans)
             self._shared_kv_cache = setup.kv_cache
         self.connect_router()

@@ -5,8 +5,8 @@ request produced in that step; ``abort_request`` ends a request and frees its bl
 it knows, and how one ends, live in ``pipeline/request_table.py``; what each sampled token becomes, in
 ``pipeline/token_emission.py``).
 The offline ``LLM`` and the workers drive it. KV that arrives from another worker or leaves for one
-(P/D, live migration, prefix warm-ups) passes the engine's narrow KV-move interface (the section "KV
-moves across workers" below): the connector halves in ``kv_transfer/connector`` see only that.
+(P/D, live migration, prefix warm-ups) passes ``engine.kv`` (``pipeline/kv_port.py``), the narrow door the
+connector halves in ``kv_transfer/connector`` see and nothing else.
 """
 
 from __future__ import annotations
@@ -25,17 +25,18 @@ from pipeline.execution_stream import ExecutionStream
 from pipeline.generation_config import generation_eos_ids, read_generation_config
 from pipeline.host_memory import keep_freed_memory
 from pipeline.kv_pool import build_kv_pool
+from pipeline.kv_port import KVPort
 from pipeline.model_runner import TORCH_DTYPES, ModelRunner
 from pipeline.output_processor import OutputProcessor
 from pipeline.overlap import InFlightStep
-from pipeline.protocol import PromptLogprobs, SamplingParams
+from pipeline.protocol import SamplingParams
 from pipeline.protocol.requests import sibling_params
 from pipeline.protocol.cluster import WorkerLoad
 from pipeline.request_table import RequestTable
 from pipeline.request_validation import RequestError, validate_request
 from pipeline.sampler import Sampler
 from pipeline.scheduler import Scheduler
-from pipeline.sequence import Sequence, SequenceStatus
+from pipeline.sequence import Sequence
 from pipeline.sequence_builder import SequenceBuilder
 from pipeline.step_execution import StepExecutor
 from pipeline.step_output import StepOutput
@@ -69,7 +70,6 @@ class LLMEngine:
         else:
             self.model, self.hf_config = load_model(model_path, self.dtype, self.device, config.model.quantization)
         self.rank_driver = getattr(self.model, "driver", None)  # tensor parallelism: ranks 1..N-1; None with one rank
-        self._sharded_kv_cache = None  # tensor parallelism: every rank's KV, once a transfer asks for it
         self.tokenizer = load_tokenizer(model_path)
         self.vocab_size = self.hf_config.vocab_size
         self.max_length = min(config.max_length or 10**9, self.hf_config.max_position_embeddings)
@@ -112,6 +112,8 @@ class LLMEngine:
         # each sequence by id, each request's choices, prefill-only requests held for shipping; ends them
         self.requests = RequestTable(self.scheduler, self.runner, self.kv_manager, self.output_processor)
         self.emitter = TokenEmitter(self.requests, self.output_processor)  # what each sampled token becomes
+        self.kv = KVPort(self.kv_manager, self.kv_cache, self.scheduler, self.requests, self.emitter, self.model,
+                         self.hf_config, self.rank_driver)  # KV that crosses workers (P/D, migration, warm-ups)
         self.last_plan = None  # the plan of the step whose outputs the last step() returned
         self.num_prompt_tokens_computed = 0  # cumulative: prompt tokens run through the model (not cached ones)
         self.num_warmup_tokens_computed = 0  # cumulative: tokens prefix warm-ups ran through the model
@@ -170,12 +172,12 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Queue a request. ``prefill_only`` (PrefillOnly role): stop after the first token and keep
-        the blocks until ``release_blocks``. ``remote_prefill`` (DecodeOnly role): another worker
-        prefills; see ``reserve_remote`` and ``activate_remote``. ``resume_token_ids``: output tokens
+        the blocks until ``kv.release_blocks``. ``remote_prefill`` (DecodeOnly role): another worker
+        prefills; see ``kv.reserve_remote`` and ``kv.activate_remote``. ``resume_token_ids``: output tokens
         another worker already produced (a migrated request): they are outputs, not prompt (penalties,
         lengths, seeds per position and the grammar see them so), computed here like a preempted
         request's (with ``remote_prefill``: their KV comes from the worker that produced them, see
-        ``activate_migrated``), and generation goes on after them. ``priority`` (vLLM's: lower is served
+        ``kv.activate_migrated``), and generation goes on after them. ``priority`` (vLLM's: lower is served
         first) orders admission and preemption under ``scheduling_policy = "priority"``."""
         if request_id in self.requests:
             raise RequestError(f"request_id: {request_id!r} is already running")
@@ -239,7 +241,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str, keep_blocks: bool = False) -> bool:
         """End a request (every choice of it) wherever it is (queued, reserved, running or held) and free
-        its blocks (``keep_blocks``: hold them until ``release_blocks``, e.g. while a transfer still reads them)."""
+        its blocks (``keep_blocks``: hold them until ``kv.release_blocks``, e.g. while a transfer still reads them)."""
         return self.requests.abort_request(request_id, keep_blocks)
 
     def abort_choice(self, request_id: str, index: int) -> bool:
@@ -273,86 +275,20 @@ class LLMEngine:
         return self.requests.get(request_id)
 
     # ------------------------------------------------------ KV moves across workers
-    # The one door for KV that crosses workers (kv_transfer/connector's ``SourceEngine`` / ``SinkEngine``):
-    # a prefill-only request's blocks held until shipped, a remote prefill's reservation and first token, a
-    # live-migrated stream's arrival, and pausing streams for a drain's handoff. Nothing else of the engine's
-    # state (block manager, cache tensor, sequences) is for workers.
-    @property
-    def page_size(self) -> int:
-        return self.kv_manager.page_size
-
-    @property
-    def num_total_blocks(self) -> int:
-        return self.kv_manager.num_total_blocks
-
-    def kv_cache_for_transfer(self):
-        """The tensor the transfer service reads and writes ``[num_layers, 2, num_blocks, page_size, kv_heads,
-        head_dim]`` (a draft model's layers after the target's, so its KV travels in the same transfer); with
-        tensor parallelism every rank's cache as one ``ShardedKVCache`` (shared by the ranks on the first call,
-        which must come before the first step)."""
-        if self.rank_driver is None:
-            return self.kv_cache
-        if self._sharded_kv_cache is None:
-            from pipeline.parallel.kv_shards import sharded_kv_cache
-
-            self._sharded_kv_cache = sharded_kv_cache(self.rank_driver, self.hf_config, self.kv_cache)
-        return self._sharded_kv_cache
-
-    def kv_layer_windows(self) -> list[int | None]:
-        """Each layer of ``kv_cache_for_transfer`` with its attention window (None: full attention), so a
-        transfer skips a sliding layer's blocks outside it; a draft's layers count as full (sent whole)."""
-        layers = getattr(getattr(self.model, "model", None), "layers", [])
-        windows = [getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in layers]
-        num_layers = self.kv_cache.shape[0]
-        return windows[:num_layers] + [None] * (num_layers - len(windows))
-
-    def withhold_from_prefix_cache(self, request_id: str) -> None:
-        """A reserved request whose KV will not all arrive (a sliding layer's blocks outside its window): its
-        blocks never enter the prefix cache (nor the router's KV index)."""
-        self.kv_manager.withhold(request_id)
-
-    def block_table(self, request_id: str) -> list[int]:
-        """The blocks ``request_id`` holds, in token order (reserved, running, paused or held)."""
-        return list(self.kv_manager.block_table(request_id))
-
+    # ``self.kv`` (pipeline/kv_port.py) is the door for KV that crosses workers. What stays here reads the
+    # step loop's own state: the chunks of the last step, and the step in flight a drain's pause must read.
     def kv_written_last_step(self) -> list[tuple[str, int]]:
         """For each chunk of the step whose outputs the last ``step()`` returned: (request id, number of its
         leading tokens whose KV is now written)."""
         plan = self.last_plan
         return [] if plan is None else [(c.seq.request_id, c.start + c.num_tokens) for c in plan.chunks]
 
-    def release_blocks(self, request_id: str) -> None:
-        """Free the blocks a finished prefill-only request (or one aborted with ``keep_blocks``) kept for shipping."""
-        self.requests.release_blocks(request_id)
-
-    def reserve_remote(self) -> list[Sequence]:
-        """Reserve blocks for queued remote-prefill requests that fit (watermark, batch size); the newly
-        reserved ones (``request_id``, ``token_ids``, ``num_cached_tokens``: the prefix this worker holds)."""
-        return self.scheduler.reserve_remote()
-
-    def activate_remote(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None,
-                        prompt_logprobs: PromptLogprobs | None = None) -> StepOutput:
-        """The prompt's KV arrived: record the first token (sampled by the prefill worker, with the
-        prompt's logprobs when asked for), run stop checks on it, and let the sequence decode from the next step."""
-        seq = self.requests[request_id]
-        if seq.prompt_logprobs is not None:
-            seq.prompt_logprobs = prompt_logprobs or PromptLogprobs()
-        self.scheduler.activate_remote(seq, first_token_id)
-        return self.emitter.emit(seq, first_token_id, first_logprobs)
-
-    def activate_migrated(self, request_id: str, num_draft_computed_tokens: int | None = None) -> None:
-        """A migrated stream's KV arrived from the worker that decoded it so far (every token but the last,
-        which the client has already): decode on from the next step, emitting nothing now."""
-        seq = self.requests[request_id]
-        seq.prompt_logprobs_sent = True  # sent with the first token, before the move
-        self.scheduler.activate_migrated(seq, num_draft_computed_tokens)
-
     def pause_decoding(self, skip: Container[str] = ()) -> tuple[list[StepOutput], list[Sequence]]:
         """Live migration on drain: stop decoding every single-choice request that is decoding (its KV
         then covers every token but the last, which it emitted), keeping its blocks for the handoff;
         requests in ``skip`` go on. Returns the outputs of a step still in flight (read first, so nothing
-        is computed past them) and the requests paused now; ``resume_paused`` or ``abort_request`` ends a
-        pause."""
+        is computed past them) and the requests paused now; ``kv.resume_paused`` or ``abort_request`` ends
+        a pause."""
         def pausable() -> list[Sequence]:
             return [seq for seq in self.scheduler.running
                     if seq.params.num_sequences == 1 and not seq.is_prefill_only and seq.request_id not in skip
@@ -366,30 +302,10 @@ class LLMEngine:
             self.runner.forget(seq.request_id)  # back as a new row of the persistent batch, if resumed
         return outputs, paused
 
-    def resume_paused(self, request_id: str) -> None:
-        """A paused stream nobody took (the router declined its handoff): it decodes on here."""
-        seq = self.requests.get(request_id)
-        if seq is not None and seq.status is SequenceStatus.PAUSED:
-            self.scheduler.unpause(seq)
-
     def has_runnable_work(self) -> bool:
         """Whether the next ``step()`` has something to run or read (so a worker must not sleep on its sockets)."""
         scheduler = self.scheduler
         return bool(scheduler.running or scheduler.waiting or scheduler.has_warmups or self._in_flight is not None)
-
-    # ------------------------------------------- the prefix cache as the router's KV index sees it
-    def record_prefix_cache_events(self) -> None:
-        """From now on, keep the block hashes the prefix cache publishes and forgets."""
-        self.kv_manager.record_events()
-
-    def drain_prefix_cache_events(self) -> tuple[list[bytes], list[bytes]]:
-        """(hashes stored, hashes removed) since the last drain."""
-        return self.kv_manager.drain_events()
-
-    def prefix_cache_snapshot(self) -> list[bytes]:
-        """Every hash cached now (pending events dropped: the snapshot covers them)."""
-        self.kv_manager.drain_events()
-        return self.kv_manager.cached_hashes()
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:

@@ -118,7 +118,7 @@ class RouterLink:
     def send_kv_events(self, prefix_cache) -> None:
         """The prefix cache's changes for the router's index (loop thread, in order with token batches):
         a snapshot after each registration, then numbered batches of what changed. ``prefix_cache`` has
-        ``prefix_cache_snapshot()`` and ``drain_prefix_cache_events()`` (the engine)."""
+        ``prefix_cache_snapshot()`` and ``drain_prefix_cache_events()`` (the engine's ``kv``)."""
         if not self.is_registered:
             return
         if self.kv_snapshot_wanted:

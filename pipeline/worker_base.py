@@ -48,8 +48,8 @@ class WorkerBase:
             role=WorkerRole.from_pipeline_role(self.config.pipeline_role),
             model_name=served_model_name(self.config.model.model_path),
             max_length=self.engine.max_length,
-            page_size=self.engine.page_size,
-            num_total_blocks=self.engine.num_total_blocks,
+            page_size=self.engine.kv.page_size,
+            num_total_blocks=self.engine.kv.num_total_blocks,
             prefill_endpoint=prefill_endpoint,
             pid=os.getpid(),
             max_batch_size=self.config.max_batch_size,
@@ -58,7 +58,7 @@ class WorkerBase:
         self.link = RouterLink(self.ctx, self.config.zmq_endpoint_base, registration,
                                heartbeat_interval_s=self.config.transfer.heartbeat_interval_s,
                                step_stall_timeout_s=self.config.step_stall_timeout_s)
-        self.engine.record_prefix_cache_events()  # the router's KV index follows this worker's prefix cache
+        self.engine.kv.record_prefix_cache_events()  # the router's KV index follows this worker's prefix cache
 
     # ------------------------------------------------------------------ loop
     def run(self, stop: threading.Event | None = None) -> None:
@@ -144,7 +144,7 @@ class WorkerBase:
         """Send the prefix cache's changes, and refresh the load report the heartbeat thread sends
         (only when the next heartbeat would see an old one: building it walks the queues and
         snapshots the transfer counters)."""
-        self.link.send_kv_events(self.engine)
+        self.link.send_kv_events(self.engine.kv)
         if not self.link.is_load_stale():
             return
         self.link.update_load(self._load_report())

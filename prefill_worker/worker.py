@@ -53,11 +53,11 @@ EARLY_PREFILL_HOLD_S = 2.0
 class PrefillWorker(WorkerBase):
     def __init__(self, config: PipelineConfig, worker_id: str) -> None:
         super().__init__(config, worker_id)
-        setup = ConnectorSetup.build(worker_id, self.engine.kv_cache_for_transfer(), self.model_fingerprint,
+        setup = ConnectorSetup.build(worker_id, self.engine.kv.cache_for_transfer(), self.model_fingerprint,
                                      config.transfer.transport, config.kernel_backend,
-                                     self.engine.kv_layer_windows())
+                                     self.engine.kv.layer_windows())
         # Per incarnation (pid): a restarted worker must not receive what decode workers queued for its predecessor.
-        self.source = setup.open_source(self.ctx, self.engine, worker_bind_endpoint(
+        self.source = setup.open_source(self.ctx, self.engine.kv, worker_bind_endpoint(
             config.zmq_endpoint_base, worker_id, f"prefill-{os.getpid()}", host=config.resolved_bind_host()),
             logger=logger)
         self.endpoint = self.source.endpoint
@@ -193,7 +193,7 @@ class PrefillWorker(WorkerBase):
         early = first_token_delta(job.request, done, self.engine.eos_token_ids, self.engine.max_length)
         if early is not None:  # first: the client's first token waits on no KV, and precedes the decode worker's copy
             self.link.send_outputs([early])
-        self.source.finish(out.request_id, encode(done), upto_block=-(-num_prompt_tokens // self.engine.page_size))
+        self.source.finish(out.request_id, encode(done), upto_block=-(-num_prompt_tokens // self.engine.kv.page_size))
 
     def has_work_in_flight(self) -> bool:
         return self.source.has_work() or super().has_work_in_flight()

@@ -1,5 +1,5 @@
-"""What the connector halves need from a worker's engine, and nothing more (``pipeline.engine.LLMEngine``
-provides it; tests pass fakes). ``kv_transfer`` never imports the engine: workers hand it in."""
+"""What the connector halves need from a worker's engine, and nothing more (``LLMEngine.kv``, a
+``pipeline.kv_port.KVPort``, provides it; tests pass fakes). ``kv_transfer`` never imports the engine: workers hand it in."""
 
 from __future__ import annotations
 

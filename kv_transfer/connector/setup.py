@@ -34,7 +34,7 @@ class ConnectorSetup:
     def build(cls, worker_id: str, kv_cache: torch.Tensor, model_fingerprint: str, transport: str,
               kernel_backend: str, layer_windows: Sequence[int | None] = ()) -> "ConnectorSetup":
         """``layer_windows``: each cache layer's sliding attention window (None: full), as the engine's
-        ``kv_layer_windows``; a sliding layer's blocks outside the window never travel."""
+        ``kv.layer_windows``; a sliding layer's blocks outside the window never travel."""
         layout = kv_layout(kv_cache, model_fingerprint, transport, layer_windows)
         return cls(worker_id, kv_cache, layout, kernel_backend)
 

@@ -38,14 +38,14 @@ def move_with_kv(src, dst, seq, prompt, params, sent: list[int]) -> list[int]:
     its blocks copied tensor to tensor), activated there and decoded to its end; returns the tokens ``dst`` added."""
     rid = seq.request_id
     dst.add_request(rid, prompt, params, remote_prefill=True, resume_token_ids=sent)
-    (reserved,) = dst.reserve_remote()
+    (reserved,) = dst.kv.reserve_remote()
     assert reserved.token_ids == seq.token_ids
     src_blocks = src.kv_manager.block_table(rid)
     dst_blocks = dst.kv_manager.block_table(rid)
     n = -(-(seq.num_tokens - 1) // src.kv_manager.page_size)  # blocks holding every token's KV but the last
     dst.kv_cache[:, :, list(dst_blocks[:n])] = src.kv_cache[:, :, list(src_blocks[:n])]
     src.abort_request(rid)  # the handoff is done: the source frees its blocks
-    dst.activate_migrated(rid)
+    dst.kv.activate_migrated(rid)
     rest = []
     while dst.has_unfinished_requests():
         rest += [t for out in dst.step() if out.request_id == rid for t in out.new_token_ids]
@@ -92,7 +92,7 @@ def test_a_paused_stream_resumed_in_place_goes_on_exactly(engines, source):
     steps, paused = engine.pause_decoding()
     tokens += [t for out in steps if out.request_id == rid for t in out.new_token_ids]
     assert [seq.request_id for seq in paused] == [rid]
-    engine.resume_paused(rid)  # the router declined the offer
+    engine.kv.resume_paused(rid)  # the router declined the offer
     while engine.has_unfinished_requests():
         tokens += [t for out in engine.step() if out.request_id == rid for t in out.new_token_ids]
     assert tokens == whole

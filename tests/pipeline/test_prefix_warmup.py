@@ -36,7 +36,7 @@ def run(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int =
 def prefill_only(engine: LLMEngine, request_id: str, prompt: list[int]) -> None:
     """What a prefill worker does with a turn: compute the prompt, sample the first token, release the blocks."""
     run(engine, request_id, prompt, max_tokens=1, prefill_only=True)
-    engine.release_blocks(request_id)
+    engine.kv.release_blocks(request_id)
 
 
 def warm_until_idle(engine: LLMEngine) -> list:

@@ -33,7 +33,7 @@ def engines(gemma3_checkpoint):
 def test_the_engine_names_each_layers_window(engines):
     src, _ = engines
     window = src.hf_config.sliding_window
-    assert src.kv_layer_windows() == [window if local else None for local in LOCAL_LAYERS["gemma3"]]
+    assert src.kv.layer_windows() == [window if local else None for local in LOCAL_LAYERS["gemma3"]]
 
 
 def test_a_stream_moved_with_its_windowed_kv_goes_on_exactly(engines):
@@ -48,17 +48,17 @@ def test_a_stream_moved_with_its_windowed_kv_goes_on_exactly(engines):
     sent += [t for out in steps if out.request_id == "moved" for t in out.new_token_ids]
 
     dst.add_request("moved", prompt, params, remote_prefill=True, resume_token_ids=sent)
-    (reserved,) = dst.reserve_remote()
-    dst_blocks = dst.block_table("moved")
+    (reserved,) = dst.kv.reserve_remote()
+    dst_blocks = dst.kv.block_table("moved")
     ask = PrefillRequest(request_id="moved@dst", prompt_token_ids=list(reserved.token_ids), sampling_params=params,
                          dst_block_ids=dst_blocks, num_cached_tokens=reserved.num_cached_tokens,
                          transfer_endpoint="ipc://unused", decode_worker_id="dst", ttl_s=5.0, source_request_id="moved")
-    layout = kv_layout(src.kv_cache_for_transfer(), "m", layer_windows=src.kv_layer_windows())
+    layout = kv_layout(src.kv.cache_for_transfer(), "m", layer_windows=src.kv.layer_windows())
     assert leaves_blocks_incomplete(layout, ask)
-    dst.withhold_from_prefix_cache("moved")  # as the sink does for such a request
+    dst.kv.withhold_from_prefix_cache("moved")  # as the sink does for such a request
     gen = torch.Generator().manual_seed(0)
     dst.kv_cache[:, :, dst_blocks] = 100 * torch.randn(dst.kv_cache[:, :, dst_blocks].shape, generator=gen)
-    src_blocks = src.block_table("moved")
+    src_blocks = src.kv.block_table("moved")
     moved_bytes = 0
     for send in plan_request(layout, ask, 0, num_blocks_sent(ask, PAGE)):
         blocks = slice(send.block_start, send.block_stop)
@@ -66,7 +66,7 @@ def test_a_stream_moved_with_its_windowed_kv_goes_on_exactly(engines):
         moved_bytes += send.num_layer_blocks * layout.layer_block_bytes
     assert moved_bytes == planned_bytes(layout, ask) < layout.kv_bytes(num_blocks_sent(ask, PAGE))
     src.abort_request("moved")  # the handoff is done: the source frees its blocks
-    dst.activate_migrated("moved")
+    dst.kv.activate_migrated("moved")
     rest = []
     while dst.has_unfinished_requests():
         rest += [t for out in dst.step() if out.request_id == "moved" for t in out.new_token_ids]

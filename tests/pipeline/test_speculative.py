@@ -256,13 +256,13 @@ def test_prefill_ships_draft_kv_and_decode_speculates_exactly(arch, kind, tiny_c
     outputs = {f"r{i}": [] for i in range(len(prompts))}
     pending = dict(first_tokens)
     while decode.has_unfinished_requests():
-        for seq in decode.reserve_remote():
+        for seq in decode.kv.reserve_remote():
             rid = seq.request_id
             src, dst = prefill.kv_manager.block_table(rid), decode.kv_manager.block_table(rid)
             for s, d in zip(src, dst[:len(src)]):
                 decode.kv_cache[:, :, d] = prefill.kv_cache[:, :, s]  # target and draft layers, like the transfer
-            prefill.release_blocks(rid)
-            outputs[rid] += decode.activate_remote(rid, pending.pop(rid), None).new_token_ids
+            prefill.kv.release_blocks(rid)
+            outputs[rid] += decode.kv.activate_remote(rid, pending.pop(rid), None).new_token_ids
         for out in decode.step():
             outputs[out.request_id] += out.new_token_ids
     assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
@@ -287,5 +287,5 @@ def test_a_speculating_prefill_worker_caches_the_prompts_it_prefilled(tiny_check
     engine.add_request("turn-1", prompt, greedy(NUM_NEW_TOKENS), prefill_only=True)
     while engine.has_unfinished_requests():
         engine.step()
-    engine.release_blocks("turn-1")
+    engine.kv.release_blocks("turn-1")
     assert len(engine.kv_manager.find_cached_prefix(prompt + [7, 8])) == len(prompt) // 4
