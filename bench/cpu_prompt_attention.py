@@ -1,6 +1,6 @@
 """Prompt attention on this CPU: the native kernel against torch's flash attention over the gathered pages,
-the two paths between which ``kernels/cpu_paged_attention.py`` chooses by the CPU's flags (AMX: torch's from
-``FLASH_MIN_QUERY_ROWS`` query rows)::
+the two paths between which ``kernels/cpu_paged_attention.py`` chooses (on an AMX CPU: torch's from
+``FLASH_MIN_QUERY_ROWS`` query rows, measured at load by ``kernels/cpu_prompt_route.py`` over fewer chunks)::
 
     python -m bench.cpu_prompt_attention --threads 1 --out bench/results/cpu_prompt_attention.json
 
@@ -23,58 +23,11 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_prompt_route import chunk_inputs, crossover, time_both, visible_pairs
+
 ROWS = (16, 32, 64, 128, 256, 512, 1024)
 PREFIXES = (0, 1024)
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 8, 4, 64, 16
-
-
-def chunk_inputs(rows: int, prefix: int, dtype: torch.dtype, generator: torch.Generator):
-    """One sequence's ``rows`` queries at the end of ``prefix + rows`` keys in shuffled pages."""
-    keys = prefix + rows
-    num_pages = -(-keys // PAGE_SIZE)
-    shape = (num_pages + 4, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=generator).to(dtype)
-    v_cache = torch.randn(shape, generator=generator).to(dtype)
-    block_table = torch.randperm(num_pages + 4, generator=generator)[:num_pages].to(torch.int32)[None]
-    query = torch.randn(rows, NUM_Q_HEADS, HEAD_DIM, generator=generator).to(dtype)
-    cu_seqlens_q = torch.tensor([0, rows], dtype=torch.int32)
-    context_lens = torch.tensor([keys], dtype=torch.int32)
-    return query, k_cache, v_cache, cu_seqlens_q, context_lens, block_table, HEAD_DIM ** -0.5
-
-
-def visible_pairs(rows: int, prefix: int) -> int:
-    """Query-key pairs a causal chunk computes, over every query head."""
-    return NUM_Q_HEADS * (rows * prefix + rows * (rows + 1) // 2)
-
-
-def time_both(inputs, repeats: int) -> tuple[list[float], list[float], float]:
-    """Seconds per call of the native path and of torch's, alternating, and their largest output difference."""
-    from kernels import cpu_paged_attention
-
-    def run(route: int | None) -> tuple[float, torch.Tensor]:
-        cpu_paged_attention.FLASH_MIN_QUERY_ROWS = route
-        started = time.perf_counter()
-        out = cpu_paged_attention.paged_attention_cpu(*inputs)
-        return time.perf_counter() - started, out
-
-    chosen = cpu_paged_attention.FLASH_MIN_QUERY_ROWS
-    try:
-        native_out, torch_out = run(None)[1], run(1)[1]  # warm-up, and the outputs compared
-        native_s, torch_s = [], []
-        for _ in range(repeats):
-            native_s.append(run(None)[0])
-            torch_s.append(run(1)[0])
-    finally:
-        cpu_paged_attention.FLASH_MIN_QUERY_ROWS = chosen
-    return native_s, torch_s, (native_out.float() - torch_out.float()).abs().max().item()
-
-
-def crossover(cases: list[dict]) -> int | None:
-    """The smallest row count from which torch's path was faster for every chunk of that many rows or more."""
-    for rows in sorted({case["rows"] for case in cases}):
-        if all(case["torch_ns_per_pair"] < case["native_ns_per_pair"] for case in cases if case["rows"] >= rows):
-            return rows
-    return None
 
 
 def cpu_description() -> dict:
@@ -105,9 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     for prefix in args.prefixes:
         for rows in args.rows:
-            native_s, torch_s, max_diff = time_both(chunk_inputs(rows, prefix, torch.bfloat16, generator),
-                                                    args.repeats)
-            pairs = visible_pairs(rows, prefix)
+            inputs = chunk_inputs(rows, prefix, torch.bfloat16, generator, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                                  PAGE_SIZE)
+            native_s, torch_s, max_diff = time_both(inputs, args.repeats)
+            pairs = visible_pairs(rows, prefix, NUM_Q_HEADS)
             case = {"rows": rows, "prefix": prefix, "pairs": pairs, "native_s": native_s, "torch_s": torch_s,
                     "native_ns_per_pair": statistics.median(native_s) / pairs * 1e9,
                     "torch_ns_per_pair": statistics.median(torch_s) / pairs * 1e9, "max_abs_diff": max_diff}

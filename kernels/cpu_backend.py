@@ -5,8 +5,9 @@ oneDNN with packed weights (``kernels/cpu_gemm.py``). A mixture-of-experts MLP's
 ``CpuLinear`` pair per expert the same way, run over the tokens grouped by expert as the reference groups them
 (``kernels/moe_ref.py``): one packed GEMM pair per expert; in bf16 on an AVX512-BF16 CPU, all experts' GEMMs in
 one native call each instead wherever no expert has more rows than ``kernels/cpu_moe.py`` takes (decode, and on a
-CPU without AMX prefill too). Gemma's offset RMSNorm and GELU-tanh gated activation run their torch references too
-(no native kernel yet)."""
+CPU without AMX prefill too). On an AMX CPU a bf16 model's prompt chunks from a row count measured at load run
+torch's flash attention (``kernels/cpu_prompt_route.py``). Gemma's offset RMSNorm and GELU-tanh gated activation
+run their torch references too (no native kernel yet)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kernels import cpu_moe, cpu_native
 from kernels.cpu_gemm import PACKED_MAX_ROWS, CpuLinear
 from kernels.cpu_elementwise import apply_rotary_cpu, rms_norm_cpu, silu_and_mul_cpu, store_kv_cpu
 from kernels.cpu_paged_attention import describe_prompt_route, paged_attention_cpu
+from kernels.cpu_prompt_route import calibrate_for_model
 
 
 def cpu_kernels(torch_kernels):
@@ -78,6 +80,7 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
         model.logits_gemm = lm_head.gemm if lm_head is not None and lm_head.gemm is not None else CpuLinear(
             model.output_weight().detach(), None, prepack=prepack_weights)
     model.is_prepared_for_cpu = True
+    calibrate_for_model(model)  # on an AMX CPU, bf16: from how many rows prompt attention goes to torch's flash path
 
 
 def _let_go(module: torch.nn.Module, name: str) -> None:

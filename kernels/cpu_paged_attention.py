@@ -9,9 +9,10 @@ attention sinks: gpt-oss's, whose softmax the native kernel does not take yet).
 On a CPU with AMX, a bf16 sequence with many query rows (a prompt's chunk) goes instead to torch's flash-attention
 kernel over its gathered K/V (``paged_attention_ref.sequence_attention``): its two products are library bf16 GEMMs
 (oneDNN's brgemm, or MKL's bf16 GEMM), which run on AMX tiles there, where the native kernel's are AVX-512 FMAs.
-Decodes and short queries stay native (they read K/V in place and are bound by memory, not arithmetic). On a CPU
-without AMX the native kernel is the faster of the two (1.9 against 4.3 ns per query-key pair for a 512-row bf16
-chunk over 1536 keys on a Zen 5 core), so nothing is routed there.
+Decodes and short queries stay native (they read K/V in place and are bound by memory, not arithmetic). From how
+many rows the route pays is measured on the machine when a bf16 model is prepared (``kernels/cpu_prompt_route.py``);
+until then it starts at 64. On a CPU without AMX the native kernel is the faster of the two (1.9 against 4.3 ns per
+query-key pair for a 512-row bf16 chunk over 1536 keys on a Zen 5 core), so nothing is routed there.
 """
 
 from __future__ import annotations
@@ -26,34 +27,42 @@ from kernels.paged_attention_ref import paged_attention_ref, sequence_attention
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _flash_min_query_rows() -> int | None:
-    """64 on a CPU with AMX, else None; ``TANDEM_CPU_FLASH_MIN_QUERY_ROWS`` (a row count, or ``off``) overrides it,
-    e.g. with what ``python -m bench.cpu_prompt_attention`` measures on the machine."""
+def _flash_min_query_rows() -> tuple[int | None, str]:
+    """(row count, where it comes from): 64 on a CPU with AMX until ``kernels/cpu_prompt_route.py`` measures the
+    machine ("default"), else None ("no AMX"); ``TANDEM_CPU_FLASH_MIN_QUERY_ROWS`` (a row count, or ``off``) sets it
+    instead ("set"), e.g. with what ``python -m bench.cpu_prompt_attention`` reports."""
     raw = os.environ.get("TANDEM_CPU_FLASH_MIN_QUERY_ROWS")
     if raw is None:
-        return 64 if "amx_bf16" in cpu_native.cpu_flags() else None
+        return (64, "default") if "amx_bf16" in cpu_native.cpu_flags() else (None, "no AMX")
     if raw.strip().lower() in ("off", "none", "no", "0", ""):
-        return None
+        return None, "set"
     try:
         rows = int(raw)
     except ValueError:
         rows = -1
     if rows < 1:
         raise ValueError(f"TANDEM_CPU_FLASH_MIN_QUERY_ROWS={raw!r}: a positive row count, or off")
-    return rows
+    return rows, "set"
 
 
 # A sequence with at least this many query rows, in one of these dtypes, goes to torch's flash attention (None:
 # none does). AMX multiplies bf16 tiles only, so fp32 stays native everywhere.
-FLASH_MIN_QUERY_ROWS: int | None = _flash_min_query_rows()
+FLASH_MIN_QUERY_ROWS, FLASH_ROUTE_SOURCE = _flash_min_query_rows()
 FLASH_DTYPES = (torch.bfloat16,)
+
+
+def set_flash_route(rows: int | None, source: str) -> None:
+    """Route bf16 sequences of ``rows`` or more query rows to torch's flash attention (None: none); ``source`` says
+    why, for ``describe_prompt_route`` ("calibrated": measured on this machine)."""
+    global FLASH_MIN_QUERY_ROWS, FLASH_ROUTE_SOURCE
+    FLASH_MIN_QUERY_ROWS, FLASH_ROUTE_SOURCE = rows, source
 
 
 def describe_prompt_route() -> str:
     """Where bf16 prompt chunks' attention runs, for the kernel set's name (logs, benchmark reports)."""
-    if FLASH_MIN_QUERY_ROWS is None:
-        return "prompt attention native"
-    return f"bf16 prompt attention torch flash from {FLASH_MIN_QUERY_ROWS} rows"
+    route = ("prompt attention native" if FLASH_MIN_QUERY_ROWS is None
+             else f"bf16 prompt attention torch flash from {FLASH_MIN_QUERY_ROWS} rows")
+    return route if FLASH_ROUTE_SOURCE in ("no AMX", "set") else f"{route} ({FLASH_ROUTE_SOURCE})"
 
 
 def native_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

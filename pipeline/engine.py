@@ -100,6 +100,7 @@ class LLMEngine:
             keep_freed_memory()
         for model in {id(m): m for m in (self.model, self.draft.model if self.draft else None) if m}.values():
             self.kernels.prepare_model(model, config.model.cpu_weight_prepack)
+        self.kernels = load_kernels(config.kernel_backend, self.device)  # named for what preparing chose (CPU: routes)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kernels, Sampler(self.vocab_size, config.model.seed),
                                   self.device, max_num_reqs=config.max_batch_size, max_model_len=self.max_length)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)

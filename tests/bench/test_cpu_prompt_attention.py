@@ -1,5 +1,6 @@
 """``bench/cpu_prompt_attention.py``: both prompt-attention paths timed and compared on this CPU, the crossover
-it reports, and the route forced for the timing restored afterwards."""
+it reports (``crossover`` itself: tests/cpu_kernels/test_cpu_prompt_route.py), and the route forced for the timing
+restored afterwards."""
 
 from __future__ import annotations
 
@@ -7,19 +8,8 @@ import json
 
 import pytest
 
-from bench.cpu_prompt_attention import crossover, main
+from bench.cpu_prompt_attention import main
 from kernels import cpu_native, cpu_paged_attention
-
-
-def case(rows, native, torch_, prefix=0):
-    return {"rows": rows, "prefix": prefix, "native_ns_per_pair": native, "torch_ns_per_pair": torch_}
-
-
-def test_the_crossover_is_where_torch_wins_from_then_on():
-    assert crossover([case(16, 1.0, 2.0), case(64, 1.0, 0.5), case(256, 1.0, 0.4)]) == 64
-    # one chunk shape past it where native wins moves it up
-    assert crossover([case(64, 1.0, 0.5), case(64, 1.0, 1.5, prefix=1024), case(256, 1.0, 0.4)]) == 256
-    assert crossover([case(16, 1.0, 2.0), case(64, 1.0, 1.5)]) is None
 
 
 def test_a_small_run_writes_its_report_and_plot(tmp_path, capsys):
