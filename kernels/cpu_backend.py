@@ -6,7 +6,8 @@ oneDNN with packed weights (``kernels/cpu_gemm.py``). A mixture-of-experts MLP's
 (``kernels/moe_ref.py``): one packed GEMM pair per expert; in bf16 on an AVX512-BF16 CPU, all experts' GEMMs in
 one native call each instead wherever no expert has more rows than ``kernels/cpu_moe.py`` takes (decode, and on a
 CPU without AMX prefill too). On an AMX CPU a bf16 model's prompt chunks from a row count measured at load run
-torch's flash attention (``kernels/cpu_prompt_route.py``). Gemma's offset RMSNorm and GELU-tanh gated activation
+torch's flash attention (``kernels/cpu_prompt_route.py``), and int8 batches from a measured row count take
+oneDNN's AMX kernels (``kernels/cpu_int8_route.py``). Gemma's offset RMSNorm and GELU-tanh gated activation
 run their torch references too (no native kernel yet)."""
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ from dataclasses import replace
 
 import torch
 
-from kernels import cpu_moe, cpu_native
+from kernels import cpu_int8, cpu_int8_route, cpu_moe, cpu_native, cpu_prompt_route
 from kernels.cpu_gemm import PACKED_MAX_ROWS, CpuLinear
 from kernels.cpu_elementwise import apply_rotary_cpu, rms_norm_cpu, silu_and_mul_cpu, store_kv_cpu
 from kernels.cpu_paged_attention import describe_prompt_route, paged_attention_cpu
-from kernels.cpu_prompt_route import calibrate_for_model
 
 
 def cpu_kernels(torch_kernels):
     """``torch_kernels`` with the native CPU kernels in their places."""
+    routes = [describe_prompt_route(), cpu_int8.describe_amx_route()]
     return replace(
-        torch_kernels, name=f"cpu: {cpu_native.describe()}, {describe_prompt_route()}",
+        torch_kernels, name=f"cpu: {cpu_native.describe()}, " + ", ".join(r for r in routes if r),
         paged_attention=paged_attention_cpu,
         rms_norm=rms_norm_cpu, apply_rotary=apply_rotary_cpu, store_kv=store_kv_cpu, silu_and_mul=silu_and_mul_cpu,
         prepare_model=prepare_model_cpu, combine_grouped_rows=cpu_moe.combine_grouped_rows_cpu,
@@ -80,7 +81,10 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
         model.logits_gemm = lm_head.gemm if lm_head is not None and lm_head.gemm is not None else CpuLinear(
             model.output_weight().detach(), None, prepack=prepack_weights)
     model.is_prepared_for_cpu = True
-    calibrate_for_model(model)  # on an AMX CPU, bf16: from how many rows prompt attention goes to torch's flash path
+    # on an AMX CPU, measured once: from how many rows bf16 prompt attention goes to torch's flash path, and int8
+    # batches to torch._int_mm
+    cpu_prompt_route.calibrate_for_model(model)
+    cpu_int8_route.calibrate_for_model(model)
 
 
 def _let_go(module: torch.nn.Module, name: str) -> None:

@@ -43,15 +43,36 @@ def native_available() -> bool:
 
 
 # Where the CPU has AMX, oneDNN's AMX kernels behind torch._int_mm do many times the work per cycle of
-# AVX-512 VNNI: batches of more rows than a decode's take them (not measured here: no AMX machine was at hand;
-# on this project's Zen 5 the packed GEMM matched torch._int_mm from 256 rows up and was faster below).
-AMX_PACKED_MAX_ROWS = 16
+# AVX-512 VNNI: batches of more rows than this take them (None: none do). 16 until a model's int8 layers are
+# measured at load (kernels/cpu_int8_route.py); on this project's Zen 5 (no AMX) the packed GEMM matched
+# torch._int_mm from 256 rows up and was faster below.
+AMX_PACKED_MAX_ROWS: int | None = 16
+AMX_ROUTE_SOURCE = "default"
 _IS_AMX = "amx_int8" in cpu_native.cpu_flags()
+
+
+def is_amx() -> bool:
+    return _IS_AMX
+
+
+def set_amx_packed_max_rows(rows: int | None, source: str = "calibrated") -> None:
+    """On an AMX CPU, batches of more than ``rows`` rows go to torch._int_mm (None: every batch takes the packed GEMM)."""
+    global AMX_PACKED_MAX_ROWS, AMX_ROUTE_SOURCE
+    AMX_PACKED_MAX_ROWS, AMX_ROUTE_SOURCE = rows, source
+
+
+def describe_amx_route() -> str | None:
+    """Where an AMX CPU's int8 batches go, for the kernel set's name; None without AMX (the packed GEMM takes all)."""
+    if not _IS_AMX:
+        return None
+    route = ("int8 packed GEMM for every batch" if AMX_PACKED_MAX_ROWS is None
+             else f"int8 batches over {AMX_PACKED_MAX_ROWS} rows on torch._int_mm (AMX)")
+    return f"{route} ({AMX_ROUTE_SOURCE})"
 
 
 def packed_gemm_preferred(rows: int) -> bool:
     """Whether ``rows`` rows take the packed native GEMM (else torch._int_mm between the native passes)."""
-    return not _IS_AMX or rows <= AMX_PACKED_MAX_ROWS
+    return not _IS_AMX or AMX_PACKED_MAX_ROWS is None or rows <= AMX_PACKED_MAX_ROWS
 
 
 def packed_gemm_takes_every_batch() -> bool:

@@ -110,8 +110,11 @@ def attention_geometry(model: torch.nn.Module) -> tuple[int, int, int, torch.dty
         heads = [getattr(module, name, None) for name in ("num_q_heads", "num_kv_heads", "head_dim")]
         projection = getattr(module, "qkv_proj", None)
         if all(isinstance(h, int) for h in heads) and projection is not None:
-            dtype = next((p.dtype for p in projection.parameters()), None)
-            return (*heads, dtype) if dtype is not None else None
+            # the activations' dtype: a quantized projection's own (its weight is int8 or fp8), else its weight's
+            dtype = getattr(projection, "dtype", None) or next(
+                (p.dtype for p in projection.parameters() if p.dtype in (torch.float32, torch.bfloat16, torch.float16)),
+                None)
+            return (*heads, dtype) if isinstance(dtype, torch.dtype) else None
     return None
 
 

@@ -142,3 +142,12 @@ def test_the_measurement_stops_below_the_first_row_count_native_wins(monkeypatch
     cases = cpu_prompt_route.measure(2, 1, 32, rows=(64, 128, 256), prefixes=(0, 16))
     assert timed == [256, 256, 128, 128]
     assert crossover(cases) == 256
+
+
+def test_a_quantized_projection_reports_its_activations_dtype():
+    """An int8 W8A8 model's attention: its weights are int8, its activations (what attention sees) bf16."""
+    from tests.cpu_kernels.test_int8_native import int8_linear
+
+    model = TinyModel()
+    model.layers[0].qkv_proj = int8_linear(128, 256, torch.bfloat16, bias=False, static_input=False)
+    assert attention_geometry(model) == (4, 2, 32, torch.bfloat16)
