@@ -23,7 +23,7 @@ from kernels import cpu_int8
 
 logger = logging.getLogger(__name__)
 
-CANDIDATE_ROWS = (16, 32, 64, 128, 256)
+CANDIDATE_ROWS = (1, 16, 32, 64, 128, 256)  # one row: a lone decode
 CALIBRATION_REPEATS = 3
 
 
