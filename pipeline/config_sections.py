@@ -125,6 +125,9 @@ class RouterConfig(ConfigSection):
         "disaggregation: more throughput at saturation, longer decode steps on that worker while it prefills; "
         "docs/load.md); None = never")
     request_timeout_s: float = Field(600.0, gt=0.0, description="a request unfinished after this gets 504")
+    max_request_body_mib: float = Field(
+        8.0, gt=0.0, description="a request body larger than this gets 413 before it is read (a 128k-token prompt "
+        "is about 0.5 MiB of text or 1 MiB of token ids); what passes is tokenized off the HTTP event loop")
     cors_allowed_origins: str = Field(
         "*", description="browser origins allowed to call the API (CORS), comma-separated; \"*\" = any (vLLM's "
         "default), empty = no CORS headers")

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pipeline import tracing
 from pipeline.config import PipelineConfig
+from router.body_limit import BodyLimitMiddleware
 from router.dispatcher import Dispatcher
 from router.errors import APIError, install_error_handlers
 from router.metrics import CONTENT_TYPE, RouterMetrics
@@ -40,6 +41,7 @@ from router.responses_api import install_responses_route
 from router.served_model import ServedModel, keep_torch_out, load_served_model
 from router.serving import RouterState, serve
 from router.tokenize import install_tokenizer_routes
+from router.tokenizer_thread import run_tokenizer_work
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,7 @@ def create_app(
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
                            allow_credentials=router_config.cors_allow_credentials)
     install_error_handlers(app, on_rejected=lambda: metrics.requests_total.labels("rejected").inc())
+    app.add_middleware(BodyLimitMiddleware, max_mib=router_config.max_request_body_mib)
     created = int(time.time())
 
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
@@ -124,12 +127,12 @@ def create_app(
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prepared = _prepared_or_count(state, lambda: prepare_completion(body, model, config.sampling))
+        prepared = await _prepared_or_count(state, lambda: prepare_completion(body, model, config.sampling))
         return await serve(state, request, prepared, "completion")
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prepared = _prepared_or_count(state, lambda: prepare_chat(body, model, config.sampling, config.router))
+        prepared = await _prepared_or_count(state, lambda: prepare_chat(body, model, config.sampling, config.router))
         return await serve(state, request, prepared, "chat")
 
     install_tokenizer_routes(app, model, v1)
@@ -175,9 +178,10 @@ def _or(override, default):
     return default if override is None else override
 
 
-def _prepared_or_count(state: RouterState, prepare):
+async def _prepared_or_count(state: RouterState, prepare):
+    """``prepare()`` (template, tokenization, checks) on the tokenizer thread; a 400 it raises is counted."""
     try:
-        return prepare()
+        return await run_tokenizer_work(prepare)
     except APIError:
         state.metrics.requests_total.labels("rejected").inc()
         raise

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -29,7 +29,7 @@ from router.serving import RouterState, admit, chunks, collect, event_stream
 
 
 def install_responses_route(app: FastAPI, state: RouterState, dependencies: list,
-                            prepare: Callable[[ChatCompletionRequest], list[PreparedRequest]]) -> None:
+                            prepare: Callable[[ChatCompletionRequest], Awaitable[list[PreparedRequest]]]) -> None:
     @app.post("/v1/responses", dependencies=dependencies)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         try:
@@ -38,7 +38,7 @@ def install_responses_route(app: FastAPI, state: RouterState, dependencies: list
             error = exc.errors()[0]
             where = ".".join(str(p) for p in error.get("loc", ()))
             raise bad_request(f"input: {where}: {error.get('msg')}", param="input") from None
-        prepared = prepare(chat)
+        prepared = await prepare(chat)
         response_id = f"resp_{uuid.uuid4().hex}"
         shell = _ResponseShell(response_id, state.model.name, body)
         admitted = await admit(state, request, prepared, "chat", request_id=response_id)

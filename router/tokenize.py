@@ -17,6 +17,7 @@ from router.errors import APIError, bad_request
 from router.openai_schema import ChatMessage, ChatTemplateOptions, ChatTool
 from router.preprocess import render_chat
 from router.served_model import ServedModel
+from router.tokenizer_thread import run_tokenizer_work
 
 
 class _Body(BaseModel):
@@ -55,10 +56,12 @@ def install_tokenizer_routes(app: FastAPI, model: ServedModel, dependencies: lis
     @app.post("/tokenize", dependencies=dependencies)
     async def tokenize(body: TokenizeCompletion | TokenizeChat) -> dict[str, Any]:
         check_model(body.model)
-        if isinstance(body, TokenizeChat):
-            ids = render_chat(model, body, template_tools(body.tools))
-        else:
-            ids = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+
+        def encode() -> list[int]:
+            if isinstance(body, TokenizeChat):
+                return render_chat(model, body, template_tools(body.tools))
+            return list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        ids = await run_tokenizer_work(encode)
         return {"count": len(ids), "max_model_len": model.max_length, "tokens": ids,
                 "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
 
@@ -69,7 +72,7 @@ def install_tokenizer_routes(app: FastAPI, model: ServedModel, dependencies: lis
         if bad is not None:
             raise bad_request(f"tokens: token id {bad} is outside the vocabulary [0, {model.vocab_size})",
                               param="tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await run_tokenizer_work(lambda: tokenizer.decode(body.tokens))}
 
     @app.get("/tokenizer_info", dependencies=dependencies)
     async def tokenizer_info() -> dict[str, Any]:
