@@ -48,8 +48,16 @@ __all__ = ["Sampler", "SamplerOutput", "SamplingPlan", "SequenceSamplingState", 
 
 
 def step_seed(seed: int, position: int) -> int:
-    """Seed of the draw for output token ``position`` of a request seeded with ``seed``."""
-    return (seed * 1_000_003 + position * 7_919 + 17) % (2**63 - 1)
+    """Seed of the draw for output token ``position`` of a request seeded with ``seed`` (any 64-bit integer).
+
+    The two are mixed with splitmix64's finalizer and the high half folded into the low one, because torch's CPU
+    generator (mt19937) keeps only the low 32 bits of a seed: without the fold, seeds 2**32 apart would draw the
+    same tokens."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    x ^= x >> 31
+    return (x ^ (x >> 32)) & (2**63 - 1)
 
 
 @dataclass

@@ -106,7 +106,8 @@ def create_app(
     if origins:  # browsers' preflight (OPTIONS) answered; the API key check still applies to the request itself
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
                            allow_credentials=router_config.cors_allow_credentials)
-    install_error_handlers(app, on_rejected=lambda: metrics.requests_total.labels("rejected").inc())
+    install_error_handlers(app, on_rejected=lambda: metrics.requests_total.labels("rejected").inc(),
+                           on_error=lambda: metrics.requests_total.labels("error").inc())
     app.add_middleware(BodyLimitMiddleware, max_mib=router_config.max_request_body_mib)
     created = int(time.time())
 

@@ -131,8 +131,10 @@ def _format_validation_errors(exc: RequestValidationError) -> tuple[str, str | N
 _TYPE_WORDS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
 
-def install_error_handlers(app: FastAPI, on_rejected: Callable[[], None] | None = None) -> None:
-    """Route every error through the OpenAI body; ``on_rejected`` is called for each malformed request body."""
+def install_error_handlers(app: FastAPI, on_rejected: Callable[[], None] | None = None,
+                           on_error: Callable[[], None] | None = None) -> None:
+    """Route every error through the OpenAI body; ``on_rejected`` is called for each malformed request body,
+    ``on_error`` for each unexpected exception (a 500)."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -155,7 +157,37 @@ def install_error_handlers(app: FastAPI, on_rejected: Callable[[], None] | None 
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         return APIError(exc.status_code, message).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in the router")
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
+    app.add_middleware(UnexpectedErrorMiddleware, on_error=on_error)
+
+
+class UnexpectedErrorMiddleware:
+    """A bug's exception becomes a 500 in the OpenAI shape, logged and counted, and the connection stays usable.
+
+    (Starlette's own handler for ``Exception`` answers too, but then raises the exception on to the server, which
+    drops the client's keep-alive connection: its next request on it fails.) Pure ASGI, so streams pass untouched;
+    an exception after a response started can only end that response."""
+
+    def __init__(self, app, on_error: Callable[[], None] | None = None) -> None:
+        self.app = app
+        self.on_error = on_error
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.exception("unhandled error in the router")
+            if started:
+                raise
+            if self.on_error is not None:
+                self.on_error()
+            await APIError(500, f"internal error: {type(exc).__name__}").response()(scope, receive, send)

@@ -29,7 +29,7 @@ class _SamplingFields(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=-2**63, le=2**63 - 1)  # a 64-bit integer, as vLLM takes it
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None

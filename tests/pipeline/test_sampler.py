@@ -292,3 +292,18 @@ def test_shape_mismatch_is_an_error():
         Sampler(VOCAB)(random_logits(2), [greedy()])
     with pytest.raises(ValueError):
         Sampler(VOCAB + 1)(random_logits(1), [greedy()])
+
+
+def test_every_64_bit_seed_draws_its_own_tokens():
+    """torch's CPU generator keeps only a seed's low 32 bits: seeds 2**32 apart (or at the ends of the 64-bit
+    range) must still give different draws, and every step seed is one torch takes."""
+    from pipeline.sampler import step_seed
+
+    pairs = [(0, 2**32), (5, 5 + 2**32), (-1, -2**63), (0, 2**63 - 1), (-1, 2**64 - 1 - 2**63)]
+    for a, b in pairs:
+        for position in (0, 1, 1000):
+            low_a, low_b = step_seed(a, position) & 0xFFFFFFFF, step_seed(b, position) & 0xFFFFFFFF
+            assert low_a != low_b, (a, b, position)
+    for seed in (-2**63, -1, 0, 2**63 - 1):
+        assert 0 <= step_seed(seed, 7) < 2**63
+        torch.Generator().manual_seed(step_seed(seed, 7))

@@ -138,6 +138,8 @@ def test_stop_string_truncates_and_cancels_the_worker(router, client, text_ids):
         ({"model": "tiny", "prompt": "Hi", "n": 2, "best_of": 1}, 400, "best_of", "must be in [n, 64]"),
         ({"model": "tiny", "prompt": "Hi", "best_of": 3, "stream": True}, 400, "best_of", "stream"),
         ({"model": "nope", "prompt": "Hi"}, 404, "model", "does not exist"),
+        ({"model": "tiny", "prompt": "Hi", "seed": 2**70}, 400, "seed", "less than or equal to 9223372036854775807"),
+        ({"model": "tiny", "prompt": "Hi", "seed": -2**63 - 1}, 400, "seed", "greater than or equal"),
     ],
 )
 def test_bad_requests_never_reach_a_worker(router, body, status, param, words):
@@ -319,3 +321,22 @@ def test_a_body_without_a_json_content_type_is_told_so(router):
                           headers={"content-type": "application/x-www-form-urlencoded"})
     assert response.status_code == 400
     assert "Content-Type: application/json" in response.json()["error"]["message"]
+
+
+def test_an_unexpected_error_is_a_500_that_keeps_the_connection(router, monkeypatch):
+    """A bug's exception: an OpenAI-shaped 500, counted, and the client's keep-alive connection still works."""
+    import router.app as app_module
+
+    def broken(*_args, **_kwargs):
+        raise OverflowError("a bug")
+    monkeypatch.setattr(app_module, "prepare_completion", broken)
+    router.add_worker()
+    errors_before = router.metric('tandem_requests_total{outcome="error"}')
+    with httpx.Client(base_url=router.url, timeout=10) as http:
+        for _ in range(2):  # the second on the same connection
+            response = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi"})
+            assert response.status_code == 500
+            assert response.json()["error"] == {"message": "internal error: OverflowError", "type": "internal_error",
+                                                "param": None, "code": None}
+        assert http.get("/health").status_code == 200
+    assert router.metric('tandem_requests_total{outcome="error"}') == errors_before + 2
