@@ -57,6 +57,7 @@ class _Waiter(Generic[T]):
     future: asyncio.Future  # result None once admitted; exception Overloaded / what try_admit raised
     priority: int = 0
     timer: asyncio.TimerHandle | None = None
+    counted: bool = True  # against ``max_queued_requests`` (a request's further prompts are not)
 
 
 class AdmissionQueue(Generic[T]):
@@ -80,14 +81,16 @@ class AdmissionQueue(Generic[T]):
         return id(item) in self._waiters
 
     def enqueue(self, item: T, *, at_front: bool = False, timeout_s: float | None = None,
-                priority: int = 0) -> asyncio.Future:
+                priority: int = 0, counted: bool = True) -> asyncio.Future:
         """Admit ``item`` now or queue it; the returned future resolves (None) once it was admitted.
 
         Nobody waiting ahead and ``try_admit(item)`` succeeding: the future is already done. Otherwise
         the item queues by (``priority``, arrival), or with ``at_front`` ahead of everyone (work already
         admitted once, such as a retry after a worker died: it passes the queue and ignores its bound).
         Raises at once, queueing nothing: ``Overloaded`` when the queue is full of requests as good as
-        this one or better, and whatever ``try_admit`` raises. Later failures arrive through the future:
+        this one or better, and whatever ``try_admit`` raises. The bound counts requests, not prompts: a request
+        carrying several prompts enqueues its first one ``counted`` and the rest not (they wait, in order, but
+        neither count nor are refused). Later failures arrive through the future:
         ``Overloaded`` after waiting ``queue_timeout_s`` (or ``timeout_s`` if shorter: the request's own
         deadline), ``Displaced`` when a better request took its place, or what ``try_admit`` raised on a
         later pass.
@@ -97,9 +100,9 @@ class AdmissionQueue(Generic[T]):
         if (at_front or not self._waiters) and self.try_admit(item):
             future.set_result(None)
             return future
-        if not at_front and len(self._waiters) >= self.max_queued_requests:
+        if not at_front and counted and self._num_counted() >= self.max_queued_requests:
             self._displace_for(priority)
-        waiter = _Waiter(item, future, priority)
+        waiter = _Waiter(item, future, priority, counted=counted)
         wait_s = self.queue_timeout_s if timeout_s is None else min(self.queue_timeout_s, timeout_s)
         waiter.timer = loop.call_later(wait_s, self._expire, waiter, wait_s)
         self._waiters[id(item)] = waiter
@@ -120,6 +123,9 @@ class AdmissionQueue(Generic[T]):
         if not waiter.future.done():
             waiter.future.cancel()
         self.wake()  # it may have been the head that held the others back
+
+    def _num_counted(self) -> int:
+        return sum(waiter.counted for waiter in self._waiters.values())
 
     def wake(self) -> None:
         """A slot may have freed: admit from the head on the loop's next turn (coalesced)."""

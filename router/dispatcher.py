@@ -140,7 +140,8 @@ class Dispatcher:
     # ------------------------------------------------------------------ requests
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, timeout_s: float,
-               priority: int = 0, trace_parent: Mapping[str, str] | None = None) -> RequestHandle:
+               priority: int = 0, trace_parent: Mapping[str, str] | None = None,
+               counted: bool = True) -> RequestHandle:
         """Send a request to a worker now, or queue it while every worker is saturated.
 
         Raises at once, before anything was sent: ``Overloaded`` when it would have to wait and the
@@ -148,12 +149,13 @@ class Dispatcher:
         it at all (503). A queued request is sent once a slot frees: await ``wait_admitted(handle)`` before
         reading from it. ``priority`` (lower first) orders the queue and goes to the workers.
         ``trace_parent``: the client's W3C trace context (its HTTP headers), which the request's trace continues.
+        ``counted``: False for an HTTP request's further prompts (the queue's bound counts requests).
         """
         handle = RequestHandle(request_id, prompt_token_ids, params, deadline=time.monotonic() + timeout_s,
                                priority=priority)
         handle.trace = request_trace(request_id, len(prompt_token_ids), params.max_tokens, priority, trace_parent)
         try:
-            handle.admission = self.admission.enqueue(handle, timeout_s=timeout_s, priority=priority)
+            handle.admission = self.admission.enqueue(handle, timeout_s=timeout_s, priority=priority, counted=counted)
         except Overloaded as exc:
             exc.retry_after_s = self.retry_after_s()
             raise

@@ -200,7 +200,7 @@ async def _admit_all(state: RouterState, http_request: Request, request_id: str,
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             handles.append(state.dispatcher.submit(rid, prepared.prompt_token_ids, prepared.params,
                                                    state.request_timeout_s, priority=prepared.priority,
-                                                   trace_parent=http_request.headers))
+                                                   trace_parent=http_request.headers, counted=i == 0))
         waiting = [state.dispatcher.wait_admitted(h) for h in handles if not h.is_admitted]
         if waiting:  # every worker is busy: wait in the queue, unless the client leaves
             await _unless_disconnected(http_request, asyncio.gather(*waiting))
@@ -348,6 +348,7 @@ async def _unless_disconnected(http_request: Request, work: Awaitable[T]) -> T:
     A plain (non-streaming) handler is not cancelled when its client leaves, so it must watch for that.
     """
     task = asyncio.ensure_future(work)
+    task.add_done_callback(_mark_retrieved)  # a failure after the client left (or after the first one) is expected
     watch = asyncio.ensure_future(_wait_for_disconnect(http_request))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -358,6 +359,11 @@ async def _unless_disconnected(http_request: Request, work: Awaitable[T]) -> T:
     if not task.done() or task.cancelled():
         raise _ClientGone
     return task.result()
+
+
+def _mark_retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def collect(state: RouterState, http_request: Request, admitted: Admitted) -> dict | None:

@@ -209,3 +209,20 @@ def test_bad_settings_are_refused():
         AdmissionQueue(Slots().try_admit, max_queued_requests=-1, queue_timeout_s=1.0)
     with pytest.raises(ValueError, match="queue_timeout_s"):
         AdmissionQueue(Slots().try_admit, max_queued_requests=1, queue_timeout_s=0)
+
+
+def test_uncounted_entries_wait_in_order_past_the_bound():
+    """A request's further prompts (``counted=False``) queue behind the bound, in order; counted ones still
+    find it full."""
+    async def main():
+        slots = Slots()
+        queue = AdmissionQueue(slots.try_admit, max_queued_requests=1, queue_timeout_s=5.0)
+        futures = [queue.enqueue("a0")] + [queue.enqueue(f"a{i}", counted=False) for i in range(1, 4)]
+        assert len(queue) == 4
+        with pytest.raises(Overloaded, match="queue is full"):
+            queue.enqueue("b0")
+        slots.free(queue, 4)
+        await turn()
+        assert slots.admitted == ["a0", "a1", "a2", "a3"] and all(f.done() for f in futures)
+
+    run(main())
