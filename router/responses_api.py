@@ -20,12 +20,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from pipeline.protocol import SamplingParams
 from router.errors import APIError, bad_request
 from router.openai_schema import ChatCompletionRequest
 from router.preprocess import PreparedRequest
 from router.responses_schema import ResponsesRequest, chat_body
 from router.sse import sse_event
-from router.serving import RouterState, admit, chunks, collect, event_stream
+from router.serving import ClientGone, RouterState, admit, chunks, event_stream, unless_disconnected
 
 
 def install_responses_route(app: FastAPI, state: RouterState, dependencies: list,
@@ -40,28 +41,29 @@ def install_responses_route(app: FastAPI, state: RouterState, dependencies: list
             raise bad_request(f"input: {where}: {error.get('msg')}", param="input") from None
         prepared = await prepare(chat)
         response_id = f"resp_{uuid.uuid4().hex}"
-        shell = _ResponseShell(response_id, state.model.name, body)
+        shell = _ResponseShell(response_id, state.model.name, body, prepared[0].params)
         admitted = await admit(state, request, prepared, "chat", request_id=response_id)
         if admitted is None:
             return Response(status_code=499)  # the client left while waiting
         if body.stream:
-            return event_stream(_events(shell, chunks(state, admitted)))
-        completion = await collect(state, request, admitted)
-        if completion is None:
+            return event_stream(_sse(_events(shell, chunks(state, admitted))))
+        try:  # the whole response: the stream's last event, read here (a failure raised as the error it is)
+            events = _events(shell, chunks(state, admitted), raise_errors=True)
+            final = await unless_disconnected(request, _final_event(events))
+        except ClientGone:
             return Response(status_code=499)
-        choice = completion["choices"][0]
-        writer = _OutputItems()
-        writer.add_message(choice["message"])
-        return JSONResponse(shell.response(writer.items, choice["finish_reason"], completion["usage"]))
+        return JSONResponse(final["response"])
 
 
 class _ResponseShell:
     """What every form of one response shares: id, model, the request's settings echoed back."""
 
-    def __init__(self, response_id: str, model_name: str, body: ResponsesRequest) -> None:
+    def __init__(self, response_id: str, model_name: str, body: ResponsesRequest, params: SamplingParams) -> None:
+        """``params``: what the request runs with (the defaults it left unset filled in), echoed back."""
         self.id = response_id
         self.model = model_name
         self.body = body
+        self.params = params
         self.created_at = int(time.time())
 
     def response(self, output: list[dict[str, Any]], finish_reason: str | None, usage: dict[str, Any] | None,
@@ -79,7 +81,7 @@ class _ResponseShell:
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete and status == "incomplete" else None,
             "instructions": body.instructions, "metadata": body.metadata or {},
             "max_output_tokens": body.max_output_tokens, "parallel_tool_calls": body.parallel_tool_calls,
-            "previous_response_id": None, "store": False, "temperature": body.temperature, "top_p": body.top_p,
+            "previous_response_id": None, "store": False, "temperature": self.params.temperature, "top_p": self.params.top_p,
             "text": {"format": text_format}, "tool_choice": tool_choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()], "truncation": "disabled",
             "usage": _usage(usage) if usage is not None else None,
@@ -98,7 +100,7 @@ def _item_id(prefix: str) -> str:
 
 
 class _OutputItems:
-    """Output items built from a chat message's fields, or from deltas in the order they arrive.
+    """Output items built from chat deltas in the order they arrive.
 
     Every change of kind (thinking, text, a call) opens a new item; ``events`` gathers the typed events
     a stream sends for that (``sequence_number`` is filled by the caller)."""
@@ -109,15 +111,6 @@ class _OutputItems:
         self._open: dict[str, Any] | None = None  # the item deltas currently extend
         self._calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its item
 
-    def add_message(self, message: dict[str, Any]) -> None:
-        if message.get("reasoning_content"):
-            self._extend("reasoning", message["reasoning_content"])
-        if message.get("content"):
-            self._extend("message", message["content"])
-        for index, call in enumerate(message.get("tool_calls") or ()):
-            self._call_delta({"index": index, "id": call["id"], "function": call["function"]})
-        self.close()
-
     def add_delta(self, delta: dict[str, Any]) -> None:
         if delta.get("reasoning_content"):
             self._extend("reasoning", delta["reasoning_content"])
@@ -126,12 +119,12 @@ class _OutputItems:
         for call in delta.get("tool_calls") or ():
             self._call_delta(call)
 
-    def close(self) -> None:
-        """Finish the open item (its done events)."""
+    def close(self, status: str = "completed") -> None:
+        """Finish the open item (its done events): ``completed``, or ``incomplete`` when the answer was cut short."""
         item, self._open = self._open, None
         if item is None:
             return
-        item["status"] = "completed"
+        item["status"] = status
         index = self.items.index(item)
         if item["type"] == "message":
             part = item["content"][0]
@@ -202,15 +195,31 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
     return copied
 
 
-async def _events(shell: _ResponseShell, chat_chunks: AsyncIterator[dict | APIError]) -> AsyncIterator[bytes]:
-    """Chat chunks -> Responses events (as SSE), ending with ``response.completed`` or ``response.failed``."""
+async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(events):  # a client that leaves closes this, which must close the events too
+        async for payload in events:
+            yield sse_event(payload, event=payload["type"])
+
+
+async def _final_event(events: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
+    last: dict[str, Any] = {}
+    async with contextlib.aclosing(events):
+        async for payload in events:
+            last = payload
+    return last
+
+
+async def _events(shell: _ResponseShell, chat_chunks: AsyncIterator[dict | APIError], raise_errors: bool = False
+                  ) -> AsyncIterator[dict[str, Any]]:
+    """Chat chunks -> Responses events, ending with ``response.completed`` / ``incomplete`` or ``response.failed``
+    (``raise_errors``: the failure raised instead, for a whole response)."""
     sequence = 0
 
-    def event(payload: dict[str, Any]) -> bytes:
+    def event(payload: dict[str, Any]) -> dict[str, Any]:
         nonlocal sequence
         payload["sequence_number"] = sequence
         sequence += 1
-        return sse_event(payload, event=payload["type"])
+        return payload
 
     writer = _OutputItems()
     finish_reason, usage = None, None
@@ -219,6 +228,8 @@ async def _events(shell: _ResponseShell, chat_chunks: AsyncIterator[dict | APIEr
     async with contextlib.aclosing(chat_chunks):
         async for chunk in chat_chunks:
             if isinstance(chunk, APIError):
+                if raise_errors:
+                    raise chunk
                 writer.close()
                 for pending in writer.events:
                     yield event(pending)
@@ -235,7 +246,7 @@ async def _events(shell: _ResponseShell, chat_chunks: AsyncIterator[dict | APIEr
             for pending in writer.events:
                 yield event(pending)
             writer.events.clear()
-    writer.close()
+    writer.close("incomplete" if finish_reason == "length" else "completed")  # the last item is what was cut
     for pending in writer.events:
         yield event(pending)
     final = shell.response(writer.items, finish_reason, usage)

@@ -163,10 +163,11 @@ def chat_body(body: ResponsesRequest) -> dict[str, Any]:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     if not messages:
         raise bad_request("input: must hold at least one message", param="input")
-    chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream,
+    # streamed on the chat side either way: a whole response is the stream's last event, so both forms hold the
+    # same items in the order the model wrote them
+    chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": True,
+                            "stream_options": {"include_usage": True},
                             "parallel_tool_calls": body.parallel_tool_calls}
-    if body.stream:
-        chat["stream_options"] = {"include_usage": True}
     for name in ("temperature", "top_p", "seed", "top_k", "chat_template_kwargs", "user", "priority"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)

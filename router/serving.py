@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
 
@@ -203,7 +203,7 @@ async def _admit_all(state: RouterState, http_request: Request, request_id: str,
                                                    trace_parent=http_request.headers, counted=i == 0))
         waiting = [state.dispatcher.wait_admitted(h) for h in handles if not h.is_admitted]
         if waiting:  # every worker is busy: wait in the queue, unless the client leaves
-            await _unless_disconnected(http_request, asyncio.gather(*waiting))
+            await unless_disconnected(http_request, asyncio.gather(*waiting))
     except Overloaded as exc:
         _cancel_all(state, handles, None)
         state.metrics.requests_total.labels("overloaded").inc()
@@ -212,7 +212,7 @@ async def _admit_all(state: RouterState, http_request: Request, request_id: str,
         _cancel_all(state, handles, None)
         state.metrics.requests_total.labels("unavailable").inc()
         raise APIError(503, f"no worker can serve this request: {exc}") from None
-    except _ClientGone:
+    except ClientGone:
         _cancel_all(state, handles, "cancelled")
         return None
     except BaseException:
@@ -342,8 +342,8 @@ async def _wait_for_disconnect(http_request: Request) -> None:
             return
 
 
-async def _unless_disconnected(http_request: Request, work: Awaitable[T]) -> T:
-    """``await work``, unless the client disconnects first: then ``work`` is cancelled and ``_ClientGone`` raised.
+async def unless_disconnected(http_request: Request, work: Awaitable[T]) -> T:
+    """``await work``, unless the client disconnects first: then ``work`` is cancelled and ``ClientGone`` raised.
 
     A plain (non-streaming) handler is not cancelled when its client leaves, so it must watch for that.
     """
@@ -357,7 +357,7 @@ async def _unless_disconnected(http_request: Request, work: Awaitable[T]) -> T:
             if not pending.done():
                 pending.cancel()  # finishes on the loop's next turn; nothing awaits it
     if not task.done() or task.cancelled():
-        raise _ClientGone
+        raise ClientGone
     return task.result()
 
 
@@ -369,8 +369,8 @@ def _mark_retrieved(future: asyncio.Future) -> None:
 async def collect(state: RouterState, http_request: Request, admitted: Admitted) -> dict | None:
     """The whole response body (None: the client left first); errors raise APIError."""
     try:
-        return await _unless_disconnected(http_request, _collect(state, admitted.groups, admitted.shape))
-    except _ClientGone:
+        return await unless_disconnected(http_request, _collect(state, admitted.groups, admitted.shape))
+    except ClientGone:
         return None
     finally:
         _cancel_all(state, [g.handle for g in admitted.groups], "cancelled")

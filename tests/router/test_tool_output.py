@@ -152,7 +152,22 @@ def test_responses_incomplete_and_errors(serve):
     client = serve("abc def", finish=FinishCode.LENGTH)
     out = client.responses.create(model="tiny", input=[{"role": "user", "content": "x"}], max_output_tokens=2)
     assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    assert out.output[-1].status == "incomplete"  # the item that was cut, as OpenAI marks it
+    assert (out.temperature, out.top_p) == (1.0, 1.0)  # what ran, not null: the request left them unset
     for bad in (dict(store=True), dict(previous_response_id="resp_1"), dict(extra_body={"background": True}),
                 dict(include=["reasoning.encrypted_content"])):
         with pytest.raises(openai.BadRequestError):
             client.responses.create(model="tiny", input="x", **bad)
+
+
+def test_responses_whole_and_streamed_hold_the_same_items_in_the_models_order(serve):
+    """A call, then text after it: both forms list the call first (an audit found the whole response put the
+    text first, the order of a chat message's fields rather than of the answer)."""
+    client = serve(CALL + "\nDone.")
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    out = client.responses.create(model="tiny", input="Weather?", tools=tools, max_output_tokens=200)
+    with client.responses.stream(model="tiny", input="Weather?", tools=tools, max_output_tokens=200) as stream:
+        final = stream.get_final_response()
+    assert [item.type for item in out.output] == [item.type for item in final.output] == ["function_call", "message"]
+    assert out.output[1].content[0].text == final.output[1].content[0].text
+    assert out.output[0].arguments == final.output[0].arguments
