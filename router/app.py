@@ -1,7 +1,7 @@
 """The router's HTTP app (OpenAI-compatible) and its entry point ``run_router``.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (``router.responses_api``),
-GET /v1/models, and vLLM's POST /tokenize,
+GET /v1/models (and /v1/models/{id}), and vLLM's POST /tokenize,
 POST /detokenize, GET /tokenizer_info (``router.tokenize``) (these take an optional
 ``Authorization: Bearer <api_key>``), GET /health (the process is up), GET /ready (per
 worker: alive, pid, how long its current step has run, draining; 200 only when live workers can serve a request: any PrefillAndDecode or DecodeOnly worker, the latter prefilling
@@ -140,17 +140,24 @@ def create_app(
     install_responses_route(app, state, v1, lambda chat: _prepared_or_count(
         state, lambda: prepare_chat(chat, model, config.sampling, config.router)))
 
+    def model_card(served_name: str) -> dict[str, Any]:
+        card = {"id": served_name, "object": "model", "created": created, "owned_by": "tandem"}
+        if model.max_length:
+            card["max_model_len"] = model.max_length
+        if model.root:
+            card["root"] = model.root
+        return card
+
     @app.get("/v1/models", dependencies=v1)
     async def models() -> dict[str, Any]:
-        cards = []
-        for served_name in model.names:
-            card = {"id": served_name, "object": "model", "created": created, "owned_by": "tandem"}
-            if model.max_length:
-                card["max_model_len"] = model.max_length
-            if model.root:
-                card["root"] = model.root
-            cards.append(card)
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [model_card(name) for name in model.names]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=v1)  # the SDK's models.retrieve; ids may hold "/"
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        if not model.serves(model_id):
+            raise APIError(404, f"The model `{model_id}` does not exist. This server serves `{model.name}`.",
+                           param="model", code="model_not_found")
+        return model_card(model_id)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -112,7 +112,9 @@ def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: Samp
                                      reasoning.grammar_prefix(inside) if reasoning is not None else None)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.resolved_max_tokens()
-    params = _sampling_params(body, model, defaults, len(prompt_ids), max_tokens, logprobs, "messages", constraint)
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    params = _sampling_params(body, model, defaults, len(prompt_ids), max_tokens, logprobs, "messages", constraint,
+                              renames={"logprobs": "top_logprobs", "max_tokens": max_tokens_param})
     params.prompt_logprobs = body.prompt_logprobs
     if any(getattr(parser, "needs_special_tokens", False) for parser in (tools.parser, reasoning)):
         params.skip_special_tokens = False  # its markers are special tokens: the parser must see them
@@ -158,7 +160,10 @@ def _sampling_params(
     logprobs: int | None,
     prompt_param: str,
     structured: StructuredOutput | None,
+    renames: dict[str, str] | None = None,
 ) -> SamplingParams:
+    """``renames``: a ``SamplingParams`` field -> the request field the client set it with (chat: ``top_logprobs``
+    sets ``logprobs``), so that a 400 names what the client sent."""
     logit_bias: dict[int, float] = {}
     for key, value in (body.logit_bias or {}).items():
         try:
@@ -215,10 +220,7 @@ def _sampling_params(
             structured_output=structured,
         )
     except ValueError as exc:
-        error = from_value_error(exc)
-        if error.param == "logprobs" and prompt_param == "messages":
-            error.param = "top_logprobs"
-        raise error from None
+        raise renamed(from_value_error(exc), renames or {}) from None
     if explicit and room is not None and max_tokens > room:
         raise bad_request(
             f"This model's maximum context length is {model.max_length} tokens. However, you requested "
@@ -227,3 +229,14 @@ def _sampling_params(
             param="max_tokens", code="context_length_exceeded",
         )
     return params
+
+
+def renamed(error: APIError, renames: dict[str, str]) -> APIError:
+    """``error`` naming the request's own field where ``renames`` maps the internal one to it (param and the
+    message's ``"field: ..."`` prefix alike)."""
+    new_name = renames.get(error.param or "")
+    if new_name is not None:
+        if error.message.startswith(f"{error.param}:"):
+            error.message = new_name + error.message[len(error.param):]
+        error.param = new_name
+    return error

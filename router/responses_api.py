@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from pipeline.protocol import SamplingParams
 from router.errors import APIError, bad_request
 from router.openai_schema import ChatCompletionRequest
-from router.preprocess import PreparedRequest
+from router.preprocess import PreparedRequest, renamed
 from router.responses_schema import ResponsesRequest, chat_body
 from router.sse import sse_event
 from router.serving import ClientGone, RouterState, admit, chunks, event_stream, unless_disconnected
@@ -39,7 +39,10 @@ def install_responses_route(app: FastAPI, state: RouterState, dependencies: list
             error = exc.errors()[0]
             where = ".".join(str(p) for p in error.get("loc", ()))
             raise bad_request(f"input: {where}: {error.get('msg')}", param="input") from None
-        prepared = await prepare(chat)
+        try:
+            prepared = await prepare(chat)
+        except APIError as exc:  # named as this request names the field
+            raise renamed(exc, _CHAT_TO_RESPONSES_FIELDS) from None
         response_id = f"resp_{uuid.uuid4().hex}"
         shell = _ResponseShell(response_id, state.model.name, body, prepared[0].params)
         admitted = await admit(state, request, prepared, "chat", request_id=response_id)
@@ -53,6 +56,11 @@ def install_responses_route(app: FastAPI, state: RouterState, dependencies: list
         except ClientGone:
             return Response(status_code=499)
         return JSONResponse(final["response"])
+
+
+# the chat request's fields a Responses request sets under other names (router/responses_schema.chat_body)
+_CHAT_TO_RESPONSES_FIELDS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+                             "messages": "input"}
 
 
 class _ResponseShell:

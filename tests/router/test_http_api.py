@@ -340,3 +340,26 @@ def test_an_unexpected_error_is_a_500_that_keeps_the_connection(router, monkeypa
                                                 "param": None, "code": None}
         assert http.get("/health").status_code == 200
     assert router.metric('tandem_requests_total{outcome="error"}') == errors_before + 2
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": -5},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": -5}, "max_tokens"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": -3}, "max_output_tokens"),
+])
+def test_a_400_names_the_field_the_client_sent(router, path, body, param):
+    router.add_worker()
+    response = httpx.post(f"{router.url}{path}", json={"model": "tiny", **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}:"), error
+
+
+def test_the_sdk_retrieves_the_served_model_by_name(router, client):
+    model = client.models.retrieve("tiny")
+    assert model.id == "tiny" and model.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
