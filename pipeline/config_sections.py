@@ -152,6 +152,10 @@ class RouterConfig(ConfigSection):
         True, description="a disaggregated request's prompt goes to its prefill worker at once, beside the request "
         "to its decode worker, so the prefill starts before the decode worker has reserved blocks and asked for it "
         "(the decode worker's request then claims it; docs/kv-routing.md); false = the prefill starts when asked")
+    wait_for_worker_s: float = Field(
+        30.0, ge=0.0, description="a request whose worker died while no other can serve it (the one decode worker "
+        "of a 1P1D cluster) waits this long for one to register (tandem up restarts a crashed worker) and then "
+        "goes on there, its stream paused meanwhile; 0 = it fails at once")
     max_migrations: int = Field(
         3, ge=0, description="a stream whose worker dies after its first token moves to another worker, which "
         "recomputes its prompt and the tokens sent so far and goes on (docs/load.md); at most this often, then it "

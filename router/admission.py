@@ -58,6 +58,8 @@ class _Waiter(Generic[T]):
     priority: int = 0
     timer: asyncio.TimerHandle | None = None
     counted: bool = True  # against ``max_queued_requests`` (a request's further prompts are not)
+    waits_for_a_route: bool = False  # nobody can serve it now: it waits for a worker that can (a restart)
+    no_route: Exception | None = None  # why nobody could, the last time it was tried
 
 
 class AdmissionQueue(Generic[T]):
@@ -81,7 +83,7 @@ class AdmissionQueue(Generic[T]):
         return id(item) in self._waiters
 
     def enqueue(self, item: T, *, at_front: bool = False, timeout_s: float | None = None,
-                priority: int = 0, counted: bool = True) -> asyncio.Future:
+                priority: int = 0, counted: bool = True, waits_for_a_route: bool = False) -> asyncio.Future:
         """Admit ``item`` now or queue it; the returned future resolves (None) once it was admitted.
 
         Nobody waiting ahead and ``try_admit(item)`` succeeding: the future is already done. Otherwise
@@ -90,19 +92,28 @@ class AdmissionQueue(Generic[T]):
         Raises at once, queueing nothing: ``Overloaded`` when the queue is full of requests as good as
         this one or better, and whatever ``try_admit`` raises. The bound counts requests, not prompts: a request
         carrying several prompts enqueues its first one ``counted`` and the rest not (they wait, in order, but
-        neither count nor are refused). Later failures arrive through the future:
+        neither count nor are refused). With ``waits_for_a_route`` (a stream whose worker died) what ``try_admit``
+        raises does not fail it: it waits, holding nobody back, until a worker that can serve it registers, and
+        on timeout fails with that error rather than ``Overloaded``. Later failures arrive through the future:
         ``Overloaded`` after waiting ``queue_timeout_s`` (or ``timeout_s`` if shorter: the request's own
         deadline), ``Displaced`` when a better request took its place, or what ``try_admit`` raised on a
         later pass.
         """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        if (at_front or not self._waiters) and self.try_admit(item):
-            future.set_result(None)
-            return future
+        no_route = None
+        try:
+            if (at_front or not self._waiters) and self.try_admit(item):
+                future.set_result(None)
+                return future
+        except Exception as exc:
+            if not waits_for_a_route:
+                raise
+            no_route = exc
         if not at_front and counted and self._num_counted() >= self.max_queued_requests:
             self._displace_for(priority)
-        waiter = _Waiter(item, future, priority, counted=counted)
+        waiter = _Waiter(item, future, priority, counted=counted, waits_for_a_route=waits_for_a_route,
+                         no_route=no_route)
         wait_s = self.queue_timeout_s if timeout_s is None else min(self.queue_timeout_s, timeout_s)
         waiter.timer = loop.call_later(wait_s, self._expire, waiter, wait_s)
         self._waiters[id(item)] = waiter
@@ -165,17 +176,22 @@ class AdmissionQueue(Generic[T]):
 
     def _pump(self) -> None:
         self._is_pump_scheduled = False
-        while self._waiters:
-            waiter = self._line.head()
+        for waiter in list(self._line):  # in line order
+            if self._waiters.get(id(waiter.item)) is not waiter:
+                continue  # resolved meanwhile
             if waiter.future.done():  # cancelled; its done callback has not run yet
                 self._pop_and_resolve(waiter, None)
                 continue
             try:
                 is_admitted = self.try_admit(waiter.item)
-            except Exception as exc:  # this one can never be served (e.g. no worker fits it): it alone fails
-                self._pop_and_resolve(waiter, exc)
+            except Exception as exc:
+                if waiter.waits_for_a_route:  # nobody can serve it until a worker comes back: the rest go on
+                    waiter.no_route = exc
+                    continue
+                self._pop_and_resolve(waiter, exc)  # this one can never be served (no worker fits it): it alone fails
                 continue
             if not is_admitted:
+                waiter.no_route = None  # a worker can serve it: it waits for a slot like the others
                 return  # still saturated: the ones behind it wait too (in line order)
             self._pop_and_resolve(waiter, None)
 
@@ -186,9 +202,12 @@ class AdmissionQueue(Generic[T]):
     def _expire(self, waiter: _Waiter[T], wait_s: float) -> None:
         if self._waiters.get(id(waiter.item)) is not waiter:
             return
-        self._pop_and_resolve(waiter, Overloaded(
-            f"every worker stayed busy for the {wait_s:.3g} s this request could wait; try again later"
-        ))
+        if waiter.no_route is not None:  # it waited for a worker that can serve it, and none came
+            self._pop_and_resolve(waiter, waiter.no_route)
+        else:
+            self._pop_and_resolve(waiter, Overloaded(
+                f"every worker stayed busy for the {wait_s:.3g} s this request could wait; try again later"
+            ))
         self.wake()  # if it was the head, the ones behind it may fit where it did not
 
     def _pop_and_resolve(self, waiter: _Waiter[T], error: Exception | None) -> None:

@@ -86,6 +86,7 @@ def create_app(
         prefill_spill_tokens=router_config.prefill_spill_tokens,
         kv_overlap_weight=router_config.kv_overlap_weight if router_config.kv_aware_routing else None,
         max_migrations=router_config.max_migrations,
+        wait_for_worker_s=router_config.wait_for_worker_s,
         warm_prefill_cache=router_config.warm_prefill_cache,
         early_prefill=router_config.early_prefill,
     )

@@ -83,6 +83,7 @@ class Dispatcher:
         max_migrations: int = 3,
         warm_prefill_cache: bool = False,
         early_prefill: bool = False,
+        wait_for_worker_s: float = 0.0,
     ) -> None:
         """``kv_overlap_weight``: route by where the prompt's KV lives (``router.policy``); None: by load alone.
         ``max_migrations``: how often a stream whose worker died (or drained) moves to another worker.
@@ -90,7 +91,9 @@ class Dispatcher:
         ``early_prefill``: a disaggregated request's prefill worker gets the prompt (``StartPrefill``) as its
         decode worker gets the request, and starts before the decode worker has reserved blocks and asked.
         ``prefill_spill_tokens``: a prompt goes to its DecodeOnly worker instead of a prefill queue that much
-        longer than the decode worker's own (``router.policy``); None: never."""
+        longer than the decode worker's own (``router.policy``); None: never.
+        ``wait_for_worker_s``: a retry or migration that no live worker can serve waits this long for one to
+        register (a restart) instead of failing at once."""
         self.socket = WorkerSocket(router_endpoint(zmq_endpoint_base), self._on_message, metrics.bad_frames_total.inc)
         self.registry = registry
         self.metrics = metrics
@@ -100,6 +103,7 @@ class Dispatcher:
         self.kv_overlap_weight = kv_overlap_weight
         self.warmups = PrefillWarmups(registry, metrics, self._send) if warm_prefill_cache else None
         self.early_prefill = early_prefill
+        self.wait_for_worker_s = wait_for_worker_s
         self.admission: AdmissionQueue[RequestHandle] = AdmissionQueue(
             self._try_dispatch, max_queued_requests, queue_timeout_s)
         metrics.admission_queue_depth.set_function(lambda: len(self.admission))
@@ -275,9 +279,13 @@ class Dispatcher:
 
     def _requeue(self, handle: RequestHandle) -> asyncio.Future:
         """A request admitted once (a retry, a migration) goes ahead of everyone who waits, and waits if
-        every worker is saturated; raises ``NoRoute`` when no worker can serve it."""
-        handle.admission = self.admission.enqueue(
-            handle, at_front=True, timeout_s=max(0.001, handle.deadline - time.monotonic()), priority=handle.priority)
+        every worker is saturated, or, for ``wait_for_worker_s``, if no live worker can serve it (a restart may
+        come); raises ``NoRoute`` at once when none can and that wait is 0."""
+        timeout_s = max(0.001, handle.deadline - time.monotonic())
+        if self.wait_for_worker_s > 0:
+            timeout_s = min(timeout_s, self.wait_for_worker_s)
+        handle.admission = self.admission.enqueue(handle, at_front=True, timeout_s=timeout_s, priority=handle.priority,
+                                                  waits_for_a_route=self.wait_for_worker_s > 0)
         return handle.admission
 
     def _finish(self, handle: RequestHandle, outcome: str = "finished") -> None:

@@ -95,9 +95,7 @@ class Migration:
             handle.num_migrations += 1
             if handle.status not in (RequestStatus.MIGRATING, RequestStatus.HANDING_OFF):  # else paused already
                 handle.paused_since = handle.last_token_at
-            self.metrics.migrations_total.labels(cause).inc()
             handle.trace.migrating(cause, failed_worker, len(handle.output_token_ids))
-            self.metrics.migration_recomputed_tokens.inc(len(handle.prompt_token_ids) + len(handle.output_token_ids))
             logger.warning("request %s migrates off %s after %d tokens (%s)", handle.request_id, failed_worker,
                            len(handle.output_token_ids), message)
         self.abandon_handoff(handle)
@@ -116,19 +114,30 @@ class Migration:
             return
         self.metrics.retries_total.inc()
         if admission.done():
+            self._note_sent(handle, is_migration, cause)
             logger.info("request %s retried as %s after: %s", handle.request_id, handle.wire_id, message)
             return
-        logger.info("request %s waits for a free worker to retry on after: %s", handle.request_id, message)
+        logger.info("request %s waits for a worker to retry on after: %s", handle.request_id, message)
         admission.add_done_callback(
-            lambda admission: self._on_retry_admission(handle, admission, message, status_code))
+            lambda admission: self._on_retry_admission(handle, admission, message, status_code, is_migration, cause))
+
+    def _note_sent(self, handle: RequestHandle, is_migration: bool, cause: str) -> None:
+        """A stream went on on another worker: counted as a migration only now, once it did."""
+        if is_migration:
+            self.metrics.migrations_total.labels(cause).inc()
+            self.metrics.migration_recomputed_tokens.inc(len(handle.prompt_token_ids) + len(handle.output_token_ids))
 
     def _on_retry_admission(self, handle: RequestHandle, admission: asyncio.Future, message: str,
-                            status_code: int) -> None:
+                            status_code: int, is_migration: bool, cause: str) -> None:
         if admission.cancelled():  # the request was cancelled while it waited
             return
         error = admission.exception()
-        if error is not None:
+        if isinstance(error, NoRoute):  # it waited for a worker to come back, and none did
+            self.fail(handle, f"{message}; no worker that can serve it came back in time ({error})", status_code)
+        elif error is not None:
             self.fail(handle, f"{message}; no worker free to retry on ({error})", status_code)
+        else:
+            self._note_sent(handle, is_migration, cause)
 
     def _is_draining(self, worker_id: str) -> bool:
         """Whether ``worker_id`` (its last known incarnation) said it is shutting down on purpose."""

@@ -85,6 +85,7 @@ class FakeWorker:
         load: WorkerLoad | None = None,
         max_batch_size: int = 0,
         page_size: int = 16,
+        pid: int | None = None,
     ) -> None:
         self.endpoint = router_endpoint(zmq_endpoint_base)
         self.worker_id = worker_id
@@ -92,7 +93,7 @@ class FakeWorker:
         self.register_msg = RegisterWorker(
             worker_id=worker_id, role=WorkerRole.from_pipeline_role(role), model_name=model_name,
             max_length=max_length, page_size=page_size, num_total_blocks=num_total_blocks,
-            prefill_endpoint=prefill_endpoint, pid=os.getpid(), max_batch_size=max_batch_size,
+            prefill_endpoint=prefill_endpoint, pid=pid or os.getpid(), max_batch_size=max_batch_size,
         )
         self.heartbeat_s = heartbeat_s
         self.load = load or WorkerLoad(num_free_blocks=num_total_blocks, num_total_blocks=num_total_blocks)

@@ -53,7 +53,8 @@ def test_client_disconnect_while_waiting_for_a_full_response_cancels(router):
     assert worker.wait_for(lambda: worker.requests and worker.requests[0].request_id in worker.cancels)
 
 
-def test_worker_death_ends_the_stream_with_an_error_and_unreadies(router, served_model):
+def test_worker_death_ends_the_stream_with_an_error_and_unreadies(router_factory, served_model):
+    router = router_factory(config={"router": {"max_local_prefill_length": 0, "wait_for_worker_s": 0}})
     worker = router.add_worker(script=slow_script(served_model, step_s=0.1))
     assert router.wait_ready(True)
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=10)
@@ -248,3 +249,42 @@ def test_a_stream_whose_worker_dies_migrates_and_goes_on(router, served_model):
         resumed.resume_token_ids)
     assert router.metric("tandem_migration_pause_seconds_count") == 1.0
     assert router.metric("tandem_migration_pause_seconds_sum") >= 0.5  # at least the silence before it was dead
+
+
+ONLY_WORKER_COMES_BACK = {"router": {"max_local_prefill_length": 0, "wait_for_worker_s": 10}}
+
+
+def test_a_stream_whose_only_worker_dies_goes_on_once_it_restarts(router_factory, served_model):
+    """No other worker: the stream pauses until the worker registers again (a new pid, as tandem up restarts it)
+    and goes on there; an audit saw every stream fail at once although the restart came a second later."""
+    router = router_factory(config=ONLY_WORKER_COMES_BACK)
+    ids = served_model.tokenizer.encode("Hello there, how are you? Paris is the capital.")
+
+    def rest(request):
+        return tokens_script(ids[len(request.resume_token_ids):], step_s=0.005)(request)
+
+    first = router.add_worker("w0", script=tokens_script(ids, step_s=0.1), pid=1001)
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=30)
+    text, restarted = "", None
+    for i, chunk in enumerate(client.completions.create(**{**BODY, "max_tokens": len(ids), "stream": True})):
+        text += chunk.choices[0].text
+        if i == 2:
+            first.stop()
+            assert router.wait_ready(False)  # it is dead, and nobody else can serve the stream
+            restarted = router.add_worker("w0", script=rest, pid=1002)
+    assert text == served_model.tokenizer.decode(ids)
+    assert len(restarted.requests) == 1 and len(restarted.requests[0].resume_token_ids) >= 3
+    assert router.metric('tandem_migrations_total{cause="worker_died"}') == 1.0
+
+
+def test_a_stream_fails_once_no_worker_came_back_in_time_and_is_no_migration(router_factory, served_model):
+    router = router_factory(config={"router": {"max_local_prefill_length": 0, "wait_for_worker_s": 0.5}})
+    worker = router.add_worker(script=slow_script(served_model, step_s=0.1))
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=30)
+    stream = client.completions.create(**{**BODY, "stream": True})
+    with pytest.raises(openai.APIError, match="no worker that can serve it came back in time"):
+        for i, _chunk in enumerate(stream):
+            if i == 0:
+                worker.stop()
+    assert router.metric('tandem_migrations_total{cause="worker_died"}') == 0.0  # nothing moved
+    router.wait_idle()
