@@ -41,15 +41,11 @@ class TandemEngine:
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
         return [o.token_ids for o in self.llm.generate(prompts, params)]
 
-    @staticmethod
-    def versions():
+    def versions(self):
         import torch
 
-        from kernels import cpu_native
-        from kernels.cpu_paged_attention import describe_prompt_route
-
-        return {"tandem": "0.1.0", "torch": torch.__version__,
-                "kernels": f"{cpu_native.describe()}, {describe_prompt_route()}"}
+        # the kernel set's name: the native kernels, and the AMX routes as measured while the model was prepared
+        return {"tandem": "0.1.0", "torch": torch.__version__, "kernels": self.llm.engine.kernels.name}
 
 
 class VllmEngine:
