@@ -285,11 +285,10 @@ async def chunks(state: RouterState, admitted: Admitted) -> AsyncIterator[dict |
     groups, shape = admitted.groups, admitted.shape
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.ensure_future(_pieces(state, group, queue)) for group in groups]
+    # a chat choice's role chunk goes out with its first output, as vLLM sends it: sent before the prompt is
+    # computed, it would read as the first token to a client timing TTFT (vllm bench serve's chat backend)
+    unannounced = {id(choice) for group in groups for choice in group.choices} if shape.kind == "chat" else set()
     try:
-        if shape.kind == "chat":
-            for group in groups:
-                for choice in group.choices:
-                    yield shape.chunk(Piece(), first=True, index=choice.index)
         remaining = len(groups)
         failed = False
         while remaining:
@@ -301,6 +300,9 @@ async def chunks(state: RouterState, admitted: Admitted) -> AsyncIterator[dict |
                 failed = True
                 break
             elif item.text or item.logprobs or item.finish_reason is not None:
+                if id(choice) in unannounced:
+                    unannounced.discard(id(choice))
+                    yield shape.chunk(Piece(), first=True, index=choice.index)
                 fields = choice.delta_fields(item)
                 if fields == {} and not item.logprobs and item.finish_reason is None:
                     continue  # held back by a parser: it may be a marker

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import queue as queue_module
+import threading
+
+import httpx
+import msgspec
+import pytest
+
 from pipeline.protocol.cluster import FinishCode, TokenDelta
 from pipeline.protocol.requests import SamplingParams, TokenLogprob
 from router.streaming import ChoiceResult, OutputBuilder, ResponseShape, chat_logprobs, completion_logprobs
@@ -131,3 +138,33 @@ def test_max_tokens_zero_shows_the_prompt_alone(served_model):
     piece = builder.add(TokenDelta(request_id="r", token_ids=[9], finish_reason=FinishCode.STOP, stop_token_id=9))
     assert piece.text == "Hello" and piece.finish_reason == "length"
     assert builder.usage()["completion_tokens"] == 0
+
+
+def test_a_chat_streams_role_chunk_comes_with_its_first_token(router, served_model):
+    """Nothing is streamed before the first token: a client timing TTFT (vllm bench serve's chat backend counts the
+    first chunk with choices) would otherwise time the role chunk, sent before the prompt was computed."""
+    from tests.router.fake_worker import held
+
+    worker = router.add_worker(script=held)
+    chunks: queue_module.Queue = queue_module.Queue()
+
+    def read():
+        with httpx.stream("POST", f"{router.url}/v1/chat/completions", timeout=30, json={
+                "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.put(msgspec.json.decode(line[6:]))
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert worker.wait_for(lambda: bool(worker.requests))
+    with pytest.raises(queue_module.Empty):
+        chunks.get(timeout=0.5)  # the prompt is being "computed": nothing yet
+    ids = served_model.tokenizer.encode("Hello")
+    worker.emit(TokenDelta(request_id=worker.requests[0].request_id, token_ids=ids, finish_reason=FinishCode.STOP))
+    reader.join(30)
+    first = chunks.get(timeout=5)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    rest = []
+    while not chunks.empty():
+        rest.append(chunks.get())
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in rest) == "Hello"
