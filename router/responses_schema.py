@@ -119,9 +119,15 @@ class ResponsesRequest(_Body):
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None
     metadata: dict[str, str] | None = None  # echoed back in the response object, as OpenAI does
-    # vLLM-style extras, as on the chat endpoint
-    seed: StrictInt | None = None
+    # vLLM-style extras, as on the chat endpoint (vllm bench serve sends ignore_eos on every request)
+    seed: StrictInt | None = Field(None, ge=-2**63, le=2**63 - 1)
     top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool | None = None
+    min_tokens: StrictInt | None = None
     priority: StrictInt = 0  # vLLM's: lower is served first
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -168,7 +174,8 @@ def chat_body(body: ResponsesRequest) -> dict[str, Any]:
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": True,
                             "stream_options": {"include_usage": True},
                             "parallel_tool_calls": body.parallel_tool_calls}
-    for name in ("temperature", "top_p", "seed", "top_k", "chat_template_kwargs", "user", "priority"):
+    for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "stop", "stop_token_ids",
+                 "ignore_eos", "min_tokens", "chat_template_kwargs", "user", "priority"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
     if body.max_output_tokens is not None:

@@ -363,3 +363,16 @@ def test_the_sdk_retrieves_the_served_model_by_name(router, client):
     assert model.id == "tiny" and model.object == "model"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("other")
+
+
+def test_responses_take_vllms_sampling_extras(router):
+    """vllm bench serve --backend openai-responses sends ignore_eos on every request; the other extras vLLM's
+    Responses endpoint takes reach the worker too."""
+    worker = router.add_worker()
+    response = httpx.post(f"{router.url}/v1/responses", json={
+        "model": "tiny", "input": "Hi", "max_output_tokens": 4, "ignore_eos": True, "repetition_penalty": 1.1,
+        "stop": ["zz"], "stop_token_ids": [3], "min_tokens": 2, "min_p": 0.05, "top_k": 5}, timeout=10)
+    assert response.status_code == 200, response.text
+    params = worker.requests[0].sampling_params
+    assert params.ignore_eos and params.repetition_penalty == 1.1 and params.stop == ["zz"]
+    assert params.stop_token_ids == [3] and params.min_tokens == 2 and params.min_p == 0.05 and params.top_k == 5
