@@ -1,5 +1,6 @@
-"""One output constraint for a chat answer: the request's own (``response_format``, vLLM's fields) or a
-forced tool call, placed after the thinking when the model reasons.
+"""One output constraint for a chat answer: the request's own (``response_format``, vLLM's fields), a forced
+tool call, or under ``tool_choice`` auto either of the first and the calls, placed after the thinking when the
+model reasons.
 
 Without reasoning a constraint is used as given. With a reasoning parser the thinking must stay free,
 so the constraint is rewritten as one llguidance Lark grammar ``start: <thinking> <constraint>``:
@@ -20,13 +21,20 @@ _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 
 def combined_constraint(requested: StructuredOutput | None, call_grammar: tuple[str, str] | None,
-                        thinking_prefix: str | None) -> StructuredOutput | None:
+                        thinking_prefix: str | None,
+                        calls_instead: tuple[str, str] | None = None) -> StructuredOutput | None:
     """The one constraint of the answer. ``call_grammar``: the tools' (rules, entry rule), when a call is forced
     or strict tools are offered; ``thinking_prefix``: the reasoning parser's Lark sequence for the thinking
-    (None: no reasoning)."""
+    (None: no reasoning); ``calls_instead``: under ``tool_choice`` auto, the calls (rules, entry rule) the
+    answer may be instead of ``requested``."""
+    if requested is not None and calls_instead is not None:
+        call_rules, call_entry = calls_instead
+        return StructuredOutput(kind="grammar", backend=_BACKEND, value=(
+            f"start: {thinking_prefix or ''} answer_or_calls\nanswer_or_calls: answer | {call_entry}\n"
+            f"{_answer_rule(requested)}\n{call_rules}"))
     if requested is not None and call_grammar is not None:
-        raise bad_request("tool_choice: a required or named tool call, or strict tools, already constrain the "
-                          "answer; drop response_format / structured_outputs", param="tool_choice")
+        raise bad_request("tool_choice: a required or named tool call already constrains the answer; drop "
+                          "response_format / structured_outputs, or use tool_choice auto", param="tool_choice")
     if call_grammar is not None:
         rules, entry = call_grammar
         return StructuredOutput(kind="grammar", value=f"start: {thinking_prefix or ''} {entry}\n{rules}",
@@ -47,8 +55,9 @@ def _answer_rule(spec: StructuredOutput) -> str:
     if spec.kind == "choice":
         return "answer: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choices)
     raise bad_request("structured_outputs.grammar: a grammar cannot be combined with the reasoning parser (its "
-                      "thinking comes first); use a JSON schema, regex or choice, or send "
-                      "chat_template_kwargs to turn thinking off", param="structured_outputs")
+                      "thinking comes first) nor with tools under tool_choice auto (their calls are the other "
+                      "answer); use a JSON schema, regex or choice, or send chat_template_kwargs to turn thinking "
+                      "off", param="structured_outputs")
 
 
 def _schema_object(text: str) -> str:

@@ -109,7 +109,8 @@ def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: Samp
             inside = reasoning.starts_inside(prompt_text)
     output = ChatOutputFormat(tools.parser, reasoning, inside, body.include_reasoning, tools.is_named)
     constraint = combined_constraint(structured_output_from(body), tools.call_grammar(model.tokenizer),
-                                     reasoning.grammar_prefix(inside) if reasoning is not None else None)
+                                     reasoning.grammar_prefix(inside) if reasoning is not None else None,
+                                     tools.calls_instead_of_answer(model.tokenizer))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.resolved_max_tokens()
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -8,7 +8,10 @@
   allowed and the choice is ``required``), enforced by a grammar of the parser's format whose JSON
   follows the tools' ``parameters`` schemas, so the call always parses and its arguments validate;
 * ``auto`` with ``strict`` tools (OpenAI's structured function calling): free text, but once the model
-  opens a call the grammar holds it to the schemas (formats whose marker is text: hermes).
+  opens a call the grammar holds it to the schemas (formats whose marker is text: hermes);
+* ``auto`` with a ``response_format`` (or vLLM's structured outputs): the answer is either in that format or
+  the calls, held to their schemas (``calls_instead_of_answer``): how an agent asks for tools and a typed
+  final answer at once.
 
 The parser comes from ``router.tool_call_parser``: a format's name, or ``auto`` (inferred from the
 chat template, which names its own markers).
@@ -35,6 +38,13 @@ class ToolPlan:
     @property
     def is_named(self) -> bool:
         return self.forced is not None and self.forced != "required"
+
+    def calls_instead_of_answer(self, tokenizer) -> tuple[str, str] | None:
+        """Under ``auto`` with a response format: the calls (rules, entry rule) the answer may be instead of the
+        format (OpenAI's: the model calls tools, or answers in the format); None when it may not call."""
+        if self.parser is None or self.forced is not None:
+            return None
+        return self.parser.call_grammar(self.tools, self.parallel, tokenizer), "tool_calls"
 
     def call_grammar(self, tokenizer) -> tuple[str, str] | None:
         """(Lark rules, their entry rule) the answer must follow; None when the tools constrain nothing."""

@@ -90,3 +90,23 @@ def test_strict_tools_under_auto_allow_text_and_hold_a_call_to_its_schema(backen
     thinking = combined_constraint(None, (rules, "tc_text_or_calls"),
                                    get_reasoning_parser("think").grammar_prefix(True))
     assert accepts(backend, thinking, "hmm</think>\n\n" + call)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_under_auto_a_response_format_or_the_calls(backend, thinking):
+    """Tools under tool_choice auto beside a response format (an agent with tools and a typed final answer): the
+    answer is the format, or calls held to their schemas, and nothing else."""
+    from router.tool_parsers import get_tool_parser
+
+    tools = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                    "required": ["city"], "additionalProperties": False}}]
+    calls = (get_tool_parser("hermes").call_grammar(tools, True, backend.tokenizer), "tool_calls")
+    prefix = get_reasoning_parser("think").grammar_prefix(True) if thinking else None
+    spec = combined_constraint(SPECS["json"][0], None, prefix, calls_instead=calls)
+    before = "hmm</think>\n\n" if thinking else ""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert accepts(backend, spec, before + '{"a":1}')
+    assert accepts(backend, spec, before + call)
+    assert not accepts(backend, spec, before + '{"b":1}')
+    assert not accepts(backend, spec, before + "Free text.")
+    assert not accepts(backend, spec, before + call.replace('"city"', '"town"'))

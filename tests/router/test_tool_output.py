@@ -171,3 +171,21 @@ def test_responses_whole_and_streamed_hold_the_same_items_in_the_models_order(se
     assert [item.type for item in out.output] == [item.type for item in final.output] == ["function_call", "message"]
     assert out.output[1].content[0].text == final.output[1].content[0].text
     assert out.output[0].arguments == final.output[0].arguments
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_tools_under_auto_beside_a_response_format_are_one_constraint(serve, strict):
+    """The OpenAI Agents SDK's Agent(tools=..., output_type=...) sends strict tools, tool_choice auto and a
+    json_schema response format together (an audit saw a 400): the worker gets one grammar, the format or the
+    calls, and the call the model writes is read out as usual."""
+    client = serve(CALL)
+    tools = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": strict}}]
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+              "additionalProperties": False}
+    choice = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=tools, max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "Answer", "schema": schema, "strict": True}},
+    ).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
+    constraint = client.server.workers[0].requests[0].sampling_params.structured_output
+    assert constraint.kind == "grammar" and "answer_or_calls: answer | tool_calls" in constraint.value
