@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 from pipeline.protocol import StructuredOutput
+from pipeline.structured_output.closed_objects import closed_objects
 from router.errors import bad_request
 
 _BACKEND = "llguidance"  # composed grammars use its Lark extensions (%json, lazy terminals)
@@ -66,4 +67,4 @@ def _schema_object(text: str) -> str:
         schema = {}
     if not isinstance(schema, dict):
         raise bad_request("response_format: the schema must be a JSON object", param="response_format")
-    return json.dumps({**_COMPACT, **schema})
+    return json.dumps({**_COMPACT, **closed_objects(schema)})

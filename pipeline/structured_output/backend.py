@@ -22,6 +22,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from pipeline.protocol import StructuredOutput
+from pipeline.structured_output.closed_objects import closed_objects
 
 if TYPE_CHECKING:  # the router validates constraints too, and never imports torch
     import torch
@@ -133,7 +134,8 @@ class LLGuidanceBackend(GrammarBackend):
 
         compact = {"whitespace_flexible": False}
         if spec.kind == "json":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(_schema_text(spec)), defaults=compact)
+            schema = closed_objects(json.loads(_schema_text(spec)))  # as xgrammar reads it: no undeclared keys
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=compact)
         elif spec.kind == "json_object":
             grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=compact)
         elif spec.kind == "regex":

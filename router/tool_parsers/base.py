@@ -17,6 +17,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
+from pipeline.structured_output.closed_objects import closed_objects
+
 
 def new_call_id() -> str:
     """An OpenAI-style tool call id: "call_" and 24 random hex characters."""
@@ -301,7 +303,7 @@ def tool_names_and_parameters(tools: list[dict]) -> list[tuple[str, dict]]:
 
 def call_object_schema(name: str, parameters: dict, arguments_key: str) -> dict:
     """The schema of ``{"name": name, arguments_key: {...}}``, name first, nothing else."""
-    return {"type": "object", "properties": {"name": {"const": name}, arguments_key: parameters},
+    return {"type": "object", "properties": {"name": {"const": name}, arguments_key: closed_objects(parameters)},
             "required": ["name", arguments_key], "additionalProperties": False}
 
 
