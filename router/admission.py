@@ -73,6 +73,7 @@ class AdmissionQueue(Generic[T]):
         self.queue_timeout_s = queue_timeout_s
         self._waiters: dict[int, _Waiter[T]] = {}  # id(item) -> waiter
         self._line: WaitingLine[_Waiter[T]] = WaitingLine()  # the same waiters, in admission order
+        self._num_counted = 0  # waiters counted against max_queued_requests
         self._is_pump_scheduled = False
 
     def __len__(self) -> int:
@@ -110,13 +111,14 @@ class AdmissionQueue(Generic[T]):
             if not waits_for_a_route:
                 raise
             no_route = exc
-        if not at_front and counted and self._num_counted() >= self.max_queued_requests:
+        if not at_front and counted and self._num_counted >= self.max_queued_requests:
             self._displace_for(priority)
         waiter = _Waiter(item, future, priority, counted=counted, waits_for_a_route=waits_for_a_route,
                          no_route=no_route)
         wait_s = self.queue_timeout_s if timeout_s is None else min(self.queue_timeout_s, timeout_s)
         waiter.timer = loop.call_later(wait_s, self._expire, waiter, wait_s)
         self._waiters[id(item)] = waiter
+        self._num_counted += counted
         self._line.add(waiter, priority, at_front=at_front)
         # A future done while still queued was cancelled (its awaiting task was): drop the waiter.
         future.add_done_callback(lambda _: self._drop(waiter))
@@ -128,15 +130,13 @@ class AdmissionQueue(Generic[T]):
         waiter = self._waiters.pop(id(item), None)
         if waiter is None:
             return
+        self._num_counted -= waiter.counted
         self._line.remove(waiter)
         if waiter.timer is not None:
             waiter.timer.cancel()
         if not waiter.future.done():
             waiter.future.cancel()
         self.wake()  # it may have been the head that held the others back
-
-    def _num_counted(self) -> int:
-        return sum(waiter.counted for waiter in self._waiters.values())
 
     def wake(self) -> None:
         """A slot may have freed: admit from the head on the loop's next turn (coalesced)."""
@@ -151,7 +151,7 @@ class AdmissionQueue(Generic[T]):
 
     def close(self, error: Exception) -> None:
         """Fail every waiter with ``error`` (the router is shutting down)."""
-        waiters, self._waiters, self._line = list(self._line), {}, WaitingLine()
+        waiters, self._waiters, self._line, self._num_counted = list(self._line), {}, WaitingLine(), 0
         for waiter in waiters:
             self._resolve(waiter, error)
 
@@ -176,9 +176,9 @@ class AdmissionQueue(Generic[T]):
 
     def _pump(self) -> None:
         self._is_pump_scheduled = False
-        for waiter in list(self._line):  # in line order
-            if self._waiters.get(id(waiter.item)) is not waiter:
-                continue  # resolved meanwhile
+        passed = 0  # waiters at the head that no worker can serve yet, left in line this pass
+        while passed < len(self._line):
+            waiter = self._line.at(passed)
             if waiter.future.done():  # cancelled; its done callback has not run yet
                 self._pop_and_resolve(waiter, None)
                 continue
@@ -187,6 +187,7 @@ class AdmissionQueue(Generic[T]):
             except Exception as exc:
                 if waiter.waits_for_a_route:  # nobody can serve it until a worker comes back: the rest go on
                     waiter.no_route = exc
+                    passed += 1
                     continue
                 self._pop_and_resolve(waiter, exc)  # this one can never be served (no worker fits it): it alone fails
                 continue
@@ -212,6 +213,7 @@ class AdmissionQueue(Generic[T]):
 
     def _pop_and_resolve(self, waiter: _Waiter[T], error: Exception | None) -> None:
         if self._waiters.pop(id(waiter.item), None) is not None:
+            self._num_counted -= waiter.counted
             self._line.remove(waiter)
         self._resolve(waiter, error)
 

@@ -44,6 +44,10 @@ class WaitingLine(Generic[W]):
     def head(self) -> W:
         return self._waiters[0]
 
+    def at(self, index: int) -> W:
+        """The waiter ``index`` places from the head."""
+        return self._waiters[index]
+
     def remove(self, waiter: W) -> bool:
         """Take ``waiter`` out; False when it was not in line."""
         for index, other in enumerate(self._waiters):

@@ -224,5 +224,9 @@ def test_uncounted_entries_wait_in_order_past_the_bound():
         slots.free(queue, 4)
         await turn()
         assert slots.admitted == ["a0", "a1", "a2", "a3"] and all(f.done() for f in futures)
+        queue.enqueue("c0")  # the bound counts what waits now: a0 left, so c0 finds room
+        with pytest.raises(Overloaded):
+            queue.enqueue("d0")
+        queue.close(NoRoute("test over"))
 
     run(main())
