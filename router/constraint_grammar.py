@@ -34,8 +34,9 @@ def combined_constraint(requested: StructuredOutput | None, call_grammar: tuple[
             f"start: {thinking_prefix or ''} answer_or_calls\nanswer_or_calls: answer | {call_entry}\n"
             f"{_answer_rule(requested)}\n{call_rules}"))
     if requested is not None and call_grammar is not None:
-        raise bad_request("tool_choice: a required or named tool call already constrains the answer; drop "
-                          "response_format / structured_outputs, or use tool_choice auto", param="tool_choice")
+        raise bad_request("tool_choice: the tools' call grammar (a required or named call, or strict tools) already "
+                          "constrains the answer; drop response_format / structured_outputs, or use tool_choice "
+                          "auto (and, beside structured_outputs, tools that are not strict)", param="tool_choice")
     if call_grammar is not None:
         rules, entry = call_grammar
         return StructuredOutput(kind="grammar", value=f"start: {thinking_prefix or ''} {entry}\n{rules}",

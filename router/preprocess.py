@@ -20,7 +20,7 @@ from router.openai_schema import ChatCompletionRequest, CompletionRequest, _Samp
 from router.reasoning import get_reasoning_parser
 from router.served_model import ServedModel
 from router.streaming import PromptRendering
-from router.structured_output import check_structured_output, structured_output_from
+from router.structured_output import check_structured_output, is_a_response_format, structured_output_from
 from router.tool_calling import plan_tools
 
 
@@ -110,7 +110,8 @@ def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: Samp
     output = ChatOutputFormat(tools.parser, reasoning, inside, body.include_reasoning, tools.is_named)
     constraint = combined_constraint(structured_output_from(body), tools.call_grammar(model.tokenizer),
                                      reasoning.grammar_prefix(inside) if reasoning is not None else None,
-                                     tools.calls_instead_of_answer(model.tokenizer))
+                                     tools.calls_instead_of_answer(model.tokenizer) if is_a_response_format(body)
+                                     else None)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.resolved_max_tokens()
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -47,6 +47,14 @@ def structured_output_from(body: Any) -> StructuredOutput | None:
     return found[0][1] if found else None
 
 
+def is_a_response_format(body: Any) -> bool:
+    """Whether the body's constraint is OpenAI's ``response_format`` (a format for the final answer, which tool
+    calls under ``tool_choice`` auto may replace) rather than vLLM's ``structured_outputs`` (a constraint on
+    the whole text, calls included, as vLLM applies it)."""
+    response_format = getattr(body, "response_format", None)
+    return isinstance(response_format, dict) and response_format.get("type") in ("json_object", "json_schema")
+
+
 def _from_response_format(value: Any) -> StructuredOutput | None:
     if not isinstance(value, dict) or "type" not in value:
         raise bad_request("response_format: must be an object with a 'type'", param="response_format")

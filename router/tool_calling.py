@@ -9,9 +9,10 @@
   follows the tools' ``parameters`` schemas, so the call always parses and its arguments validate;
 * ``auto`` with ``strict`` tools (OpenAI's structured function calling): free text, but once the model
   opens a call the grammar holds it to the schemas (formats whose marker is text: hermes);
-* ``auto`` with a ``response_format`` (or vLLM's structured outputs): the answer is either in that format or
-  the calls, held to their schemas (``calls_instead_of_answer``): how an agent asks for tools and a typed
-  final answer at once.
+* ``auto`` with a ``response_format``: the answer is either in that format or the calls, held to their
+  schemas (``calls_instead_of_answer``): how an agent asks for tools and a typed final answer at once.
+  vLLM's ``structured_outputs`` instead constrain the whole text, as vLLM applies them: a call is read out
+  only when the constrained text is one.
 
 The parser comes from ``router.tool_call_parser``: a format's name, or ``auto`` (inferred from the
 chat template, which names its own markers).

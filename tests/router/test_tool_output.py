@@ -189,3 +189,14 @@ def test_tools_under_auto_beside_a_response_format_are_one_constraint(serve, str
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
     constraint = client.server.workers[0].requests[0].sampling_params.structured_output
     assert constraint.kind == "grammar" and "answer_or_calls: answer | tool_calls" in constraint.value
+
+
+def test_structured_outputs_under_auto_constrain_the_whole_text(serve):
+    """vLLM's structured_outputs constrain the whole answer, calls included (as vLLM applies them): beside tools
+    under auto the worker gets the request's own constraint, not 'the constraint or the calls' (CI saw a
+    sampled call escape a regex that cannot spell one)."""
+    client = serve(CALL)
+    client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=20,
+                                   extra_body={"structured_outputs": {"regex": "[a-z ]{5,20}"}})
+    constraint = client.server.workers[0].requests[0].sampling_params.structured_output
+    assert constraint.kind == "regex" and constraint.value == "[a-z ]{5,20}"
