@@ -65,12 +65,19 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: str | torch.
     model_class = resolve_model_class(hf_config)
     weight_files(path)  # fail on missing weights before allocating anything
     model = model_class(hf_config, dtype=dtype, device=device)
+    load_checkpoint_weights(model, path, iter_safetensors(path), quantization)
+    return model.eval(), hf_config
+
+
+def load_checkpoint_weights(model: torch.nn.Module, path: str | os.PathLike,
+                            tensors: Iterator[tuple[str, torch.Tensor]], quantization: str | None) -> None:
+    """Fill ``model`` from ``tensors`` (the checkpoint's at ``path``, or a tensor-parallel rank's slices of them):
+    quantized layers are swapped in first where the checkpoint (or ``quantization``) says so, and laid out for
+    their GEMMs once every tensor is in (``pipeline.quantization``)."""
     plan = plan_quantization(model, path, quantization)  # None: nothing quantized
-    tensors = iter_safetensors(path)
     model.load_weights(tensors if plan is None else plan.tensors(tensors))
     if plan is not None:
         plan.finish(model)
-    return model.eval(), hf_config
 
 
 def checkpoint_fingerprint(path: str | os.PathLike) -> str:

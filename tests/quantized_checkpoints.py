@@ -61,6 +61,9 @@ SCHEMES: dict[str, tuple[dict, tuple, bool]] = {
     # transformers' FineGrainedFP8 / DeepSeek-V3 layout, with blocks that do not divide the tiny model's sizes
     "fp8_block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                    "weight_block_size": [48, 40]}, ("fp8", "block", (48, 40)), False),
+    # blocks that divide every size of the tiny llama and of its tensor-parallel halves
+    "fp8_block_whole": ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                         "weight_block_size": [16, 32]}, ("fp8", "block", (16, 32)), False),
 }
 
 # config.json quantization_config of formats Tandem refuses, and the name the refusal must carry

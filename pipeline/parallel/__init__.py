@@ -42,11 +42,13 @@ def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, devi
     timeout_s = config.tensor_parallel_timeout_s
     placements = [rank_placement(config, rank) for rank in range(1, size)]  # each child's cores and threads
     group = RankGroup(size, model_path, dtype, device, config.kernel_backend, config.model.cpu_weight_prepack,
-                      timeout_s, placements, keep_freed_memory=config.cpu_keep_freed_memory)
+                      timeout_s, placements, keep_freed_memory=config.cpu_keep_freed_memory,
+                      quantization=config.model.quantization)
     try:
         collectives = group.join_group(
             lambda: Collectives(group.store, 0, size, rank_device(device, 0), timeout_s, STARTUP_TIMEOUT_S))
-        model = load_shard(hf_config, model_path, dtype, rank_device(device, 0), collectives, driver=group)
+        model = load_shard(hf_config, model_path, dtype, rank_device(device, 0), collectives, driver=group,
+                           quantization=config.model.quantization)
         group.wait_ready()
     except BaseException:
         group.close()

@@ -4,7 +4,8 @@ The shard is the unchanged model class (``LlamaFamilyForCausalLM``; ``LlamaMoeFa
 and Mixtral; ``GptOssForCausalLM``) built from the rank's config (``ShardSpec.rank_config``: its heads, its MLP
 and expert columns, its vocabulary rows) with three additions: an all-reduce after each row-parallel part
 (o_proj, and the whole MLP of every layer, dense or sparse: once per layer), a vocabulary-parallel embedding
-(masked lookup + all-reduce), and logits gathered from every rank's vocabulary rows. On rank 0 each
+(masked lookup + all-reduce), and logits gathered from every rank's vocabulary rows. A quantized checkpoint's
+layers are swapped in at load as in a single-process model, on the rank's sizes. On rank 0 each
 ``forward`` and ``compute_logits`` first tells the other ranks to do the same (``driver``), so they run in
 lockstep. ``load_shard`` picks the shard class for a config and loads the rank's slices into it; every rank
 builds its shard through it. The experts are stacked at load and packed by the kernel set
@@ -19,12 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.checkpoint_files import read_config_json
 from pipeline.models.gpt_oss import GptOssForCausalLM
 from pipeline.models.layers import empty_parameter
 from pipeline.models.llama import LlamaFamilyForCausalLM
 from pipeline.models.llama_moe import LlamaMoeFamilyForCausalLM
 from pipeline.models.registry import resolve_model_class
 from pipeline.parallel.shard_spec import ShardSpec, TensorParallelError, read_shards
+from pipeline.quantization.config import quantization_spec
+from pipeline.weights import load_checkpoint_weights
 
 
 class Collectives:
@@ -98,7 +102,9 @@ class TensorParallelShard:
         self.driver = driver  # rank 0: sends each step to the other ranks (pipeline.parallel.ranks.RankGroup)
         self.model.embed_tokens = VocabParallelEmbedding(spec, hf_config.hidden_size, dtype, device, collectives)
         for layer in self.model.layers:  # row-parallel outputs are partial sums until reduced
-            layer.self_attn.o_proj.register_forward_hook(self._reduce_output)
+            # attention's output is o_proj's (hooked on the attention, so a quantized o_proj swapped in at load
+            # keeps it)
+            layer.self_attn.register_forward_hook(self._reduce_output)
             # the MLP's output, dense (down_proj's) or sparse (the weighted sum of each token's experts, every
             # expert's partial down_proj product): one all-reduce per layer for either kind
             layer.mlp.register_forward_hook(self._reduce_output)
@@ -149,13 +155,16 @@ SHARD_CLASSES: dict[type, type[TensorParallelShard]] = {
 
 
 def load_shard(hf_config, model_path: str, dtype: torch.dtype, device, collectives: Collectives,
-               driver=None) -> TensorParallelShard:
-    """Rank ``collectives.rank``'s shard of the checkpoint at ``model_path``, its slices loaded, in eval mode (every
-    rank builds its shard here: rank 0 with its ``driver``)."""
+               driver=None, quantization: str | None = None) -> TensorParallelShard:
+    """Rank ``collectives.rank``'s shard of the checkpoint at ``model_path``, its slices loaded (quantized layers
+    as the checkpoint or ``quantization`` says, as in a single-process model), in eval mode (every rank builds its
+    shard here: rank 0 with its ``driver``)."""
     model_class = resolve_model_class(hf_config)
     if model_class not in SHARD_CLASSES:  # check_supported refuses these first, by architecture
         raise TensorParallelError(f"no tensor-parallel shard of {model_class.__name__}")
-    spec = ShardSpec.of(hf_config, collectives.rank, collectives.size)
+    quantized = quantization_spec(read_config_json(model_path))
+    spec = ShardSpec.of(hf_config, collectives.rank, collectives.size,
+                        scale_block=None if quantized is None else quantized.block_size)
     model = SHARD_CLASSES[model_class](hf_config, dtype, device, spec, collectives, driver=driver)
-    model.load_weights(read_shards(model_path, spec))
+    load_checkpoint_weights(model, model_path, read_shards(model_path, spec), quantization)
     return model.eval()

@@ -52,6 +52,7 @@ class RankArgs:
     cores: list[int] | None = None  # bound to these (its own share of the worker's cores); None: as started
     parent_pid: int = 0  # rank 0: the child gets SIGKILL when it goes (Linux), however it goes
     keep_freed_memory: bool = True  # on the CPU: pipeline/host_memory.py, as rank 0's engine does
+    quantization: str | None = None  # model.quantization ("int8": W8A8 at load), as rank 0's
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -64,9 +65,11 @@ class RankGroup:
 
     def __init__(self, size: int, model_path: str, dtype: torch.dtype, device: str, kernel_backend: str,
                  cpu_weight_prepack: bool, timeout_s: float,
-                 placements: list[tuple[list[int] | None, int]] | None = None, keep_freed_memory: bool = True):
+                 placements: list[tuple[list[int] | None, int]] | None = None, keep_freed_memory: bool = True,
+                 quantization: str | None = None):
         """``placements``: ranks 1..N-1's (cores or None, torch threads) (``cpu_placement.rank_placement``);
-        default: unbound, an equal share of this process's cores in threads each."""
+        default: unbound, an equal share of this process's cores in threads each. ``quantization``: the model's
+        load-time quantization, applied by every rank to its shard."""
         import torch.distributed as dist
 
         self.size = size
@@ -80,7 +83,8 @@ class RankGroup:
         placements = placements or [(None, max(1, cores // size))] * (size - 1)
         for rank, (rank_cores, num_threads) in enumerate(placements, start=1):
             args = RankArgs(rank, size, self.store.port, model_path, dtype, device, kernel_backend,
-                            cpu_weight_prepack, num_threads, timeout_s, rank_cores, os.getpid(), keep_freed_memory)
+                            cpu_weight_prepack, num_threads, timeout_s, rank_cores, os.getpid(), keep_freed_memory,
+                            quantization)
             ours, theirs = context.Pipe()
             process = context.Process(target=run_rank, args=(args, theirs), name=f"tandem-tp-rank{rank}", daemon=True)
             process.start()
@@ -296,7 +300,7 @@ def _load_rank(args: RankArgs):
                           timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
     collectives = Collectives(store, args.rank, args.size, device, args.timeout_s, STARTUP_TIMEOUT_S)
     hf_config = load_hf_config(args.model_path)
-    model = load_shard(hf_config, args.model_path, args.dtype, device, collectives)
+    model = load_shard(hf_config, args.model_path, args.dtype, device, collectives, quantization=args.quantization)
     kernels = load_kernels(args.kernel_backend, str(device))
     if device.type == "cpu" and args.keep_freed_memory:
         keep_freed_memory()

@@ -8,11 +8,18 @@ attention sinks go with their q heads. The mixture-of-experts families (Qwen3-Mo
 every expert the same way, by its own intermediate dimension (vLLM's default for TP: each rank holds a
 slice of every expert), and replicate the router. Norms are replicated. ``read_shards`` reads only a
 rank's slice from the safetensors files.
+
+Quantized checkpoints (int8 W8A8, fp8) are cut the same way, each weight's scale with it: a per-tensor scale (and
+a static ``input_scale``) whole on every rank, a per-output-channel scale by the rows of its weight (whole where
+the weight is cut by input columns), a per-block scale by the blocks of its weight's cut, which must fall on block
+boundaries (``check_supported`` refuses a size whose cuts do not). The quantized layers then load as in a
+single-process model (``pipeline/quantization/loading.py``).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 from dataclasses import dataclass
 from typing import Iterator
@@ -20,6 +27,8 @@ from typing import Iterator
 import torch
 
 from pipeline.checkpoint_files import read_config_json
+from pipeline.quantization.config import quantization_spec
+from pipeline.quantization.loading import SCALE_LEAVES
 from pipeline.weights import open_weight_files
 
 # The architectures tensor parallelism runs: the Llama family (pipeline/models/llama.py) and its MoE kin
@@ -27,6 +36,10 @@ from pipeline.weights import open_weight_files
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 TENSOR_PARALLEL_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+
+
+# a quantized layer's activation scales and zero point: one value per tensor, whole on every rank
+PER_TENSOR_LEAVES = ("input_scale", "activation_scale", "output_scale", "input_zero_point")
 
 
 class TensorParallelError(RuntimeError):
@@ -41,8 +54,10 @@ def check_supported(hf_config, tensor_parallel_size: int, quantization: str | No
         raise TensorParallelError(
             f"tensor_parallel_size={tp} is not supported for architecture {', '.join(architectures) or '(none)'}; "
             f"tensor parallelism runs {', '.join(TENSOR_PARALLEL_ARCHITECTURES)} (see docs/tensor-parallel.md)")
-    if quantization is not None or config_json.get("quantization_config") is not None:
-        raise TensorParallelError(f"tensor_parallel_size={tp} is not supported for quantized checkpoints yet")
+    quantized = quantization_spec(config_json)
+    if quantized is not None and quantized.weight_type == "mxfp4":
+        raise TensorParallelError(f"tensor_parallel_size={tp} is not supported for MXFP4-quantized checkpoints "
+                                  "(gpt-oss as the hub ships it) yet; a bf16 gpt-oss checkpoint runs")
     num_heads = hf_config.num_attention_heads
     num_kv_heads = hf_config.num_key_value_heads or num_heads
     if num_heads % tp:
@@ -54,6 +69,20 @@ def check_supported(hf_config, tensor_parallel_size: int, quantization: str | No
     for field, size in split_mlp_sizes(hf_config).items():
         if size % tp:
             raise TensorParallelError(f"tensor_parallel_size={tp} must divide {field}={size}")
+    if quantized is not None and quantized.block_size is not None:
+        _check_block_cuts(hf_config, tp, quantized.block_size)
+
+
+def _check_block_cuts(hf_config, tp: int, block: tuple[int, int]) -> None:
+    """Every rank's cut of every split weight falls on the checkpoint's scale blocks (else ``TensorParallelError``
+    from ``ShardSpec.slice_of``, naming the tensor, the cut and the block)."""
+    for rank in range(tp):
+        spec = ShardSpec.of(hf_config, rank, tp, scale_block=block)
+        names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj"]
+        names += [f"mlp.experts.0.{projection}" for projection in spec.expert_projections]
+        for name in names:
+            spec.slice_of(f"model.layers.0.{name}.weight_scale", scale_shape=None)
 
 
 def split_mlp_sizes(hf_config) -> dict[str, int]:
@@ -110,13 +139,15 @@ class ShardSpec:
     vocab_size: int  # the checkpoint's (unpadded)
     expert_intermediate_size: int = 0  # each expert's; 0: no experts
     expert_projections: tuple[str, ...] = ()  # the checkpoint's gate, up and down names per expert; () gpt-oss's
+    scale_block: tuple[int, int] | None = None  # a block-quantized checkpoint's (rows, columns) per weight scale
 
     @classmethod
-    def of(cls, hf_config, rank: int, size: int) -> "ShardSpec":
+    def of(cls, hf_config, rank: int, size: int, scale_block: tuple[int, int] | None = None) -> "ShardSpec":
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         return cls(rank, size, num_heads, hf_config.num_key_value_heads or num_heads, head_dim,
-                   hf_config.intermediate_size, hf_config.vocab_size, *_expert_layout(hf_config))
+                   hf_config.intermediate_size, hf_config.vocab_size, *_expert_layout(hf_config),
+                   scale_block=scale_block)
 
     @property
     def num_local_heads(self) -> int:
@@ -149,10 +180,15 @@ class ShardSpec:
         local.vocab_size = self.vocab_per_rank
         return local
 
-    def slice_of(self, name: str) -> Cut | None:
-        """The part of checkpoint tensor ``name`` this rank holds; None = all of it."""
+    def slice_of(self, name: str, scale_shape: tuple[int, ...] | None = None) -> Cut | None:
+        """The part of checkpoint tensor ``name`` this rank holds; None = all of it. ``scale_shape``: the stored
+        shape of a quantized weight's scale (``name`` a ``weight_scale``; None: only check its cut)."""
         parts = name.split(".")
         module, leaf = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
+        if leaf in PER_TENSOR_LEAVES:
+            return None
+        if leaf in SCALE_LEAVES or leaf == "weight_zero_point":
+            return self._scale_slice(name, scale_shape)
         if "experts" in parts and self.expert_intermediate_size:
             return self._expert_slice(module, leaf) if self.expert_projections else self._gpt_oss_expert_slice(leaf)
         q_rows, kv_rows = self.num_local_heads * self.head_dim, self.num_local_kv_heads * self.head_dim
@@ -174,6 +210,30 @@ class ShardSpec:
             start = self.rank * self.vocab_per_rank
             return Cut(0, ((start, max(0, min(self.vocab_per_rank, self.vocab_size - start))),), self.vocab_per_rank)
         return None
+
+    def _scale_slice(self, name: str, shape: tuple[int, ...] | None) -> Cut | None:
+        """A quantized weight's scale, cut with its weight ``[..., out, in]``: one value (per tensor) whole; one per
+        output channel (``[..., out, 1]`` or ``[out]``) by the weight's rows, whole where the weight is cut by input
+        columns; per block (``[ceil(out / b0), ceil(in / b1)]``) by the blocks the weight's cut covers."""
+        weight_cut = self.slice_of(name.rpartition(".")[0] + ".weight")
+        if weight_cut is None or (shape is not None and math.prod(shape) == 1):
+            return None
+        if self.scale_block is None:
+            is_input_cut = shape is not None and weight_cut.dim == len(shape) - 1 and shape[-1] == 1
+            return None if is_input_cut or (shape is not None and weight_cut.dim >= len(shape)) else weight_cut
+        block = self.scale_block[weight_cut.dim]
+        ranges = []
+        for start, length in weight_cut.ranges:
+            blocks = -(-length // block)
+            ends_the_tensor = shape is not None and start // block + blocks == shape[weight_cut.dim]
+            if start % block or (length % block and not ends_the_tensor):
+                raise TensorParallelError(
+                    f"{name}: tensor_parallel_size={self.size} cuts its weight at {start}:{start + length} along "
+                    f"dimension {weight_cut.dim}, not on the checkpoint's {block}-wide quantization blocks "
+                    f"(weight_block_size {list(self.scale_block)}); use a tensor_parallel_size whose slices are "
+                    "whole blocks")
+            ranges.append((start // block, blocks))
+        return Cut(weight_cut.dim, tuple(ranges), -(-weight_cut.padded // block))
 
     def _expert_slice(self, module: str, leaf: str) -> Cut | None:
         """An expert tensor's slice of the expert's intermediate dimension, in either checkpoint layout: per expert
@@ -214,12 +274,12 @@ def read_shards(path: str | os.PathLike, spec: ShardSpec) -> Iterator[tuple[str,
     ``get_slice``: the other ranks' rows are never read into memory)."""
     for handle in open_weight_files(path):
         for name in handle.keys():
-            cut = spec.slice_of(name)
+            view = handle.get_slice(name)
+            shape = list(view.get_shape())
+            cut = spec.slice_of(name, tuple(shape))
             if cut is None:
                 yield name, handle.get_tensor(name)
                 continue
-            view = handle.get_slice(name)
-            shape = list(view.get_shape())
             if cut.is_zero:
                 yield name, torch.zeros(shape, dtype=view[0:1].dtype)
                 continue

@@ -107,17 +107,15 @@ def test_one_kv_head_is_replicated_on_both_ranks(tiny_checkpoint, hf_reference):
 
 @pytest.mark.parametrize("case, expected", [
     ("three_ranks", "tensor_parallel_size=3 must divide num_attention_heads=4"),
-    ("int8", "quantized"),
     ("overlap", "enable_overlap_scheduler"),
 ])
 def test_unsupported_setups_are_refused_by_name(case, expected, tiny_checkpoint):
-    """(Architectures with no shard: tests/pipeline/test_tensor_parallel_moe.py.)"""
+    """(Architectures with no shard: tests/pipeline/test_tensor_parallel_moe.py; block scales a rank would cut:
+    tests/pipeline/test_tensor_parallel_quantized.py.)"""
     children_before = set(_children())
     path, overrides = tiny_checkpoint("llama"), {}
     if case == "three_ranks":
         overrides["tensor_parallel_size"] = 3
-    elif case == "int8":
-        overrides["model_config"] = {"dtype": "float32", "quantization": "int8"}
     elif case == "overlap":
         overrides["enable_overlap_scheduler"] = True
     with pytest.raises(TensorParallelError, match=expected):
