@@ -9,7 +9,9 @@ shards that own its heads, straight into the frame that travels, and lands strai
 them (a head shared by several ranks is written into each). So what travels is the full-head layout whatever the
 two ends' tensor-parallel sizes: the bytes equal a TP 1 -> TP 1 transfer's, the checksum is the same stream's, and
 either end re-slices for its own ranks alone (a prefill worker with 2 ranks and a decode worker with 1, or the
-reverse, or 2 and 4, agree on the wire with no knowledge of each other).
+reverse, or 2 and 4, agree on the wire with no knowledge of each other). A latent cache (multi-head latent
+attention: ``[num_layers, 1, num_blocks, page_size, 1, latent_dim]``) is whole on every rank: one "head" every
+shard holds, packed from the first and landed in each.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ class ShardedKVCache:
                              f"{len(first_heads)} first heads)")
         base = shards[0]
         for rank, shard in enumerate(shards):
-            if shard.dim() != 6 or shard.shape[1] != 2:
-                raise ValueError(f"shard {rank}: must be [num_layers, 2, num_blocks, page_size, heads, head_dim] "
-                                 f"(got shape {tuple(shard.shape)})")
+            if shard.dim() != 6 or shard.shape[1] not in (1, 2):
+                raise ValueError(f"shard {rank}: must be [num_layers, 2 (or 1: a latent cache), num_blocks, page_size, "
+                                 f"heads, head_dim] (got shape {tuple(shard.shape)})")
             same = (shard.shape[:4] == base.shape[:4] and shard.shape[5] == base.shape[5]
                     and shard.dtype == base.dtype and shard.device == base.device)
             if not same or not shard.is_contiguous():

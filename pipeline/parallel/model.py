@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.checkpoint_files import read_config_json
+from pipeline.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pipeline.models.gpt_oss import GptOssForCausalLM
 from pipeline.models.layers import empty_parameter
 from pipeline.models.llama import LlamaFamilyForCausalLM
@@ -146,11 +147,19 @@ class TensorParallelGptOss(TensorParallelShard, GptOssForCausalLM):
     dimension (the experts' down bias added on rank 0 only), the router replicated."""
 
 
+class TensorParallelDeepseekV3(TensorParallelShard, DeepseekV3ForCausalLM):
+    """A rank's shard of a DeepSeek-V3 model: its heads' rows of the latent attention's q and ``kv_b_proj`` and their
+    columns of ``o_proj``, the latent projections and the latent cache whole (every rank computes and caches the
+    same latent rows), every routed expert's and the shared experts' slice of their intermediate dimension, the
+    router replicated (vLLM's layout for MLA under TP)."""
+
+
 # The model class a checkpoint resolves to (pipeline/models/registry.py) -> its shard class.
 SHARD_CLASSES: dict[type, type[TensorParallelShard]] = {
     LlamaFamilyForCausalLM: TensorParallelLlama,
     LlamaMoeFamilyForCausalLM: TensorParallelLlamaMoe,
     GptOssForCausalLM: TensorParallelGptOss,
+    DeepseekV3ForCausalLM: TensorParallelDeepseekV3,
 }
 
 

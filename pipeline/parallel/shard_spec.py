@@ -35,7 +35,8 @@ from pipeline.weights import open_weight_files
 # (pipeline/models/llama_moe.py, pipeline/models/gpt_oss.py).
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
-TENSOR_PARALLEL_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+LATENT_ARCHITECTURES = ("DeepseekV3ForCausalLM",)  # multi-head latent attention (pipeline/models/deepseek_v3.py)
+TENSOR_PARALLEL_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + LATENT_ARCHITECTURES
 
 
 # a quantized layer's activation scales and zero point: one value per tensor, whole on every rank
@@ -59,7 +60,7 @@ def check_supported(hf_config, tensor_parallel_size: int, quantization: str | No
         raise TensorParallelError(f"tensor_parallel_size={tp} is not supported for MXFP4-quantized checkpoints "
                                   "(gpt-oss as the hub ships it) yet; a bf16 gpt-oss checkpoint runs")
     num_heads = hf_config.num_attention_heads
-    num_kv_heads = hf_config.num_key_value_heads or num_heads
+    num_kv_heads = ShardSpec.of(hf_config, 0, tp).num_kv_heads
     if num_heads % tp:
         raise TensorParallelError(
             f"tensor_parallel_size={tp} must divide num_attention_heads={num_heads}")
@@ -87,6 +88,11 @@ def _check_block_cuts(hf_config, tp: int, block: tuple[int, int]) -> None:
 
 def split_mlp_sizes(hf_config) -> dict[str, int]:
     """The config fields of the intermediate dimensions the ranks split (the dense MLP's, the experts'), as used."""
+    if hf_config.model_type == "deepseek_v3":  # routed and shared experts by moe_intermediate_size; dense layers
+        sizes = {"moe_intermediate_size": hf_config.moe_intermediate_size}
+        if hf_config.first_k_dense_replace > 0:
+            sizes["intermediate_size"] = hf_config.intermediate_size
+        return sizes
     if hf_config.model_type not in ("qwen3_moe", "mixtral"):  # dense, or gpt-oss (its experts' size)
         return {"intermediate_size": hf_config.intermediate_size}
     from pipeline.models.llama_moe import is_sparse_layer
@@ -103,6 +109,11 @@ def _expert_layout(hf_config) -> tuple[int, tuple[str, ...]]:
     experts are stored stacked only); (0, ()) without experts."""
     if hf_config.model_type == "gpt_oss":
         return hf_config.intermediate_size, ()
+    if hf_config.model_type == "deepseek_v3":
+        from pipeline.models.deepseek_moe import deepseek_moe_spec
+
+        spec = deepseek_moe_spec(hf_config)
+        return spec.intermediate_size, spec.projection_names
     if hf_config.model_type not in ("qwen3_moe", "mixtral"):
         return 0, ()
     from pipeline.models.llama_moe import moe_spec
@@ -127,6 +138,24 @@ ZERO = Cut(0, (), 0, is_zero=True)
 
 
 @dataclass(frozen=True)
+class LatentHeads:
+    """Multi-head latent attention's rows per head (DeepSeek-V3), by which its projections are split: ``q_b_proj``
+    (or ``q_proj``) and ``kv_b_proj`` by their heads' rows, ``o_proj`` by their heads' input columns. The latent
+    projections (``q_a_proj``, ``kv_a_proj_with_mqa``) and the latent cache are whole on every rank."""
+
+    q_rows: int  # qk_nope_head_dim + qk_rope_head_dim
+    kv_b_rows: int  # qk_nope_head_dim + v_head_dim
+    o_columns: int  # v_head_dim
+
+    @classmethod
+    def of(cls, hf_config) -> "LatentHeads | None":
+        if getattr(hf_config, "kv_lora_rank", None) is None:
+            return None
+        nope, rope, v = hf_config.qk_nope_head_dim, hf_config.qk_rope_head_dim, hf_config.v_head_dim
+        return cls(nope + rope, nope + v, v)
+
+
+@dataclass(frozen=True)
 class ShardSpec:
     """Rank ``rank`` of ``size``: the row/column ranges it holds of each kind of tensor."""
 
@@ -140,14 +169,21 @@ class ShardSpec:
     expert_intermediate_size: int = 0  # each expert's; 0: no experts
     expert_projections: tuple[str, ...] = ()  # the checkpoint's gate, up and down names per expert; () gpt-oss's
     scale_block: tuple[int, int] | None = None  # a block-quantized checkpoint's (rows, columns) per weight scale
+    shared_expert_intermediate_size: int = 0  # DeepSeek's always-on shared experts (one MLP); 0: none
+    latent: LatentHeads | None = None  # multi-head latent attention's rows per head; None: Llama's attention
 
     @classmethod
     def of(cls, hf_config, rank: int, size: int, scale_block: tuple[int, int] | None = None) -> "ShardSpec":
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        return cls(rank, size, num_heads, hf_config.num_key_value_heads or num_heads, head_dim,
-                   hf_config.intermediate_size, hf_config.vocab_size, *_expert_layout(hf_config),
-                   scale_block=scale_block)
+        latent = LatentHeads.of(hf_config)
+        # latent attention caches one latent row per token, which every rank holds whole: one KV "head"
+        num_kv_heads = 1 if latent is not None else hf_config.num_key_value_heads or num_heads
+        shared = getattr(hf_config, "n_shared_experts", None) or 0
+        return cls(rank, size, num_heads, num_kv_heads, head_dim, hf_config.intermediate_size, hf_config.vocab_size,
+                   *_expert_layout(hf_config), scale_block=scale_block,
+                   shared_expert_intermediate_size=shared * (getattr(hf_config, "moe_intermediate_size", 0) or 0),
+                   latent=latent)
 
     @property
     def num_local_heads(self) -> int:
@@ -191,8 +227,10 @@ class ShardSpec:
             return self._scale_slice(name, scale_shape)
         if "experts" in parts and self.expert_intermediate_size:
             return self._expert_slice(module, leaf) if self.expert_projections else self._gpt_oss_expert_slice(leaf)
+        if self.latent is not None and module in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj"):
+            return self._latent_slice(module, leaf)
         q_rows, kv_rows = self.num_local_heads * self.head_dim, self.num_local_kv_heads * self.head_dim
-        inter = self.intermediate_size // self.size
+        inter = (self.shared_expert_intermediate_size if "shared_experts" in parts else self.intermediate_size) // self.size
         if module == "q_proj":
             return Cut(0, ((self.rank * q_rows, q_rows),), q_rows)
         if module == "self_attn" and leaf == "sinks":  # gpt-oss: one per q head
@@ -210,6 +248,18 @@ class ShardSpec:
             start = self.rank * self.vocab_per_rank
             return Cut(0, ((start, max(0, min(self.vocab_per_rank, self.vocab_size - start))),), self.vocab_per_rank)
         return None
+
+    def _latent_slice(self, module: str, leaf: str) -> Cut | None:
+        """Latent attention's head-split projections: the rank's heads' rows of ``q_b_proj`` / ``q_proj`` and
+        ``kv_b_proj``, their input columns of ``o_proj`` (its bias on rank 0 only)."""
+        heads, first = self.num_local_heads, self.rank * self.num_local_heads
+        if module == "o_proj":
+            if leaf == "bias":
+                return None if self.rank == 0 else ZERO
+            columns = self.latent.o_columns
+            return Cut(1, ((first * columns, heads * columns),), heads * columns)
+        rows = self.latent.kv_b_rows if module == "kv_b_proj" else self.latent.q_rows
+        return Cut(0, ((first * rows, heads * rows),), heads * rows)
 
     def _scale_slice(self, name: str, shape: tuple[int, ...] | None) -> Cut | None:
         """A quantized weight's scale, cut with its weight ``[..., out, in]``: one value (per tensor) whole; one per

@@ -1,6 +1,7 @@
 """Tensor parallelism for the mixture-of-experts families (pipeline/parallel): two rank processes, each holding a
 slice of every expert's intermediate dimension, give transformers' fp32 tokens and logprobs (Qwen3-MoE, Mixtral,
-gpt-oss); the MoE architectures and checkpoints it does not run are refused by name."""
+gpt-oss; DeepSeek-V3: tests/pipeline/test_tensor_parallel_latent.py); the architectures and checkpoints it does not
+run are refused by name."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from pipeline.parallel import TensorParallelError
 from tests.conftest import check_greedy_and_logprobs
-from tests.deepseek_checkpoints import deepseek_checkpoint  # noqa: F401 (a fixture)
+from tests.gemma_checkpoints import gemma3_checkpoint  # noqa: F401 (a fixture)
 from tests.gpt_oss_checkpoints import gpt_oss_checkpoint  # noqa: F401 (a fixture)
 from tests.moe_checkpoints import SPARSE_LAYERS, moe_checkpoint  # noqa: F401 (a fixture)
 from tests.mxfp4_checkpoints import write_mxfp4
@@ -75,14 +76,14 @@ def test_stacked_expert_layout_matches_transformers(stacked_mixtral, moe_checkpo
 
 
 @pytest.mark.parametrize("case, expected", [
-    ("deepseek_v3", "not supported for architecture DeepseekV3ForCausalLM"),
+    ("gemma3", "not supported for architecture Gemma3ForCausalLM"),
     ("mxfp4", "MXFP4-quantized"),  # gpt-oss as the hub ships it
 ])
-def test_unsupported_moe_setups_are_refused_by_name(case, expected, deepseek_checkpoint,  # noqa: F811
-                                                    gpt_oss_checkpoint, tmp_path):  # noqa: F811
+def test_unsupported_setups_are_refused_by_name(case, expected, gemma3_checkpoint,  # noqa: F811
+                                                gpt_oss_checkpoint, tmp_path):  # noqa: F811
     children_before = set(_children())
-    if case == "deepseek_v3":
-        path = deepseek_checkpoint("deepseek_v3")
+    if case == "gemma3":
+        path = gemma3_checkpoint("gemma3")
     else:
         path = str(write_mxfp4(gpt_oss_checkpoint("gpt_oss"), tmp_path / "mxfp4"))
     with pytest.raises(TensorParallelError, match=expected):
