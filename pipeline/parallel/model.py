@@ -22,6 +22,7 @@ from torch import nn
 
 from pipeline.checkpoint_files import read_config_json
 from pipeline.models.deepseek_v3 import DeepseekV3ForCausalLM
+from pipeline.models.gemma3 import Gemma3ForCausalLM
 from pipeline.models.gpt_oss import GptOssForCausalLM
 from pipeline.models.layers import empty_parameter
 from pipeline.models.llama import LlamaFamilyForCausalLM
@@ -74,21 +75,25 @@ class Collectives:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The rank's rows of the embedding: ids outside them look up zeros, and the all-reduce fills them in."""
+    """The rank's rows of the embedding: ids outside them look up zeros, and the all-reduce fills them in; then the
+    model's embedding scale, where it has one (Gemma's sqrt(hidden_size), in the model dtype)."""
 
-    def __init__(self, spec: ShardSpec, hidden_size: int, dtype: torch.dtype, device, collectives: Collectives):
+    def __init__(self, spec: ShardSpec, hidden_size: int, dtype: torch.dtype, device, collectives: Collectives,
+                 scale: torch.Tensor | None = None):
         super().__init__()
         # [vocab / tp, hidden]
         self.weight = empty_parameter(spec.vocab_per_rank, hidden_size, dtype=dtype, device=device)
         self.start = spec.rank * spec.vocab_per_rank
         self.collectives = collectives
+        self.register_buffer("scale", scale, persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
         local = input_ids - self.start
         is_here = (local >= 0) & (local < self.weight.shape[0])
         embedded = F.embedding(local.masked_fill(~is_here, 0), self.weight)
         embedded.masked_fill_(~is_here.unsqueeze(-1), 0.0)
-        return self.collectives.all_reduce(embedded)
+        embedded = self.collectives.all_reduce(embedded)
+        return embedded if self.scale is None else embedded * self.scale
 
 
 class TensorParallelShard:
@@ -101,7 +106,8 @@ class TensorParallelShard:
         self.full_vocab_size = spec.vocab_size
         self.collectives = collectives
         self.driver = driver  # rank 0: sends each step to the other ranks (pipeline.parallel.ranks.RankGroup)
-        self.model.embed_tokens = VocabParallelEmbedding(spec, hf_config.hidden_size, dtype, device, collectives)
+        self.model.embed_tokens = VocabParallelEmbedding(spec, hf_config.hidden_size, dtype, device, collectives,
+                                                         scale=getattr(self.model.embed_tokens, "scale", None))
         for layer in self.model.layers:  # row-parallel outputs are partial sums until reduced
             # attention's output is o_proj's (hooked on the attention, so a quantized o_proj swapped in at load
             # keeps it)
@@ -147,6 +153,12 @@ class TensorParallelGptOss(TensorParallelShard, GptOssForCausalLM):
     dimension (the experts' down bias added on rank 0 only), the router replicated."""
 
 
+class TensorParallelGemma3(TensorParallelShard, Gemma3ForCausalLM):
+    """A rank's shard of a Gemma 3 text model: the Llama layout (its per-head q/k norms replicated), each
+    attention and MLP output reduced before Gemma's post-norms, the embedding scaled after its all-reduce, the
+    logits softcapped per vocabulary row before they are gathered."""
+
+
 class TensorParallelDeepseekV3(TensorParallelShard, DeepseekV3ForCausalLM):
     """A rank's shard of a DeepSeek-V3 model: its heads' rows of the latent attention's q and ``kv_b_proj`` and their
     columns of ``o_proj``, the latent projections and the latent cache whole (every rank computes and caches the
@@ -160,6 +172,7 @@ SHARD_CLASSES: dict[type, type[TensorParallelShard]] = {
     LlamaMoeFamilyForCausalLM: TensorParallelLlamaMoe,
     GptOssForCausalLM: TensorParallelGptOss,
     DeepseekV3ForCausalLM: TensorParallelDeepseekV3,
+    Gemma3ForCausalLM: TensorParallelGemma3,
 }
 
 

@@ -33,7 +33,8 @@ from pipeline.weights import open_weight_files
 
 # The architectures tensor parallelism runs: the Llama family (pipeline/models/llama.py) and its MoE kin
 # (pipeline/models/llama_moe.py, pipeline/models/gpt_oss.py).
-DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                       "Gemma3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 LATENT_ARCHITECTURES = ("DeepseekV3ForCausalLM",)  # multi-head latent attention (pipeline/models/deepseek_v3.py)
 TENSOR_PARALLEL_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + LATENT_ARCHITECTURES

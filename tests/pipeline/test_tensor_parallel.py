@@ -17,6 +17,7 @@ import pytest
 from pipeline import LLM
 from pipeline.parallel import TensorParallelError
 from tests.conftest import TINY_CONFIGS, check_greedy_and_logprobs, greedy, hf_logprobs
+from tests.gemma_checkpoints import gemma3_checkpoint  # noqa: F401 (a fixture)
 
 PROMPTS = [[1, 5, 9, 2, 7], list(range(3, 40)), [11, 4], [8] * 21]
 # a small step budget, so the long prompts are prefilled in chunks across steps
@@ -105,12 +106,27 @@ def test_one_kv_head_is_replicated_on_both_ranks(tiny_checkpoint, hf_reference):
     assert wait_gone(pids) == []
 
 
+@pytest.mark.parametrize("name, backend", [
+    ("gemma3", "cpu"),  # local layers (window 8) among global ones, two RoPE caches, softcapped logits, tied
+    ("gemma3_untied", "torch"),  # one KV head (replicated on both ranks), biases, untied, window 6
+])
+def test_gemma3_greedy_and_logprobs_match_transformers(name, backend, gemma3_checkpoint, hf_reference):
+    """Gemma's embedding scale after the vocabulary-parallel lookup, its post-norms after each reduced output, the
+    per-head q/k norms replicated; prompts longer than the window."""
+    path = gemma3_checkpoint(name)
+    with tp_llm(path, kernel_backend=backend) as llm:
+        assert llm.engine.model.model.embed_tokens.scale is not None
+        check_greedy_and_logprobs(llm, hf_reference(path)[0], PROMPTS, 10, atol=1e-4)
+        pids = llm.engine.model.driver.pids
+    assert wait_gone(pids) == []
+
+
 @pytest.mark.parametrize("case, expected", [
     ("three_ranks", "tensor_parallel_size=3 must divide num_attention_heads=4"),
     ("overlap", "enable_overlap_scheduler"),
 ])
 def test_unsupported_setups_are_refused_by_name(case, expected, tiny_checkpoint):
-    """(Architectures with no shard: tests/pipeline/test_tensor_parallel_moe.py; block scales a rank would cut:
+    """(An architecture with no shard: tests/pipeline/test_tensor_parallel_moe.py; block scales a rank would cut:
     tests/pipeline/test_tensor_parallel_quantized.py.)"""
     children_before = set(_children())
     path, overrides = tiny_checkpoint("llama"), {}
