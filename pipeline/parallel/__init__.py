@@ -33,8 +33,6 @@ def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, devi
     size = config.tensor_parallel_size
     if config.is_speculative:
         raise TensorParallelError(f"tensor_parallel_size={size} is not supported with speculative decoding yet")
-    if config.enable_overlap_scheduler:
-        raise TensorParallelError(f"tensor_parallel_size={size} is not supported with enable_overlap_scheduler yet")
     if str(device).startswith("cuda") and torch.cuda.device_count() < size:
         raise TensorParallelError(f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} visible")
     hf_config = load_hf_config(model_path)

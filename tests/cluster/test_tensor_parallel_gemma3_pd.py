@@ -1,5 +1,6 @@
 """Gemma 3 (local layers with an 8-token window among global ones) with two ranks on both ends of a cluster:
-1P(TP 2) + 1D(TP 2), every prompt prefilled remotely, prompts longer than the window. The global layers' blocks move
+1P(TP 2) + 1D(TP 2), both on the overlap pipeline (each step launched before the last one's tokens are read, the
+ranks driven from the execution stream's thread), every prompt prefilled remotely, prompts longer than the window. The global layers' blocks move
 whole and the local layers' last window only, each KV head packed from the prefill rank that holds it and landed in
 the decode rank that reads it; greedy output through the router is transformers' fp32 own, token for token
 (logprobs within 1e-4), the bytes are a TP 1 -> TP 1 transfer's windowed formula, and every KV block comes back."""
@@ -20,7 +21,8 @@ PROMPTS = ["Sliding window attention lets each local layer look back only a few 
 
 @pytest.fixture(scope="module")
 def gemma3_tp2(gemma3_checkpoint, tmp_path_factory):  # noqa: F811
-    with start(gemma3_checkpoint("gemma3"), tmp_path_factory, 1, {"prefill-0": 2, "decode-0": 2}) as cluster:
+    with start(gemma3_checkpoint("gemma3"), tmp_path_factory, 1, {"prefill-0": 2, "decode-0": 2},
+               config={"enable_overlap_scheduler": True}) as cluster:
         yield cluster
 
 

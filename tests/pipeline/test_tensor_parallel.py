@@ -121,9 +121,22 @@ def test_gemma3_greedy_and_logprobs_match_transformers(name, backend, gemma3_che
     assert wait_gone(pids) == []
 
 
+def test_the_overlap_pipeline_drives_the_ranks(tiny_checkpoint, hf_reference):
+    """enable_overlap_scheduler: each step runs on the execution stream's thread, which drives the other ranks
+    (its placeholder tokens filled before the batch is sent to them); greedy tokens and logprobs stay
+    transformers'."""
+    path = tiny_checkpoint("llama")
+    with tp_llm(path, enable_overlap_scheduler=True) as llm:
+        engine = llm.engine
+        engine.add_request("launched-not-read", [5, 6, 7, 8, 9], greedy(2))
+        assert engine.step() == [] and engine.has_pending_outputs()  # overlapped: launched, not read
+        while engine.has_unfinished_requests():
+            engine.step()
+        check_greedy_and_logprobs(llm, hf_reference(path)[0], PROMPTS, 12, atol=1e-4)
+
+
 @pytest.mark.parametrize("case, expected", [
     ("three_ranks", "tensor_parallel_size=3 must divide num_attention_heads=4"),
-    ("overlap", "enable_overlap_scheduler"),
 ])
 def test_unsupported_setups_are_refused_by_name(case, expected, tiny_checkpoint):
     """(An architecture with no shard: tests/pipeline/test_tensor_parallel_moe.py; block scales a rank would cut:
@@ -132,8 +145,6 @@ def test_unsupported_setups_are_refused_by_name(case, expected, tiny_checkpoint)
     path, overrides = tiny_checkpoint("llama"), {}
     if case == "three_ranks":
         overrides["tensor_parallel_size"] = 3
-    elif case == "overlap":
-        overrides["enable_overlap_scheduler"] = True
     with pytest.raises(TensorParallelError, match=expected):
         tp_llm(path, **overrides)
     assert set(_children()) <= children_before  # refused before any rank was started
