@@ -29,6 +29,7 @@ import torch
 from pipeline.checkpoint_files import read_config_json
 from pipeline.quantization.config import quantization_spec
 from pipeline.quantization.loading import SCALE_LEAVES
+from pipeline.quantization.mxfp4 import GROUP_SIZE as MXFP4_GROUP_SIZE
 from pipeline.weights import open_weight_files
 
 # The architectures tensor parallelism runs: the Llama family (pipeline/models/llama.py) and its MoE kin
@@ -58,8 +59,12 @@ def check_supported(hf_config, tensor_parallel_size: int, quantization: str | No
             f"tensor parallelism runs {', '.join(TENSOR_PARALLEL_ARCHITECTURES)} (see docs/tensor-parallel.md)")
     quantized = quantization_spec(config_json)
     if quantized is not None and quantized.weight_type == "mxfp4":
-        raise TensorParallelError(f"tensor_parallel_size={tp} is not supported for MXFP4-quantized checkpoints "
-                                  "(gpt-oss as the hub ships it) yet; a bf16 gpt-oss checkpoint runs")
+        per_rank = hf_config.intermediate_size // tp
+        if hf_config.intermediate_size % tp or per_rank % MXFP4_GROUP_SIZE:
+            raise TensorParallelError(
+                f"tensor_parallel_size={tp} splits each MXFP4 expert's intermediate_size={hf_config.intermediate_size} "
+                f"into {hf_config.intermediate_size / tp:g} columns a rank, not whole {MXFP4_GROUP_SIZE}-value blocks "
+                "(gpt-oss-20b and -120b, intermediate_size 2880: tensor_parallel_size 2)")
     num_heads = hf_config.num_attention_heads
     num_kv_heads = ShardSpec.of(hf_config, 0, tp).num_kv_heads
     if num_heads % tp:
@@ -308,11 +313,19 @@ class ShardSpec:
     def _gpt_oss_expert_slice(self, leaf: str) -> Cut | None:
         """gpt-oss's stacked experts, as stored: ``gate_up_proj`` ``[experts, hidden, 2 * inter]`` and its bias
         ``[experts, 2 * inter]`` with gate and up interleaved (columns 2i, 2i + 1: one contiguous run per rank),
-        ``down_proj`` ``[experts, inter, hidden]``, and ``down_proj_bias`` (row-parallel: rank 0's only)."""
+        ``down_proj`` ``[experts, inter, hidden]``, and ``down_proj_bias`` (row-parallel: rank 0's only). The hub's
+        MXFP4 form stores each transposed, in blocks of 32 inputs (``pipeline/quantization/mxfp4.py``):
+        ``gate_up_proj_blocks`` / ``_scales`` ``[experts, 2 * inter, hidden / 32(, 16)]`` by output rows,
+        ``down_proj_blocks`` / ``_scales`` ``[experts, hidden, inter / 32(, 16)]`` by whole input blocks."""
         inter = self.expert_intermediate_size // self.size
         start = self.rank * inter
         if leaf in ("gate_up_proj", "gate_up_proj_bias"):
             return Cut(2 if leaf == "gate_up_proj" else 1, ((2 * start, 2 * inter),), 2 * inter)
+        if leaf in ("gate_up_proj_blocks", "gate_up_proj_scales"):
+            return Cut(1, ((2 * start, 2 * inter),), 2 * inter)
+        if leaf in ("down_proj_blocks", "down_proj_scales"):  # check_supported: whole blocks only
+            groups = inter // MXFP4_GROUP_SIZE
+            return Cut(2, ((start // MXFP4_GROUP_SIZE, groups),), groups)
         if leaf == "down_proj":
             return Cut(1, ((start, inter),), inter)
         if leaf == "down_proj_bias":

@@ -15,6 +15,7 @@ import torch
 from pipeline.checkpoint_errors import CheckpointError
 
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
+GROUP_SIZE = 32  # inputs per block, sharing one scale
 # e2m1 codes 0-15: sign bit 3, then two exponent bits and one mantissa bit
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E8M0_BIAS = 127

@@ -74,10 +74,36 @@ def test_stacked_expert_layout_matches_transformers(stacked_mixtral, moe_checkpo
     check_tp_moe(stacked_mixtral, hf_reference(moe_checkpoint("mixtral"))[0], num_new_tokens=6)
 
 
-def test_mxfp4_checkpoints_are_refused_by_name(gpt_oss_checkpoint, tmp_path):  # noqa: F811
-    """gpt-oss as the hub ships it (its experts' packed MXFP4 blocks are not sliced)."""
+@pytest.fixture(scope="module")
+def mxfp4_gpt_oss(tmp_path_factory) -> tuple[str, str]:
+    """(gpt-oss with its experts in the hub's MXFP4 layout, the float checkpoint it was written from): an
+    intermediate size of 64, so each of two ranks holds one whole 32-value block of every down_proj row."""
+    from pipeline.builtin_model import build_checkpoint
+    from tests.gpt_oss_checkpoints import GPT_OSS_CONFIGS
+
+    root = tmp_path_factory.mktemp("tp-mxfp4")
+    source = build_checkpoint(root / "float", "gpt_oss", **{**GPT_OSS_CONFIGS["gpt_oss"], "intermediate_size": 64})
+    return str(write_mxfp4(source, root / "mxfp4")), str(source)
+
+
+def test_mxfp4_gpt_oss_is_read_in_whole_blocks_per_rank(mxfp4_gpt_oss, hf_reference):
+    """gpt-oss as the hub ships it: each rank reads its rows of gate_up_proj's blocks and its whole input blocks of
+    down_proj's, dequantized at load. transformers dequantizes the same files on the CPU: its greedy tokens and
+    logprobs (1e-4)."""
+    path, _ = mxfp4_gpt_oss
+    hf_model, _ = hf_reference(path)
+    with tp_llm(path) as llm:
+        experts = llm.engine.model.model.layers[0].mlp.experts
+        assert experts.down_proj.shape[-1] == 32  # half of every expert's 64
+        check_greedy_and_logprobs(llm, hf_model, PROMPTS, 10, atol=1e-4)
+        pids = llm.engine.model.driver.pids
+    assert wait_gone(pids) == []
+
+
+def test_mxfp4_cuts_inside_a_block_are_refused_by_name(gpt_oss_checkpoint, tmp_path):  # noqa: F811
+    """The tiny gpt-oss's intermediate size of 32 would leave each rank half a block of 32 inputs."""
     children_before = set(_children())
-    with pytest.raises(TensorParallelError, match="MXFP4-quantized"):
+    with pytest.raises(TensorParallelError, match="not whole 32-value blocks"):
         tp_llm(str(write_mxfp4(gpt_oss_checkpoint("gpt_oss"), tmp_path / "mxfp4")))
     assert set(_children()) <= children_before  # refused before any rank was started
 
