@@ -85,9 +85,13 @@ def _check_block_cuts(hf_config, tp: int, block: tuple[int, int]) -> None:
     from ``ShardSpec.slice_of``, naming the tensor, the cut and the block)."""
     for rank in range(tp):
         spec = ShardSpec.of(hf_config, rank, tp, scale_block=block)
-        names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                 "mlp.up_proj", "mlp.down_proj"]
+        attention = ("q_proj", "q_b_proj", "kv_b_proj", "o_proj") if spec.latent else ("q_proj", "k_proj", "v_proj",
+                                                                                      "o_proj")
+        names = [f"self_attn.{projection}" for projection in attention]
+        names += [f"mlp.{projection}" for projection in ("gate_proj", "up_proj", "down_proj")]
         names += [f"mlp.experts.0.{projection}" for projection in spec.expert_projections]
+        if spec.shared_expert_intermediate_size:
+            names += [f"mlp.shared_experts.{projection}" for projection in ("gate_proj", "up_proj", "down_proj")]
         for name in names:
             spec.slice_of(f"model.layers.0.{name}.weight_scale", scale_shape=None)
 
@@ -236,7 +240,8 @@ class ShardSpec:
         if self.latent is not None and module in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj"):
             return self._latent_slice(module, leaf)
         q_rows, kv_rows = self.num_local_heads * self.head_dim, self.num_local_kv_heads * self.head_dim
-        inter = (self.shared_expert_intermediate_size if "shared_experts" in parts else self.intermediate_size) // self.size
+        dense_size = self.shared_expert_intermediate_size if "shared_experts" in parts else self.intermediate_size
+        inter = dense_size // self.size
         if module == "q_proj":
             return Cut(0, ((self.rank * q_rows, q_rows),), q_rows)
         if module == "self_attn" and leaf == "sinks":  # gpt-oss: one per q head

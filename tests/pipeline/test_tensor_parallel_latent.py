@@ -28,13 +28,15 @@ def test_deepseek_v3_greedy_and_logprobs_match_transformers(name, backend, deeps
     with tp_llm(path, kernel_backend=backend) as llm:
         model = llm.engine.model
         attention = model.model.layers[0].self_attn
+        latent_row = config.kv_lora_rank + config.qk_rope_head_dim
         assert attention.num_heads == config.num_attention_heads // 2
         assert attention.kv_b_proj.weight.shape[0] == attention.num_heads * (config.qk_nope_head_dim + config.v_head_dim)
-        assert attention.kv_a_proj_with_mqa.weight.shape[0] == config.kv_lora_rank + config.qk_rope_head_dim  # whole
-        assert llm.engine.kv_cache.shape[-1] == config.kv_lora_rank + config.qk_rope_head_dim  # the whole latent row
+        assert attention.kv_a_proj_with_mqa.weight.shape[0] == latent_row  # whole
+        assert llm.engine.kv_cache.shape[-1] == latent_row  # the whole latent row
         moe = model.model.layers[-1].mlp
         assert moe.experts.down_proj.shape[-1] == config.moe_intermediate_size // 2
-        assert moe.shared_experts.down_proj.weight.shape[1] == config.moe_intermediate_size * config.n_shared_experts // 2
+        shared_size = config.moe_intermediate_size * config.n_shared_experts
+        assert moe.shared_experts.down_proj.weight.shape[1] == shared_size // 2
         check_greedy_and_logprobs(llm, hf_model, PROMPTS, 10, atol=1e-4)
         pids = model.driver.pids
     assert wait_gone(pids) == []

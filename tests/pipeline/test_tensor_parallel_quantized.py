@@ -106,3 +106,34 @@ def test_each_scale_is_cut_with_its_weight():
     assert blocked.slice_of(f"{layer}.mlp.down_proj.weight_scale_inv", (4, 4)) == Cut(1, ((2, 2),), 2)
     with pytest.raises(TensorParallelError, match="not on the checkpoint's 48-wide"):
         ShardSpec.of(config, 1, 2, scale_block=(48, 40)).slice_of(f"{layer}.self_attn.q_proj.weight_scale", (2, 2))
+
+
+@pytest.mark.parametrize("config_name, tp, refused", [
+    ("deepseek_v3", 8, None),  # DeepSeek-V3's FP8 release: every cut of every split projection is whole blocks
+    ("qwen3_moe", 2, None),  # Qwen3-30B-A3B-FP8: each expert's 768 columns -> 384, three blocks
+    ("qwen3_moe", 4, "mlp.experts.0.gate_proj.weight_scale"),  # 192 columns: half a block
+])
+def test_released_block_fp8_shapes_split_on_whole_blocks(config_name, tp, refused):
+    """The block check on the released models' own shapes (no weights): latent attention's q_b_proj, kv_b_proj and
+    o_proj, the dense, routed and shared MLPs; not Llama's k/v projections, which latent attention has not."""
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
+
+    from pipeline.parallel.shard_spec import check_supported
+
+    if config_name == "deepseek_v3":
+        config = DeepseekV3Config(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                                  num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+                                  kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                  n_routed_experts=256, n_shared_experts=1, first_k_dense_replace=3,
+                                  vocab_size=129280, architectures=["DeepseekV3ForCausalLM"])
+    else:
+        config = Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                                num_experts_per_tok=8, vocab_size=151936, architectures=["Qwen3MoeForCausalLM"])
+    fp8 = {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                   "weight_block_size": [128, 128]}}
+    if refused is None:
+        check_supported(config, tp, None, fp8)
+    else:
+        with pytest.raises(TensorParallelError, match=refused):
+            check_supported(config, tp, None, fp8)
