@@ -1,9 +1,10 @@
 """Gemma 3 (local layers with an 8-token window among global ones) with two ranks on both ends of a cluster:
 1P(TP 2) + 1D(TP 2), both on the overlap pipeline (each step launched before the last one's tokens are read, the
 ranks driven from the execution stream's thread), every prompt prefilled remotely, prompts longer than the window.
-The global layers' blocks move whole and the local layers' last window only, each KV head packed from the prefill rank that holds it and landed in
-the decode rank that reads it; greedy output through the router is transformers' fp32 own, token for token
-(logprobs within 1e-4), the bytes are a TP 1 -> TP 1 transfer's windowed formula, and every KV block comes back."""
+The global layers' blocks move whole and the local layers' last window only, each KV head packed from the
+prefill rank that holds it and landed in the decode rank that reads it; greedy output through the router is
+transformers' fp32 own, token for token (logprobs within 1e-4), the bytes are a TP 1 -> TP 1 transfer's windowed
+formula, and every KV block comes back."""
 
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ def test_deepseek_v3_greedy_and_logprobs_match_transformers(name, backend, deeps
         attention = model.model.layers[0].self_attn
         latent_row = config.kv_lora_rank + config.qk_rope_head_dim
         assert attention.num_heads == config.num_attention_heads // 2
-        assert attention.kv_b_proj.weight.shape[0] == attention.num_heads * (config.qk_nope_head_dim + config.v_head_dim)
+        kv_b_rows = config.qk_nope_head_dim + config.v_head_dim
+        assert attention.kv_b_proj.weight.shape[0] == attention.num_heads * kv_b_rows
         assert attention.kv_a_proj_with_mqa.weight.shape[0] == latent_row  # whole
         assert llm.engine.kv_cache.shape[-1] == latent_row  # the whole latent row
         moe = model.model.layers[-1].mlp
