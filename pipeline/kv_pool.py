@@ -47,6 +47,6 @@ def build_kv_pool(config: PipelineConfig, hf_config, draft, max_length: int, dty
         from pipeline.speculative.draft import allocate_kv_caches
 
         kv_cache, draft_kv_cache = allocate_kv_caches(shape, kv_cache_shape(draft.hf_config, num_blocks, page_size),
-                                                      allocate, config.pipeline_role)
+                                                      allocate, config.pipeline_role, is_target_split=tp > 1)
     manager = KVCacheManager(num_blocks, page_size, config.kv_cache.enable_prefix_caching)
     return KVPool(manager, kv_cache, draft_kv_cache)

@@ -24,6 +24,7 @@ def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, devi
     ``config.tensor_parallel_timeout_s`` for a rank (stuck or gone) raises instead of hanging. Refuses, with
     ``TensorParallelError`` naming it, whatever tensor parallelism does not run yet.
     """
+    from pipeline.config import PipelineRole
     from pipeline.cpu_placement import rank_placement
     from pipeline.parallel.model import Collectives, load_shard
     from pipeline.parallel.ranks import STARTUP_TIMEOUT_S, RankGroup, rank_device
@@ -31,8 +32,13 @@ def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, devi
     from pipeline.weights import load_hf_config
 
     size = config.tensor_parallel_size
-    if config.is_speculative:
-        raise TensorParallelError(f"tensor_parallel_size={size} is not supported with speculative decoding yet")
+    if config.is_speculative and config.draft_model.model_path is None:
+        raise TensorParallelError(f"tensor_parallel_size={size} with speculative decoding needs a draft checkpoint "
+                                  "(draft_model.model_path): the target cannot draft for itself across its ranks")
+    if config.is_speculative and config.pipeline_role is not PipelineRole.PrefillAndDecode:
+        raise TensorParallelError(f"tensor_parallel_size={size} with speculative decoding runs on colocated workers "
+                                  f"only: a {config.pipeline_role.value} worker ships the draft's KV with the target's, "
+                                  "and the draft is not split across the ranks")
     if str(device).startswith("cuda") and torch.cuda.device_count() < size:
         raise TensorParallelError(f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} visible")
     hf_config = load_hf_config(model_path)

@@ -60,15 +60,17 @@ def check_same_tokenizer(draft_tokenizer, target_tokenizer, draft_path: str) -> 
 
 
 def allocate_kv_caches(shape: tuple[int, ...], draft_shape: tuple[int, ...], allocate: Callable,
-                       role: PipelineRole) -> tuple[torch.Tensor, torch.Tensor]:
+                       role: PipelineRole, is_target_split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(the cache, the draft's cache), each ``[layers, 2, blocks, page, kv_heads, head_dim]``.
 
     A draft with the target's KV layout per layer gets extra layers of the one tensor ``allocate``
     makes (the draft's cache is a view of them), so its KV is shipped, checksummed and placed in shared
     memory with the target's. Another layout gets a tensor of its own: a colocated worker only, since a
-    prefill or decode worker must ship the draft's KV with the target's.
+    prefill or decode worker must ship the draft's KV with the target's. So does a draft beside a target
+    split across tensor-parallel ranks (``is_target_split``: ``shape`` is one rank's; the draft runs whole on
+    rank 0, and the other ranks' caches hold the target's layers only).
     """
-    if tuple(shape[1:]) == tuple(draft_shape[1:]):
+    if tuple(shape[1:]) == tuple(draft_shape[1:]) and not is_target_split:
         kv_cache = allocate((shape[0] + draft_shape[0], *shape[1:]))
         return kv_cache, kv_cache[shape[0]:]
     if role is not PipelineRole.PrefillAndDecode:

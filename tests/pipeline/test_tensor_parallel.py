@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline import LLM
 from pipeline.parallel import TensorParallelError
@@ -133,6 +134,56 @@ def test_the_overlap_pipeline_drives_the_ranks(tiny_checkpoint, hf_reference):
         while engine.has_unfinished_requests():
             engine.step()
         check_greedy_and_logprobs(llm, hf_reference(path)[0], PROMPTS, 12, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def rank_layout_draft(tmp_path_factory) -> str:
+    """A one-layer draft whose KV layout per layer (1 head of 16) is a rank's of the tiny Llama (2 heads of 16)."""
+    from pipeline.builtin_model import build_checkpoint
+    from tests.conftest import small_draft_config
+
+    path = tmp_path_factory.mktemp("draft-rank-layout")
+    build_checkpoint(path, "llama", seed=1, **{**small_draft_config("llama"), "num_key_value_heads": 1})
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "rank_layout"])
+def test_speculative_decoding_with_a_split_target(kind, tiny_checkpoint, drafts, rank_layout_draft, hf_reference):
+    """A draft checkpoint runs whole on rank 0, its KV in a cache of its own (even one whose layout per layer is a
+    rank's, so the other ranks' caches hold the target's layers only); each verify is one forward of the split
+    target: greedy tokens stay transformers' and every block comes back."""
+    from tests.conftest import assert_no_leaks, hf_greedy
+
+    path = tiny_checkpoint("llama")
+    hf_model, _ = hf_reference(path)
+    draft = rank_layout_draft if kind == "rank_layout" else drafts("llama", kind)
+    with tp_llm(path, draft_model={"model_path": draft}, speculative={"num_speculative_tokens": 3},
+                kv_cache={"page_size": 4, "num_blocks": 128}) as llm:
+        engine = llm.engine
+        assert engine.kv_cache.shape[0] == hf_model.config.num_hidden_layers  # the target's layers alone
+        free_at_start = engine.kv_manager.num_free_blocks
+        outputs = llm.generate(PROMPTS, greedy(12))
+        assert [o.token_ids for o in outputs] == [hf_greedy(hf_model, p, 12) for p in PROMPTS]
+        stats = engine.speculator.stats
+        assert stats.num_draft_tokens > 0
+        if kind == "truncated":  # the target's first layer: some of its drafts are the target's own tokens
+            assert stats.num_accepted_tokens > 0
+        assert_no_leaks(engine.kv_manager, free_at_start)
+
+
+def test_speculation_the_ranks_cannot_run_is_refused_by_name(tiny_checkpoint, drafts):
+    from pipeline.config import PipelineConfig
+    from pipeline.parallel import load_tensor_parallel_model
+
+    children_before = set(_children())
+    with pytest.raises(TensorParallelError, match="needs a draft checkpoint"):  # the target drafting for itself
+        tp_llm(tiny_checkpoint("llama"), speculative={"num_speculative_tokens": 3})
+    config = PipelineConfig.load(overrides={
+        "tensor_parallel_size": 2, "pipeline_role": "DecodeOnly", "model": {"model_path": tiny_checkpoint("llama")},
+        "draft_model": {"model_path": drafts("llama", "small")}, "speculative": {"num_speculative_tokens": 3}})
+    with pytest.raises(TensorParallelError, match="colocated workers only: a DecodeOnly worker ships the draft's KV"):
+        load_tensor_parallel_model(config, tiny_checkpoint("llama"), torch.float32, "cpu")
+    assert set(_children()) <= children_before  # refused before any rank was started
 
 
 @pytest.mark.parametrize("case, expected", [
