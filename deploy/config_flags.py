@@ -32,13 +32,17 @@ def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                        "default: the checkpoint folder's name)")
     group.add_argument("--quantization", dest="cfg:model.quantization", default=argparse.SUPPRESS, metavar="{int8}",
                        help=PipelineConfig.model_fields["model"].annotation.model_fields["quantization"].description)
+    model_fields = PipelineConfig.model_fields["model"].annotation.model_fields
+    group.add_argument("--dtype", dest="cfg:model.dtype", default=argparse.SUPPRESS,
+                       metavar="{" + ",".join(typing.get_args(model_fields["dtype"].annotation)) + "}",
+                       help=f"{model_fields['dtype'].description} (vLLM's flag; default: auto)")
     for name, field in PipelineConfig.model_fields.items():
         if name in _SKIP or name in skip:
             continue
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             for sub_name, sub_field in annotation.model_fields.items():
-                if name == "model" and sub_name in ("model_path", "served_model_name", "quantization"):
+                if name == "model" and sub_name in _MODEL_FLAGS:
                     continue
                 _add(group, f"{name}-{sub_name}", f"cfg:{name}.{sub_name}", sub_field)
         else:
@@ -86,7 +90,7 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def override_flags(overrides: dict[str, Any]) -> list[str]:
     """``config_overrides``' inverse: a nested override dict as the flags that set it
     (``{"router": {"prefill_spill_tokens": 2048}}`` -> ``["--router-prefill-spill-tokens", "2048"]``). Of the
-    model section only what ``--model``, ``--served-model-name`` and ``--quantization`` set has a flag."""
+    model section only what ``--model``, ``--served-model-name``, ``--quantization`` and ``--dtype`` set has a flag."""
     flags: list[str] = []
     for name, value in overrides.items():
         for sub_name, sub_value in (value.items() if isinstance(value, dict) else [(None, value)]):
@@ -100,7 +104,8 @@ def override_flags(overrides: dict[str, Any]) -> list[str]:
     return flags
 
 
-_MODEL_FLAGS = {"model_path": "--model", "served_model_name": "--served-model-name", "quantization": "--quantization"}
+_MODEL_FLAGS = {"model_path": "--model", "served_model_name": "--served-model-name", "quantization": "--quantization",
+                "dtype": "--dtype"}
 
 
 def config_from_args(args: argparse.Namespace, **extra: Any) -> PipelineConfig:

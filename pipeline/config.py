@@ -81,8 +81,8 @@ class PipelineConfig(ConfigSection):
         "resident memory is unchanged, but a worker stays at its peak (docs/cpu-kernels.md)")
     tensor_parallel_size: int = Field(
         1, ge=1, description="rank processes one model is split across, Megatron-style (heads, MLP columns, vocab); "
-        "1 = one process. The offline LLM and colocated (PrefillAndDecode) workers, dense Llama-family "
-        "checkpoints (docs/tensor-parallel.md)")
+        "1 = one process. Every role and architecture, quantized checkpoints included; a prefill and a decode "
+        "worker's sizes may differ (docs/tensor-parallel.md)")
     tensor_parallel_timeout_s: float = Field(
         60.0, gt=0.0, description="a tensor-parallel collective that waits longer than this for a rank (hung or gone) "
         "fails: the engine raises and a worker exits, so its launcher restarts it with all its ranks")

@@ -116,9 +116,13 @@ def test_override_flags_are_the_flags_that_set_those_overrides():
     from deploy.config_flags import config_overrides, override_flags
 
     for overrides in [*TANDEM_CONFIGS.values(),
-                      {"model": {"model_path": "/ckpt", "served_model_name": "a,b"}, "max_batch_size": 8,
+                      {"model": {"model_path": "/ckpt", "served_model_name": "a,b", "dtype": "bfloat16"},
+                       "max_batch_size": 8,
                        "kv_cache": {"page_size": 4}, "enable_chunked_prefill": False}]:
         args = build_parser().parse_args(["up", *override_flags(overrides)])
         assert config_overrides(args) == overrides
     with pytest.raises(ValueError, match="model.seed"):
         override_flags({"model": {"seed": 3}})
+    # vLLM's --dtype, on every command
+    assert build_config(config_overrides(build_parser().parse_args(["prefill", "--dtype", "bfloat16"]))).model.dtype \
+        == "bfloat16"
