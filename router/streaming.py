@@ -97,12 +97,14 @@ class OutputBuilder:
             is_stop_token = (
                 i == num_tokens - 1 and delta.stop_token_id is not None and token_id == delta.stop_token_id
             )
+            offset = len(self.text)
+            if self._params.logprobs is not None and delta.logprobs is not None and i < len(delta.logprobs):
+                # the stop token (EOS, stop_token_ids) too, as vLLM lists it: one entry per completion token,
+                # though its text is not part of the answer
+                piece.logprobs.append(self._entry(delta.logprobs[i], token_id, self._text_base + offset))
             if is_stop_token:
                 break
-            offset = len(self.text)
             new_text = self._detok.add([token_id])
-            if self._params.logprobs is not None and delta.logprobs is not None and i < len(delta.logprobs):
-                piece.logprobs.append(self._entry(delta.logprobs[i], token_id, self._text_base + offset))
             if self._append(new_text, piece):
                 return self._prefixed(echo, self._emit(piece))
         if delta.finish_reason is not None:

@@ -67,6 +67,21 @@ def test_final_stop_token_is_counted_but_not_rendered(served_model):
     assert builder.usage() == {"prompt_tokens": 5, "completion_tokens": len(ids), "total_tokens": 5 + len(ids)}
 
 
+def test_the_stop_token_has_a_logprob_entry_as_every_counted_token(served_model):
+    """vLLM lists the EOS (or a stop_token_ids token) in logprobs too: one entry per completion token, the stop
+    token's at the end of the text it does not add to."""
+    tok = served_model.tokenizer
+    ids = tok.encode("Hello") + [tok.convert_tokens_to_ids("<|user|>")]
+    builder = OutputBuilder(served_model, SamplingParams(logprobs=0, skip_special_tokens=False), 5)
+    stream = deltas(ids, FinishCode.STOP, stop_token_id=ids[-1])
+    for position, delta in enumerate(stream):
+        delta.logprobs = [[TokenLogprob(ids[position], -0.5 - position)]]
+    out, pieces = run(builder, stream)
+    entries = [entry for piece in pieces for entry in piece.logprobs]
+    assert out == "Hello" and len(entries) == len(ids) == builder.usage()["completion_tokens"]
+    assert entries[-1].logprob == -0.5 - (len(ids) - 1) and entries[-1].text_offset == len("Hello")
+
+
 def test_errors_and_aborts_surface_as_errors(served_model):
     builder = OutputBuilder(served_model, SamplingParams(), 5)
     piece = builder.add(TokenDelta(request_id="r", finish_reason=FinishCode.ERROR, error="KV transfer failed"))
