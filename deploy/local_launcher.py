@@ -29,8 +29,11 @@ starts ranks 1..N-1 itself and exits when one of them dies; a restart starts all
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -343,9 +346,24 @@ class LocalCluster:
         with self._lock:
             self.processes.clear()
         self.spawner.close()  # every process has ended: its forking thread may go
-        for leftover in self._workdir.glob("zmq-*"):  # ipc socket files; logs stay for the user
-            leftover.unlink(missing_ok=True)
+        self._remove_work_files()
         remove_shared_kv_files_of(self.started_pids)  # shared KV caches of workers that had to be killed
+
+    def _remove_work_files(self) -> None:
+        """What the cluster left on disk but the logs: the ipc socket files under its ``zmq_endpoint_base`` (a
+        killed process leaves its own), the config file and the cluster key; the work dir itself unless the
+        logs are in it."""
+        base = str(self.config["zmq_endpoint_base"])
+        if base.startswith("ipc://"):
+            base_path = Path(base[len("ipc://"):])
+            for leftover in base_path.parent.glob(base_path.name + "-*"):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISSOCK(leftover.lstat().st_mode):
+                        leftover.unlink()
+        (self._workdir / "cluster.yaml").unlink(missing_ok=True)
+        shutil.rmtree(self._workdir / "cluster-key", ignore_errors=True)
+        with contextlib.suppress(OSError):  # not empty: the logs are here, for the user
+            self._workdir.rmdir()
 
     def force_stop(self) -> None:
         """Cut a ``stop()`` in progress short (from another thread or a signal handler): whatever

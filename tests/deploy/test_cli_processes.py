@@ -31,10 +31,14 @@ def wait_ready(url: str, procs: list[subprocess.Popen], num_workers: int, timeou
 
 
 def test_tandem_up_serves_and_stops_every_process_on_sigterm(tiny_checkpoint, tmp_path):
+    """... and leaves nothing on disk but its logs: no socket file under its ipc:// base, no work dir (config
+    file, cluster key)."""
     port = free_port()
+    (tmp_path / "ipc").mkdir()
     launcher = subprocess.Popen(
         [*TANDEM, "up", "--prefill", "1", "--decode", "1", "--model", tiny_checkpoint("llama"), "--port", str(port),
-         "--log-dir", str(tmp_path), "--kv-cache-num-blocks", "128"],
+         "--log-dir", str(tmp_path / "logs"), "--kv-cache-num-blocks", "128",
+         "--zmq-endpoint-base", f"ipc://{tmp_path}/ipc/cluster"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     children: list[int] = []
@@ -50,6 +54,9 @@ def test_tandem_up_serves_and_stops_every_process_on_sigterm(tiny_checkpoint, tm
         assert f"http://127.0.0.1:{port}/v1" in lines[-1]
         children = cluster_processes(launcher.pid)
         assert len(children) == 3  # router, prefill, decode
+        arguments = Path(f"/proc/{children[0]}/cmdline").read_bytes().decode().split("\0")
+        work_dir = Path(next(a for a in arguments if a.endswith("cluster.yaml"))).parent
+        assert list((tmp_path / "ipc").iterdir())  # the sockets, while it runs
         out = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                          json={"model": Path(tiny_checkpoint("llama")).name, "prompt": "Hi", "max_tokens": 4},
                          timeout=60)
@@ -57,6 +64,8 @@ def test_tandem_up_serves_and_stops_every_process_on_sigterm(tiny_checkpoint, tm
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=30) == 0
         assert not [pid for pid in children if is_alive(pid)]
+        assert list((tmp_path / "ipc").iterdir()) == [] and not work_dir.exists()
+        assert list((tmp_path / "logs").glob("*.log"))
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
