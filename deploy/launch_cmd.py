@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from deploy.checkpoint_check import check_checkpoint
     from deploy.cpu_plan import describe_plan, plan_cores, router_cores
     from deploy.local_launcher import ClusterError, LocalCluster
-    from deploy.tensor_parallel_plan import worker_tensor_parallel_sizes
+    from deploy.tensor_parallel_plan import check_tensor_parallel_workers, worker_tensor_parallel_sizes
     from pipeline.core_list import format_core_list
     from pipeline.cpu_placement import allowed_cores
 
@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         args.prefill or 0, args.decode or 0, args.colocated, config.tensor_parallel_size,
         args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size, device=config.model.device,
         transport=config.transfer.transport)  # what a role cannot run with several ranks: refused here
+    check_tensor_parallel_workers(config, tensor_parallel_sizes)  # and what this checkpoint cannot split
     pool = allowed_cores(config.cpu_cores)  # a core that is not ours is an error here, not in every worker
     cpu_plan = plan_cores(pool, args.prefill or 0, args.decode or 0, args.colocated, share=args.share_cores,
                           num_ranks=tensor_parallel_sizes)

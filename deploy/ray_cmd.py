@@ -114,7 +114,7 @@ def _up_options(args: argparse.Namespace):
     from deploy.ray_cluster.deployment import UpOptions
     from deploy.checkpoint_check import check_checkpoint
     from deploy.ray_cluster.spec import check_deployment_name, parse_resources
-    from deploy.tensor_parallel_plan import worker_tensor_parallel_sizes
+    from deploy.tensor_parallel_plan import check_tensor_parallel_workers, worker_tensor_parallel_sizes
     from pipeline.core_list import parse_core_list
 
     if args.max_restarts < 0:
@@ -135,6 +135,7 @@ def _up_options(args: argparse.Namespace):
         raise ValueError("zmq_endpoint_base: a Ray deployment spans nodes, so it needs tcp://HOST:PORT "
                          "(or leave it unset: tcp://ROUTER_NODE:--zmq-port)")
     check_checkpoint(config.model.model_path)  # a checkpoint we cannot serve: one clear error, no actor started
+    check_tensor_parallel_workers(config, num_ranks)  # and one its workers of several ranks cannot split
     # Only what the operator set travels: a default written out would read as the operator's choice in
     # every process (the API's max_tokens default among them).
     overrides = config.model_dump(mode="json", exclude={"config_file", "section_name", "pipeline_role"},

@@ -10,9 +10,31 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.parallel.shard_spec import TensorParallelError
+from pipeline.parallel.shard_spec import TensorParallelError, UnsupportedTensorParallel
 
-__all__ = ["TensorParallelError", "load_tensor_parallel_model"]
+__all__ = ["TensorParallelError", "UnsupportedTensorParallel", "check_tensor_parallel_setup",
+           "load_tensor_parallel_model"]
+
+
+def check_tensor_parallel_setup(config, role, size: int, model_path: str):
+    """``UnsupportedTensorParallel`` naming what a ``role`` worker of ``size`` ranks cannot run with ``config`` (the
+    checkpoint at ``model_path``, speculative decoding); returns the checkpoint's ``hf_config``. Reads the config
+    files only: the engine calls it before it starts any rank, a launcher before it starts any process."""
+    from pipeline.config import PipelineRole
+    from pipeline.parallel.shard_spec import check_checkpoint
+    from pipeline.weights import load_hf_config
+
+    if config.is_speculative and config.draft_model.model_path is None:
+        raise UnsupportedTensorParallel(
+            f"tensor_parallel_size={size} with speculative decoding needs a draft checkpoint "
+            "(draft_model.model_path): the target cannot draft for itself across its ranks")
+    if config.is_speculative and role is not PipelineRole.PrefillAndDecode:
+        raise UnsupportedTensorParallel(
+            f"tensor_parallel_size={size} with speculative decoding runs on colocated workers only: a {role.value} "
+            "worker ships the draft's KV with the target's, and the draft is not split across the ranks")
+    hf_config = load_hf_config(model_path)
+    check_checkpoint(model_path, hf_config, size, config.model.quantization)
+    return hf_config
 
 
 def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, device: str):
@@ -24,25 +46,15 @@ def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, devi
     ``config.tensor_parallel_timeout_s`` for a rank (stuck or gone) raises instead of hanging. Refuses, with
     ``TensorParallelError`` naming it, whatever tensor parallelism does not run yet.
     """
-    from pipeline.config import PipelineRole
     from pipeline.cpu_placement import rank_placement
     from pipeline.parallel.model import Collectives, load_shard
     from pipeline.parallel.ranks import STARTUP_TIMEOUT_S, RankGroup, rank_device
-    from pipeline.parallel.shard_spec import check_checkpoint
-    from pipeline.weights import load_hf_config
 
     size = config.tensor_parallel_size
-    if config.is_speculative and config.draft_model.model_path is None:
-        raise TensorParallelError(f"tensor_parallel_size={size} with speculative decoding needs a draft checkpoint "
-                                  "(draft_model.model_path): the target cannot draft for itself across its ranks")
-    if config.is_speculative and config.pipeline_role is not PipelineRole.PrefillAndDecode:
-        raise TensorParallelError(f"tensor_parallel_size={size} with speculative decoding runs on colocated workers "
-                                  f"only: a {config.pipeline_role.value} worker ships the draft's KV with the target's, "
-                                  "and the draft is not split across the ranks")
     if str(device).startswith("cuda") and torch.cuda.device_count() < size:
-        raise TensorParallelError(f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} visible")
-    hf_config = load_hf_config(model_path)
-    check_checkpoint(model_path, hf_config, size, config.model.quantization)
+        raise UnsupportedTensorParallel(f"tensor_parallel_size={size} needs {size} GPUs; "
+                                        f"{torch.cuda.device_count()} visible")
+    hf_config = check_tensor_parallel_setup(config, config.pipeline_role, size, model_path)
     timeout_s = config.tensor_parallel_timeout_s
     placements = [rank_placement(config, rank) for rank in range(1, size)]  # each child's cores and threads
     group = RankGroup(size, model_path, dtype, device, config.kernel_backend, config.model.cpu_weight_prepack,

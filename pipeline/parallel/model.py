@@ -28,7 +28,7 @@ from pipeline.models.layers import empty_parameter
 from pipeline.models.llama import LlamaFamilyForCausalLM
 from pipeline.models.llama_moe import LlamaMoeFamilyForCausalLM
 from pipeline.models.registry import resolve_model_class
-from pipeline.parallel.shard_spec import ShardSpec, TensorParallelError, read_shards
+from pipeline.parallel.shard_spec import ShardSpec, TensorParallelError, UnsupportedTensorParallel, read_shards
 from pipeline.quantization.config import quantization_spec
 from pipeline.weights import load_checkpoint_weights
 
@@ -183,7 +183,7 @@ def load_shard(hf_config, model_path: str, dtype: torch.dtype, device, collectiv
     shard here: rank 0 with its ``driver``)."""
     model_class = resolve_model_class(hf_config)
     if model_class not in SHARD_CLASSES:  # check_supported refuses these first, by architecture
-        raise TensorParallelError(f"no tensor-parallel shard of {model_class.__name__}")
+        raise UnsupportedTensorParallel(f"no tensor-parallel shard of {model_class.__name__}")
     quantized = quantization_spec(read_config_json(model_path))
     spec = ShardSpec.of(hf_config, collectives.rank, collectives.size,
                         scale_block=None if quantized is None else quantized.block_size)

@@ -49,33 +49,38 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel setup Tandem cannot run, or a rank that failed, died or stopped answering."""
 
 
+class UnsupportedTensorParallel(TensorParallelError, ValueError):
+    """A setup tensor parallelism cannot run (the checkpoint, the size, the mode): the user's to change, refused
+    before any rank starts (a ``ValueError``: the CLI prints its message, not a traceback)."""
+
+
 def check_supported(hf_config, tensor_parallel_size: int, quantization: str | None, config_json: dict) -> None:
     """Raise ``TensorParallelError`` naming what ``tensor_parallel_size`` > 1 cannot run for this checkpoint."""
     tp = tensor_parallel_size
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not any(name in TENSOR_PARALLEL_ARCHITECTURES for name in architectures):
-        raise TensorParallelError(
+        raise UnsupportedTensorParallel(
             f"tensor_parallel_size={tp} is not supported for architecture {', '.join(architectures) or '(none)'}; "
             f"tensor parallelism runs {', '.join(TENSOR_PARALLEL_ARCHITECTURES)} (see docs/tensor-parallel.md)")
     quantized = quantization_spec(config_json)
     if quantized is not None and quantized.weight_type == "mxfp4":
         per_rank = hf_config.intermediate_size // tp
         if hf_config.intermediate_size % tp or per_rank % MXFP4_GROUP_SIZE:
-            raise TensorParallelError(
+            raise UnsupportedTensorParallel(
                 f"tensor_parallel_size={tp} splits each MXFP4 expert's intermediate_size={hf_config.intermediate_size} "
                 f"into {hf_config.intermediate_size / tp:g} columns a rank, not whole {MXFP4_GROUP_SIZE}-value blocks "
                 "(gpt-oss-20b and -120b, intermediate_size 2880: tensor_parallel_size 2)")
     num_heads = hf_config.num_attention_heads
     num_kv_heads = ShardSpec.of(hf_config, 0, tp).num_kv_heads
     if num_heads % tp:
-        raise TensorParallelError(
+        raise UnsupportedTensorParallel(
             f"tensor_parallel_size={tp} must divide num_attention_heads={num_heads}")
     if num_kv_heads % tp and tp % num_kv_heads:
-        raise TensorParallelError(
+        raise UnsupportedTensorParallel(
             f"tensor_parallel_size={tp} and num_key_value_heads={num_kv_heads}: one must divide the other")
     for field, size in split_mlp_sizes(hf_config).items():
         if size % tp:
-            raise TensorParallelError(f"tensor_parallel_size={tp} must divide {field}={size}")
+            raise UnsupportedTensorParallel(f"tensor_parallel_size={tp} must divide {field}={size}")
     if quantized is not None and quantized.block_size is not None:
         _check_block_cuts(hf_config, tp, quantized.block_size)
 
@@ -288,7 +293,7 @@ class ShardSpec:
             blocks = -(-length // block)
             ends_the_tensor = shape is not None and start // block + blocks == shape[weight_cut.dim]
             if start % block or (length % block and not ends_the_tensor):
-                raise TensorParallelError(
+                raise UnsupportedTensorParallel(
                     f"{name}: tensor_parallel_size={self.size} cuts its weight at {start}:{start + length} along "
                     f"dimension {weight_cut.dim}, not on the checkpoint's {block}-wide quantization blocks "
                     f"(weight_block_size {list(self.scale_block)}); use a tensor_parallel_size whose slices are "

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,11 +36,11 @@ def test_tandem_up_serves_and_stops_every_process_on_sigterm(tiny_checkpoint, tm
     """... and leaves nothing on disk but its logs: no socket file under its ipc:// base, no work dir (config
     file, cluster key)."""
     port = free_port()
-    (tmp_path / "ipc").mkdir()
+    ipc_dir = Path(tempfile.mkdtemp(prefix="up-"))  # short: a Unix socket's path has ~107 bytes
     launcher = subprocess.Popen(
         [*TANDEM, "up", "--prefill", "1", "--decode", "1", "--model", tiny_checkpoint("llama"), "--port", str(port),
          "--log-dir", str(tmp_path / "logs"), "--kv-cache-num-blocks", "128",
-         "--zmq-endpoint-base", f"ipc://{tmp_path}/ipc/cluster"],
+         "--zmq-endpoint-base", f"ipc://{ipc_dir}/c"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     children: list[int] = []
@@ -56,7 +58,7 @@ def test_tandem_up_serves_and_stops_every_process_on_sigterm(tiny_checkpoint, tm
         assert len(children) == 3  # router, prefill, decode
         arguments = Path(f"/proc/{children[0]}/cmdline").read_bytes().decode().split("\0")
         work_dir = Path(next(a for a in arguments if a.endswith("cluster.yaml"))).parent
-        assert list((tmp_path / "ipc").iterdir())  # the sockets, while it runs
+        assert list(ipc_dir.iterdir())  # the sockets, while it runs
         out = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                          json={"model": Path(tiny_checkpoint("llama")).name, "prompt": "Hi", "max_tokens": 4},
                          timeout=60)
@@ -64,7 +66,7 @@ def test_tandem_up_serves_and_stops_every_process_on_sigterm(tiny_checkpoint, tm
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=30) == 0
         assert not [pid for pid in children if is_alive(pid)]
-        assert list((tmp_path / "ipc").iterdir()) == [] and not work_dir.exists()
+        assert list(ipc_dir.iterdir()) == [] and not work_dir.exists()
         assert list((tmp_path / "logs").glob("*.log"))
     finally:
         if launcher.poll() is None:
@@ -72,6 +74,7 @@ def test_tandem_up_serves_and_stops_every_process_on_sigterm(tiny_checkpoint, tm
         for pid in children:
             if is_alive(pid):
                 os.killpg(pid, signal.SIGKILL)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 def test_one_process_per_role_over_tcp(tiny_checkpoint, tmp_path):

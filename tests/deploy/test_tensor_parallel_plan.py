@@ -12,8 +12,10 @@ from deploy.tensor_parallel_plan import worker_tensor_parallel_sizes
 
 def test_each_role_takes_its_tensor_parallel_size():
     assert worker_tensor_parallel_sizes(0, 0, 2, 2) == {"colocated-0": 2, "colocated-1": 2}
-    # the P/D flags apply to their roles only
-    assert worker_tensor_parallel_sizes(0, 0, 1, 1, prefill_size=4, decode_size=2) == {"colocated-0": 1}
+    # the P/D flags apply to their roles only, and a role with no workers cannot be given one (it would do nothing)
+    with pytest.raises(ValueError, match=r"--prefill-tensor-parallel-size 4: there is no prefill worker to run it"):
+        worker_tensor_parallel_sizes(0, 0, 1, 1, prefill_size=4, decode_size=2)
+    assert worker_tensor_parallel_sizes(0, 1, 1, 1, decode_size=2) == {"decode-0": 2, "colocated-0": 1}
     assert worker_tensor_parallel_sizes(1, 1, 1, 2, prefill_size=1, decode_size=1) == {
         "prefill-0": 1, "decode-0": 1, "colocated-0": 2}
     assert worker_tensor_parallel_sizes(1, 2, 0, 1, prefill_size=2) == {"prefill-0": 2, "decode-0": 1, "decode-1": 1}
@@ -41,6 +43,22 @@ def test_tandem_up_refuses_before_starting_anything(capsys):
     assert "tandem up: error:" in error and "transfer.transport: 'shm' writes one cache in place" in error
     assert main(["up", "--colocated", "1", "--tensor-parallel-size", "0"]) == 2  # the config field's own check
     assert "tensor_parallel_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefill-tensor-parallel-size", "3"], "PrefillOnly workers of 3 ranks: tensor_parallel_size=3 must divide "
+                                              "num_attention_heads=4"),
+    (["--tensor-parallel-size", "2", "--speculative-num-speculative-tokens", "2"],
+     "DecodeOnly workers of 2 ranks: tensor_parallel_size=2 with speculative decoding needs a draft checkpoint"),
+])
+def test_tandem_up_refuses_what_the_checkpoint_cannot_split_before_starting_anything(flags, message, tiny_checkpoint,
+                                                                                    capsys, monkeypatch):
+    import deploy.local_launcher
+
+    monkeypatch.setattr(deploy.local_launcher, "LocalCluster", lambda **kwargs: pytest.fail("a cluster was started"))
+    assert main(["up", "--prefill", "1", "--decode", "1", "--model", tiny_checkpoint("llama"), *flags]) == 2
+    error = capsys.readouterr().err
+    assert f"tandem up: error: {message}" in error and "Traceback" not in error
 
 
 def test_a_worker_of_a_prefill_or_decode_role_refuses_what_its_ranks_cannot_run(capsys):
