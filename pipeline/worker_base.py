@@ -94,11 +94,21 @@ class WorkerBase:
                     poller.poll(IDLE_POLL_MS)
         except TensorParallelError as exc:  # a rank died or hung: the worker exits and is restarted whole
             logger.critical("worker %s: %s; exiting (its launcher restarts it with all its ranks)", self.worker_id, exc)
+            self._stop_routing_here_quietly()
             self._fail_in_flight_quietly(f"worker {self.worker_id} lost a tensor-parallel rank")
             self.engine.close_ranks(has_failed=True)  # a hung rank is killed now, not after a grace
             raise
         finally:
             self.close()
+
+    def _stop_routing_here_quietly(self) -> None:
+        """Tell the router at once that nothing new may come here (a draining worker's report), so it does not
+        send requests to a worker about to exit until it misses its heartbeats; best effort."""
+        try:
+            self.is_draining = True
+            self.link.report_now(self._load_report())
+        except Exception:  # noqa: BLE001 - the exit that follows is what matters
+            logger.exception("worker %s: could not report that it is going", self.worker_id)
 
     def _fail_in_flight_quietly(self, reason: str) -> None:
         """Every request here ends retryable (the router migrates them now, not after the heartbeat silence);

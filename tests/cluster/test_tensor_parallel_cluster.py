@@ -144,9 +144,14 @@ def wait_restarted(cluster, old: dict, worker: str = TP_WORKER) -> dict:
 
 
 def test_a_rank_that_dies_while_its_worker_idles_takes_it_down(cluster):
-    """No request runs, so no collective fails: rank 0's loop notices the exit by itself."""
+    """No request runs, so no collective fails: rank 0's loop notices the exit by itself, and tells the router at
+    once that nothing new may come (draining) instead of leaving it to send there until the heartbeats stop."""
     before = worker_entry(cluster.url, TP_WORKER)
     os.kill(before["rank_pids"][0], signal.SIGKILL)
+    deadline = time.monotonic() + 2  # the heartbeat timeout would take 3 s
+    while not worker_entry(cluster.url, TP_WORKER)["draining"]:
+        assert time.monotonic() < deadline, "the router was not told the worker is going"
+        time.sleep(0.02)
     wait_restarted(cluster, before)
 
 
