@@ -19,7 +19,8 @@ The router serves from its first ``/ready`` 200; from that moment a background t
 is restarted, never a start-up failure): a process that exits is started again (same command, its log
 appended to) until it crashes ``max_restarts`` times in a row. An exited process's shared-memory KV
 cache is removed as soon as its exit is seen, and every started process's at ``stop()``.
-Restarted workers re-register with the router by themselves. Every supervision event goes to
+Restarted workers re-register with the router by themselves. What the cluster keeps on disk (its work dir,
+config file, generated cluster key, socket files) is ``deploy.cluster_files``'; ``stop()`` leaves only the logs. Every supervision event goes to
 ``on_event`` (``tandem up`` prints it; default: this module's logger) and to ``launcher.log``.
 ``failure`` says why the cluster cannot serve any more (router or every decode-capable worker given up).
 With a ``cpu_plan`` (``deploy.cpu_plan``) each worker is started bound to its own cores, and the
@@ -29,13 +30,9 @@ starts ranks 1..N-1 itself and exits when one of them dies; a restart starts all
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import shutil
 import signal
-import stat
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,8 +40,8 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
-import yaml
 
+from deploy.cluster_files import ClusterFiles
 from deploy.local_spawner import ProcessSpawner
 from deploy.process_group import terminate_groups
 from deploy.supervisor import RestartPolicy, Supervisor, SupervisorEvent
@@ -101,28 +98,16 @@ class LocalCluster:
         self._is_forced = threading.Event()  # stop without waiting: the user asked twice
         self._supervisor: Supervisor | None = None
         self._supervision_thread: threading.Thread | None = None
-        self._workdir = Path(tempfile.mkdtemp(prefix="tandem-"))
+        self._files = ClusterFiles()
         self.started_pids: set[int] = set()  # every process this cluster ever started (restarts included)
-        self.log_dir = Path(self.log_dir) if self.log_dir else self._workdir / "logs"
+        self.log_dir = Path(self.log_dir) if self.log_dir else self._files.default_log_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.spawner = ProcessSpawner(self.log_dir, self.entry_module, self.env, self.use_fork_server)
         self.config = dict(self.config)
-        self.config.setdefault("zmq_endpoint_base", f"ipc://{self._workdir}/zmq")
+        self.config.setdefault("zmq_endpoint_base", self._files.default_endpoint_base)
         if self.model_path is not None:
             self.config.setdefault("model", {})["model_path"] = str(self.model_path)
-        self._make_cluster_key()
-
-    def _make_cluster_key(self) -> None:
-        """A ``tcp://`` cluster given no key (and not told ``insecure_cluster``) gets a fresh one in its
-        work dir, owner-only, passed to every process through the config file (docs/security.md)."""
-        security = self.config.get("security") or {}
-        if (not str(self.config["zmq_endpoint_base"]).startswith("tcp://") or security.get("cluster_key_file")
-                or security.get("insecure_cluster")):
-            return
-        from pipeline.security import generate_cluster_key
-
-        key_file = generate_cluster_key(self._workdir / "cluster-key")  # the work dir is 0700 (mkdtemp)
-        self.config["security"] = {**security, "cluster_key_file": str(key_file)}
+        self._files.add_cluster_key(self.config)
 
     @property
     def url(self) -> str:
@@ -159,9 +144,7 @@ class LocalCluster:
             from pipeline.builtin_model import builtin_model_path  # build once here, not in every child
 
             builtin_model_path()
-        config_path = self._workdir / "cluster.yaml"
-        config_path.write_text(yaml.safe_dump({"cluster": self.config}))
-        common = ["--config", str(config_path), "--section", "cluster"]
+        common = self._files.write_config(self.config)
         router_args = ["router", "--host", self.host, "--port", str(self.port), *self.router_options]
         if self.api_key:
             router_args += ["--api-key", self.api_key]
@@ -346,24 +329,8 @@ class LocalCluster:
         with self._lock:
             self.processes.clear()
         self.spawner.close()  # every process has ended: its forking thread may go
-        self._remove_work_files()
+        self._files.remove(str(self.config["zmq_endpoint_base"]))  # all but the logs
         remove_shared_kv_files_of(self.started_pids)  # shared KV caches of workers that had to be killed
-
-    def _remove_work_files(self) -> None:
-        """What the cluster left on disk but the logs: the ipc socket files under its ``zmq_endpoint_base`` (a
-        killed process leaves its own), the config file and the cluster key; the work dir itself unless the
-        logs are in it."""
-        base = str(self.config["zmq_endpoint_base"])
-        if base.startswith("ipc://"):
-            base_path = Path(base[len("ipc://"):])
-            for leftover in base_path.parent.glob(base_path.name + "-*"):
-                with contextlib.suppress(OSError):
-                    if stat.S_ISSOCK(leftover.lstat().st_mode):
-                        leftover.unlink()
-        (self._workdir / "cluster.yaml").unlink(missing_ok=True)
-        shutil.rmtree(self._workdir / "cluster-key", ignore_errors=True)
-        with contextlib.suppress(OSError):  # not empty: the logs are here, for the user
-            self._workdir.rmdir()
 
     def force_stop(self) -> None:
         """Cut a ``stop()`` in progress short (from another thread or a signal handler): whatever

@@ -52,7 +52,7 @@ def is_a_response_format(body: Any) -> bool:
     calls under ``tool_choice`` auto may replace) rather than vLLM's ``structured_outputs`` (a constraint on
     the whole text, calls included, as vLLM applies it)."""
     response_format = getattr(body, "response_format", None)
-    return isinstance(response_format, dict) and response_format.get("type") in ("json_object", "json_schema")
+    return response_format is not None and _from_response_format(response_format) is not None
 
 
 def _from_response_format(value: Any) -> StructuredOutput | None:

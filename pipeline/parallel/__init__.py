@@ -44,7 +44,8 @@ def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, devi
     Qwen3-MoE and Mixtral); ``model.driver`` is the ``RankGroup`` (close it to stop
     the other ranks; it is also closed when garbage-collected and at exit). A collective that waits longer than
     ``config.tensor_parallel_timeout_s`` for a rank (stuck or gone) raises instead of hanging. Refuses, with
-    ``TensorParallelError`` naming it, whatever tensor parallelism does not run yet.
+    ``UnsupportedTensorParallel`` naming it, whatever tensor parallelism does not run (``check_tensor_parallel_setup``),
+    before any rank starts.
     """
     from pipeline.cpu_placement import rank_placement
     from pipeline.parallel.model import Collectives, load_shard

@@ -28,7 +28,7 @@ import torch
 
 from pipeline.checkpoint_files import read_config_json
 from pipeline.quantization.config import quantization_spec
-from pipeline.quantization.loading import SCALE_LEAVES
+from pipeline.quantization.loading import SCALE_LEAVES, UNUSED_LEAVES
 from pipeline.quantization.mxfp4 import GROUP_SIZE as MXFP4_GROUP_SIZE
 from pipeline.weights import open_weight_files
 
@@ -42,7 +42,7 @@ TENSOR_PARALLEL_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + LATENT
 
 
 # a quantized layer's activation scales and zero point: one value per tensor, whole on every rank
-PER_TENSOR_LEAVES = ("input_scale", "activation_scale", "output_scale", "input_zero_point")
+PER_TENSOR_LEAVES = (*UNUSED_LEAVES, "input_zero_point")
 
 
 class TensorParallelError(RuntimeError):
@@ -284,9 +284,9 @@ class ShardSpec:
         weight_cut = self.slice_of(name.rpartition(".")[0] + ".weight")
         if weight_cut is None or (shape is not None and math.prod(shape) == 1):
             return None
-        if self.scale_block is None:
-            is_input_cut = shape is not None and weight_cut.dim == len(shape) - 1 and shape[-1] == 1
-            return None if is_input_cut or (shape is not None and weight_cut.dim >= len(shape)) else weight_cut
+        if self.scale_block is None:  # per channel: the weight's input dimension is the scale's trailing 1, or past it
+            input_dim = None if shape is None else len(shape) - 1 if shape[-1] == 1 else len(shape)
+            return None if weight_cut.dim == input_dim else weight_cut
         block = self.scale_block[weight_cut.dim]
         ranges = []
         for start, length in weight_cut.ranges:
