@@ -250,10 +250,6 @@ def not_implemented() -> dict:
     if not source_has("pipeline", "CUDAGraph", "cuda.graph("):
         facts["cuda_graphs"] = ("pipeline/model_runner.py captures no CUDA graphs: every decode step is launched "
                                 "eagerly, so there is no graphs-on/graphs-off comparison to run")
-    if not source_has("kv_transfer", "_share_cuda_", "cudaIpc", "cuda_ipc", "ipc_handle"):
-        facts["cuda_ipc_transport"] = ("kv_transfer has transports 'shm' (CPU caches in /dev/shm) and 'zmq'; a CUDA "
-                                       "cache goes over 'zmq': packed on the device, copied through host memory, "
-                                       "unpacked on the device")
     return facts
 
 

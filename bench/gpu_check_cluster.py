@@ -4,14 +4,14 @@ compared with the colocated engine's (the offline ``LLM``: prefill and decode in
 dtype and chunking), and every KV block back in both workers' pools afterwards.
 
 fp32 on purpose: two correct bf16 runs with differently composed batches may part at near-ties, fp32 ones
-do not. What transport moved the KV is recorded as seen: "shm" when the decode worker's cache is a
-/dev/shm file, else "zmq" (a CUDA cache: packed on the device, through host memory, unpacked on the device).
+do not. What transport moved the KV is read from the decode worker's log (its receiver logs each accepted
+handshake): on a GPU it must be "cuda_ipc" (the prefill worker writes into the decode worker's cache, device to
+device), on the CPU dry run "shm".
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import re
 import shutil
 import socket
@@ -76,6 +76,12 @@ def poll_metrics(url: str, read, is_done, timeout_s: float):
         time.sleep(0.25)
 
 
+def handshake_transports(decode_log: Path) -> list[str]:
+    """The transports the decode worker's KV receiver accepted, from its log lines."""
+    text = decode_log.read_text(errors="replace") if decode_log.exists() else ""
+    return sorted(set(re.findall(r"handshake accepted, transport (\w+)", text)))
+
+
 def wait_for_blocks_back(url: str, workers: list[str], timeout_s: float = 15.0) -> dict:
     """{worker: (used, free)} once every worker reports 0 used and all blocks free (heartbeats lag ~0.5 s)."""
     def read(samples):
@@ -137,8 +143,6 @@ def run(args) -> dict:
         cluster.start(timeout_s=120)
         result["cluster_start_s"] = round(time.monotonic() - t0, 2)
         pids = cluster.pids
-        decode_pid = pids["decode-0"]
-        result["transport"] = "shm" if glob.glob(f"/dev/shm/tandem-kv.{decode_pid}.*") else "zmq"
         if args.device.startswith("cuda"):
             on_gpu = gpu_processes()  # empty where nvidia-smi cannot see processes (another pid namespace)
             result["workers_on_gpu"] = ({name: pids[name] in on_gpu for name in ("prefill-0", "decode-0")} if on_gpu
@@ -171,6 +175,7 @@ def run(args) -> dict:
         result["blocks_back"] = wait_for_blocks_back(url, ["prefill-0", "decode-0"])
         transfer = wait_for_transfers(url, "decode-0", minimum=0)  # the final counts
         result["transfer_counters_decode"] = transfer
+        result["transports"] = handshake_transports(work / "logs" / "decode-0.log")
         seconds = transfer.get("tandem_kv_transfer_seconds_total", 0.0)
         moved = transfer.get("tandem_kv_transfer_bytes_total", 0.0)
         result["transfer_gbps_in_cluster"] = round(moved / seconds / 1e9, 3) if seconds else None
@@ -190,6 +195,9 @@ def run(args) -> dict:
     if num_transfers < len(prompts) // 2:
         problems.append(f"only {num_transfers:.0f} KV transfers for {len(prompts)} distinct prompts: the prefill "
                         "worker did not take them")
+    wanted = "cuda_ipc" if args.device.startswith("cuda") else "shm"
+    if result.get("transports") != [wanted]:
+        problems.append(f"the KV went over {result.get('transports')}, not {wanted!r} alone")
     if isinstance(result.get("workers_on_gpu"), dict) and not all(result["workers_on_gpu"].values()):
         problems.append(f"not every worker holds GPU memory: {result.get('workers_on_gpu')}")
     result["ok"] = not problems

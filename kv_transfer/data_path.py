@@ -1,4 +1,4 @@
-"""Moving the bytes of one piece: pack for the wire, copy in place (shm) or land a frame, checksumming each.
+"""Moving the bytes of one piece: pack for the wire, copy in place (shm, cuda_ipc) or land a frame, checksumming each.
 
 On the CPU a piece is one call of the native copy-and-checksum (``kv_transfer.native``) over byte views
 of the caches (``byte_pages``): every (layer, K/V) stretch of every run of consecutive blocks is read
@@ -6,7 +6,8 @@ once, for the copy and the checksum together. Without the extension, each run is
 (libc ``memcpy``) followed by the torch checksum of the run while it is still in CPU cache. The
 checksum is taken over what is copied: P's source pages, and on D the pages as they land (zmq) or as
 they sit in the cache (shm, where P wrote them). On a GPU the kernels (``pack_kv_blocks`` /
-``unpack_kv_blocks``) move a piece in one launch and the checksum runs on the device.
+``unpack_kv_blocks``) move a piece in one launch and the checksum runs on the device; with CUDA IPC the
+piece is gathered on P's device and scattered into D's cache, opened in P's process (``write_piece_on_device``).
 
 Sending views of the cache instead of packing (zero-copy, one frame per (layer, K/V, run)) was measured
 and dropped: with the block-major pieces used here a region is at most one piece's blocks (4, 128 KiB,
@@ -26,6 +27,7 @@ from kernels import Kernels
 from kv_transfer import native
 from kv_transfer.blocks import Piece, paired_runs, runs
 from kv_transfer.checksum import KVChecksum
+from kv_transfer.cuda_ipc import synchronize
 from kv_transfer.sharded_cache import ShardedKVCache
 
 
@@ -115,6 +117,19 @@ def write_piece_in_place(
         np.copyto(dst_pages[:, :, dst : dst + n], src_pages[:, :, src : src + n])
         sums.append(checksum.block_sums(kv_cache, layers, src, n))  # the source run, still hot
     checksum.add_block_sums(torch.cat(sums, dim=2))
+
+
+def write_piece_on_device(kernels: Kernels, kv_cache: torch.Tensor, dst_cache: torch.Tensor, piece: Piece,
+                          checksum: KVChecksum) -> None:
+    """P, cuda_ipc: gather the piece on P's device (checksummed there), scatter it into the receiver's cache
+    (``dst_cache``, opened from its IPC handle; on another GPU the packed piece crosses once, peer to peer where
+    the GPUs allow it), and return once every byte is in place, so ``Written`` may follow."""
+    layers = piece.layers
+    packed = kernels.pack_kv_blocks(kv_cache, torch.tensor(piece.src_block_ids, dtype=torch.int64), layers)
+    checksum.update_packed(packed)
+    dst_ids = torch.tensor(piece.dst_block_ids, dtype=torch.int64, device=dst_cache.device)
+    dst_cache[layers].index_copy_(2, dst_ids, packed.to(dst_cache.device))
+    synchronize(kv_cache.device, dst_cache.device)
 
 
 def land_piece(

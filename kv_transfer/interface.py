@@ -37,7 +37,7 @@ class ReceivedTransfer:
     error: str | None = None  # size mismatch, checksum mismatch, unknown/aborted request, refused, ...
     payload: bytes = b""  # the sender's completion message, as sent with finish(); use it only if ok
     num_bytes: int = 0  # KV bytes that landed
-    transport: str = ""  # "zmq" or "shm"; "" if no bytes ever came
+    transport: str = ""  # "zmq", "shm" or "cuda_ipc"; "" if no bytes ever came
     seconds: float = 0.0  # from reservation to completion
 
 
@@ -74,7 +74,7 @@ class TransportStats:
 class TransferStats:
     """Counters a worker exports; read them through ``stats()``, which returns a consistent copy."""
 
-    transports: dict[str, TransportStats] = field(default_factory=dict)  # "zmq", "shm"
+    transports: dict[str, TransportStats] = field(default_factory=dict)  # "zmq", "shm", "cuda_ipc"
     num_transfers: int = 0  # finished ok, all transports
     num_failed: int = 0  # failed or aborted, all transports (also those that never picked one)
     num_bad_frames: int = 0  # frames that failed to decode or validate: counted, logged, dropped
@@ -82,6 +82,7 @@ class TransferStats:
     num_refused_handshakes: int = 0
     num_checksum_mismatches: int = 0
     num_timeouts: int = 0
+    num_transport_fallbacks: int = 0  # sender: a receiver's in-place transport would not open here; the next was used
 
     def transport(self, name: str) -> TransportStats:
         return self.transports.setdefault(name, TransportStats())

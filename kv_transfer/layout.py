@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from kv_transfer.sharded_cache import ShardedKVCache
-from pipeline.protocol.transfer import KV_KINDS, TRANSPORTS, KVLayout
+from pipeline.protocol.transfer import IN_PLACE_TRANSPORTS, KV_KINDS, TRANSPORTS, KVLayout
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32",
@@ -23,9 +23,10 @@ def kv_layout(kv_cache: torch.Tensor | ShardedKVCache, model_hash: str, transpor
     latent cache ``[num_layers, 1, num_blocks, page_size, 1, latent_dim]`` (multi-head latent attention), or of
     a tensor-parallel worker's ranks (``ShardedKVCache``: the full cache's record, its ``tensor_parallel_size``).
 
-    ``transport`` is "auto" (shared memory on one host, else ZMQ) or one name of ``TRANSPORTS`` to
-    force it; a receiver whose cache is not shared memory drops "shm" by itself, and a sharded cache only
-    moves over ZMQ (its pieces are re-sliced as they are packed and landed, never written in place).
+    ``transport`` is "auto" (CUDA IPC between GPU caches on one host, shared memory on one host, else ZMQ) or one
+    name of ``TRANSPORTS`` to force it; an end whose cache is not shared memory drops "shm" by itself, one whose
+    cache is not on a GPU drops "cuda_ipc", and a sharded cache only moves over ZMQ (its pieces are re-sliced as
+    they are packed and landed, never written in place).
     ``layer_windows``: each layer's sliding attention window (None or 0: full attention), or empty when every
     layer is full.
     """
@@ -33,8 +34,8 @@ def kv_layout(kv_cache: torch.Tensor | ShardedKVCache, model_hash: str, transpor
         raise ValueError(f"transport: must be 'auto' or one of {', '.join(TRANSPORTS)} (got {transport!r})")
     _check_shape(kv_cache)
     sharded = isinstance(kv_cache, ShardedKVCache)
-    if sharded and transport == "shm":
-        raise ValueError("transport: 'shm' writes one cache in place; a worker with tensor_parallel_size "
+    if sharded and transport in IN_PLACE_TRANSPORTS:
+        raise ValueError(f"transport: {transport!r} writes one cache in place; a worker with tensor_parallel_size "
                          f"{len(kv_cache)} moves its ranks' KV over 'zmq' (or 'auto')")
     transports = TRANSPORTS if transport == "auto" else (transport,)
     num_layers, pages_per_layer, _, page_size, num_kv_heads, head_dim = kv_cache.shape
@@ -45,7 +46,7 @@ def kv_layout(kv_cache: torch.Tensor | ShardedKVCache, model_hash: str, transpor
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        transports=tuple(t for t in transports if t != "shm") if sharded else transports,
+        transports=tuple(t for t in transports if t not in IN_PLACE_TRANSPORTS) if sharded else transports,
         kv_kind=next(kind for kind, pages in KV_KINDS.items() if pages == pages_per_layer),
         layer_windows=tuple(int(window or 0) for window in layer_windows) if any(layer_windows) else (),
         tensor_parallel_size=len(kv_cache) if sharded else 1,

@@ -2,7 +2,7 @@
 
 Safety rule: bytes of a request are written only into blocks reserved for it by ``expect``, only while
 that reservation is open, and only by the sender that first spoke for it. After ``abort`` (or any
-failure) nothing more is written: ZMQ pieces are dropped unread; a shared-memory writer is told to stop
+failure) nothing more is written: ZMQ pieces are dropped unread; an in-place writer (shm, cuda_ipc) is told to stop
 (``Revoke``) and the failure is reported only once it confirmed (``RevokeAck`` / ``Finish``) or stayed
 silent for ``timeout_s``. So D may reuse a request's blocks as soon as ``poll()`` has reported it.
 """
@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from kernels import load_kernels
+from kv_transfer import cuda_ipc
 from kv_transfer.blocks import check_piece, normalize_block_ids
 from kv_transfer.checksum import KVChecksum
 from kv_transfer.data_path import byte_pages, land_piece
@@ -31,7 +32,7 @@ from kv_transfer.io_thread import IOThread
 from kv_transfer.layout import check_kv_cache
 from kv_transfer.shm import free_shared_kv_cache, host_id, shared_kv_path
 from pipeline.protocol.transfer import (
-    SENDER_FRAME_DECODER, Begin, Blocks, Finish, Hello, HelloReply, Grant, FinishAck, KVLayout, Revoke, RevokeAck,
+    IN_PLACE_TRANSPORTS, SENDER_FRAME_DECODER, Begin, CudaIpcHandle, Blocks, Finish, Hello, HelloReply, Grant, FinishAck, KVLayout, Revoke, RevokeAck,
     SenderAbort, SenderFrame, Written,
 )
 from pipeline.protocol.typed_socket import TypedSocket
@@ -53,8 +54,8 @@ class _Reservation:
     created: float
     sender: bytes | None = None  # ZMQ identity of the one sender allowed to fill it
     transport: str = ""
-    granted: bool = False  # shm: the sender may be writing into our blocks right now
-    revoking: str | None = None  # the error, while waiting for the shm writer to confirm it stopped
+    granted: bool = False  # in place (shm, cuda_ipc): the sender may be writing into our blocks right now
+    revoking: str | None = None  # the error, while waiting for an in-place writer to confirm it stopped
     revoke_deadline: float = 0.0
 
 
@@ -70,7 +71,8 @@ class KVReceiver(IOThread):
 
     ``bind`` is a ZMQ address (``tcp://host:port``, port 0 or ``*`` for any; ``ipc:///path``); senders
     connect to ``endpoint``. The shm transport is offered when ``kv_cache`` comes from
-    ``allocate_shared_kv_cache`` and the layout allows it; ``close()`` then removes that file.
+    ``allocate_shared_kv_cache`` and the layout allows it (``close()`` then removes that file), cuda_ipc when
+    ``kv_cache`` is one CUDA tensor.
     """
 
     def __init__(
@@ -80,9 +82,12 @@ class KVReceiver(IOThread):
     ) -> None:
         check_kv_cache(kv_cache, layout)
         self._shm_path = shared_kv_path(kv_cache)
-        transports = tuple(t for t in layout.transports if t != "shm" or self._shm_path)
+        self._cuda_ipc_handle = self._export_for_cuda_ipc(kv_cache) if "cuda_ipc" in layout.transports else None
+        can_open = {"shm": bool(self._shm_path), "cuda_ipc": self._cuda_ipc_handle is not None, "zmq": True}
+        transports = tuple(t for t in layout.transports if can_open[t])
         if not transports:
-            raise ValueError("transports: 'shm' needs a kv_cache from allocate_shared_kv_cache")
+            raise ValueError(f"transports: {layout.transports} need a kv_cache from allocate_shared_kv_cache ('shm') "
+                             "or on a CUDA device ('cuda_ipc')")
         self.layout = msgspec.structs.replace(layout, transports=transports)
         self.kv_cache = kv_cache
         self._pages = byte_pages(kv_cache)
@@ -100,6 +105,18 @@ class KVReceiver(IOThread):
         self._stats = StatsBox()
         super().__init__(name, num_torch_threads)
         self._start()
+
+    @staticmethod
+    def _export_for_cuda_ipc(kv_cache: torch.Tensor) -> CudaIpcHandle | None:
+        """The cache's CUDA IPC handle, made once here before any step runs (every sender opens the same one), or
+        None where it cannot be shared (not a CUDA tensor, or the allocator refuses: then the other transports)."""
+        if not cuda_ipc.can_export(kv_cache):
+            return None
+        try:
+            return cuda_ipc.export_cache(kv_cache)
+        except (RuntimeError, OSError) as exc:
+            log.warning("KV receiver: cannot share the KV cache over CUDA IPC (%s); cuda_ipc is not offered", exc)
+            return None
 
     # ---- caller side ---------------------------------------------------------------------------
 
@@ -182,7 +199,7 @@ class KVReceiver(IOThread):
         for res in waiting:
             if now >= res.revoke_deadline:
                 self._stats.count("num_timeouts")
-                log.warning("request %s: shm writer did not confirm it stopped within %.1fs; releasing",
+                log.warning("request %s: in-place writer did not confirm it stopped within %.1fs; releasing",
                             res.request_id, self.timeout_s)
                 self._release(res, f"{res.revoking} (writer silent for {self.timeout_s}s)")
         return min((r.revoke_deadline - now for r in self._reservations.values() if r.revoking), default=None)
@@ -238,8 +255,8 @@ class KVReceiver(IOThread):
         elif res.revoking is not None:
             self._count_late()  # the writer has not seen our Revoke yet
         elif isinstance(msg, Begin):
-            if peer.transport != "shm":
-                return self._terminate(res, "protocol error: Begin on a zmq connection")
+            if peer.transport not in IN_PLACE_TRANSPORTS:
+                return self._terminate(res, f"protocol error: Begin on a {peer.transport} connection")
             res.granted = True
             self._send(identity, Grant(request_id=res.request_id, dst_block_ids=res.dst_block_ids))
         else:
@@ -254,14 +271,16 @@ class KVReceiver(IOThread):
             self._send(identity, HelloReply(ok=False, error=error, layout=self.layout, host_id=self._host_id))
             return
         self._peers[identity] = _Peer(ok=True, transport=transport)
+        log.info("KV sender %s: handshake accepted, transport %s", identity.hex(), transport)
         if hello.layout.tensor_parallel_size != self.layout.tensor_parallel_size:
             log.info("KV from sender %s (%d tensor-parallel ranks) to this receiver (%d): the full-head layout "
                      "travels, each end re-slices for its own ranks", identity.hex(),
                      hello.layout.tensor_parallel_size, self.layout.tensor_parallel_size)
-        is_shm = transport == "shm"
         self._send(identity, HelloReply(
             ok=True, layout=self.layout, host_id=self._host_id, transport=transport,
-            shm_path=self._shm_path if is_shm else "", num_blocks=self._num_blocks if is_shm else 0,
+            shm_path=self._shm_path if transport == "shm" else "",
+            num_blocks=self._num_blocks if transport in IN_PLACE_TRANSPORTS else 0,
+            cuda_ipc=self._cuda_ipc_handle if transport == "cuda_ipc" else None,
         ))
 
     def _claim(self, identity: bytes, peer: _Peer, msg) -> _Reservation | None:
@@ -328,7 +347,7 @@ class KVReceiver(IOThread):
         """Fail ``res``: tell its sender to stop; wait for an in-place writer to confirm before reporting."""
         if res.sender is not None:
             self._send(res.sender, Revoke(request_id=res.request_id, reason=error))
-        if res.transport == "shm" and res.granted:
+        if res.transport in IN_PLACE_TRANSPORTS and res.granted:
             res.revoking, res.revoke_deadline = error, time.monotonic() + self.timeout_s
         else:
             self._release(res, error)

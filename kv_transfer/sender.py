@@ -2,9 +2,9 @@
 
 One DEALER socket per receiver endpoint, handshake first. Per request, pieces go out in call order and
 ``Finish`` (checksum + payload) after the last one on the same socket. zmq: each piece is packed into a
-reused buffer (``data_path.pack_piece``) and sent zero-copy as a raw frame. shm: the receiver's cache
-file is mapped once per endpoint and each piece is copied straight into the granted destination blocks,
-then announced with a small ``Written`` header. Nothing waits forever: no handshake reply, a full send queue
+reused buffer (``data_path.pack_piece``) and sent zero-copy as a raw frame. shm / cuda_ipc: the receiver's
+cache (its /dev/shm file, its CUDA IPC handle) is opened once per endpoint and each piece is copied straight
+into the granted destination blocks, then announced with a small ``Written`` header. Nothing waits forever: no handshake reply, a full send queue
 or no acknowledgement for ``timeout_s`` fails the request.
 """
 
@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import msgspec
 import numpy as np
 import torch
 import zmq
@@ -23,7 +24,8 @@ import zmq
 from kernels import load_kernels
 from kv_transfer.blocks import MAX_PIECE_BYTES, Piece, normalize_block_ids, normalize_layers, split_pieces
 from kv_transfer.checksum import KVChecksum
-from kv_transfer.data_path import PackBuffers, byte_pages, pack_piece, write_piece_in_place
+from kv_transfer import cuda_ipc
+from kv_transfer.data_path import PackBuffers, byte_pages, pack_piece, write_piece_in_place, write_piece_on_device
 from kv_transfer.handshake import check_reply
 from kv_transfer.interface import SendStatus, StatsBox, TransferStats
 from kv_transfer.io_thread import IOThread
@@ -31,7 +33,7 @@ from kv_transfer.sender_peers import SEND_HWM, Peer, PeerTable
 from kv_transfer.layout import check_kv_cache
 from kv_transfer.shm import host_id
 from pipeline.protocol.transfer import (
-    Begin, Blocks, Finish, FinishAck, Grant, Hello, HelloReply, KVLayout,
+    IN_PLACE_TRANSPORTS, Begin, Blocks, Finish, FinishAck, Grant, Hello, HelloReply, KVLayout,
     Revoke, RevokeAck, SenderAbort, Written,
 )
 
@@ -53,8 +55,8 @@ class _Request:
     ops: collections.deque = field(default_factory=collections.deque)  # Piece | bytes (finish payload)
     outbox: tuple | None = None  # ops[0] prepared: (header, raw data frames), sent once the socket takes them
     outbox_buffer: np.ndarray | None = None  # the pack buffer the outbox lives in, reused once ZMQ sent it
-    is_started: bool = False  # shm: Begin sent
-    grant: set[int] | None = None  # shm: blocks the receiver allows us to write
+    is_started: bool = False  # in place (shm, cuda_ipc): Begin sent
+    grant: set[int] | None = None  # in place: blocks the receiver allows us to write
     is_finishing: bool = False  # Finish sent, waiting for FinishAck
 
 
@@ -69,7 +71,7 @@ class KVSender(IOThread):
     """Sends blocks of ``kv_cache`` ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``.
 
     ``timeout_s`` bounds every wait on a receiver (handshake, queue space, acknowledgement);
-    ``max_piece_bytes`` is the unit of one message (zmq) or in-place write (shm): large enough to amortise
+    ``max_piece_bytes`` is the unit of one message (zmq) or in-place write (shm, cuda_ipc): large enough to amortise
     per-message costs, small enough that the receiver lands pieces while later ones are still being
     sent. Up to ``SEND_HWM`` pieces queue per receiver, and their pack buffers are kept for reuse.
     """
@@ -79,9 +81,12 @@ class KVSender(IOThread):
         max_piece_bytes: int = MAX_PIECE_BYTES, num_torch_threads: int = 1, name: str = "kv-sender",
     ) -> None:
         check_kv_cache(kv_cache, layout)
+        transports = tuple(t for t in layout.transports if t != "cuda_ipc" or cuda_ipc.can_export(kv_cache))
+        if not transports:
+            raise ValueError("transports: 'cuda_ipc' needs a kv_cache on a CUDA device")
         self.kv_cache = kv_cache
         self._pages = byte_pages(kv_cache)
-        self.layout = layout
+        self.layout = msgspec.structs.replace(layout, transports=transports)
         self.timeout_s = timeout_s
         self.max_piece_bytes = max_piece_bytes
         self._buffers = PackBuffers(max_piece_bytes, max_free=SEND_HWM + 4)
@@ -96,7 +101,7 @@ class KVSender(IOThread):
         # to travel (zmq) or on the first page that just landed in the receiver's cache (shm).
         self.corrupt_hook: Callable[[str, torch.Tensor], None] | None = None
         super().__init__(name, num_torch_threads)
-        self._peers = PeerTable(self.ctx, self.poller, Hello(layout=layout, host_id=host_id()), layout, kv_cache,
+        self._peers = PeerTable(self.ctx, self.poller, Hello(layout=self.layout, host_id=host_id()), self.layout, kv_cache,
                                 lambda: self._stats.count("num_bad_frames"), log)  # I/O thread only
         self._start()
 
@@ -245,7 +250,7 @@ class KVSender(IOThread):
         peer = req.peer
         if not peer.is_ready or not req.ops or now < peer.blocked_until:
             return False
-        if peer.transport == "shm" and req.grant is None:
+        if peer.transport in IN_PLACE_TRANSPORTS and req.grant is None:
             if not req.is_started:
                 req.is_started = self._send(peer, Begin(request_id=req.request_id))
                 if not req.is_started:
@@ -272,7 +277,7 @@ class KVSender(IOThread):
         return True
 
     def _prepare_piece(self, req: _Request, piece: Piece) -> tuple | None:
-        """Pack (zmq) or write in place (shm) one piece; returns the header that announces it and the raw
+        """Pack (zmq) or write in place (shm, cuda_ipc) one piece; returns the header that announces it and the raw
         frame that carries it (zmq)."""
         start = time.perf_counter()
         fields = dict(request_id=req.request_id, layer_start=piece.layer_start, layer_stop=piece.layer_stop,
@@ -288,10 +293,14 @@ class KVSender(IOThread):
             if outside:
                 self._complete(req, False, f"blocks {outside[:8]} are outside the receiver's reservation")
                 return None
-            write_piece_in_place(self.kv_cache, self._pages, req.peer.shm_pages, piece, req.checksum)
+            if req.peer.transport == "cuda_ipc":
+                write_piece_on_device(self._kernels, self.kv_cache, req.peer.device_cache, piece, req.checksum)
+                page = req.peer.device_cache[piece.layer_start, 0, piece.dst_block_ids[0]].view(torch.uint8)
+            else:
+                write_piece_in_place(self.kv_cache, self._pages, req.peer.shm_pages, piece, req.checksum)
+                page = torch.from_numpy(req.peer.shm_pages[piece.layer_start, 0, piece.dst_block_ids[0]])
             if self.corrupt_hook is not None:
-                page = req.peer.shm_pages[piece.layer_start, 0, piece.dst_block_ids[0]]
-                self.corrupt_hook(req.request_id, torch.from_numpy(page))
+                self.corrupt_hook(req.request_id, page)
             prepared = (Written(**fields), [])
         self._stats.add_bytes(req.peer.transport, fields["num_bytes"], time.perf_counter() - start)
         return prepared
@@ -334,13 +343,22 @@ class KVSender(IOThread):
     def _on_hello_reply(self, peer: Peer, reply: HelloReply) -> None:
         if peer.is_ready:
             return
-        error = check_reply(self.layout, peer.endpoint, reply)
+        error = check_reply(self.layout, peer.endpoint, reply, peer.offered)
         if error:
             self._stats.count("num_refused_handshakes")
             return self._fail_peer(peer, error)
         error = self._peers.open_transport(peer, reply)
-        if error:
-            self._fail_peer(peer, error)
+        if not error:
+            return
+        rest = tuple(t for t in peer.offered if t != reply.transport)
+        if reply.transport not in IN_PLACE_TRANSPORTS or not rest:
+            return self._fail_peer(peer, error)
+        log.warning("KV sender: %s; handshaking again with %s", error, ", ".join(rest))
+        self._stats.count("num_transport_fallbacks")
+        try:
+            self._peers.rehandshake(peer, rest)
+        except zmq.ZMQError as exc:
+            self._fail_peer(peer, f"{error}; could not handshake again: {exc}")
 
     # ---- I/O thread: ending --------------------------------------------------------------------
 

@@ -190,8 +190,8 @@ def tensor_parallel_role_error(role: PipelineRole, tensor_parallel_size: int, de
         return (f"tensor_parallel_size: a {role.value} worker with tensor_parallel_size={tensor_parallel_size} runs "
                 "on CPU only: moving each GPU rank's KV (CUDA IPC per rank) is not built yet; run tensor parallelism "
                 "on colocated (PrefillAndDecode) workers on GPUs (docs/tensor-parallel.md)")
-    if transport == "shm":
-        return (f"transfer.transport: 'shm' writes one cache in place; a {role.value} worker with "
+    if transport in ("shm", "cuda_ipc"):
+        return (f"transfer.transport: {transport!r} writes one cache in place; a {role.value} worker with "
                 f"tensor_parallel_size={tensor_parallel_size} moves its ranks' KV over 'zmq' (or 'auto')")
     return None
 

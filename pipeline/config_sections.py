@@ -99,7 +99,9 @@ class SamplingConfig(ConfigSection):
 class TransferConfig(ConfigSection):
     """How KV moves from prefill to decode workers, and how long a decode worker waits for it."""
 
-    transport: Literal["auto", "zmq", "shm"] = Field("auto", description="auto: shared memory on one host, else ZMQ")
+    transport: Literal["auto", "zmq", "shm", "cuda_ipc"] = Field(
+        "auto", description="auto: CUDA IPC between GPU workers on one host, shared memory between CPU workers on one "
+        "host, else ZMQ")
     ttl_s: float = Field(30.0, gt=0.0, description="a reservation expires if its KV has not arrived by then")
     heartbeat_interval_s: float = Field(0.5, gt=0.0, description="worker -> router heartbeat period")
     kv_migration_on_drain: bool = Field(

@@ -6,8 +6,8 @@ sent zero-copy, never inside msgpack). Order of one request on its channel::
 
     P -> D  Hello(layout)                      first contact with an endpoint, once
     D -> P  HelloReply(ok | error, transport)  refusal names every differing layout field
-    P -> D  Begin(request)                     shm only: ask for the write grant
-    D -> P  Grant(request, dst blocks)         shm only: P may now write these blocks in place
+    P -> D  Begin(request)                     in place (shm, cuda_ipc) only: ask for the write grant
+    D -> P  Grant(request, dst blocks)         in place only: P may now write these blocks in place
     P -> D  Blocks(...) + KV frame  | Written(...)   one per piece, in order
     P -> D  Finish(checksum, payload)          after the last KV bytes, same channel
     D -> P  FinishAck(ok | error)              P frees its blocks only after this
@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import msgspec
 
-# Transport names in preference order for "auto": shared memory when both ends share /dev/shm, else ZMQ
-# (over whatever scheme the receiver bound: tcp:// across hosts, ipc:// on one host).
-TRANSPORTS: tuple[str, ...] = ("shm", "zmq")
+# Transport names in preference order for "auto": CUDA IPC when both caches are on GPUs of one host, shared memory
+# when both ends share /dev/shm, else ZMQ (over whatever scheme the receiver bound: tcp:// across hosts, ipc:// on
+# one host). The in-place ones have the sender write into the receiver's cache under a grant (Begin / Grant /
+# Written); ZMQ carries the bytes in Blocks frames.
+TRANSPORTS: tuple[str, ...] = ("cuda_ipc", "shm", "zmq")
+IN_PLACE_TRANSPORTS: frozenset[str] = frozenset({"cuda_ipc", "shm"})
 DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Fields that must be equal on both ends; ``transports`` is negotiated instead.
 LAYOUT_FIELDS: tuple[str, ...] = ("model_hash", "dtype", "page_size", "num_layers", "kv_kind", "num_kv_heads",
@@ -156,6 +159,21 @@ SenderFrame = Hello | Begin | Blocks | Written | Finish | SenderAbort | RevokeAc
 # ---- D -> P -------------------------------------------------------------------------------------
 
 
+class CudaIpcHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """A CUDA allocation shared by one process with another on the same host: the fields torch's
+    ``torch.multiprocessing.reductions`` exchanges for a CUDA tensor (``kv_transfer/cuda_ipc.py``)."""
+
+    device: int  # the device index in the exporting process
+    handle: bytes  # cudaIpcMemHandle of the allocation holding the storage
+    storage_size_bytes: int
+    storage_offset_bytes: int  # where the storage starts in that allocation
+    tensor_offset: int  # elements from the storage's start to the cache's first one
+    ref_counter_handle: bytes  # torch's producer-side use counter (a shared-memory file)
+    ref_counter_offset: int
+    event_handle: bytes = b""  # an event on the producer's stream to wait for before the first access
+    event_sync_required: bool = False
+
+
 class HelloReply(_Frame, tag="hello_reply"):
     ok: bool
     error: str = ""
@@ -163,7 +181,8 @@ class HelloReply(_Frame, tag="hello_reply"):
     host_id: str = ""
     transport: str = ""  # the one both ends will use, a TRANSPORTS name
     shm_path: str = ""  # shm only: the receiver's KV cache file
-    num_blocks: int = 0  # shm only: blocks in that cache
+    num_blocks: int = 0  # in place (shm, cuda_ipc) only: blocks in the receiver's cache
+    cuda_ipc: CudaIpcHandle | None = None  # cuda_ipc only: the receiver's cache, for this sender
 
 
 class Grant(_Frame, tag="grant"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kv_transfer import KVReceiver, KVSender, allocate_shared_kv_cache, kv_layout
-from tests.kv_transfer.helpers import SHAPE, names, random_cache
+from tests.kv_transfer.helpers import SHAPE, emulate_cuda_ipc, names, random_cache
 
 
 @pytest.fixture
@@ -24,8 +24,9 @@ def closer():
 
 
 @pytest.fixture
-def make_pair(closer, tmp_path):
-    """``make_pair(case, dtype=..., shape=..., timeout_s=...)`` -> (sender, receiver, src_cache, dst_cache)."""
+def make_pair(closer, tmp_path, monkeypatch):
+    """``make_pair(case, dtype=..., shape=..., timeout_s=...)`` -> (sender, receiver, src_cache, dst_cache); case
+    "cuda_ipc-emulated" runs the cuda_ipc transport over CPU caches (``emulate_cuda_ipc``)."""
 
     def make(case: str, dtype=torch.float32, shape=SHAPE, timeout_s=5.0, model_hash="tiny", seed=0):
         src = random_cache(shape, dtype, seed)
@@ -35,7 +36,9 @@ def make_pair(closer, tmp_path):
         else:
             dst = torch.zeros(shape, dtype=dtype)
         bind = f"ipc://{tmp_path}/rx-{next(names)}" if case == "zmq-ipc" else "tcp://127.0.0.1:0"
-        transport = "shm" if case == "shm" else "zmq"
+        transport = {"shm": "shm", "cuda_ipc-emulated": "cuda_ipc"}.get(case, "zmq")
+        if case == "cuda_ipc-emulated":
+            emulate_cuda_ipc(monkeypatch, src, dst)
         receiver = KVReceiver(dst, kv_layout(dst, model_hash), bind, timeout_s=timeout_s)
         closer(receiver)
         sender = KVSender(src, kv_layout(src, model_hash, transport), timeout_s=timeout_s)

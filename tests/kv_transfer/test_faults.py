@@ -14,7 +14,7 @@ from kv_transfer.shm import host_id
 from pipeline.protocol.transfer import (
     FRAME_ENCODER, RECEIVER_FRAME_DECODER, Begin, Blocks, Finish, Hello, HelloReply,
 )
-from tests.kv_transfer.helpers import TRANSPORT_CASES, names, random_cache, wait_for
+from tests.kv_transfer.helpers import TRANSPORT_CASES, emulate_cuda_ipc, names, random_cache, wait_for
 
 
 @pytest.fixture
@@ -279,17 +279,23 @@ def test_bad_endpoint_fails_the_request_not_the_sender(closer):
         sender.finish("never-started")
 
 
-def test_shm_abort_waits_until_the_writer_stopped(closer, raw_socket):
+@pytest.mark.parametrize("transport", ["shm", "cuda_ipc"])
+def test_an_in_place_abort_waits_until_the_writer_stopped(closer, raw_socket, monkeypatch, transport):
     """D may reuse blocks only once an in-place writer confirmed it stopped, or stayed silent too long."""
     from kv_transfer import allocate_shared_kv_cache
 
-    dst = allocate_shared_kv_cache((2, 2, 4, 2, 1, 4), torch.float32, f"writer-{next(names)}")
+    shape = (2, 2, 4, 2, 1, 4)
+    if transport == "shm":
+        dst = allocate_shared_kv_cache(shape, torch.float32, f"writer-{next(names)}")
+    else:
+        dst = torch.zeros(shape)
+        emulate_cuda_ipc(monkeypatch, dst)
     receiver = KVReceiver(dst, kv_layout(dst, "m"), "tcp://127.0.0.1:0", timeout_s=0.4)
     closer(receiver)
-    writer = raw_socket(zmq.DEALER)  # an shm sender that will ignore Revoke
+    writer = raw_socket(zmq.DEALER)  # an in-place sender that will ignore Revoke
     writer.connect(receiver.endpoint)
-    writer.send(FRAME_ENCODER.encode(Hello(layout=kv_layout(dst, "m", transport="shm"), host_id=host_id())))
-    assert RECEIVER_FRAME_DECODER.decode(writer.recv()).transport == "shm"
+    writer.send(FRAME_ENCODER.encode(Hello(layout=kv_layout(dst, "m", transport=transport), host_id=host_id())))
+    assert RECEIVER_FRAME_DECODER.decode(writer.recv()).transport == transport
     receiver.expect("r", [2, 3])
     writer.send(FRAME_ENCODER.encode(Begin(request_id="r")))
     assert RECEIVER_FRAME_DECODER.decode(writer.recv()).dst_block_ids == [2, 3]  # granted: may write now

@@ -42,7 +42,7 @@ def test_chunked_round_trip_is_exact(make_pair, case, dtype):
     untouched = [b for b in range(num_blocks) if b not in dst_ids]
     assert torch.equal(dst[:, :, untouched], before[:, :, untouched])
     assert status.ok and status.request_id == "req-1"
-    expected_transport = "shm" if case == "shm" else "zmq"
+    expected_transport = {"shm": "shm", "cuda_ipc-emulated": "cuda_ipc"}.get(case, "zmq")
     assert got.transport == status.transport == expected_transport
     assert got.num_bytes == status.num_bytes == src[:, :, src_ids].numel() * src.element_size()
     rx, tx = receiver.stats(), sender.stats()
