@@ -241,18 +241,6 @@ def marked_test_files(marker: str = "gpu", exclude: str = "tests/kernels/") -> l
     return files
 
 
-def not_implemented() -> dict:
-    """What the check cannot exercise because the code does not have it (read from the source, not assumed)."""
-    def source_has(folder: str, *needles: str) -> bool:
-        return any(n in p.read_text(errors="replace") for p in (REPO_ROOT / folder).rglob("*.py") for n in needles)
-
-    facts = {}
-    if not source_has("pipeline", "CUDAGraph", "cuda.graph("):
-        facts["cuda_graphs"] = ("pipeline/model_runner.py captures no CUDA graphs: every decode step is launched "
-                                "eagerly, so there is no graphs-on/graphs-off comparison to run")
-    return facts
-
-
 def run_stage(runner: Runner, stage: Stage, selected: set[str], cuda: bool | None) -> dict:
     started = time.monotonic()
     timeout_s = min(stage.timeout_s, runner.remaining_s() - 5)
@@ -335,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
               "python": sys.version.split()[0], "command": " ".join([Path(sys.executable).name, "-m", "bench.gpu_check",
                                                                      *(argv if argv is not None else sys.argv[1:])]),
-              "budget_s": args.budget_s, "environment": {}, "not_implemented": not_implemented(), "stages": []}
+              "budget_s": args.budget_s, "environment": {}, "stages": []}
     with open(out_dir / LOG_NAME, "w") as log:
         runner = Runner(out_dir, args.dry_run, args.budget_s, log)
         cuda: bool | None = None

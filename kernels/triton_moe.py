@@ -31,7 +31,9 @@ def align_rows_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     num_rows = flat.numel()
     num_tiles = -(-num_rows // block_m) + num_experts  # each expert wastes at most one partial tile
     order = torch.argsort(flat, stable=True)  # [num_rows] row ids in expert order
-    counts = torch.bincount(flat, minlength=num_experts)  # [num_experts]
+    # (not torch.bincount: on CUDA it reads the largest id back to the host, which a CUDA graph cannot capture)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))  # [num_experts]
     padded_counts = (counts + block_m - 1) // block_m * block_m
     padded_ends = torch.cumsum(padded_counts, 0)  # [num_experts]
     expert_of_sorted = flat[order]

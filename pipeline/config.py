@@ -58,6 +58,9 @@ class PipelineConfig(ConfigSection):
     enable_overlap_scheduler: bool = Field(
         False, description="launch each engine step before reading the previous one's tokens, so the host "
         "schedules and prepares while the model computes (MAX's overlap scheduler; docs/overlap.md)")
+    enforce_eager: bool = Field(
+        False, description="CUDA: run every step eagerly instead of replaying the decode batches' captured CUDA graphs "
+        "(vLLM's flag; graphs are captured at start-up and checked against the eager forward; pipeline/cuda_graphs.py)")
     max_queue_size_tg: int | None = Field(None, ge=1, description="max requests waiting for admission")
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="fcfs: admit waiting requests in arrival order, preempt the latest admitted; "

@@ -103,6 +103,11 @@ class LLMEngine:
         self.kernels = load_kernels(config.kernel_backend, self.device)  # named for what preparing chose (CPU: routes)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kernels, Sampler(self.vocab_size, config.model.seed),
                                   self.device, max_num_reqs=config.max_batch_size, max_model_len=self.max_length)
+        if str(self.device).startswith("cuda") and not config.enforce_eager and self.rank_driver is None:
+            from pipeline.cuda_graphs import capture_decode_graphs
+
+            self.runner.graphs = capture_decode_graphs(self.model, self.kv_cache, self.kernels, self.device,
+                                                       config.max_batch_size, self.runner.buffer.block_table.shape[1])
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.speculator = None  # pipeline/speculative: the draft proposes, one target forward verifies
         if self.draft is not None:

@@ -14,6 +14,7 @@ import torch
 
 from kernels import Kernels
 from pipeline import prompt_logprobs
+from pipeline.cuda_graphs import DecodeGraphs
 from pipeline.execution_stream import ExecutionStream
 from pipeline.forward_batch import ForwardBatch
 from pipeline.models.mla import is_latent_attention, latent_dim
@@ -85,18 +86,26 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None
         # structured output: grammar masks are filled on this thread while the forward runs (made on first use)
         self._mask_filler: ThreadPoolExecutor | None = None
+        self.graphs: DecodeGraphs | None = None  # CUDA: decode batches replay captured graphs (pipeline/cuda_graphs.py)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], block_table: Callable[[str], list[int]]) -> SamplerOutput | None:
         """Run one step over ``chunks``; returns one sample per chunk that reached its last token."""
         batch = self.prepare(chunks, block_table)
         sampling, plan = self._sampling_plan(chunks)  # grammar masks start filling beside the forward
+        logits = self._forward(batch, prompt_logprobs.spans(chunks, batch.cu_seqlens_q))
+        return None if logits is None else self.sampler.sample(logits, plan)
+
+    def _forward(self, batch: ForwardBatch, prompt_spans: list) -> torch.Tensor | None:
+        """The sampled rows' fp32 logits ``[num_sampled, vocab]`` (None if none is sampled), prompt logprobs scored on
+        the way; a decode batch replays a captured CUDA graph where there is one."""
+        if self.graphs is not None and not prompt_spans and self.graphs.fits(batch):
+            return self.graphs.logits(batch)
         hidden = self.model(batch, self.kv_cache, self.kernels)  # [num_tokens, hidden]
-        prompt_logprobs.score(self.model, hidden, prompt_logprobs.spans(chunks, batch.cu_seqlens_q))
+        prompt_logprobs.score(self.model, hidden, prompt_spans)
         if batch.logits_indices.numel() == 0:
             return None
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab] fp32
-        return self.sampler.sample(logits, plan)
+        return self.model.compute_logits(hidden[batch.logits_indices])
 
     def _sampling_plan(self, chunks: list[ScheduledChunk], masks_after: Future | None = None):
         """(the sampling chunks, their SamplingPlan): dense parameters from the persistent batch's rows."""
@@ -138,12 +147,10 @@ class ModelRunner:
         def run() -> SamplerOutput | None:
             if targets:
                 batch.input_ids[targets_t] = self._last_sampled[sources_t]
-            hidden = self.model(batch, self.kv_cache, self.kernels)  # [num_tokens, hidden]
-            prompt_logprobs.score(self.model, hidden, prompt_spans)
-            if batch.logits_indices.numel() == 0:
+            logits = self._forward(batch, prompt_spans)
+            if logits is None:
                 self._last_sampled = None
                 return None
-            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab] fp32
             for generator, seed in seeds:
                 generator.manual_seed(seed)
             out = self.sampler.sample(logits, plan)
