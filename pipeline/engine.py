@@ -20,7 +20,7 @@ import torch
 
 from kernels import load_kernels
 from pipeline.builtin_model import BUILTIN_NOTICE, builtin_model_path
-from pipeline.config import PipelineConfig
+from pipeline.config import ConfigError, PipelineConfig
 from pipeline.execution_stream import ExecutionStream
 from pipeline.generation_config import generation_eos_ids, read_generation_config
 from pipeline.host_memory import keep_freed_memory
@@ -73,6 +73,12 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_path)
         self.vocab_size = self.hf_config.vocab_size
         self.max_length = min(config.max_length or 10**9, self.hf_config.max_position_embeddings)
+        if not config.enable_chunked_prefill and config.max_batch_input_tokens < self.max_length:
+            # a prompt longer than one step could never be scheduled (PipelineConfig checks an explicit max_length)
+            raise ConfigError(
+                f"max_batch_input_tokens: must be >= max_length when enable_chunked_prefill is false (got "
+                f"{config.max_batch_input_tokens} < {self.max_length}, the model's limit); raise "
+                "max_batch_input_tokens, set a smaller max_length, or enable chunked prefill")
         self.generation_config = read_generation_config(model_path)
         # EOS ids listed only in generation_config.json end generation too, as in transformers' generate
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.hf_config) | generation_eos_ids(self.generation_config)

@@ -101,10 +101,17 @@ def _format_validation_errors(exc: RequestValidationError) -> tuple[str, str | N
             return f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         # pydantic adds the union member it tried ("str", "list[int]") to the path: keep field names only
-        loc = [p for p in loc if not (p[:1].islower() and ("[" in p or p in _TYPE_WORDS))]
+        loc = [p for p in loc if not (p[:1].islower() and ("[" in p or p in _TYPE_WORDS)) and not p.startswith("item:")]
         by_param.setdefault(".".join(loc) or None, []).append(err)
     if not by_param:
         return "invalid request", None
+    # A union's branches fail at different depths ("input" is not a string; "input.0.output.0.type" is wrong in
+    # the list it is): the deepest say what is wrong, so a place another error lies below is left out (except
+    # where a hint says what the union accepts)
+    nested = [p for p in by_param if p is not None and p.split(".")[-1] not in _UNION_HINTS
+              and any(q is not None and q.startswith(p + ".") for q in by_param)]
+    for param in nested:
+        del by_param[param]
     parts = []
     for param, errs in list(by_param.items())[:5]:
         err = errs[0]

@@ -20,7 +20,8 @@ from router.openai_schema import ChatCompletionRequest, CompletionRequest, _Samp
 from router.reasoning import get_reasoning_parser
 from router.served_model import ServedModel
 from router.streaming import PromptRendering
-from router.structured_output import check_structured_output, is_a_response_format, structured_output_from
+from router.structured_output import (check_structured_output, constraint_param, is_a_response_format,
+                                      structured_output_from)
 from router.tool_calling import plan_tools
 
 
@@ -188,7 +189,7 @@ def _sampling_params(
             param=prompt_param, code="context_length_exceeded",
         )
     if structured is not None:
-        check_structured_output(structured, model, defaults.structured_output_backend)
+        check_structured_output(structured, model, defaults.structured_output_backend, constraint_param(body))
     unset = resolved_defaults(defaults, model.generation_config, serving=True)  # operator's, else the checkpoint's
     explicit = max_tokens is not None
     if not explicit:  # None: the rest of the context

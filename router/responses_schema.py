@@ -10,9 +10,9 @@ assistant turn's ``reasoning_content``).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag
 
 from router.errors import bad_request
 
@@ -51,9 +51,12 @@ class FunctionCallItem(_Body):
 class FunctionCallOutputItem(_Body):
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: str | list[InputText]  # a list: the tool's content parts (text only: no images or files here)
     id: str | None = None
     status: str | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
 class ReasoningText(_Body):
@@ -72,7 +75,20 @@ class ReasoningItem(_Body):
         return "".join(p.text for p in (self.content or self.summary))
 
 
-InputItem = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem]
+def _item_type(value: Any) -> str | None:
+    """Which item ``value`` is (a message may leave out its type), so a bad one is told what is wrong with it as
+    that item; tags read "item:<type>" (router/errors.py leaves them out of the field path it reports)."""
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"item:{kind}"
+
+
+InputItem = Annotated[
+    Union[Annotated[MessageItem, Tag("item:message")], Annotated[FunctionCallItem, Tag("item:function_call")],
+          Annotated[FunctionCallOutputItem, Tag("item:function_call_output")],
+          Annotated[ReasoningItem, Tag("item:reasoning")]],
+    Discriminator(_item_type, custom_error_type="invalid_item",
+                  custom_error_message="an input item's type must be message, function_call, function_call_output "
+                                       "or reasoning")]
 
 
 class FunctionTool(_Body):
@@ -166,7 +182,7 @@ def chat_body(body: ResponsesRequest) -> dict[str, Any]:
                     message["reasoning_content"], pending_reasoning = pending_reasoning, None
                 messages.append(message)
         else:
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
     if not messages:
         raise bad_request("input: must hold at least one message", param="input")
     # streamed on the chat side either way: a whole response is the stream's last event, so both forms hold the

@@ -47,6 +47,17 @@ def structured_output_from(body: Any) -> StructuredOutput | None:
     return found[0][1] if found else None
 
 
+def constraint_param(body: Any) -> str:
+    """The request field a 400 about the step's constraint names: the client's own constraint when it set one,
+    else ``tools`` (the constraint is the call grammar of ``tool_choice`` required or named)."""
+    if getattr(body, "response_format", None) is not None:
+        return "response_format"
+    if getattr(body, "structured_outputs", None) or any(getattr(body, f"guided_{name}", None) is not None
+                                                        for name in ("json", "regex", "choice", "grammar")):
+        return "structured_outputs"
+    return "tools" if getattr(body, "tools", None) else "response_format"
+
+
 def is_a_response_format(body: Any) -> bool:
     """Whether the body's constraint is OpenAI's ``response_format`` (a format for the final answer, which tool
     calls under ``tool_choice`` auto may replace) rather than vLLM's ``structured_outputs`` (a constraint on

@@ -35,11 +35,24 @@ def _head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
+# The config keys each family's transformers modeling code reads. A key in a config whose family ignores it (a Llama
+# config with "sliding_window", a Mistral one with "attention_bias") changes nothing there, so nothing here either.
+_READS_SLIDING_WINDOW = frozenset({"mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gemma3_text",
+                                   "gpt_oss"})
+_READS_ATTENTION_BIAS = frozenset({"llama", "qwen3", "qwen3_moe", "gemma3", "gemma3_text", "gpt_oss"})
+_READS_MLP_BIAS = frozenset({"llama"})
+
+
+def config_flag(hf_config, key: str, readers: frozenset[str]) -> bool:
+    """``hf_config``'s boolean ``key`` where its family reads it, else False."""
+    return hf_config.model_type in readers and bool(getattr(hf_config, key, False))
+
+
 def _sliding_windows(hf_config) -> list[int | None]:
     """The attention window of each layer, exactly where transformers applies one (None = full causal)."""
     window = getattr(hf_config, "sliding_window", None)
     num_layers = hf_config.num_hidden_layers
-    if window is None:
+    if window is None or hf_config.model_type not in _READS_SLIDING_WINDOW:
         return [None] * num_layers
     if hf_config.model_type in ("qwen2", "qwen3", "gpt_oss"):
         # Qwen and gpt-oss window only the layers their config marks "sliding_attention" (Qwen: use_sliding_window
@@ -69,7 +82,7 @@ class Attention(nn.Module):
         self.head_dim = _head_dim(hf_config)
         self.scale = self.head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
-        has_bias = bool(getattr(hf_config, "attention_bias", False))
+        has_bias = config_flag(hf_config, "attention_bias", _READS_ATTENTION_BIAS)
         is_qwen2 = hf_config.model_type == "qwen2"  # Qwen2 always biases q/k/v and never o
         hidden, q_size, kv_size = hf_config.hidden_size, self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(hidden, [q_size, kv_size, kv_size], has_bias or is_qwen2, dtype, device)
@@ -131,7 +144,7 @@ class MLP(nn.Module):
         super().__init__()
         self.activation = gated_activation_kernel(hf_config)
         hidden, intermediate = hf_config.hidden_size, intermediate_size or hf_config.intermediate_size
-        has_bias = bool(getattr(hf_config, "mlp_bias", False))
+        has_bias = config_flag(hf_config, "mlp_bias", _READS_MLP_BIAS)
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], has_bias, dtype, device)
         self.down_proj = Linear(intermediate, [hidden], has_bias, dtype, device)
 

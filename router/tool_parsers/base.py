@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from pipeline.structured_output.closed_objects import closed_objects
+from router.tool_parsers.schema_refs import hoist_definitions
 
 
 def new_call_id() -> str:
@@ -313,10 +314,14 @@ def inline_json(schema: dict) -> str:
 
 
 def any_call_schema(tools: list[dict], arguments_key: str) -> dict:
-    """One call object of any of ``tools``."""
-    schemas = [call_object_schema(name, parameters, arguments_key)
-               for name, parameters in tool_names_and_parameters(tools)]
-    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    """One call object of any of ``tools``; the tools' own definitions (``$defs``) at its root, where their
+    ``$ref``s point (``schema_refs``): a schema that nests this one moves ``$defs`` to its own root."""
+    definitions: dict = {}
+    schemas = [call_object_schema(name, hoist_definitions(closed_objects(parameters), f"tool{number}_", definitions),
+                                  arguments_key)
+               for number, (name, parameters) in enumerate(tool_names_and_parameters(tools))]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {**schema, "$defs": definitions} if definitions else schema
 
 
 def lark_string(text: str) -> str:

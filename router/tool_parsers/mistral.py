@@ -66,7 +66,10 @@ class MistralToolParser(MarkedToolParser):
         ``[TOOL_CALLS][{...}, ...]``; a marker that is a special token is matched by its id."""
         calls_marker = marker_symbol(tokenizer, MARKER)
         if not _has_token(tokenizer, ARGS):
-            array = {"type": "array", "items": any_call_schema(tools, "arguments"), "minItems": 1}
+            calls = any_call_schema(tools, "arguments")
+            array = {"type": "array", "items": calls, "minItems": 1}
+            if "$defs" in calls:  # where the tools' $refs point: the root
+                array["$defs"] = calls.pop("$defs")
             if not parallel:
                 array["maxItems"] = 1
             return f"tool_calls: {calls_marker} tc_array\ntc_array: {inline_json(array)}\n"

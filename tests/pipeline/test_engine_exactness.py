@@ -7,6 +7,7 @@ import torch
 
 from tests.conftest import ARCHITECTURES, assert_no_leaks, greedy, hf_greedy, hf_logprobs
 from pipeline import LLM
+from pipeline.config import ConfigError
 
 NUM_NEW_TOKENS = 32
 PROMPT_LENGTHS = [3, 17, 5, 29, 11, 8, 23, 1]
@@ -136,9 +137,17 @@ def test_prompt_chunks_through_torch_flash_attention_stay_exact(monkeypatch, tin
 
 def test_chunked_prefill_disabled_matches_too(tiny_checkpoint, references):
     prompts, expected = references("qwen2")
-    llm = LLM(model=tiny_checkpoint("qwen2"), enable_chunked_prefill=False, max_batch_input_tokens=64,
+    llm = LLM(model=tiny_checkpoint("qwen2"), enable_chunked_prefill=False, max_batch_input_tokens=64, max_length=64,
               kv_cache={"page_size": 8, "num_blocks": 128})
     generate_and_check(llm, prompts, expected)
+
+
+def test_chunked_prefill_disabled_needs_a_step_that_holds_the_longest_prompt(tiny_checkpoint):
+    """Else a prompt longer than one step would wait forever; the model's own limit counts when max_length is
+    unset (it is checked where it is known: when the checkpoint is read)."""
+    with pytest.raises(ConfigError, match=r"max_batch_input_tokens: must be >= max_length when enable_chunked_prefill "
+                                          r"is false \(got 64 < \d+, the model's limit\)"):
+        LLM(model=tiny_checkpoint("qwen2"), enable_chunked_prefill=False, max_batch_input_tokens=64)
 
 
 @pytest.mark.parametrize("mode", ["plain", "overlap", "speculative"])

@@ -111,3 +111,25 @@ def test_bad_tool_and_item_shapes_are_400s_that_reach_no_worker(router, endpoint
                           timeout=10)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["message"] and worker.requests == []
+
+
+def test_a_function_call_output_may_be_a_list_of_text_parts():
+    """The SDK types ``output`` as a string or a list of content parts (an Agents SDK tool returning
+    ``ToolOutputText`` sends the list): its text is the tool message."""
+    from router.responses_schema import chat_body
+
+    items = [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1",
+              "output": [{"type": "input_text", "text": "o"}, {"type": "input_text", "text": "k"}]}]
+    messages = chat_body(ResponsesRequest.model_validate({"model": "tiny", "input": items}))["messages"]
+    assert messages[-1] == {"role": "tool", "tool_call_id": "c1", "content": "ok"}
+
+
+def test_a_bad_input_item_is_told_what_is_wrong_with_it_as_that_item(router):
+    bad = {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_image", "image_url": "x"}]}
+    error = httpx.post(f"{router.url}/v1/responses", json=dict(BASE["/v1/responses"], input=[bad]),
+                       timeout=10).json()["error"]
+    assert error["param"] == "input.0.output.0.type" and "input_text" in error["message"], error
+    error = httpx.post(f"{router.url}/v1/responses", json=dict(BASE["/v1/responses"], input=[{"type": "weird"}]),
+                       timeout=10).json()["error"]
+    assert "must be message, function_call, function_call_output or reasoning" in error["message"], error

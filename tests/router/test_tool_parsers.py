@@ -337,3 +337,41 @@ def test_call_grammar_can_follow_a_reasoning_prefix(tokenizers):
     tokenizer, backend = tokenizers["plain"]
     grammar = 'start: "Thinking done. " tool_calls\n' + get_tool_parser("hermes").call_grammar(TOOLS, False, tokenizer)
     assert walk(tokenizer, backend, grammar, "Thinking done. " + H('{"name": "get_time", "arguments": {}}'))
+
+
+# What pydantic writes for an Enum and a nested model (the OpenAI SDK's pydantic_function_tool, the Agents SDK's
+# function_tool): definitions under $defs, pointed to from the parameters; plus a recursive one (a tree).
+REF_TOOLS = [
+    {"name": "set_unit", "parameters": {
+        "$defs": {"Unit": {"enum": ["C", "F"], "type": "string"},
+                  "Place": {"type": "object", "properties": {"city": {"type": "string"},
+                                                             "unit": {"$ref": "#/$defs/Unit"}},
+                            "required": ["city", "unit"]}},
+        "type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}}, "required": ["place"]}},
+    {"name": "tree", "parameters": {
+        "definitions": {"Unit": {"const": "node"}},  # the same name in another tool, the older keyword
+        "type": "object", "properties": {"kind": {"$ref": "#/definitions/Unit"},
+                                         "children": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["kind"]}},
+]
+REF_CALLS = ({"name": "set_unit", "arguments": {"place": {"city": "Oslo", "unit": "C"}}},
+             {"name": "tree", "arguments": {"kind": "node", "children": [{"kind": "node", "children": []}]}})
+REF_INVALID = ({"name": "set_unit", "arguments": {"place": {"city": "Oslo", "unit": "K"}}},
+               {"name": "tree", "arguments": {"kind": "node", "children": [{"kind": "leaf"}]}})
+
+
+@pytest.mark.parametrize("parser_name, kind, layout", [
+    ("hermes", "plain", lambda c: H(json.dumps(c))),
+    ("llama3_json", "plain", lambda c: json.dumps({"name": c["name"], "parameters": c["arguments"]})),
+    ("mistral", "mistral_v3", lambda c: "[TOOL_CALLS]" + json.dumps([c])),
+    ("mistral", "mistral_v11", lambda c: f"[TOOL_CALLS]{c['name']}[ARGS]" + json.dumps(c["arguments"])),
+    ("deepseek_v3", "deepseek", lambda c: DS_BLOCK + ds_v3(c["name"], json.dumps(c["arguments"])) + DS_BLOCK_END),
+])
+def test_tool_schemas_with_refs_keep_their_meaning_in_the_call_grammar(tokenizers, parser_name, kind, layout):
+    tokenizer, backend = tokenizers[kind]
+    grammar = "start: tool_calls\n" + get_tool_parser(parser_name).call_grammar(REF_TOOLS, True, tokenizer)
+    for call in REF_CALLS:
+        jsonschema.validate(call["arguments"], next(t for t in REF_TOOLS if t["name"] == call["name"])["parameters"])
+        assert walk(tokenizer, backend, grammar, layout(call)), call
+    for call in REF_INVALID:
+        assert not walk(tokenizer, backend, grammar, layout(call)), call
