@@ -210,6 +210,7 @@ def delta_from_step(step: StepOutput) -> TokenDelta:
         delta.error = step.error
         if step.is_stop_token:
             delta.stop_token_id = step.new_token_ids[-1]  # EOS or a stop token id: no text
+            delta.is_eos = step.stop_reason is None  # a stop_token_ids match names its id as the stop reason
     return delta
 
 

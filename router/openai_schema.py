@@ -6,19 +6,34 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
+    """A request body (or a part of one): an unknown field is a 400 naming it, and ``null`` is "not set"."""
+
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """An explicit ``null`` asks for nothing, as OpenAI and vLLM read it: on a field with a default it is that
+        default (clients send ``"n": null`` for an argument they left alone), on a field this server does not
+        know it is dropped (``refusal``, ``audio`` and ``function_call`` are null in every assistant message an
+        SDK's ``model_dump()`` gives back). A field whose default is None keeps its null."""
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        known = {field.alias or name: field for name, field in cls.model_fields.items()}
+        return {key: value for key, value in data.items()
+                if value is not None or (key in known and (known[key].is_required() or known[key].default is None))}
 
-class StreamOptions(_Body):
+
+class StreamOptions(RequestBody):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False  # vLLM: with include_usage, every chunk carries the usage so far
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(RequestBody):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extras."""
 
     model: str
@@ -104,17 +119,17 @@ class CompletionRequest(_SamplingFields):
         return value
 
 
-class TextContentPart(_Body):
+class TextContentPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Body):
+class FunctionCall(RequestBody):
     name: str
     arguments: str  # JSON text, as the model wrote it
 
 
-class ToolCallItem(_Body):
+class ToolCallItem(RequestBody):
     """A call an earlier assistant turn made (``message.tool_calls[i]`` of a response, sent back)."""
 
     id: str
@@ -122,7 +137,7 @@ class ToolCallItem(_Body):
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -138,23 +153,23 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(RequestBody):
     name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: StrictBool | None = None  # the arguments must follow ``parameters`` (a grammar enforces it)
 
 
-class ChatTool(_Body):
+class ChatTool(RequestBody):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Body):
+class NamedFunction(RequestBody):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(RequestBody):
     type: Literal["function"]
     function: NamedFunction
 

@@ -167,6 +167,8 @@ def _sampling_params(
 ) -> SamplingParams:
     """``renames``: a ``SamplingParams`` field -> the request field the client set it with (chat: ``top_logprobs``
     sets ``logprobs``), so that a 400 names what the client sent."""
+    if body.stream_options is not None and not body.stream:  # as OpenAI and vLLM: options of a stream there is not
+        raise bad_request("stream_options: only allowed when stream is true", param="stream_options")
     logit_bias: dict[int, float] = {}
     for key, value in (body.logit_bias or {}).items():
         try:

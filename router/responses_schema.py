@@ -12,23 +12,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag
+from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag
 
 from router.errors import bad_request
+from router.openai_schema import RequestBody
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class InputText(_Body):
+class InputText(RequestBody):
     type: Literal["input_text", "output_text"]
     text: str
     annotations: list[Any] | None = None  # output_text sent back: citations (none here)
     logprobs: list[Any] | None = None
 
 
-class MessageItem(_Body):
+class MessageItem(RequestBody):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
@@ -39,7 +36,7 @@ class MessageItem(_Body):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(RequestBody):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -48,7 +45,7 @@ class FunctionCallItem(_Body):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(RequestBody):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[InputText]  # a list: the tool's content parts (text only: no images or files here)
@@ -59,12 +56,12 @@ class FunctionCallOutputItem(_Body):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-class ReasoningText(_Body):
+class ReasoningText(RequestBody):
     type: Literal["reasoning_text", "summary_text"]
     text: str
 
 
-class ReasoningItem(_Body):
+class ReasoningItem(RequestBody):
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
@@ -91,7 +88,7 @@ InputItem = Annotated[
                                        "or reasoning")]
 
 
-class FunctionTool(_Body):
+class FunctionTool(RequestBody):
     type: Literal["function"]
     name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
     description: str | None = None
@@ -99,12 +96,12 @@ class FunctionTool(_Body):
     strict: StrictBool | None = None
 
 
-class NamedFunctionChoice(_Body):
+class NamedFunctionChoice(RequestBody):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Body):
+class TextFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -112,12 +109,12 @@ class TextFormat(_Body):
     strict: StrictBool | None = None
 
 
-class TextOptions(_Body):
+class TextOptions(RequestBody):
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = None  # the only level a model without that training has
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     model: str
     input: str | list[InputItem]
     instructions: str | None = None

@@ -113,7 +113,7 @@ class OutputBuilder:
                 if self._append(self._detok.finish(), piece):
                     return self._prefixed(echo, self._emit(piece))
                 self.finish_reason = piece.finish_reason = code.to_finish_reason().value
-                piece.stop_reason = delta.stop_token_id
+                piece.stop_reason = None if delta.is_eos else delta.stop_token_id
             else:
                 self._fail(delta, code, piece)
         return self._prefixed(echo, self._emit(piece))

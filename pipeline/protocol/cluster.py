@@ -168,6 +168,7 @@ class TokenDelta(msgspec.Struct, **_HOT):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     stop_token_id: int | None = None
+    is_eos: bool = False  # with stop_token_id: an EOS (stop_reason null, as vLLM has it), not a stop_token_ids one
     is_prefill_failure: bool = False  # with ERROR: the prefill worker's side failed (retry without it)
     prompt_logprobs: PromptLogprobs | None = None  # with the first token, when the request asked for them
     index: int = 0  # which choice (n > 1); ``finish_reason`` ends that choice, ERROR ends the whole request

@@ -93,6 +93,8 @@ BAD_BODIES = [
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL], "tool_choice": "sometimes"}),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL]}),  # this template names no tool format
     ("/v1/chat/completions", {"messages": MESSAGES, "parallel_tool_calls": "yes"}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stream_options": {"include_usage": True}}),  # no stream
+    ("/v1/completions", {"prompt": "hi", "stream": False, "stream_options": {"include_usage": True}}),
     ("/v1/responses", {"input": [{"type": "function_call_output", "output": "x"}]}),
     ("/v1/responses", {"input": [{"type": "computer_call", "id": "c"}]}),
     ("/v1/responses", {"input": []}),
@@ -133,3 +135,32 @@ def test_a_bad_input_item_is_told_what_is_wrong_with_it_as_that_item(router):
     error = httpx.post(f"{router.url}/v1/responses", json=dict(BASE["/v1/responses"], input=[{"type": "weird"}]),
                        timeout=10).json()["error"]
     assert "must be message, function_call, function_call_output or reasoning" in error["message"], error
+
+
+NULLABLE = {  # fields OpenAI types "... or null" that have a default here: null is that default
+    "/v1/chat/completions": {"n": 1, "logprobs": False, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                             "stream": False, "parallel_tool_calls": True},
+    "/v1/completions": {"n": 1, "echo": False, "stream": False, "presence_penalty": 0.0, "frequency_penalty": 0.0},
+    "/v1/responses": {"stream": False, "parallel_tool_calls": True},
+}
+
+
+@pytest.mark.parametrize("endpoint", list(NULLABLE))
+def test_null_means_the_default(endpoint):
+    body = SCHEMAS[endpoint].model_validate(dict(BASE[endpoint], **{f: None for f in NULLABLE[endpoint]}))
+    assert {f: getattr(body, f) for f in NULLABLE[endpoint]} == NULLABLE[endpoint]
+    assert SCHEMAS[endpoint].model_validate(dict(BASE[endpoint], seed=None)).seed is None  # a None default stays
+
+
+def test_an_assistant_message_sent_back_as_the_sdk_dumps_it_is_taken():
+    """``messages.append(completion.choices[0].message.model_dump())``: its ``refusal``, ``audio``,
+    ``function_call`` and ``annotations`` are null, which asks for nothing; a non-null one is still refused."""
+    from openai.types.chat import ChatCompletionMessage
+
+    dumped = ChatCompletionMessage(role="assistant", content="a").model_dump()
+    assert {k for k, v in dumped.items() if v is None} >= {"refusal", "audio", "function_call", "annotations"}
+    body = ChatCompletionRequest.model_validate(dict(BASE["/v1/chat/completions"], messages=MESSAGES + [dumped]))
+    assert body.messages[-1].content == "a"
+    with pytest.raises(ValueError, match="refusal"):
+        ChatCompletionRequest.model_validate(dict(BASE["/v1/chat/completions"],
+                                                  messages=MESSAGES + [dict(dumped, refusal="no")]))

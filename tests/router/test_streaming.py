@@ -14,10 +14,10 @@ from pipeline.protocol.requests import SamplingParams, TokenLogprob
 from router.streaming import ChoiceResult, OutputBuilder, ResponseShape, chat_logprobs, completion_logprobs
 
 
-def deltas(ids, finish=FinishCode.LENGTH, stop_token_id=None):
+def deltas(ids, finish=FinishCode.LENGTH, stop_token_id=None, is_eos=False):
     out = [TokenDelta(request_id="r", token_ids=[t]) for t in ids]
     out[-1].finish_reason = finish
-    out[-1].stop_token_id = stop_token_id
+    out[-1].stop_token_id, out[-1].is_eos = stop_token_id, is_eos
     return out
 
 
@@ -65,6 +65,10 @@ def test_final_stop_token_is_counted_but_not_rendered(served_model):
     out, pieces = run(builder, deltas(ids, FinishCode.STOP, stop_token_id=ids[-1]))
     assert out == "Hello" and pieces[-1].finish_reason == "stop" and pieces[-1].stop_reason == ids[-1]
     assert builder.usage() == {"prompt_tokens": 5, "completion_tokens": len(ids), "total_tokens": 5 + len(ids)}
+    # an EOS ends the same way, with no stop reason (vLLM: stop_reason null for EOS, the id for stop_token_ids)
+    builder = OutputBuilder(served_model, SamplingParams(skip_special_tokens=False), 5)
+    out, pieces = run(builder, deltas(ids, FinishCode.STOP, stop_token_id=ids[-1], is_eos=True))
+    assert out == "Hello" and pieces[-1].finish_reason == "stop" and pieces[-1].stop_reason is None
 
 
 def test_the_stop_token_has_a_logprob_entry_as_every_counted_token(served_model):
@@ -183,3 +187,12 @@ def test_a_chat_streams_role_chunk_comes_with_its_first_token(router, served_mod
     while not chunks.empty():
         rest.append(chunks.get())
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in rest) == "Hello"
+
+
+def test_the_worker_says_whether_its_stop_token_is_an_eos():
+    from pipeline.step_output import StepOutput
+    from pipeline.worker_base import delta_from_step
+
+    eos = delta_from_step(StepOutput("r", [7, 2], finish_reason="stop", stop_reason=None, is_stop_token=True))
+    stop_id = delta_from_step(StepOutput("r", [7, 9], finish_reason="stop", stop_reason=9, is_stop_token=True))
+    assert (eos.stop_token_id, eos.is_eos) == (2, True) and (stop_id.stop_token_id, stop_id.is_eos) == (9, False)
