@@ -57,6 +57,13 @@ class ServedModel:
         return requested == self.name or requested in self.aliases
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
 
+    def token_bytes(self, token_id: int) -> list[int]:
+        """A token's bytes (logprobs' ``bytes``): its text's UTF-8, or its own bytes when it ends inside a character
+        (``router/token_bytes.py``)."""
+        from router.token_bytes import token_bytes
+
+        return list(token_bytes(self.tokenizer, token_id, self.token_text(token_id)))
+
     def token_text(self, token_id: int) -> str:
         """A single token rendered as text (logprobs); cached because the same ids recur constantly."""
         text = self._token_text.get(token_id)

@@ -29,6 +29,8 @@ class LogprobEntry:
     logprob: float | None  # None: the prompt's first token (nothing before it to predict it)
     top: list[tuple[str, float]] | None  # top-N (token text, logprob); the sampled token is not repeated here
     text_offset: int
+    token_bytes: list[int] | None = None  # chat's ``bytes`` of the token and of each top one (None: the text's UTF-8)
+    top_bytes: list[list[int]] | None = None
 
 
 @dataclass
@@ -147,16 +149,18 @@ class OutputBuilder:
         self._echo_pending = False
         entries: list[LogprobEntry] = []
         if prompt.num_top_echo is not None and scored is not None and len(scored) == len(prompt.token_ids) - 1:
-            offset = 0
+            # each token's offset is where its text starts in the prompt's: the length decoded before it (a token
+            # that ends inside a character adds nothing yet, so the tokens of one character share its offset)
+            detok = IncrementalDetokenizer(self._model.tokenizer, skip_special_tokens=self._params.skip_special_tokens)
             for position, token_id in enumerate(prompt.token_ids):
-                text = self._token_label(token_id)
+                text, offset = self._token_label(token_id), len(detok.text)
+                detok.add([token_id])
                 if position == 0:
                     entries.append(LogprobEntry(text, None, None, offset))
                 else:
                     top = [(self._token_label(lp.token_id), _clean(lp.logprob))
                            for lp in scored.top[position - 1][:prompt.num_top_echo]]
                     entries.append(LogprobEntry(text, _clean(scored.logprobs[position - 1]), top, offset))
-                offset += len(text)
         return prompt.echo_text, entries
 
     def _vllm_prompt_logprobs(self, scored: PromptLogprobs, num_top: int) -> list[dict[str, Any] | None]:
@@ -200,7 +204,11 @@ class OutputBuilder:
     def _entry(self, logprobs: list[TokenLogprob], token_id: int, offset: int) -> LogprobEntry:
         sampled = logprobs[0] if logprobs else TokenLogprob(token_id, float("nan"))
         top = [(self._token_label(lp.token_id), _clean(lp.logprob)) for lp in logprobs[1:]]
-        return LogprobEntry(self._token_label(token_id), _clean(sampled.logprob), top, offset)
+        if self._tokens_as_ids:  # the labels are ids: their bytes are the labels'
+            return LogprobEntry(self._token_label(token_id), _clean(sampled.logprob), top, offset)
+        return LogprobEntry(self._token_label(token_id), _clean(sampled.logprob), top, offset,
+                            self._model.token_bytes(token_id), [self._model.token_bytes(lp.token_id)
+                                                                for lp in logprobs[1:]])
 
     def _token_label(self, token_id: int) -> str:
         """How a logprob entry names its token: its text, or vLLM's "token_id:N" (``return_tokens_as_token_ids``)."""
@@ -242,14 +250,14 @@ def completion_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
 
 
 def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
-    def item(text: str, logprob: float) -> dict[str, Any]:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    def item(text: str, logprob: float, raw: list[int] | None) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")) if raw is None else raw}
 
-    return {
-        "content": [
-            {**item(e.token, e.logprob), "top_logprobs": [item(text, lp) for text, lp in e.top or []]} for e in entries
-        ]
-    }
+    def top(e: LogprobEntry) -> list[dict[str, Any]]:
+        raws = e.top_bytes or [None] * len(e.top or [])
+        return [item(text, lp, raw) for (text, lp), raw in zip(e.top or [], raws)]
+
+    return {"content": [{**item(e.token, e.logprob, e.token_bytes), "top_logprobs": top(e)} for e in entries]}
 
 
 @dataclass

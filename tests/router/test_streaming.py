@@ -196,3 +196,53 @@ def test_the_worker_says_whether_its_stop_token_is_an_eos():
     eos = delta_from_step(StepOutput("r", [7, 2], finish_reason="stop", stop_reason=None, is_stop_token=True))
     stop_id = delta_from_step(StepOutput("r", [7, 9], finish_reason="stop", stop_reason=9, is_stop_token=True))
     assert (eos.stop_token_id, eos.is_eos) == (2, True) and (stop_id.stop_token_id, stop_id.is_eos) == (9, False)
+
+
+def test_echo_offsets_around_characters_of_several_tokens(served_model):
+    """``text_offset[i]`` is where token i starts in the text: the tokens of one character (several bytes, each a
+    token of a byte-level vocabulary) share its offset, and offsets never go back."""
+    from pipeline.protocol.requests import PromptLogprobs
+    from router.streaming import PromptRendering
+
+    text = "aé日b"
+    prompt_ids = served_model.tokenizer.encode(text)
+    assert len(prompt_ids) > len(text)  # some character takes several tokens here
+    scored = PromptLogprobs([-1.0] * (len(prompt_ids) - 1), [1] * (len(prompt_ids) - 1),
+                            [[] for _ in prompt_ids[1:]])
+    rendering = PromptRendering(prompt_ids, echo_text=text, num_top_echo=0)
+    builder = OutputBuilder(served_model, SamplingParams(logprobs=0), len(prompt_ids), rendering)
+    out = served_model.tokenizer.encode("x")[-1:]
+    piece = builder.add(TokenDelta(request_id="r", token_ids=out, logprobs=[[TokenLogprob(out[0], -0.5)]],
+                                   prompt_logprobs=scored, finish_reason=FinishCode.LENGTH))
+    offsets = completion_logprobs(piece.logprobs)["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-2] == text.index("b") and offsets[-1] == len(text)
+    for token_id, offset in zip(prompt_ids, offsets):  # each token's text (when whole) is found at its offset
+        token = served_model.tokenizer.decode([token_id], skip_special_tokens=True)
+        assert "\ufffd" in token or text.startswith(token, offset), (token, offset)
+
+
+def test_chat_logprob_bytes_are_each_tokens_own_bytes(served_model):
+    """A token that ends inside a character decodes to U+FFFD; its ``bytes`` are still its own, so a client that
+    joins the bytes of the tokens gets the text back (OpenAI's reason for the field)."""
+    text = "é日本x"
+    ids = served_model.tokenizer.encode(text, add_special_tokens=False)
+    assert any(served_model.token_text(t) == "\ufffd" for t in ids)  # some token is part of a character here
+    builder = OutputBuilder(served_model, SamplingParams(logprobs=1), 5)
+    entries = []
+    for t in ids:
+        entries += builder.add(TokenDelta(request_id="r", token_ids=[t],
+                                          logprobs=[[TokenLogprob(t, -0.5), TokenLogprob(ids[0], -1.0)]])).logprobs
+    content = chat_logprobs(entries)["content"]
+    assert bytes(b for item in content for b in item["bytes"]).decode("utf-8") == text
+    assert all(item["top_logprobs"][0]["bytes"] == content[0]["bytes"] for item in content)
+
+
+def test_a_sentencepiece_byte_fallback_token_gives_its_byte():
+    from types import SimpleNamespace
+
+    from router.token_bytes import token_bytes
+
+    vocab = {5: "<0xC3>", 6: "▁the", 7: "<0xA9>"}
+    tokenizer = SimpleNamespace(convert_ids_to_tokens=vocab.get)
+    assert token_bytes(tokenizer, 5, "\ufffd") == b"\xc3" and token_bytes(tokenizer, 7, "\ufffd") == b"\xa9"
+    assert token_bytes(tokenizer, 6, " the") == b" the"  # whole characters: the text's UTF-8
