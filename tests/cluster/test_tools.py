@@ -1,5 +1,5 @@
-"""Tool calling, the Responses API and the clients agents use (the official openai SDK, LangChain,
-LiteLLM) against real clusters, colocated and 1P1D, on a tiny checkpoint whose chat template renders
+"""Tool calling, the Responses API and the clients agents use (the official openai SDK, the OpenAI Agents SDK,
+LangChain, LiteLLM) against real clusters, colocated and 1P1D, on a tiny checkpoint whose chat template renders
 tools the way Qwen's does (``tests/tool_checkpoint.py``).
 
 The model's weights are random, so it never chooses a call by itself: ``required`` and named calls are
@@ -9,6 +9,7 @@ is forced here with a regex, which is how the parser's path through the cluster 
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 from typing import Literal
@@ -20,6 +21,11 @@ from pydantic import BaseModel, Field
 
 from tests.cluster.conftest import CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks
 from tests.tool_checkpoint import build_tool_checkpoint
+
+try:
+    import agents as openai_agents  # the OpenAI Agents SDK (test extras)
+except ImportError:
+    openai_agents = None
 
 pytest.importorskip("llguidance")
 
@@ -277,3 +283,46 @@ def test_litellm_tools(cluster):
     [call] = out.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     assert out.choices[0].finish_reason == "tool_calls"
+
+
+class Unit(str, enum.Enum):  # an Enum parameter: pydantic writes it as a $defs entry and a $ref
+    celsius = "C"
+    fahrenheit = "F"
+
+
+WEATHER_CALLS: list[tuple[str, Unit]] = []
+
+
+def get_weather(city: Literal["Paris", "Rome"], unit: Unit) -> openai_agents.ToolOutputText:
+    """The weather in a city."""
+    WEATHER_CALLS.append((city, Unit(unit)))
+    return openai_agents.ToolOutputText(text=f"sunny in {city}, 21 {Unit(unit).value}")
+
+
+def test_the_openai_agents_sdk_calls_a_strict_tool_with_an_enum_and_reads_its_result(cluster):
+    """The Agents SDK's ``function_tool`` is strict and writes an Enum parameter as a ``$defs`` / ``$ref`` schema;
+    its tool result goes back as a list of text parts on the Responses API. Both models (Chat Completions and
+    Responses) run a turn forced to call the tool and a second turn that reads the result."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    tool = agents.function_tool(get_weather)
+    assert "$defs" in json.dumps(tool.params_json_schema) and tool.strict_json_schema
+    client = AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0)
+    model_name = name(openai_client(cluster))
+    for model in (agents.OpenAIChatCompletionsModel(model=model_name, openai_client=client),
+                  agents.OpenAIResponsesModel(model=model_name, openai_client=client)):
+        agent = agents.Agent(name="weather", instructions="Answer with the tool.", tools=[tool], model=model,
+                             model_settings=agents.ModelSettings(tool_choice="required", max_tokens=200, temperature=0))
+        # the first turn must call the tool; the second (tool_choice reset to auto) reads its result and answers,
+        # calls again or runs to max_tokens: a random model's choice (the SDK raises on the last two; a request it
+        # sent that was refused would be a BadRequestError)
+        WEATHER_CALLS.clear()
+        try:
+            agents.Runner.run_sync(agent, "Weather in Paris?", max_turns=2,
+                                   run_config=agents.RunConfig(tracing_disabled=True))
+        except agents.MaxTurnsExceeded:
+            pass
+        except agents.ModelBehaviorError as exc:
+            assert "max_output_tokens" in str(exc)
+        assert WEATHER_CALLS and WEATHER_CALLS[0][0] in ("Paris", "Rome") and isinstance(WEATHER_CALLS[0][1], Unit)
