@@ -109,7 +109,13 @@ def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: Samp
         else:
             inside = reasoning.starts_inside(prompt_text)
     output = ChatOutputFormat(tools.parser, reasoning, inside, body.include_reasoning, tools.is_named)
-    constraint = combined_constraint(structured_output_from(body), tools.call_grammar(model.tokenizer),
+    requested = structured_output_from(body)
+    if requested is not None and tools.forced is not None and is_a_response_format(body):
+        # a forced call is the whole answer, so OpenAI's answer format has no text to shape in this turn (an agent
+        # with an output type forcing a tool): it is checked, then the call grammar alone constrains
+        check_structured_output(requested, model, defaults.structured_output_backend, "response_format")
+        requested = None
+    constraint = combined_constraint(requested, tools.call_grammar(model.tokenizer),
                                      reasoning.grammar_prefix(inside) if reasoning is not None else None,
                                      tools.calls_instead_of_answer(model.tokenizer) if is_a_response_format(body)
                                      else None)

@@ -203,10 +203,21 @@ def test_strict_tools_under_auto_hold_a_call_to_its_schema(client, tokenizer):
     assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
 
 
+def test_a_forced_call_beside_an_answer_format_is_the_call(client):
+    """An agent with an output type that forces a tool sends both: the call is the answer (OpenAI's reading)."""
+    out = client.chat.completions.create(model=name(client), messages=ASK, tools=TOOLS, tool_choice="required",
+                                         response_format={"type": "json_object"}, max_tokens=80, temperature=0,
+                                         parallel_tool_calls=False)
+    check_calls(out.choices[0].message.tool_calls)
+    assert out.choices[0].finish_reason == "tool_calls"
+
+
 def test_bad_tool_requests_are_400s(client):
     cases = [dict(tool_choice="required"),  # no tools
              dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
-             dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+             dict(tools=TOOLS, tool_choice="required", extra_body={"structured_outputs": {"regex": "a+"}}),
+             dict(tools=TOOLS, tool_choice="required",  # the answer format is checked, though a call is forced
+                  response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
              dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]),
              dict(functions=[{"name": "f"}])]
     for extra in cases:
