@@ -139,9 +139,10 @@ def test_a_bad_input_item_is_told_what_is_wrong_with_it_as_that_item(router):
 
 NULLABLE = {  # fields OpenAI types "... or null" that have a default here: null is that default
     "/v1/chat/completions": {"n": 1, "logprobs": False, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                             "stream": False, "parallel_tool_calls": True},
-    "/v1/completions": {"n": 1, "echo": False, "stream": False, "presence_penalty": 0.0, "frequency_penalty": 0.0},
-    "/v1/responses": {"stream": False, "parallel_tool_calls": True},
+                             "stream": False, "parallel_tool_calls": True, "priority": 0},
+    "/v1/completions": {"n": 1, "echo": False, "stream": False, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                        "priority": 0},
+    "/v1/responses": {"stream": False, "parallel_tool_calls": True, "priority": 0},
 }
 
 
