@@ -32,8 +32,8 @@ from kv_transfer.io_thread import IOThread
 from kv_transfer.layout import check_kv_cache
 from kv_transfer.shm import free_shared_kv_cache, host_id, shared_kv_path
 from pipeline.protocol.transfer import (
-    IN_PLACE_TRANSPORTS, SENDER_FRAME_DECODER, Begin, CudaIpcHandle, Blocks, Finish, Hello, HelloReply, Grant, FinishAck, KVLayout, Revoke, RevokeAck,
-    SenderAbort, SenderFrame, Written,
+    IN_PLACE_TRANSPORTS, SENDER_FRAME_DECODER, Begin, Blocks, CudaIpcHandle, Finish, FinishAck, Grant, Hello,
+    HelloReply, KVLayout, Revoke, RevokeAck, SenderAbort, SenderFrame, Written,
 )
 from pipeline.protocol.typed_socket import TypedSocket
 

@@ -4,8 +4,8 @@ One DEALER socket per receiver endpoint, handshake first. Per request, pieces go
 ``Finish`` (checksum + payload) after the last one on the same socket. zmq: each piece is packed into a
 reused buffer (``data_path.pack_piece``) and sent zero-copy as a raw frame. shm / cuda_ipc: the receiver's
 cache (its /dev/shm file, its CUDA IPC handle) is opened once per endpoint and each piece is copied straight
-into the granted destination blocks, then announced with a small ``Written`` header. Nothing waits forever: no handshake reply, a full send queue
-or no acknowledgement for ``timeout_s`` fails the request.
+into the granted destination blocks, then announced with a small ``Written`` header. Nothing waits forever:
+no handshake reply, a full send queue or no acknowledgement for ``timeout_s`` fails the request.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class KVSender(IOThread):
     """Sends blocks of ``kv_cache`` ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``.
 
     ``timeout_s`` bounds every wait on a receiver (handshake, queue space, acknowledgement);
-    ``max_piece_bytes`` is the unit of one message (zmq) or in-place write (shm, cuda_ipc): large enough to amortise
-    per-message costs, small enough that the receiver lands pieces while later ones are still being
+    ``max_piece_bytes`` is the unit of one message (zmq) or in-place write (shm, cuda_ipc): large enough to
+    amortise per-message costs, small enough that the receiver lands pieces while later ones are still being
     sent. Up to ``SEND_HWM`` pieces queue per receiver, and their pack buffers are kept for reuse.
     """
 
@@ -101,8 +101,8 @@ class KVSender(IOThread):
         # to travel (zmq) or on the first page that just landed in the receiver's cache (shm).
         self.corrupt_hook: Callable[[str, torch.Tensor], None] | None = None
         super().__init__(name, num_torch_threads)
-        self._peers = PeerTable(self.ctx, self.poller, Hello(layout=self.layout, host_id=host_id()), self.layout, kv_cache,
-                                lambda: self._stats.count("num_bad_frames"), log)  # I/O thread only
+        self._peers = PeerTable(self.ctx, self.poller, Hello(layout=self.layout, host_id=host_id()), self.layout,
+                                kv_cache, lambda: self._stats.count("num_bad_frames"), log)  # I/O thread only
         self._start()
 
     # ---- caller side ---------------------------------------------------------------------------
@@ -277,8 +277,8 @@ class KVSender(IOThread):
         return True
 
     def _prepare_piece(self, req: _Request, piece: Piece) -> tuple | None:
-        """Pack (zmq) or write in place (shm, cuda_ipc) one piece; returns the header that announces it and the raw
-        frame that carries it (zmq)."""
+        """Pack (zmq) or write in place (shm, cuda_ipc) one piece; returns the header that announces it and the
+        raw frame that carries it (zmq)."""
         start = time.perf_counter()
         fields = dict(request_id=req.request_id, layer_start=piece.layer_start, layer_stop=piece.layer_stop,
                       dst_block_ids=piece.dst_block_ids, num_bytes=piece.num_bytes(self.layout.layer_block_bytes))
@@ -293,14 +293,15 @@ class KVSender(IOThread):
             if outside:
                 self._complete(req, False, f"blocks {outside[:8]} are outside the receiver's reservation")
                 return None
-            if req.peer.transport == "cuda_ipc":
-                write_piece_on_device(self._kernels, self.kv_cache, req.peer.device_cache, piece, req.checksum)
-                page = req.peer.device_cache[piece.layer_start, 0, piece.dst_block_ids[0]].view(torch.uint8)
+            peer, first = req.peer, (piece.layer_start, 0, piece.dst_block_ids[0])
+            if peer.transport == "cuda_ipc":
+                write_piece_on_device(self._kernels, self.kv_cache, peer.device_cache, piece, req.checksum)
             else:
-                write_piece_in_place(self.kv_cache, self._pages, req.peer.shm_pages, piece, req.checksum)
-                page = torch.from_numpy(req.peer.shm_pages[piece.layer_start, 0, piece.dst_block_ids[0]])
+                write_piece_in_place(self.kv_cache, self._pages, peer.shm_pages, piece, req.checksum)
             if self.corrupt_hook is not None:
-                self.corrupt_hook(req.request_id, page)
+                page = peer.device_cache[first] if peer.transport == "cuda_ipc" else peer.shm_pages[first]
+                self.corrupt_hook(req.request_id, page.view(torch.uint8) if isinstance(page, torch.Tensor)
+                                  else torch.from_numpy(page))
             prepared = (Written(**fields), [])
         self._stats.add_bytes(req.peer.transport, fields["num_bytes"], time.perf_counter() - start)
         return prepared
