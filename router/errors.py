@@ -45,6 +45,9 @@ class APIError(Exception):
         code: str | int | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        # a message may quote what the client sent, and JSON bodies are UTF-8: a lone surrogate (valid in a JSON
+        # string's escapes, not in UTF-8) is quoted as its escape
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status_code = status_code
         self.message = message

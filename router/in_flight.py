@@ -112,14 +112,16 @@ class InFlightRequests:
                 prefill.num_pending_prefill_tokens = max(0, prefill.num_pending_prefill_tokens - num_tokens)
 
     def exclude(self, handle: RequestHandle, worker_id: str) -> None:
-        """``worker_id`` failed the request: route it elsewhere while that worker is the same process."""
+        """``worker_id`` failed the request: route it elsewhere while that worker is in the same incarnation (the
+        same process, not declared dead since: a restarted worker, or a frozen one that resumed, may serve it)."""
         info = self.registry.get(worker_id)
-        handle.excluded[worker_id] = info.pid if info is not None else -1
+        handle.excluded[worker_id] = info.incarnation if info is not None else -1
 
     def excluded(self, handle: RequestHandle) -> set[str]:
-        """The workers a request must avoid: those that failed it, while they are still the same process."""
-        return {worker_id for worker_id, pid in handle.excluded.items()
-                if (info := self.registry.get(worker_id)) is None or info.pid == pid or pid == -1}
+        """The workers a request must avoid: those that failed it, while they are still in that incarnation."""
+        return {worker_id for worker_id, incarnation in handle.excluded.items()
+                if (info := self.registry.get(worker_id)) is None or info.incarnation == incarnation
+                or incarnation == -1}
 
     def remember_cancel(self, wire_id: str) -> None:
         self._cancelled[wire_id] = None

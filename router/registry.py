@@ -44,6 +44,9 @@ class WorkerInfo:
     num_inflight_blocks: int = 0  # blocks (prompt + max_tokens) of the requests routed here (decode side), not finished
     num_routed_prefill_blocks: int = 0  # cumulative: prompt blocks the router sent here to compute (prefill side)
     num_restarts: int = 0  # registrations under this worker id by a new process (a restart, a rolling replace)
+    # +1 each time this worker id comes back: a new process, or the same one heard from again after it was declared
+    # dead (frozen, then resumed); a request that failed on a worker avoids it for that incarnation only
+    incarnation: int = 0
     rank_pids: list[int] = field(default_factory=list)  # tensor parallelism: ranks 1..N-1 (``pid`` is rank 0)
 
     def view(self, num_cached_prompt_tokens: int = 0) -> WorkerView:
@@ -118,6 +121,7 @@ class WorkerRegistry:
         )
         if old is not None:
             info.num_restarts = old.num_restarts + (old.pid != msg.pid)
+            info.incarnation = old.incarnation + (old.pid != msg.pid or not old.is_alive)
         if old is not None and old.pid == msg.pid:  # the same process again: keep the router's counts
             info.num_inflight = old.num_inflight
             info.num_pending_prefill_tokens = old.num_pending_prefill_tokens
@@ -157,6 +161,7 @@ class WorkerRegistry:
         if not info.is_alive:
             logger.warning("worker %s is back after being declared dead", worker_id)
             info.is_alive = True
+            info.incarnation += 1
         return info
 
     def remove(self, worker_id: str) -> None:

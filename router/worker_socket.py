@@ -83,7 +83,13 @@ class WorkerSocket:
     async def _recv_loop(self) -> None:
         assert self._sock is not None
         while True:
-            message, identity, _ = await self._sock.receive_async()
+            try:
+                message, identity, _ = await self._sock.receive_async()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # whatever one frame does, the router keeps hearing its workers
+                logger.exception("error receiving a worker frame; dropped")
+                continue
             try:
                 worker_id = identity.decode()
             except UnicodeDecodeError:

@@ -176,7 +176,7 @@ class TypedSocket(Generic[M]):
             return None
         try:
             message = self._decode(frames[0] if self._copy else frames[0].buffer)
-        except msgspec.DecodeError as exc:  # ValidationError included
-            self.count_bad_frame(sender, str(exc))
+        except (msgspec.DecodeError, ValueError) as exc:  # ValidationError included; msgspec raises a plain
+            self.count_bad_frame(sender, str(exc))          # UnicodeDecodeError for a string that is not UTF-8
             return None
         return Received(message, sender, frames[1:])

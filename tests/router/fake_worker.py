@@ -108,6 +108,7 @@ class FakeWorker:
         self._scheduled: list[tuple[float, TokenDelta]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._frozen = threading.Event()  # SIGSTOP's stand-in: nothing in or out, same process (pid) after
         self._thread = threading.Thread(target=self._run, name=f"fake-{worker_id}", daemon=True)
 
     def start(self) -> "FakeWorker":
@@ -117,6 +118,13 @@ class FakeWorker:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+    def freeze(self) -> None:
+        """Neither read nor send (heartbeats, tokens) until ``thaw``: a stopped process, not a dead one."""
+        self._frozen.set()
+
+    def thaw(self) -> None:
+        self._frozen.clear()
 
     def send_raw(self, *frames: bytes) -> None:
         with self._lock:
@@ -144,6 +152,9 @@ class FakeWorker:
             sock.send(encode(self.register_msg))
             next_heartbeat = time.monotonic()
             while not self._stop.is_set():
+                if self._frozen.is_set():
+                    time.sleep(0.005)
+                    continue
                 if sock.poll(5):
                     while sock.poll(0):
                         self._on_message(sock.recv())

@@ -159,12 +159,14 @@ def test_malformed_frames_are_counted_and_dropped(router, served_model):
     worker.send_raw(b"\xc1 not msgpack")
     worker.send_raw(encode(Heartbeat(worker_id="someone-else", load=WorkerLoad())))
     worker.send_raw(b"two", b"frames")
+    worker.send_raw(b"\x91\xa2\xff\xfe")  # a string that is not UTF-8: once it stopped the router's receiving
     deadline = time.monotonic() + 5
-    while router.metric("tandem_router_bad_frames_total") < 3 and time.monotonic() < deadline:
+    while router.metric("tandem_router_bad_frames_total") < 4 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert router.metric("tandem_router_bad_frames_total") == 3
+    assert router.metric("tandem_router_bad_frames_total") == 4
+    time.sleep(1.5)  # longer than dead_after_s: the worker's heartbeats are still heard
     assert httpx.post(f"{router.url}/v1/completions", json=BODY).status_code == 200
-    assert router.state.dispatcher.num_bad_frames == 3
+    assert router.state.dispatcher.num_bad_frames == 4
 
 
 def test_registration_is_checked_and_unknown_heartbeats_are_told_to_register(router):
@@ -275,6 +277,32 @@ def test_a_stream_whose_only_worker_dies_goes_on_once_it_restarts(router_factory
     assert text == served_model.tokenizer.decode(ids)
     assert len(restarted.requests) == 1 and len(restarted.requests[0].resume_token_ids) >= 3
     assert router.metric('tandem_migrations_total{cause="worker_died"}') == 1.0
+
+
+def test_a_stream_goes_on_on_its_worker_when_that_worker_resumes_after_being_declared_dead(router_factory,
+                                                                                        served_model):
+    """A worker frozen past dead_after_s (SIGSTOP, a swapped-out host) is declared dead; when it resumes, the same
+    process again, it is a new incarnation: the stream that failed there goes on there. An audit saw every such
+    stream fail after wait_for_worker_s, excluded by the resumed worker's unchanged pid."""
+    router = router_factory(config=ONLY_WORKER_COMES_BACK)
+    ids = served_model.tokenizer.encode("Hello there, how are you? Paris is the capital.")
+
+    def script(request):
+        return tokens_script(ids[len(request.resume_token_ids):], step_s=0.1 if not request.resume_token_ids
+                             else 0.005)(request)
+
+    worker = router.add_worker("w0", script=script, pid=1001)
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=30)
+    text = ""
+    for i, chunk in enumerate(client.completions.create(**{**BODY, "max_tokens": len(ids), "stream": True})):
+        text += chunk.choices[0].text
+        if i == 2:
+            worker.freeze()
+            assert router.wait_ready(False)  # declared dead; nobody else can serve the stream
+            worker.thaw()
+    assert text == served_model.tokenizer.decode(ids)
+    assert len(worker.requests) == 2 and len(worker.requests[1].resume_token_ids) >= 3  # again on the same worker
+    assert router.state.dispatcher.registry.get("w0").incarnation == 1
 
 
 def test_a_stream_fails_once_no_worker_came_back_in_time_and_is_no_migration(router_factory, served_model):

@@ -165,3 +165,12 @@ def test_an_assistant_message_sent_back_as_the_sdk_dumps_it_is_taken():
     with pytest.raises(ValueError, match="refusal"):
         ChatCompletionRequest.model_validate(dict(BASE["/v1/chat/completions"],
                                                   messages=MESSAGES + [dict(dumped, refusal="no")]))
+
+
+@pytest.mark.parametrize("endpoint", list(BASE))
+def test_an_unknown_model_name_with_a_lone_surrogate_is_a_404_that_quotes_it(router, endpoint):
+    raw = json.dumps(dict(BASE[endpoint], model="no\ud800such")).encode()  # JSON's escape of a lone surrogate
+    response = httpx.post(f"{router.url}{endpoint}", content=raw, headers={"content-type": "application/json"},
+                          timeout=10)
+    assert response.status_code == 404, response.text
+    assert "no\\ud800such" in response.json()["error"]["message"]

@@ -76,13 +76,14 @@ def test_garbage_is_counted_logged_and_dropped_and_the_next_message_arrives(pair
         client.send(b"\xc1 not msgpack")
         client.send(encode(PrefillAccepted(request_id="x")))  # valid msgpack, not this socket's union
         client.send_multipart([encode(REQUEST), b"a frame too many"])
+        client.send(b"\x91\xa2\xff\xfe")  # an array holding a string that is not UTF-8 (msgspec: UnicodeDecodeError)
         client.send(encode(CancelPrefill(request_id="a")))
         got = receive(server)
     assert got.message == CancelPrefill(request_id="a")
-    assert server.num_bad_frames == 3 and len(hook) == 3
+    assert server.num_bad_frames == 4 and len(hook) == 4
     dropped = [r.getMessage() for r in caplog.records if "dropped a bad frame" in r.getMessage()]
-    assert len(dropped) == 3 and all(m.startswith("test socket: ") and "b'd0'" in m for m in dropped)
-    assert "got 2" in dropped[2]
+    assert len(dropped) == 4 and all(m.startswith("test socket: ") and "b'd0'" in m for m in dropped)
+    assert "got 2" in dropped[2] and "utf-8" in dropped[3]
 
 
 def test_bad_frames_are_logged_rate_limited(pair, caplog):
