@@ -18,6 +18,21 @@ from pipeline.protocol.transfer import CudaIpcHandle, Hello
 from tests.kv_transfer.helpers import emulate_cuda_ipc, names, random_cache, wait_for
 
 
+def _pair(closer, src: torch.Tensor, dst: torch.Tensor, transport: str = "auto") -> tuple[KVSender, KVReceiver]:
+    """A receiver over ``dst`` offering what it can, and a sender over ``src`` offering ``transport``."""
+    receiver = KVReceiver(dst, kv_layout(dst, "m"), "tcp://127.0.0.1:0")
+    closer(receiver)
+    sender = KVSender(src, kv_layout(src, "m", transport))
+    closer(sender)
+    return sender, receiver
+
+
+def _raise(exc: Exception):
+    def fail(*args):
+        raise exc
+    return fail
+
+
 def _send_one(sender: KVSender, receiver: KVReceiver, src: torch.Tensor, dst: torch.Tensor):
     receiver.expect("r", [5, 6, 7], num_bytes=sender.layout.kv_bytes(3))
     sender.send_blocks("r", receiver.endpoint, [0, 1, 2], [5, 6, 7])
@@ -31,10 +46,7 @@ def _send_one(sender: KVSender, receiver: KVReceiver, src: torch.Tensor, dst: to
 def test_cuda_ipc_is_preferred_between_device_caches_on_one_host(closer, monkeypatch):
     src, dst = random_cache(), torch.zeros_like(random_cache())
     emulate_cuda_ipc(monkeypatch, src, dst)
-    receiver = KVReceiver(dst, kv_layout(dst, "m"), "tcp://127.0.0.1:0")
-    closer(receiver)
-    sender = KVSender(src, kv_layout(src, "m"))
-    closer(sender)
+    sender, receiver = _pair(closer, src, dst)
     assert receiver.layout.transports == ("cuda_ipc", "zmq") and sender.layout.transports == ("cuda_ipc", "shm", "zmq")
     got, status = _send_one(sender, receiver, src, dst)
     assert got.transport == status.transport == "cuda_ipc"
@@ -50,15 +62,8 @@ def test_cuda_ipc_needs_one_host():
 def test_a_cuda_ipc_handle_that_does_not_open_falls_back_to_the_next_transport(closer, monkeypatch, caplog):
     src, dst = random_cache(), torch.zeros_like(random_cache())
     emulate_cuda_ipc(monkeypatch, src, dst)
-
-    def refuse(handle, shape, dtype):
-        raise RuntimeError("CUDA error: invalid resource handle")
-
-    monkeypatch.setattr(cuda_ipc, "open_cache", refuse)
-    receiver = KVReceiver(dst, kv_layout(dst, "m"), "tcp://127.0.0.1:0")
-    closer(receiver)
-    sender = KVSender(src, kv_layout(src, "m"))
-    closer(sender)
+    monkeypatch.setattr(cuda_ipc, "open_cache", _raise(RuntimeError("CUDA error: invalid resource handle")))
+    sender, receiver = _pair(closer, src, dst)
     got, status = _send_one(sender, receiver, src, dst)
     assert got.transport == status.transport == "zmq"
     assert sender.stats().num_transport_fallbacks == 1
@@ -76,15 +81,9 @@ def test_a_shared_cache_that_does_not_map_falls_back_to_zmq(closer, monkeypatch)
     src = random_cache()
     dst = allocate_shared_kv_cache(src.shape, src.dtype, f"fallback-{next(names)}")
     dst.zero_()
-
-    def refuse(path, shape, dtype):
-        raise OSError(2, "No such file or directory (another container's /dev/shm?)")
-
-    monkeypatch.setattr(sender_peers, "open_shared_kv_cache", refuse)
-    receiver = KVReceiver(dst, kv_layout(dst, "m"), "tcp://127.0.0.1:0")
-    closer(receiver)
-    sender = KVSender(src, kv_layout(src, "m"))
-    closer(sender)
+    monkeypatch.setattr(sender_peers, "open_shared_kv_cache",
+                        _raise(OSError(2, "No such file or directory (another container's /dev/shm?)")))
+    sender, receiver = _pair(closer, src, dst)
     got, status = _send_one(sender, receiver, src, dst)
     assert got.transport == status.transport == "zmq" and sender.stats().num_transport_fallbacks == 1
 
@@ -92,12 +91,8 @@ def test_a_shared_cache_that_does_not_map_falls_back_to_zmq(closer, monkeypatch)
 def test_a_forced_in_place_transport_that_does_not_open_fails_clearly(closer, monkeypatch):
     src = random_cache()
     dst = allocate_shared_kv_cache(src.shape, src.dtype, f"forced-{next(names)}")
-    monkeypatch.setattr(sender_peers, "open_shared_kv_cache",
-                        lambda path, shape, dtype: (_ for _ in ()).throw(OSError(13, "Permission denied")))
-    receiver = KVReceiver(dst, kv_layout(dst, "m"), "tcp://127.0.0.1:0")
-    closer(receiver)
-    sender = KVSender(src, kv_layout(src, "m", transport="shm"))  # nothing else offered: nothing to fall back to
-    closer(sender)
+    monkeypatch.setattr(sender_peers, "open_shared_kv_cache", _raise(OSError(13, "Permission denied")))
+    sender, receiver = _pair(closer, src, dst, "shm")  # nothing else offered: nothing to fall back to
     receiver.expect("r", [1])
     sender.send_blocks("r", receiver.endpoint, [0], [1])
     sender.finish("r")
@@ -108,15 +103,8 @@ def test_a_forced_in_place_transport_that_does_not_open_fails_clearly(closer, mo
 def test_a_receiver_that_cannot_export_its_cache_stops_offering_cuda_ipc(closer, monkeypatch):
     src, dst = random_cache(), torch.zeros_like(random_cache())
     emulate_cuda_ipc(monkeypatch, src, dst)
-
-    def refuse(cache):
-        raise RuntimeError("the allocator cannot share this memory")
-
-    monkeypatch.setattr(cuda_ipc, "export_cache", refuse)
-    receiver = KVReceiver(dst, kv_layout(dst, "m"), "tcp://127.0.0.1:0")
-    closer(receiver)
-    sender = KVSender(src, kv_layout(src, "m"))
-    closer(sender)
+    monkeypatch.setattr(cuda_ipc, "export_cache", _raise(RuntimeError("the allocator cannot share this memory")))
+    sender, receiver = _pair(closer, src, dst)
     assert receiver.layout.transports == ("zmq",)
     got, status = _send_one(sender, receiver, src, dst)
     assert got.transport == "zmq"

@@ -11,39 +11,22 @@ import torch
 from pipeline import LLM, SamplingParams
 from pipeline.cuda_graphs import DecodeGraphs, capture_sizes
 from pipeline.forward_batch import ForwardBatch
-from tests.conftest import hf_greedy
 from tests.deepseek_checkpoints import deepseek_checkpoint  # noqa: F401 (a fixture)
 from tests.gemma_checkpoints import gemma3_checkpoint  # noqa: F401 (a fixture)
 from tests.gpt_oss_checkpoints import gpt_oss_checkpoint  # noqa: F401 (a fixture)
 from tests.moe_checkpoints import moe_checkpoint  # noqa: F401 (a fixture)
-from tests.pipeline.test_engine_exactness import generate_and_check, make_prompts
+from tests.pipeline.test_engine_exactness import NUM_NEW_TOKENS as DENSE_NEW_TOKENS
+from tests.pipeline.test_engine_exactness import generate_and_check, references  # noqa: F401 (a fixture)
+from tests.pipeline.test_model_families_modes import FAMILIES, NUM_NEW_TOKENS, family  # noqa: F401 (a fixture)
 
-FAMILIES = {  # name -> (the fixture that builds it, its name there)
-    "llama": ("tiny_checkpoint", "llama"),
-    "qwen3_moe": ("moe_checkpoint", "qwen3_moe"),
-    "gemma3": ("gemma3_checkpoint", "gemma3"),
-    "gpt_oss": ("gpt_oss_checkpoint", "gpt_oss"),
-    "deepseek_v3": ("deepseek_checkpoint", "deepseek_v3"),
-}
-PROMPT_LENGTHS = [3, 17, 5, 29, 11, 1]  # past the sliding windows of the Gemma 3 / gpt-oss models
-NUM_NEW_TOKENS = 12
-MAX_BATCH_SIZE = 8  # graphs for 1, 2, 4, 8: batches of 3, 5, 6 run padded
+MAX_BATCH_SIZE = 8  # graphs for 1, 2, 4, 8: batches of 3, 5, 6, 7 run padded
 
 
-@pytest.fixture(scope="module")
-def family(request, hf_reference):
-    cache: dict[str, tuple] = {}
-
-    def get(name: str):
-        if name not in cache:
-            fixture, checkpoint_name = FAMILIES[name]
-            path = request.getfixturevalue(fixture)(checkpoint_name)
-            model, _ = hf_reference(path)
-            prompts = make_prompts(model.config.vocab_size, PROMPT_LENGTHS, seed=5)
-            cache[name] = (path, prompts, [hf_greedy(model, p, NUM_NEW_TOKENS) for p in prompts])
-        return cache[name]
-
-    return get
+def family_case(name: str, family, references, tiny_checkpoint) -> tuple[str, list, list, int]:
+    """(checkpoint, prompts, transformers' greedy tokens, how many) for a dense architecture or another family."""
+    if name in FAMILIES:
+        return (*family(name), NUM_NEW_TOKENS)
+    return (tiny_checkpoint(name), *references(name), DENSE_NEW_TOKENS)
 
 
 def emulate_graphs(llm: LLM) -> list[int]:
@@ -71,21 +54,22 @@ def test_capture_sizes():
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-@pytest.mark.parametrize("name", FAMILIES)
-def test_padded_decode_batches_change_no_token(name, overlap, family):
-    path, prompts, expected = family(name)
+@pytest.mark.parametrize("name", ["llama", *FAMILIES])
+def test_padded_decode_batches_change_no_token(name, overlap, family, references, tiny_checkpoint):
+    path, prompts, expected, num_new_tokens = family_case(name, family, references, tiny_checkpoint)
     llm = LLM(model=path, max_batch_size=MAX_BATCH_SIZE, max_batch_input_tokens=24, enable_overlap_scheduler=overlap,
-              kv_cache={"page_size": 4, "num_blocks": 128})
+              kv_cache={"page_size": 4, "num_blocks": 192})
     ran = emulate_graphs(llm)
-    generate_and_check(llm, prompts, expected, NUM_NEW_TOKENS)
+    generate_and_check(llm, prompts, expected, num_new_tokens)
     assert any(n not in capture_sizes(MAX_BATCH_SIZE) for n in ran), f"no padded batch ran: {sorted(set(ran))}"
 
 
-def test_logprobs_and_prompt_logprobs_are_unchanged(family):
-    path, prompts, _ = family("llama")
+def test_logprobs_and_prompt_logprobs_are_unchanged(references, tiny_checkpoint):
+    prompts, _ = references("llama")
+    path = tiny_checkpoint("llama")
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, prompt_logprobs=2)
-    plain = LLM(model=path, max_batch_size=MAX_BATCH_SIZE, kv_cache={"page_size": 4, "num_blocks": 128})
-    with_graphs = LLM(model=path, max_batch_size=MAX_BATCH_SIZE, kv_cache={"page_size": 4, "num_blocks": 128})
+    plain = LLM(model=path, max_batch_size=MAX_BATCH_SIZE, kv_cache={"page_size": 4, "num_blocks": 192})
+    with_graphs = LLM(model=path, max_batch_size=MAX_BATCH_SIZE, kv_cache={"page_size": 4, "num_blocks": 192})
     ran = emulate_graphs(with_graphs)
     for want, got in zip(plain.generate(prompts, params), with_graphs.generate(prompts, params)):
         assert got.token_ids == want.token_ids
