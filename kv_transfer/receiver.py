@@ -114,7 +114,7 @@ class KVReceiver(IOThread):
             return None
         try:
             return cuda_ipc.export_cache(kv_cache)
-        except (RuntimeError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - never run on a GPU yet: whatever fails, the other transports serve
             log.warning("KV receiver: cannot share the KV cache over CUDA IPC (%s); cuda_ipc is not offered", exc)
             return None
 

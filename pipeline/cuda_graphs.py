@@ -168,8 +168,9 @@ def capture_decode_graphs(model: torch.nn.Module, kv_cache: torch.Tensor, kernel
     graphs = DecodeGraphs(model, kv_cache, kernels, device, max_batch_size, max_blocks_per_seq)
     try:
         graphs.capture()
-    except RuntimeError as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever keeps a graph from being trusted, the eager path serves
         logger.warning("CUDA graphs off, every step runs eagerly: %s", exc)
+        torch.cuda.empty_cache()  # what the failed captures held
         return None
     logger.info("CUDA graphs captured for decode batch sizes %s", graphs.sizes)
     return graphs

@@ -94,3 +94,15 @@ def test_only_decode_batches_fit():
     assert not graphs.fits(batch(3, 3, 2))  # a one-token prompt chunk that is not sampled
     assert not graphs.fits(batch(5, 5, 5))  # larger than the largest graph
     assert not graphs.fits(batch(3, 3, 3, width=11))  # wider block tables than the static ones
+
+
+def test_a_capture_that_fails_leaves_graphs_off_with_a_warning(monkeypatch, caplog, tiny_checkpoint):
+    """Whatever keeps a graph from being trusted (here: CUDA missing altogether), the worker runs eagerly."""
+    from pipeline import cuda_graphs
+
+    llm = LLM(model=tiny_checkpoint("llama"), kv_cache={"page_size": 4, "num_blocks": 32})
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "empty_cache", lambda: None)
+    engine = llm.engine
+    got = cuda_graphs.capture_decode_graphs(engine.model, engine.kv_cache, engine.kernels, engine.device, 4,
+                                            engine.runner.buffer.block_table.shape[1])
+    assert got is None and "CUDA graphs off, every step runs eagerly" in caplog.text
