@@ -21,7 +21,7 @@ from pipeline.scheduler import ScheduledChunk
 from pipeline.speculative.draft import DraftModel
 from pipeline.speculative.flat_batch import TokenRun, build_forward_batch
 from pipeline.speculative.grammar import DraftWalk
-from pipeline.speculative.seeds import DRAFT_STREAM, position_generator
+from pipeline.speculative.seeds import position_generator
 
 
 @dataclass
@@ -153,7 +153,9 @@ class DraftProposer:
 
     def _noise(self, seq, output_position: int, vocab_size: int) -> torch.Tensor:
         seed = seq.params.seed
-        generator = (position_generator(seed, output_position, DRAFT_STREAM, self.device) if seed is not None
+        # a seeded request proposes from the noise its target token at that position is drawn with: the draft is
+        # accepted exactly when it is the token the target samples there (rejection_sampler, the coupled path)
+        generator = (position_generator(seed, output_position, self.device) if seed is not None
                      else self.sampler.global_generator(self.device))
         noise = torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
         return noise.to(self.device).clamp_min_(torch.finfo(noise.dtype).tiny)

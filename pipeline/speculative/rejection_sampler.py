@@ -37,13 +37,21 @@ Greedy requests skip all randomness: draft ``j`` is accepted while it equals the
 row ``j``; the first mismatch emits the target's argmax there, and if all match the bonus row's argmax
 follows.
 
-Randomness and reproducibility: each target row has its own generator (or the global one). Row ``j``
-draws, in this order, one uniform (drafted rows ``j < k`` only; every drafted row of a sampling request
-draws it) and then one ``[vocab]`` Exp(1) tensor, only if that row emits a sampled token (recovery or
-bonus). Categorical draws use the exponential race ``argmax(probs / E)``, which picks ``i`` with
-probability ``probs_i / sum(probs)`` without normalizing. A caller that seeds each row's generator from
-(request seed, output position) thus gets the same token at the same output position whether the
-request runs alone or batched, and independently of how many drafts were proposed after that position.
+Randomness: each target row has its own generator (or the global one). Row ``j`` draws, in this order, one
+uniform (drafted rows ``j < k`` only; every drafted row of a sampling request draws it) and then one
+``[vocab]`` Exp(1) tensor, only if that row emits a sampled token (recovery or bonus). Categorical draws
+use the exponential race ``argmax(probs / E)``, which picks ``i`` with probability ``probs_i / sum(probs)``
+without normalizing.
+
+Seeded requests take the **coupled** path instead, so that what they emit does not depend on where a
+speculation window began (which follows prompt chunking, the step budget and the batch): row ``j``'s
+generator is the plain sampler's for that output position, and the target's token there is
+``t_j = argmax(p_j / E_j)``, exactly the token sampling without speculation draws. Draft ``j`` is kept when it
+equals ``t_j``; the first that does not is replaced by ``t_j``, and after ``k`` kept drafts the bonus row's
+``t_k`` follows. Every emitted token is the target's own sample, so the output is the target's distribution and,
+for a seed, the very tokens of the run without a draft. The draft proposes from the same noise
+(``argmax(q_j / E_j)``), so it is kept whenever ``q_j`` and ``p_j`` agree on the race's winner: a lower
+acceptance than rejection sampling's ``sum min(p, q)`` where the two differ, the price of reproducibility.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ def rejection_sample(
     is_greedy: list[bool],
     generators: list[torch.Generator | None],
     global_generator: torch.Generator | None = None,
+    is_coupled: list[bool] | None = None,
 ) -> list[list[int]]:
     """Verify each request's drafted tokens; return per request the accepted drafts plus one target token.
 
@@ -79,6 +88,8 @@ def rejection_sample(
         generators: one per target row (same order as ``target_probs``); None uses ``global_generator``
             (and None there uses torch's default generator of the probabilities' device).
         global_generator: the generator for rows without their own.
+        is_coupled: per request, whether it takes the coupled path (a seeded request: its rows' generators are the
+            plain sampler's, its ``target_probs`` rows the weights the plain sampler races on, normalized or not).
 
     Returns:
         Per request, ``1 .. k_i + 1`` token ids: the accepted drafts followed by exactly one target token.
@@ -92,10 +103,13 @@ def rejection_sample(
     outputs: list[list[int]] = []
     target_start = 0  # first target row of the current request
     draft_start = 0  # first draft row of the current request
-    for k, greedy in zip(num_draft_tokens, is_greedy):
+    for k, greedy, coupled in zip(num_draft_tokens, is_greedy, is_coupled or [False] * len(is_greedy)):
         drafts = draft_token_list[draft_start:draft_start + k]
         if greedy:
             outputs.append(_verify_greedy(drafts, target_argmax_list[target_start:target_start + k + 1]))
+        elif coupled:
+            outputs.append(_verify_coupled(target_probs[target_start:target_start + k + 1], drafts,
+                                           generators[target_start:target_start + k + 1]))
         else:
             row_generators = [g if g is not None else global_generator
                               for g in generators[target_start:target_start + k + 1]]
@@ -146,6 +160,16 @@ def _verify_greedy(drafts: list[int], target_argmax: list[int]) -> list[int]:
         if draft != target_argmax[j]:
             return drafts[:j] + [target_argmax[j]]
     return drafts + [target_argmax[len(drafts)]]
+
+
+def _verify_coupled(target_weights: torch.Tensor, drafts: list[int],
+                    generators: list[torch.Generator | None]) -> list[int]:
+    """One seeded request: the target's own sample at each row in turn, drafts kept while they equal it."""
+    for j, draft in enumerate(drafts):
+        token = _sample_categorical(target_weights[j], generators[j])
+        if token != draft:
+            return drafts[:j] + [token]
+    return drafts + [_sample_categorical(target_weights[len(drafts)], generators[len(drafts)])]
 
 
 def _verify_sampled(

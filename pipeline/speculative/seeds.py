@@ -1,5 +1,9 @@
-"""Per-position generators: a seeded request's speculative draws depend only on its seed and the output
-position they decide, so it samples the same tokens alone or batched, whatever was accepted before."""
+"""Per-position generators: a seeded request's draw at each output position depends only on its seed and that
+position, and it is the plain sampler's own draw there (``step_execution.plan_seeds`` seeds the request's
+generator with ``step_seed(seed, position)`` before each sampled token). The draft proposes from that same noise
+and the verifier samples the target from it (``rejection_sampler``, the coupled path), so a seeded request emits
+the tokens it would emit without speculation, alone or batched, however its prompt was chunked and wherever a
+speculation window began."""
 
 from __future__ import annotations
 
@@ -7,13 +11,9 @@ import torch
 
 from pipeline.sampler import step_seed
 
-# Independent streams per position: drafting a token and verifying it must not share draws.
-DRAFT_STREAM = 1
-VERIFY_STREAM = 2
 
-
-def position_generator(seed: int, position: int, stream: int, device: torch.device) -> torch.Generator:
-    """A generator for output position ``position`` of a request seeded with ``seed``, on ``device``."""
+def position_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """The generator the plain sampler draws output position ``position`` of a request seeded with ``seed`` from."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(step_seed(seed + stream * 1_000_000_007, position))
+    generator.manual_seed(step_seed(seed, position))
     return generator

@@ -4,8 +4,9 @@ rows to the tokens it emits, with every logits processor applied exactly as with
 Row j of a request is processed as the request would be after its first j drafts were accepted:
 penalties count them, bad words and min_tokens see them (each row gets the state it would have had).
 A grammar-constrained request's row j is masked by what its grammar allows after those drafts. The
-draft's distribution q only shapes what is proposed, never what is emitted (rejection sampling), so it
-carries temperature / top-k / top-p / min-p and the grammar's mask but no other processor.
+draft's distribution q only shapes what is proposed, never what is emitted (rejection sampling; for a seeded
+request the coupled path, which emits the plain sampler's tokens), so it carries temperature / top-k / top-p /
+min-p and the grammar's mask but no other processor.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pipeline.scheduler import ScheduledChunk
 from pipeline.speculative.grammar import masks_along
 from pipeline.speculative.proposer import DraftProposal
 from pipeline.speculative.rejection_sampler import rejection_sample
-from pipeline.speculative.seeds import VERIFY_STREAM, position_generator
+from pipeline.speculative.seeds import position_generator
 
 
 @dataclass
@@ -43,12 +44,17 @@ def verify(logits: torch.Tensor, chunks: list[ScheduledChunk], proposal: DraftPr
         if metadata.needs_processing:
             processed = apply_logits_processing(logits, metadata)  # [rows, vocab]
     processed = _apply_grammars(processed, logits, chunks, proposal, vocab_size)
+    num_drafts = [len(drafts) for drafts in proposal.token_ids]
+    is_coupled = [chunk.seq.params.seed is not None and not chunk.seq.sampling_state.is_greedy for chunk in chunks]
     target_probs = torch.zeros(1, vocab_size, device=device).expand(len(states), vocab_size)
     if metadata is not None and not metadata.is_all_greedy:
-        probs = sampling_probs(processed, metadata)  # [num_random, vocab]
+        probs = sampling_probs(processed, metadata)  # [num_random, vocab]: what the plain sampler races on
         target_probs = torch.zeros(len(states), vocab_size, device=device)
-        target_probs[metadata.random_rows] = probs / probs.sum(dim=-1, keepdim=True)
-    num_drafts = [len(drafts) for drafts in proposal.token_ids]
+        # rejection sampling compares p with q (normalized); the coupled path races on the plain sampler's weights
+        coupled_rows = torch.tensor([c for c, k in zip(is_coupled, num_drafts) for _ in range(k + 1)],
+                                    device=device)[metadata.random_rows]
+        target_probs[metadata.random_rows] = torch.where(coupled_rows[:, None], probs,
+                                                         probs / probs.sum(dim=-1, keepdim=True))
     draft_probs = proposal.probs
     if draft_probs is None:
         draft_probs = torch.zeros(1, vocab_size, device=device).expand(sum(num_drafts), vocab_size)
@@ -56,7 +62,7 @@ def verify(logits: torch.Tensor, chunks: list[ScheduledChunk], proposal: DraftPr
         target_probs, processed.argmax(dim=-1), draft_probs,
         torch.tensor([t for drafts in proposal.token_ids for t in drafts], dtype=torch.int64, device=device),
         num_drafts, [chunk.seq.sampling_state.is_greedy for chunk in chunks],
-        _generators(chunks, num_drafts, device), global_generator,
+        _generators(chunks, num_drafts, device), global_generator, is_coupled,
     )
     return _with_logprobs(logits, chunks, num_drafts, emitted)
 
@@ -85,15 +91,15 @@ def _state_after(state: SequenceSamplingState, drafts: list[int]) -> SequenceSam
 
 def _generators(chunks: list[ScheduledChunk], num_drafts: list[int],
                 device: torch.device) -> list[torch.Generator | None]:
-    """One per verify row: seeded requests draw by output position, the others from the global generator."""
+    """One per verify row: seeded requests draw by output position (the plain sampler's draw there), the others
+    from the global generator."""
     generators: list[torch.Generator | None] = []
     for chunk, k in zip(chunks, num_drafts):
         seq = chunk.seq
         seed = seq.params.seed
         for j in range(k + 1):
             is_seeded = seed is not None and not seq.sampling_state.is_greedy
-            generators.append(position_generator(seed, seq.num_output_tokens + j, VERIFY_STREAM, device)
-                              if is_seeded else None)
+            generators.append(position_generator(seed, seq.num_output_tokens + j, device) if is_seeded else None)
     return generators
 
 

@@ -265,3 +265,28 @@ def test_shape_mismatches_are_rejected():
                      ("target_argmax", torch.zeros(3, dtype=torch.int64))]:
         with pytest.raises(ValueError):
             rejection_sample(**{**args, key: bad})
+
+
+def test_the_coupled_path_emits_the_targets_own_draws_and_keeps_drafts_equal_to_them():
+    """A seeded request: each row's token is the exponential race of its own (position) generator on the
+    target's weights, the draw sampling without a draft makes; drafts are kept while they equal it."""
+    from pipeline.speculative.seeds import position_generator
+
+    vocab, k = 50, 3
+    weights = torch.rand(k + 1, vocab, generator=torch.Generator().manual_seed(0)) ** 4  # unnormalized, as raced
+
+    def generators():
+        return [position_generator(1234, 10 + j, torch.device("cpu")) for j in range(k + 1)]
+
+    own = [int((weights[j] / torch.empty(vocab).exponential_(generator=g).clamp_min_(torch.finfo(torch.float32).tiny))
+               .argmax()) for j, g in enumerate(generators())]
+
+    def run(drafts):
+        return rejection_sample(weights, weights.argmax(dim=-1), torch.zeros(k, vocab),
+                                torch.tensor(drafts, dtype=torch.int64), [k], [False], generators(),
+                                is_coupled=[True])[0]
+
+    assert run(own[:k]) == own  # every draft is the target's draw: all kept, then the bonus draw
+    wrong = (own[1] + 1) % vocab
+    assert run([own[0], wrong, own[2]]) == [own[0], own[1]]  # the first that differs is replaced, the rest dropped
+    assert run([(own[0] + 1) % vocab, own[1], own[2]]) == [own[0]]

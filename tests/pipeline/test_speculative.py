@@ -107,6 +107,24 @@ def test_seeded_sampling_is_repeatable_alone_and_batched(tiny_checkpoint, drafts
     assert llm.engine.speculator.stats.num_draft_tokens > 0
 
 
+@pytest.mark.parametrize("kind", ["small", "self"])
+def test_seeded_sampling_emits_the_tokens_of_the_run_without_a_draft(tiny_checkpoint, drafts, kind):
+    """However the prompt is chunked (a step budget of 512 or 16 moves where each speculation window begins) and
+    whatever it is batched with, a seeded request emits what it emits without speculation: each position's token
+    is the target's own draw there (an audit saw the first token change with the step budget)."""
+    path = tiny_checkpoint("llama")
+    prompts = make_prompts(300, [17, 3, 40], seed=6)
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, seed=81, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(model=path, kv_cache={"page_size": 4, "num_blocks": 256}).generate(
+        prompts, seeded)]
+    for budget in (512, 16):
+        llm = speculative_llm(path, drafts("llama", kind), max_batch_input_tokens=budget,
+                              kv_cache={"page_size": 4, "num_blocks": 256})
+        assert [llm.generate([p], seeded)[0].token_ids for p in prompts] == plain, budget
+        assert [o.token_ids for o in llm.generate(prompts, seeded)] == plain, budget
+        assert llm.engine.speculator.stats.num_accepted_tokens > 0
+
+
 def test_abort_mid_speculation_frees_every_block(tiny_checkpoint, drafts):
     llm = speculative_llm(tiny_checkpoint("mistral"), drafts("mistral", "small"))
     engine = llm.engine
