@@ -9,7 +9,9 @@ import sys
 from deploy import bench_cmd, generate_cmd, keygen_cmd, launch_cmd, ray_cmd, serve_cmds, top_cmd
 from deploy.parent_guard import die_with_parent_if_asked
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
+# config, checkpoint, request and input errors, and a file the user named that cannot be read or written (exists,
+# is a directory, no permission): a message, not a traceback
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.handler(args) or 0)
-    except USER_ERRORS as exc:  # config, checkpoint, request and input errors: a message, not a traceback
+    except USER_ERRORS as exc:
         print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

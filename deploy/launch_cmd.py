@@ -22,6 +22,7 @@ import threading
 
 from deploy.config_flags import add_config_flags, config_from_args
 from deploy.keygen_cmd import add_http_security_flags, add_security_flags, parse_api_keys
+from deploy.router_preflight import check_router_can_start, port_number
 
 
 def register(sub) -> None:
@@ -39,7 +40,7 @@ def register(sub) -> None:
     parser.add_argument("--colocated", type=int, default=0, metavar="N",
                         help="colocated workers that prefill and decode themselves (PrefillAndDecode; default 0)")
     parser.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port of the HTTP API (default 8000)")
+    parser.add_argument("--port", type=port_number, default=8000, help="port of the HTTP API (default 8000)")
     add_http_security_flags(parser)
     parser.add_argument("--log-dir", default=None, metavar="DIR",
                         help="where each process logs (default: a temp dir)")
@@ -100,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
     # would read as the operator's choice in every process (the API's max_tokens default among them).
     overrides = config.model_dump(mode="json", exclude={"config_file", "section_name", "pipeline_role"},
                                   exclude_unset=True)
+    # what would stop the router (a port in use, TLS files that do not load, an ipc directory that is not there)
+    # is said now, before any worker has started
+    check_router_can_start(overrides.get("zmq_endpoint_base"), args.host, args.port, args.ssl_keyfile,
+                           args.ssl_certfile)
     cluster = LocalCluster(
         num_prefill=args.prefill or 0, num_decode=args.decode or 0, num_colocated=args.colocated,
         host=args.host, port=args.port, config=overrides, api_key=api_key, log_dir=args.log_dir,

@@ -101,7 +101,11 @@ class LocalCluster:
         self._files = ClusterFiles()
         self.started_pids: set[int] = set()  # every process this cluster ever started (restarts included)
         self.log_dir = Path(self.log_dir) if self.log_dir else self._files.default_log_dir
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # nothing started yet: nothing of this cluster stays behind
+            self._files.remove("")
+            raise ValueError(f"--log-dir {self.log_dir}: cannot be created ({exc.strerror})") from None
         self.spawner = ProcessSpawner(self.log_dir, self.entry_module, self.env, self.use_fork_server)
         self.config = dict(self.config)
         self.config.setdefault("zmq_endpoint_base", self._files.default_endpoint_base)

@@ -18,6 +18,7 @@ import sys
 from deploy.config_flags import add_config_flags, config_from_args
 from deploy.keygen_cmd import add_security_flags
 from deploy.launch_cmd import add_supervision_flags, add_tensor_parallel_flags
+from deploy.router_preflight import port_number
 
 
 def register(sub) -> None:
@@ -30,7 +31,7 @@ def register(sub) -> None:
     up.add_argument("--decode", type=int, default=None, help="DecodeOnly workers (default 1)")
     up.add_argument("--colocated", type=int, default=0, help="PrefillAndDecode workers (default 0)")
     up.add_argument("--host", default=None, help="the router's HTTP address (default: its node's address)")
-    up.add_argument("--port", type=int, default=8000, help="the router's HTTP port (default 8000)")
+    up.add_argument("--port", type=port_number, default=8000, help="the router's HTTP port (default 8000)")
     up.add_argument("--zmq-port", type=int, default=25000,
                     help="the router's ZMQ port; workers connect to tcp://ROUTER_NODE:PORT (default 25000)")
     up.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")

@@ -14,6 +14,7 @@ import threading
 
 from deploy.config_flags import add_config_flags, config_from_args
 from deploy.keygen_cmd import add_http_security_flags, add_security_flags, parse_api_keys
+from deploy.router_preflight import check_router_can_start, port_number
 from pipeline.config import PipelineRole
 from pipeline.cpu_placement import allowed_cores, apply_cpu_placement, bind_to_cores, describe_placement
 
@@ -24,8 +25,8 @@ _ROLE_COMMANDS = {"prefill": PipelineRole.PrefillOnly, "decode": PipelineRole.De
 
 def register(sub) -> None:
     router = sub.add_parser("router", help="run the OpenAI-compatible HTTP router")
-    router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on (default 127.0.0.1)")
+    router.add_argument("--port", type=port_number, default=8000, help="port of the HTTP API (default 8000)")
     add_http_security_flags(router, api_key_default=os.environ.get("TANDEM_API_KEY"),
                             api_key_default_text="$TANDEM_API_KEY")
     add_config_flags(router, skip=("pipeline_role", "security"))  # a router has no role
@@ -36,7 +37,8 @@ def register(sub) -> None:
         _add_worker_flags(parser)
         parser.set_defaults(handler=run_worker_cmd, role=role.value)
     worker = sub.add_parser("worker", help="run a worker of any role")
-    worker.add_argument("--role", required=True, choices=[r.value for r in PipelineRole])
+    worker.add_argument("--role", required=True, choices=[r.value for r in PipelineRole],
+                        help="what the worker does: prefill and decode (colocated), prefill only, or decode only")
     _add_worker_flags(worker)
     worker.set_defaults(handler=run_worker_cmd)
 
@@ -54,6 +56,7 @@ def run_router_cmd(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     configure_cluster_security(config)  # a tcp:// cluster with no key stops here, before anything binds
+    check_router_can_start(config.zmq_endpoint_base, args.host, args.port, args.ssl_keyfile, args.ssl_certfile)
     if config.cpu_cores is not None:  # the router binds only: it runs no torch
         bind_to_cores(allowed_cores(config.cpu_cores))
     run_router(config, host=args.host, port=args.port, api_key=parse_api_keys(args.api_key),

@@ -164,8 +164,21 @@ def num_handshakes_refused() -> int:
 
 
 # ------------------------------------------------------------------ sockets
+class BindError(ValueError):
+    """An address a process must listen on cannot be bound: which one, and why."""
+
+
 def bind_securely(sock: zmq.Socket, endpoint: str) -> None:
-    """Bind ``sock``: a CURVE server on ``tcp://`` when a key is set; owner-only on ``ipc://``."""
+    """Bind ``sock``: a CURVE server on ``tcp://`` when a key is set; owner-only on ``ipc://``. A bind that fails is
+    a ``BindError`` naming the address (the CLI prints it as one line)."""
+    try:
+        _bind(sock, endpoint)
+    except zmq.ZMQError as exc:
+        raise BindError(f"cannot listen on {endpoint} ({exc}): for ipc:// the directory must exist and be writable, "
+                        "for tcp:// the port must be free (--zmq-endpoint-base, --bind-host)") from None
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> None:
     if endpoint.startswith("tcp://") and _key is not None:
         sock.curve_secretkey = _key.secret
         sock.curve_publickey = _key.public

@@ -11,6 +11,7 @@ import zmq
 
 from kv_transfer import KVReceiver, KVSender, kv_layout
 from kv_transfer.shm import host_id
+from pipeline.security import BindError
 from pipeline.protocol.transfer import (
     FRAME_ENCODER, RECEIVER_FRAME_DECODER, Begin, Blocks, Finish, Hello, HelloReply,
 )
@@ -312,5 +313,5 @@ def test_bind_failure_raises_and_leaks_nothing(closer):
     dst = torch.zeros(1, 2, 2, 1, 1, 2)
     first = KVReceiver(dst, kv_layout(dst, "m"), "tcp://127.0.0.1:0")
     closer(first)
-    with pytest.raises(zmq.ZMQError):
+    with pytest.raises(BindError, match=f"cannot listen on {first.endpoint} .*the port must be free"):
         KVReceiver(dst, kv_layout(dst, "m"), first.endpoint)  # address in use

@@ -1,0 +1,75 @@
+"""What would stop a router is one line naming the flag, before anything starts (an audit saw tracebacks, some after
+every worker of a `tandem up` had started): a port out of range or in use, TLS files that do not load, an ipc
+directory that is not there, a file the user named that cannot be written."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from deploy.cli import main
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def one_line_error(capsys) -> str:
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and error.count("\n") == 1, error
+    return error
+
+
+def test_a_port_out_of_range_is_refused_by_the_parser(capsys):
+    for argv in (["router", "--port", "99999"], ["up", "--port", "70000"], ["up", "--port", "http"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert "--port" in capsys.readouterr().err
+
+
+def test_the_router_says_what_would_stop_it(capsys, busy_port, tmp_path):
+    base = f"ipc://{tmp_path}/no-such-dir/t"
+    assert main(["router", "--port", "0", "--zmq-endpoint-base", base]) == 2
+    assert "--zmq-endpoint-base: the router cannot listen on " in one_line_error(capsys)
+    assert main(["router", "--port", str(busy_port), "--zmq-endpoint-base", f"ipc://{tmp_path}/t"]) == 2
+    assert f"--port {busy_port}: cannot listen on 127.0.0.1:{busy_port}" in one_line_error(capsys)
+    pem = tmp_path / "bad.pem"
+    pem.write_text("not a pem\n")
+    assert main(["router", "--port", "0", "--zmq-endpoint-base", f"ipc://{tmp_path}/t", "--ssl-keyfile", str(pem),
+                 "--ssl-certfile", str(pem)]) == 2
+    assert f"--ssl-certfile {pem} / --ssl-keyfile {pem}: not a PEM certificate" in one_line_error(capsys)
+
+
+def test_tandem_up_says_it_before_starting_a_worker(capsys, busy_port, tiny_checkpoint, tmp_path):
+    checkpoint = tiny_checkpoint("llama")
+    capsys.readouterr()  # (building the checkpoint reports its progress)
+    assert main(["up", "--model", checkpoint, "--port", str(busy_port), "--log-dir", str(tmp_path / "logs")]) == 2
+    assert f"--port {busy_port}: cannot listen" in one_line_error(capsys)
+    assert not list((tmp_path / "logs").glob("*.log"))  # no process was started
+
+
+def test_a_file_that_cannot_be_written_is_one_line(capsys, tmp_path):
+    existing = tmp_path / "afile"
+    existing.write_text("x")
+    assert main(["keygen", "--out", str(existing)]) == 2
+    assert str(existing) in one_line_error(capsys)
+
+
+def test_a_log_dir_that_cannot_be_made_names_the_flag_and_leaves_nothing(capsys, tiny_checkpoint, tmp_path,
+                                                                         monkeypatch):
+    checkpoint = tiny_checkpoint("llama")
+    capsys.readouterr()
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the cluster's work directory is made
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert main(["up", "--model", checkpoint, "--port", "0", "--log-dir", str(blocker / "logs")]) == 2
+    assert f"--log-dir {blocker / 'logs'}: cannot be created" in one_line_error(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
