@@ -217,6 +217,8 @@ def run_router(
     """
     import uvicorn
 
+    from router.draining_server import DrainingServer
+
     if not keep_torch_out():
         logger.warning("torch or transformers was imported before run_router: the router process holds torch")
     if bool(ssl_keyfile) != bool(ssl_certfile):
@@ -226,10 +228,12 @@ def run_router(
     scheme = "https" if ssl_certfile else "http"
     logger.info("router serving %s on %s://%s:%d", app.state.router.model.name, scheme, host, port)
     previous = _exit_zero_on_sigterm()
+    server = DrainingServer(uvicorn.Config(
+        app, host=host, port=port, log_level="info", access_log=False,
+        timeout_keep_alive=config.router.http_keep_alive_s, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile),
+        config.drain_timeout_s, app.state.router.dispatcher)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info", access_log=False,
-                    timeout_graceful_shutdown=config.drain_timeout_s,
-                    timeout_keep_alive=config.router.http_keep_alive_s, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
+        server.run()
     finally:
         tracing.shutdown()  # the spans still batched go out before the process ends
         if previous is not None:

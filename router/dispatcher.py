@@ -132,10 +132,14 @@ class Dispatcher:
             self._housekeeping.cancel()
             await asyncio.gather(self._housekeeping, return_exceptions=True)
             self._housekeeping = None
-        self.admission.close(NoRoute("the router is shutting down"))
-        for handle in self.in_flight.handles():
-            self._fail(handle, "the router is shutting down", 503)
+        self.fail_everything("the router is shutting down")
         await self.socket.stop()
+
+    def fail_everything(self, reason: str) -> None:
+        """End every request waiting or in flight with a 503 (a stream: an error event), ``reason`` its message."""
+        self.admission.close(NoRoute(reason))
+        for handle in self.in_flight.handles():
+            self._fail(handle, reason, 503)
 
     @property
     def num_bad_frames(self) -> int:

@@ -345,6 +345,53 @@ run_router(config, "127.0.0.1", {port})
     assert "Waiting for connections to close" in output, output[-2000:]
 
 
+def test_what_outlives_the_drain_is_answered_with_an_error_not_cut(tiny_checkpoint, served_model):
+    """At drain_timeout_s the requests still running end with the OpenAI error body (503) or, streamed, an error
+    event: an audit saw uvicorn's own deadline cut them (a plain-text 500, a stream ending mid-way, no word)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    tmpdir = tempfile.mkdtemp(prefix="tdm", dir="/tmp")
+    base = f"ipc://{tmpdir}/t"
+    code = f"""
+from pipeline.config import PipelineConfig
+from router.app import run_router
+config = PipelineConfig(zmq_endpoint_base={base!r}, model={{"model_path": {tiny_checkpoint('llama')!r}}},
+                        drain_timeout_s=1)
+run_router(config, "127.0.0.1", {port})
+"""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    process = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    worker = None
+    try:
+        wait_until(lambda: process.poll() is None and _is_up(url), timeout=30)
+        name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        ids = served_model.tokenizer.encode(TEXT)
+        worker = FakeWorker(base, "w0", script=tokens_script(ids, step_s=30 / len(ids)), model_name=name).start()
+        wait_until(lambda: bool(worker.acks))
+        streaming = in_thread(post, SimpleNamespace(url=url), {**body(stream=True), "model": name})
+        whole = in_thread(post, SimpleNamespace(url=url), {**body(), "model": name})
+        wait_until(lambda: len(worker.requests) == 2)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        for answer in (streaming.join(), whole.join()):
+            assert not answer.is_complete and answer.error is not None, answer
+            assert "did not finish within drain_timeout_s (1 s)" in answer.error["message"], answer
+        assert whole.join().status == 503
+        assert process.wait(timeout=15) == 0
+    finally:
+        if worker is not None:
+            worker.stop()
+        if process.poll() is None:
+            process.kill()
+        output = process.communicate(timeout=10)[0].decode(errors="replace")
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        print(output[-3000:])
+    assert "Cancel" not in output and "Traceback" not in output, output[-2000:]
+
+
 def _is_up(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
