@@ -11,6 +11,7 @@ one view after two scrapes and exits.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,9 @@ def register(sub) -> None:
     parser.set_defaults(handler=run)
 
 
+_PIPED_WIDTH = 200  # wider than the worker table gets: lines are as long as their content
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -37,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--interval: must be > 0 (got {args.interval})")
     reader = RouterReader(args.url.rstrip("/"), args.api_key)
     console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:  # piped or to a file: the table at its own width,
+        console = Console(width=_PIPED_WIDTH)                      # not cut to 80 columns (a pid as "30…")
     if args.once:
         console.print(render(reader.view_over(args.interval), args.url))
         return 0

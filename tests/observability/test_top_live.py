@@ -42,6 +42,14 @@ def test_once_shows_every_worker_with_its_role_and_pid(cluster, capsys, monkeypa
     assert totals(screen)["requests_per_s"] == 0 and all(row["TTFT"] == "-" for row in rows.values())  # no load yet
 
 
+def test_once_piped_is_not_cut_to_80_columns(cluster, capsys, monkeypatch):
+    """Piped (no terminal, no COLUMNS) the table keeps its own width: an audit saw pids as "30…"."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["top", "--url", cluster.url, "--once", "--interval", "0.2"]) == 0
+    rows = screen_rows(capsys.readouterr().out)
+    assert {name: int(row["pid"]) for name, row in rows.items()} == {n: cluster.pids[n] for n in rows}
+
+
 def test_refreshes_follow_the_load(cluster, background_load):
     console = Console(record=True, width=WIDTH, force_terminal=True, color_system=None)
     background_load(num_rounds=8, concurrency=4, max_tokens=24, pause_s=0.2)
