@@ -317,6 +317,8 @@ def test_the_openai_agents_sdk_calls_a_strict_tool_with_an_enum_and_reads_its_re
     agents = pytest.importorskip("agents")
     from openai import AsyncOpenAI
 
+    if cluster.num_prefill == 0:
+        pytest.skip("the client's side is the same on every shape: run on the 1P1D cluster only (suite time)")
     tool = agents.function_tool(get_weather)
     assert "$defs" in json.dumps(tool.params_json_schema) and tool.strict_json_schema
     client = AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0)
