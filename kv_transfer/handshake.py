@@ -26,9 +26,9 @@ def negotiate(receiver: KVLayout, hello: Hello, receiver_host_id: str) -> tuple[
                 f"{list(hello.layout.transports)}, same host: {same_host}")
 
 
-def check_reply(sender: KVLayout, endpoint: str, reply: HelloReply, offered: tuple[str, ...] | None = None) -> str:
-    """The sender's own verdict on a ``HelloReply`` to a ``Hello`` that ``offered`` these transports (default: the
-    sender's own list): "" to go ahead, else why not."""
+def check_reply(sender: KVLayout, endpoint: str, reply: HelloReply, offered: tuple[str, ...]) -> str:
+    """The sender's own verdict on a ``HelloReply`` to a ``Hello`` that ``offered`` these transports (the sender's
+    own list, less those a handshake again left out): "" to go ahead, else why not."""
     if not reply.ok:
         return f"handshake refused by {endpoint}: {reply.error}"
     if reply.layout is None:
@@ -36,7 +36,6 @@ def check_reply(sender: KVLayout, endpoint: str, reply: HelloReply, offered: tup
     problems = sender.mismatch(reply.layout, ours="sender", theirs="receiver")
     if problems:
         return f"incompatible receiver {endpoint}: incompatible KV layout: " + "; ".join(problems)
-    offered = sender.transports if offered is None else offered
     if reply.transport not in offered:
         return f"incompatible receiver {endpoint}: transport {reply.transport!r} is not one of {offered}"
     return ""

@@ -294,14 +294,14 @@ class KVSender(IOThread):
                 self._complete(req, False, f"blocks {outside[:8]} are outside the receiver's reservation")
                 return None
             peer, first = req.peer, (piece.layer_start, 0, piece.dst_block_ids[0])
-            if peer.transport == "cuda_ipc":
+            is_device = peer.transport == "cuda_ipc"
+            if is_device:
                 write_piece_on_device(self._kernels, self.kv_cache, peer.device_cache, piece, req.checksum)
             else:
                 write_piece_in_place(self.kv_cache, self._pages, peer.shm_pages, piece, req.checksum)
             if self.corrupt_hook is not None:
-                page = peer.device_cache[first] if peer.transport == "cuda_ipc" else peer.shm_pages[first]
-                self.corrupt_hook(req.request_id, page.view(torch.uint8) if isinstance(page, torch.Tensor)
-                                  else torch.from_numpy(page))
+                self.corrupt_hook(req.request_id, peer.device_cache[first].view(torch.uint8) if is_device
+                                  else torch.from_numpy(peer.shm_pages[first]))
             prepared = (Written(**fields), [])
         self._stats.add_bytes(req.peer.transport, fields["num_bytes"], time.perf_counter() - start)
         return prepared

@@ -57,12 +57,16 @@ class ServedModel:
         return requested == self.name or requested in self.aliases
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
 
-    def token_bytes(self, token_id: int) -> list[int]:
-        """A token's bytes (logprobs' ``bytes``): its text's UTF-8, or its own bytes when it ends inside a character
-        (``router/token_bytes.py``)."""
+    def partial_token_bytes(self, token_id: int) -> list[int] | None:
+        """The bytes of a token that ends inside a character (its text is U+FFFD, whose UTF-8 says nothing), for
+        logprobs' ``bytes`` (``router/token_bytes.py``); None for a token of whole characters, whose bytes are its
+        text's UTF-8 (nearly every token: one substring test, from the cached text)."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return None
         from router.token_bytes import token_bytes
 
-        return list(token_bytes(self.tokenizer, token_id, self.token_text(token_id)))
+        return list(token_bytes(self.tokenizer, token_id, text))
 
     def token_text(self, token_id: int) -> str:
         """A single token rendered as text (logprobs); cached because the same ids recur constantly."""

@@ -29,8 +29,9 @@ class LogprobEntry:
     logprob: float | None  # None: the prompt's first token (nothing before it to predict it)
     top: list[tuple[str, float]] | None  # top-N (token text, logprob); the sampled token is not repeated here
     text_offset: int
-    token_bytes: list[int] | None = None  # chat's ``bytes`` of the token and of each top one (None: the text's UTF-8)
-    top_bytes: list[list[int]] | None = None
+    # chat's ``bytes`` of a token that ends inside a character, and of such top ones (None: the text's UTF-8)
+    token_bytes: list[int] | None = None
+    top_bytes: list[list[int] | None] | None = None  # None: every top token is whole characters
 
 
 @dataclass
@@ -204,11 +205,12 @@ class OutputBuilder:
     def _entry(self, logprobs: list[TokenLogprob], token_id: int, offset: int) -> LogprobEntry:
         sampled = logprobs[0] if logprobs else TokenLogprob(token_id, float("nan"))
         top = [(self._token_label(lp.token_id), _clean(lp.logprob)) for lp in logprobs[1:]]
-        if self._tokens_as_ids:  # the labels are ids: their bytes are the labels'
-            return LogprobEntry(self._token_label(token_id), _clean(sampled.logprob), top, offset)
-        return LogprobEntry(self._token_label(token_id), _clean(sampled.logprob), top, offset,
-                            self._model.token_bytes(token_id), [self._model.token_bytes(lp.token_id)
-                                                                for lp in logprobs[1:]])
+        entry = LogprobEntry(self._token_label(token_id), _clean(sampled.logprob), top, offset)
+        if not self._tokens_as_ids:  # (labels that are ids have their own bytes)
+            entry.token_bytes = self._model.partial_token_bytes(token_id)
+            top_bytes = [self._model.partial_token_bytes(lp.token_id) for lp in logprobs[1:]]
+            entry.top_bytes = top_bytes if any(b is not None for b in top_bytes) else None
+        return entry
 
     def _token_label(self, token_id: int) -> str:
         """How a logprob entry names its token: its text, or vLLM's "token_id:N" (``return_tokens_as_token_ids``)."""
