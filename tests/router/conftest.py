@@ -50,7 +50,9 @@ class RouterServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        # a request a stopped fake worker still holds is cancelled at shutdown, not waited for (its timeout is 10 s)
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
+                                                     timeout_graceful_shutdown=1))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self._sock = sock
 
