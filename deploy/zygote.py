@@ -263,6 +263,9 @@ def _become_child(request: Spawn, close_fds: tuple[int, ...]) -> None:
                 stream.flush()
             except Exception:  # noqa: BLE001
                 pass
+        from pipeline.ipc_files import remove_bound_files
+
+        remove_bound_files()  # what atexit does for a process that exits normally
         os._exit(code)
 
 

@@ -36,6 +36,8 @@ import zmq.auth
 from zmq.auth.base import Authenticator
 from zmq.utils.monitor import parse_monitor_message
 
+from pipeline.ipc_files import remember_bound_file
+
 logger = logging.getLogger(__name__)
 
 ZAP_DOMAIN = "tandem-cluster"
@@ -215,7 +217,8 @@ def _bind_owner_only(sock: zmq.Socket, endpoint: str) -> None:
         try:
             os.chmod(path, 0o700)
         except FileNotFoundError:
-            pass
+            return
+        remember_bound_file(path)
 
 
 def _count_refused(endpoint: str, why: str) -> None:

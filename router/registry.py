@@ -179,7 +179,11 @@ class WorkerRegistry:
             return []
         newly_dead = [w for w in self._workers.values() if w.is_alive and now - w.last_seen > self.dead_after_s]
         for info in newly_dead:
-            logger.warning("worker %s missed heartbeats for %.1f s: declared dead", info.worker_id, now - info.last_seen)
+            if info.load.is_draining:  # it said it was going: a shutdown, not a fault
+                logger.info("worker %s drained and stopped (silent for %.1f s)", info.worker_id, now - info.last_seen)
+            else:
+                logger.warning("worker %s missed heartbeats for %.1f s: declared dead", info.worker_id,
+                               now - info.last_seen)
             self._declare_dead(info)
         return newly_dead
 

@@ -64,6 +64,19 @@ def test_silent_worker_is_declared_dead_once(registry, clock, dead):
     assert registry.live_workers() == [] and len(registry.all_workers()) == 1
 
 
+def test_a_worker_that_said_it_was_draining_stops_without_a_fault_in_the_log(registry, clock, dead, caplog):
+    registry.register(reg("going"))
+    registry.register(reg("lost", pid=2))
+    registry.check_liveness()
+    registry.heartbeat(Heartbeat(worker_id="going", load=WorkerLoad(num_total_blocks=32, is_draining=True)))
+    with caplog.at_level("INFO", logger="router.registry"):
+        advance(registry, clock, 3.5)
+    assert sorted(w.worker_id for w in dead) == ["going", "lost"]  # both are gone from the routing all the same
+    said = {r.getMessage().split()[1]: (r.levelname, r.getMessage()) for r in caplog.records}
+    assert said["going"][0] == "INFO" and "drained and stopped" in said["going"][1]
+    assert said["lost"][0] == "WARNING" and "declared dead" in said["lost"][1]
+
+
 def test_heartbeats_keep_a_worker_alive_and_revive_a_dead_one(registry, clock):
     registry.register(reg())
     for _ in range(10):
