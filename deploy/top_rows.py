@@ -110,7 +110,7 @@ def _worker_rows(previous: Scrape, current: Scrape, dt: float) -> list[WorkerRow
     busy = current.per_worker("tandem_worker_busy_in_step_seconds")
     running = current.per_worker("tandem_worker_running_requests")
     queued = current.per_worker("tandem_worker_queue_depth")
-    used, total = current.per_worker("tandem_kv_blocks_used"), current.per_worker("tandem_kv_blocks_total")
+    used, total = current.per_worker("tandem_kv_blocks_used"), current.per_worker("tandem_kv_blocks_capacity")
     restarts = current.per_worker("tandem_worker_restarts_total")
     bytes_now, bytes_before = (s.per_worker("tandem_kv_transfer_bytes_total") for s in (current, previous))
     ttft = _per_worker_means(previous, current, "tandem_worker_time_to_first_token_seconds")

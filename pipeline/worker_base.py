@@ -180,6 +180,7 @@ def transfer_counters(stats, num_other_bad_frames: int) -> dict:
         transfer_bytes=sum(t.num_bytes for t in stats.transports.values()),
         transfer_count=stats.num_transfers,
         transfer_seconds=sum(t.transfer_seconds for t in stats.transports.values()),
+        transfer_busy_seconds=sum(t.busy_seconds for t in stats.transports.values()),
         num_bad_frames=stats.num_bad_frames + num_other_bad_frames,
     )
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from kv_transfer.connector.setup import ConnectorSetup
 from kv_transfer.connector.source import SourceStatus, SourceTransfer
@@ -91,11 +92,13 @@ class PrefillWorker(WorkerBase):
         for identity, request in self.source.receive():
             self._accept(identity, request)
         if self.is_busy():
+            step_start_ns = time.time_ns()
             outputs = self.run_step()
             written = self.engine.kv_written_last_step()
             self.source.on_kv_written(written)
-            for request_id, _ in written:  # its first chunk ran: no longer queued
-                self.spans.switch(request_id, ("prefill.queue",), "prefill.compute", parent="prefill")
+            for request_id, _ in written:  # its first chunk ran in this step: queued until the step began
+                self.spans.switch(request_id, ("prefill.queue",), "prefill.compute", parent="prefill",
+                                  at_ns=step_start_ns)
             for out in outputs:
                 if out.finish_reason is not None:
                     self._finish(out)

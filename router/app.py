@@ -37,6 +37,7 @@ from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
 from router.preprocess import prepare_chat, prepare_completion
 from router.registry import WorkerRegistry
+from router.rejections import RejectionCounter
 from router.responses_api import install_responses_route
 from router.served_model import ServedModel, keep_torch_out, load_served_model
 from router.serving import RouterState, serve
@@ -44,6 +45,8 @@ from router.tokenize import install_tokenizer_routes
 from router.tokenizer_thread import run_tokenizer_work
 
 logger = logging.getLogger(__name__)
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # counted in tandem_requests_total
 
 
 def create_app(
@@ -107,9 +110,10 @@ def create_app(
     if origins:  # browsers' preflight (OPTIONS) answered; the API key check still applies to the request itself
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
                            allow_credentials=router_config.cors_allow_credentials)
-    install_error_handlers(app, on_rejected=lambda: metrics.requests_total.labels("rejected").inc(),
-                           on_error=lambda: metrics.requests_total.labels("error").inc())
+    install_error_handlers(app, on_error=lambda: metrics.requests_total.labels("error").inc())
     app.add_middleware(BodyLimitMiddleware, max_mib=router_config.max_request_body_mib)
+    app.add_middleware(RejectionCounter, on_rejected=lambda: metrics.requests_total.labels("rejected").inc(),
+                       paths=GENERATION_PATHS)
     created = int(time.time())
 
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
@@ -129,17 +133,17 @@ def create_app(
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prepared = await _prepared_or_count(state, lambda: prepare_completion(body, model, config.sampling))
+        prepared = await run_tokenizer_work(lambda: prepare_completion(body, model, config.sampling))
         return await serve(state, request, prepared, "completion")
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prepared = await _prepared_or_count(state, lambda: prepare_chat(body, model, config.sampling, config.router))
+        prepared = await run_tokenizer_work(lambda: prepare_chat(body, model, config.sampling, config.router))
         return await serve(state, request, prepared, "chat")
 
     install_tokenizer_routes(app, model, v1)
-    install_responses_route(app, state, v1, lambda chat: _prepared_or_count(
-        state, lambda: prepare_chat(chat, model, config.sampling, config.router)))
+    install_responses_route(app, state, v1, lambda chat: run_tokenizer_work(
+        lambda: prepare_chat(chat, model, config.sampling, config.router)))
 
     def model_card(served_name: str) -> dict[str, Any]:
         card = {"id": served_name, "object": "model", "created": created, "owned_by": "tandem"}
@@ -185,15 +189,6 @@ def create_app(
 
 def _or(override, default):
     return default if override is None else override
-
-
-async def _prepared_or_count(state: RouterState, prepare):
-    """``prepare()`` (template, tokenization, checks) on the tokenizer thread; a 400 it raises is counted."""
-    try:
-        return await run_tokenizer_work(prepare)
-    except APIError:
-        state.metrics.requests_total.labels("rejected").inc()
-        raise
 
 
 def run_router(

@@ -166,6 +166,10 @@ class Dispatcher:
             handle.admission = self.admission.enqueue(handle, timeout_s=timeout_s, priority=priority, counted=counted)
         except Overloaded as exc:
             exc.retry_after_s = self.retry_after_s()
+            self._finish(handle, "failed (429)", str(exc))
+            raise
+        except NoRoute as exc:
+            self._finish(handle, "failed (503)", str(exc))
             raise
         return handle
 
@@ -190,15 +194,16 @@ class Dispatcher:
             self.cancel(handle)
             raise
 
-    def cancel(self, handle: RequestHandle) -> None:
-        """The client is gone or a stop string matched: stop the worker (or leave the queue), forget it."""
+    def cancel(self, handle: RequestHandle, outcome: str = "cancelled", error: str | None = None) -> None:
+        """The client is gone or a stop string matched (or the router gave up on it: ``outcome`` and ``error``
+        say why, for its trace): stop the worker (or leave the queue), forget it."""
         if handle.is_done:
             return
         if handle.decode_worker_id is not None:
             self._send(handle.decode_worker_id, CancelRequest(request_id=handle.wire_id))
         if handle.wire_id:
             self.in_flight.remember_cancel(handle.wire_id)
-        self._finish(handle, "cancelled")
+        self._finish(handle, outcome, error)
 
     def cancel_choice(self, handle: RequestHandle, index: int) -> None:
         """Stop one choice of an n > 1 request (a stop string matched); the request ends with its last choice."""
@@ -292,10 +297,15 @@ class Dispatcher:
                                                   waits_for_a_route=self.wait_for_worker_s > 0)
         return handle.admission
 
-    def _finish(self, handle: RequestHandle, outcome: str = "finished") -> None:
+    def _finish(self, handle: RequestHandle, outcome: str = "finished", error: str | None = None) -> None:
+        """The request is over (``error``: what failed it, logged, a 429 only at INFO: overload is load)."""
         if handle.is_done:
             return
-        handle.trace.finished(outcome, len(handle.output_token_ids))
+        if error is not None:
+            level = logging.INFO if outcome == "failed (429)" else logging.WARNING
+            logger.log(level, "request %s %s after %d tokens: %s", handle.request_id, outcome,
+                       len(handle.output_token_ids), error)
+        handle.trace.finished(outcome, len(handle.output_token_ids), error)
         self.migration.abandon_handoff(handle)
         self.admission.discard(handle)  # it may be waiting (new, or a retry) rather than on a worker
         slot_held_s = self.in_flight.unassign(handle)
@@ -315,7 +325,7 @@ class Dispatcher:
     def _fail(self, handle: RequestHandle, message: str, status_code: int) -> None:
         if handle.is_done:
             return
-        self._finish(handle, f"failed ({status_code})")
+        self._finish(handle, f"failed ({status_code})", message)
         handle.queue.put_nowait(RequestFailed(message, status_code))
 
     def _views(self, prompt: PromptHashes | None = None) -> list[WorkerView]:

@@ -141,10 +141,8 @@ def _format_validation_errors(exc: RequestValidationError) -> tuple[str, str | N
 _TYPE_WORDS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
 
-def install_error_handlers(app: FastAPI, on_rejected: Callable[[], None] | None = None,
-                           on_error: Callable[[], None] | None = None) -> None:
-    """Route every error through the OpenAI body; ``on_rejected`` is called for each malformed request body,
-    ``on_error`` for each unexpected exception (a 500)."""
+def install_error_handlers(app: FastAPI, on_error: Callable[[], None] | None = None) -> None:
+    """Route every error through the OpenAI body; ``on_error`` is called for each unexpected exception (a 500)."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -158,8 +156,6 @@ def install_error_handlers(app: FastAPI, on_rejected: Callable[[], None] | None 
             message = (f"the request body must be JSON sent with 'Content-Type: application/json' "
                        f"(got {content_type or 'no Content-Type'!r})")
             param = None
-        if on_rejected is not None:
-            on_rejected()
         return APIError(400, message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -7,7 +7,7 @@ worker registry at scrape time (``WorkerCollector``), so a worker that goes away
 reported. Per-worker TTFT, TPOT and prefix hits: ``router.worker_request_metrics``; per request priority
 (queue depth, admission wait, TTFT, displaced 429s): ``router.priority_metrics``.
 
-* ``tandem_kv_blocks_used`` / ``tandem_kv_blocks_free`` / ``tandem_kv_blocks_total`` {worker, role}:
+* ``tandem_kv_blocks_used`` / ``tandem_kv_blocks_free`` / ``tandem_kv_blocks_capacity`` {worker, role}:
   from the last heartbeat; "used" is held by a live request, prefix-cached blocks nobody holds are free.
 * ``tandem_worker_queue_depth``, ``tandem_worker_running_requests``, ``tandem_worker_queued_prefill_tokens``.
 * ``tandem_kv_transfer_bytes_total`` / ``tandem_kv_transfer_seconds_total`` / ``tandem_kv_transfers_total``:
@@ -177,7 +177,7 @@ class WorkerCollector(Collector):
                 "crash, a rolling replace)", labels=labels),
             "used": GaugeMetricFamily("tandem_kv_blocks_used", "KV blocks held by live requests", labels=labels),
             "free": GaugeMetricFamily("tandem_kv_blocks_free", "KV blocks free (incl. unheld prefix cache)", labels=labels),
-            "total": GaugeMetricFamily("tandem_kv_blocks_total", "KV blocks in the pool", labels=labels),
+            "total": GaugeMetricFamily("tandem_kv_blocks_capacity", "KV blocks in the pool", labels=labels),
             "queue": GaugeMetricFamily("tandem_worker_queue_depth", "Requests waiting for admission", labels=labels),
             "running": GaugeMetricFamily("tandem_worker_running_requests", "Requests running", labels=labels),
             "prefill": GaugeMetricFamily(
@@ -186,8 +186,13 @@ class WorkerCollector(Collector):
             "bytes": CounterMetricFamily("tandem_kv_transfer_bytes", "KV bytes transferred (reported)", labels=labels),
             "transfers": CounterMetricFamily("tandem_kv_transfers", "KV transfers finished (reported)", labels=labels),
             "seconds": CounterMetricFamily(
-                "tandem_kv_transfer_seconds", "Seconds spent transferring KV (reported)", labels=labels
-            ),
+                "tandem_kv_transfer_seconds", "KV transfers' time from the first block to the receiver's "
+                "acknowledgement, summed (a decode worker's includes the prefill it waits for; reported)",
+                labels=labels),
+            "transfer_busy": CounterMetricFamily(
+                "tandem_kv_transfer_busy_seconds", "Of those seconds, the time spent moving KV bytes (packing and "
+                "sending, copying in place, unpacking and verifying): the transport's own (reported)",
+                labels=labels),
             "bad": CounterMetricFamily("tandem_worker_bad_frames", "Frames a worker dropped (reported)", labels=labels),
             "refused": CounterMetricFamily(
                 "tandem_worker_handshakes_refused", "Connections to the worker's own cluster sockets (prefill "
@@ -237,6 +242,7 @@ class WorkerCollector(Collector):
             families["bytes"].add_metric(values, load.transfer_bytes)
             families["transfers"].add_metric(values, load.transfer_count)
             families["seconds"].add_metric(values, load.transfer_seconds)
+            families["transfer_busy"].add_metric(values, load.transfer_busy_seconds)
             families["bad"].add_metric(values, load.num_bad_frames)
             families["refused"].add_metric(values, load.num_handshakes_refused)
             families["busy"].add_metric(values, load.busy_in_step_s)

@@ -112,7 +112,8 @@ class Migration:
         except NoRoute as exc:
             self.fail(handle, f"{message}; no other worker to retry on ({exc})", status_code)
             return
-        self.metrics.retries_total.inc()
+        if not is_migration:  # a move after tokens is a migration, counted once it went on (_note_sent)
+            self.metrics.retries_total.inc()
         if admission.done():
             self._note_sent(handle, is_migration, cause)
             logger.info("request %s retried as %s after: %s", handle.request_id, handle.wire_id, message)
@@ -214,7 +215,6 @@ class Migration:
         """The new worker's first tokens after a handoff: the stream moved with its KV (the draining worker
         has let it go). The caller, who delivers those tokens, moves the request back to STREAMING."""
         handle.kv_source = None
-        handle.trace.migrated()
         self.metrics.migrations_total.labels("drain").inc()
         self.metrics.migration_kv_bytes.inc(num_kv_bytes)
 

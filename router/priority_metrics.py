@@ -5,7 +5,8 @@ A request's ``priority`` is any integer, so the label is bucketed to keep cardin
 every priority from 10 up as ``"10+"``.
 
 * ``tandem_router_priority_admission_queue_depth{priority}``: requests waiting in the admission queue now
-  (read at scrape time; a priority with nobody waiting is not reported).
+  (read at scrape time; every priority seen waiting since the start, and the default 0, is reported, as 0
+  when nobody of it waits, so that its series does not break off).
 * ``tandem_router_priority_admission_wait_seconds{priority}``: arrival to dispatch to a worker.
 * ``tandem_router_priority_time_to_first_token_seconds{priority}``: arrival to first token at the router.
 * ``tandem_router_priority_displaced_total{priority}``: waiting requests answered 429 because the queue was
@@ -62,6 +63,7 @@ class PriorityMetrics:
 class _DepthCollector(Collector):
     def __init__(self) -> None:
         self.read: Callable[[Callable[[int], str]], dict[str, int]] | None = None
+        self._reported = {priority_label(0): 0}  # each label seen so far: reported from then on
 
     def describe(self) -> Iterator:
         return iter(())
@@ -70,6 +72,8 @@ class _DepthCollector(Collector):
         family = GaugeMetricFamily(
             "tandem_router_priority_admission_queue_depth", "Requests waiting in the router for a worker with a "
             "free slot, by priority (bucketed: negative, 0-9, 10+)", labels=["priority"])
-        for label, count in sorted((self.read(priority_label) if self.read else {}).items()):
+        depth = dict.fromkeys(self._reported, 0) | (self.read(priority_label) if self.read else {})
+        self._reported = depth
+        for label, count in sorted(depth.items()):
             family.add_metric([label], count)
         yield family

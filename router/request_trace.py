@@ -3,10 +3,11 @@
 ``tandem.request`` spans the request's life here (a child of the client's ``traceparent``, else a new
 trace); beneath it ``router.queue`` (submitted until admitted to a worker slot), one ``router.route`` per
 attempt (the chosen workers, the prompt's cached blocks on each, the policy's cost) and
-``router.migration`` (a stream's move after its worker died, failed it or drained, until it is routed
-again). Every ``GenerateRequest`` / ``StartPrefill`` carries ``context`` (the request span's W3C context),
-so the prefill and decode workers' spans are its children. With tracing off ``request_trace`` returns
-``NO_TRACE``, whose methods do nothing.
+``router.migration`` (a stream's move after its worker died, failed it or drained, until its next token
+arrives: the pause the client sees). Every ``GenerateRequest`` / ``StartPrefill`` carries ``context`` (the
+request span's W3C context), so the prefill and decode workers' spans are its children. A request that
+fails (429, 503, a timeout, an error) ends its span with ERROR status. With tracing off ``request_trace``
+returns ``NO_TRACE``, whose methods do nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class RequestTrace:
                       "tandem.priority": priority}
         if max_tokens is not None:
             attributes["tandem.max_tokens"] = max_tokens
-        self.span = tracing.start_span("tandem.request", parent=client_context, attributes=attributes)
+        self.span = tracing.start_span("tandem.request", parent=client_context, attributes=attributes,
+                                       is_server=True)
         self.context = tracing.inject(self.span)
         self._queue = tracing.start_span("router.queue", parent=self.span)
         self._migration = None
@@ -43,7 +45,8 @@ class RequestTrace:
         if route.prefill is not None:
             attributes["tandem.prefill_worker"] = route.prefill.worker_id
         attributes |= route_costs(route, num_prompt_tokens, kv_overlap_weight)
-        self.migrated()  # a moved stream is on its way again
+        if self._migration is not None:  # a moved stream is on its way again: paused until its next token
+            self._migration.set_attribute("tandem.migration.to_worker", route.decode.worker_id)
         tracing.start_span("router.route", parent=self.span, attributes=attributes).end()
 
     def migrating(self, cause: str, from_worker: str, num_output_tokens: int) -> None:
@@ -59,15 +62,19 @@ class RequestTrace:
             self._migration.set_attribute("tandem.migration.to_worker", to_worker)
 
     def migrated(self) -> None:
-        """The stream decodes again (routed anew, or its handed-off KV arrived)."""
+        """The stream's pause is over: its first token after the move came (or the move was called off)."""
         if self._migration is not None:
             self._migration.end()
             self._migration = None
 
-    def finished(self, outcome: str, num_output_tokens: int) -> None:
+    def finished(self, outcome: str, num_output_tokens: int, error: str | None = None) -> None:
+        """The request is over: ``outcome`` (``finished``, ``cancelled``, ``timeout``, ``failed (503)``, ...);
+        ``error``: what failed it, which marks the span as an error."""
         self.admitted()
         self.migrated()
         self.span.set_attributes({"tandem.outcome": outcome, "tandem.num_output_tokens": num_output_tokens})
+        if error is not None:
+            tracing.mark_error(self.span, error)
         self.span.end()
 
 
@@ -93,7 +100,7 @@ class _NoTrace:
     def migrated(self) -> None:
         pass
 
-    def finished(self, outcome, num_output_tokens) -> None:
+    def finished(self, outcome, num_output_tokens, error=None) -> None:
         pass
 
 

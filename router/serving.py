@@ -205,11 +205,11 @@ async def _admit_all(state: RouterState, http_request: Request, request_id: str,
         if waiting:  # every worker is busy: wait in the queue, unless the client leaves
             await unless_disconnected(http_request, asyncio.gather(*waiting))
     except Overloaded as exc:
-        _cancel_all(state, handles, None)
+        _cancel_all(state, handles, None, "failed (429)", str(exc))
         state.metrics.requests_total.labels("overloaded").inc()
         raise overloaded(str(exc), exc.retry_after_s) from None
     except NoRoute as exc:
-        _cancel_all(state, handles, None)
+        _cancel_all(state, handles, None, "failed (503)", str(exc))
         state.metrics.requests_total.labels("unavailable").inc()
         raise APIError(503, f"no worker can serve this request: {exc}") from None
     except ClientGone:
@@ -221,12 +221,14 @@ async def _admit_all(state: RouterState, http_request: Request, request_id: str,
     return handles
 
 
-def _cancel_all(state: RouterState, handles: list[RequestHandle], outcome: str | None) -> None:
+def _cancel_all(state: RouterState, handles: list[RequestHandle], counted_as: str | None,
+                trace_outcome: str = "cancelled", error: str | None = None) -> None:
+    """Cancel what is not over; ``counted_as``: the outcome each counts as (None: counted by the caller)."""
     for handle in handles:
         if not handle.is_done:
-            state.dispatcher.cancel(handle)
-            if outcome is not None:
-                state.metrics.requests_total.labels(outcome).inc()
+            state.dispatcher.cancel(handle, trace_outcome, error)
+            if counted_as is not None:
+                state.metrics.requests_total.labels(counted_as).inc()
 
 
 async def _next_piece(state: RouterState, group: _Group) -> tuple[_Choice, Piece]:
@@ -237,9 +239,10 @@ async def _next_piece(state: RouterState, group: _Group) -> tuple[_Choice, Piece
         try:
             item = await handle.next()
         except (asyncio.TimeoutError, TimeoutError):
-            state.dispatcher.cancel(handle)
+            error = _timeout_error(state)
+            state.dispatcher.cancel(handle, "timeout", error.message)
             state.metrics.requests_total.labels("timeout").inc()
-            raise _timeout_error(state) from None
+            raise error from None
         if isinstance(item, RequestFailed):
             state.metrics.requests_total.labels("error").inc()
             raise _failure_error(item)
@@ -258,9 +261,10 @@ async def _next_piece(state: RouterState, group: _Group) -> tuple[_Choice, Piece
             item.prompt_logprobs = group.prompt_logprobs  # choices after the first echo the same prompt
         piece = choice.builder.add(item)
         if piece.error is not None:
-            state.dispatcher.cancel(handle)
+            message = f"generation failed: {piece.error}"
+            state.dispatcher.cancel(handle, "failed (500)", message)
             state.metrics.requests_total.labels("error").inc()
-            raise APIError(500, f"generation failed: {piece.error}")
+            raise APIError(500, message)
         if piece.matched_stop_string:  # the worker does not know the router stopped it
             state.dispatcher.cancel_choice(handle, group.choices.index(choice))
         if group.is_finished:

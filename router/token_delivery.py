@@ -122,6 +122,7 @@ class TokenDelivery:
             handle.first_token_at = now
         elif handle.status in (RequestStatus.MIGRATING, RequestStatus.HANDING_OFF):  # the first tokens after a move
             self.metrics.migration_pause_seconds.observe(now - handle.paused_since)
+            handle.trace.migrated()  # the pause is over
             if handle.status is RequestStatus.HANDING_OFF:
                 self.migration.handoff_done(handle, delta.num_migrated_kv_bytes)
             handle.set_status(RequestStatus.STREAMING)

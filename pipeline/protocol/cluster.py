@@ -129,7 +129,7 @@ class WorkerLoad(msgspec.Struct, **_HOT):
     num_total_blocks: int = 0
     transfer_bytes: int = 0
     transfer_count: int = 0  # KV transfers finished (one per request that went through a prefill worker)
-    transfer_seconds: float = 0.0
+    transfer_seconds: float = 0.0  # first block to acknowledgement, summed (a receiver's includes the prefill)
     num_bad_frames: int = 0
     busy_in_step_s: float = 0.0  # how long the current engine step has run (0: between steps)
     num_steps: int = 0  # engine steps completed since start
@@ -143,6 +143,7 @@ class WorkerLoad(msgspec.Struct, **_HOT):
     spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
     num_warmup_tokens_computed: int = 0  # tokens prefix warm-ups ran through the model since start (WarmPrefix)
     num_handshakes_refused: int = 0  # CURVE handshakes refused on this worker's own sockets (pipeline.security)
+    transfer_busy_seconds: float = 0.0  # of transfer_seconds, the time spent moving bytes (the transport's own)
 
 
 class Heartbeat(msgspec.Struct, tag=True, **_HOT):

@@ -50,11 +50,18 @@ def is_enabled() -> bool:
 
 
 def start_span(name: str, parent: Any = None, attributes: Mapping[str, Any] | None = None,
-               start_ns: int | None = None):
-    """A started span (end it with ``.end()``), a child of ``parent``; ``NOOP_SPAN`` when tracing is off."""
+               start_ns: int | None = None, is_server: bool = False):
+    """A started span (end it with ``.end()``), a child of ``parent``; ``NOOP_SPAN`` when tracing is off.
+    ``is_server``: the span of a request this process serves for a client (OpenTelemetry's SERVER kind)."""
     if _backend is None:
         return NOOP_SPAN
-    return _backend.start_span(name, parent, attributes, start_ns)
+    return _backend.start_span(name, parent, attributes, start_ns, is_server)
+
+
+def mark_error(span, description: str) -> None:
+    """Give ``span`` OpenTelemetry's ERROR status with ``description`` (what failed)."""
+    if _backend is not None and span is not NOOP_SPAN:
+        _backend.mark_error(span, description)
 
 
 def inject(span) -> dict[str, str] | None:
@@ -73,5 +80,5 @@ def request_spans():
     return RequestSpans(_backend)
 
 
-__all__ = ["configure", "shutdown", "is_enabled", "start_span", "inject", "request_spans",
+__all__ = ["configure", "shutdown", "is_enabled", "start_span", "mark_error", "inject", "request_spans",
            "NOOP_SPAN", "NOOP_REQUEST_SPANS", "NoopSpan", "NoopRequestSpans"]

@@ -34,15 +34,17 @@ class RequestSpans:
         if span is not None:
             span.set_attributes(attributes)
 
-    def switch(self, request_id: str, ended: tuple[str, ...], started: str, parent: Any = None) -> None:
+    def switch(self, request_id: str, ended: tuple[str, ...], started: str, parent: Any = None,
+               at_ns: int | None = None) -> None:
         """End the ``ended`` spans that are open and start ``started`` unless it is open already: one stage
-        of the request gives way to the next (the first token ends the queue and starts decoding)."""
+        of the request gives way to the next (the first token ends the queue and starts decoding); ``at_ns``:
+        when that happened, if not now (the start of the step that is over by the time it is known)."""
         spans = self._open.get(request_id)
         if spans is None or started in spans:
             return
         for name in ended:
-            self.end(request_id, name)
-        self.start(request_id, started, parent)
+            self.end(request_id, name, end_ns=at_ns)
+        self.start(request_id, started, parent, start_ns=at_ns)
 
     def count(self, request_id: str, name: str, key: str, amount: int = 1) -> None:
         """Add ``amount`` to the counter ``key``, set on span ``name`` when it ends (tokens, steps)."""

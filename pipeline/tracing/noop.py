@@ -33,7 +33,7 @@ class NoopRequestSpans:
     def set(self, request_id, name, attributes) -> None:
         pass
 
-    def switch(self, request_id, ended, started, parent=None) -> None:
+    def switch(self, request_id, ended, started, parent=None, at_ns=None) -> None:
         pass
 
     def count(self, request_id, name, key, amount=1) -> None:

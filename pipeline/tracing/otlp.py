@@ -40,8 +40,15 @@ class OtlpTracing:
         self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("tandem")
 
-    def start_span(self, name: str, parent: Any, attributes: Mapping[str, Any] | None, start_ns: int | None):
-        return self.tracer.start_span(name, context=_context(parent), attributes=attributes, start_time=start_ns)
+    def start_span(self, name: str, parent: Any, attributes: Mapping[str, Any] | None, start_ns: int | None,
+                   is_server: bool = False):
+        kind = trace.SpanKind.SERVER if is_server else trace.SpanKind.INTERNAL
+        return self.tracer.start_span(name, context=_context(parent), kind=kind, attributes=attributes,
+                                      start_time=start_ns)
+
+    @staticmethod
+    def mark_error(span, description: str) -> None:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, description))
 
     def inject(self, span) -> dict[str, str]:
         carrier: dict[str, str] = {}

@@ -204,6 +204,7 @@ def test_killed_decode_worker_is_restarted_and_serves_again(cluster, client, hf,
     route_a_batch(client, tokenizer, reference_text, "after the decode restart")
     assert wait_for_metric(cluster.url, "tandem_kv_transfer_bytes_total", "decode-0", above=0), \
         "the restarted decode worker received no KV"
+    assert wait_for_metric(cluster.url, "tandem_kv_transfer_busy_seconds_total", "decode-0", above=0)
     wait_for_idle_blocks(cluster.url, cluster.worker_names, NUM_BLOCKS, timeout_s=20)
 
 

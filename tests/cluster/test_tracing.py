@@ -29,9 +29,12 @@ def receiver():
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoint, tmp_path_factory, receiver):
     # spans leave each process every 100 ms (the SDK's batch delay is 5 s by default)
+    # every step that runs a prompt chunk takes 0.3 s more: the prompt's compute is in prefill.compute
     with running_cluster(tiny_checkpoint("llama"), tmp_path_factory.mktemp("logs-tracing"), num_prefill=1,
                          num_decode=1, config={"otlp_traces_endpoint": receiver.endpoint},
-                         env={"OTEL_BSP_SCHEDULE_DELAY": "100"}) as cluster:
+                         entry_module="tests.cluster.slow_steps",
+                         env={"OTEL_BSP_SCHEDULE_DELAY": "100", "TANDEM_TEST_SLOW_STEP_S": "0.3",
+                              "TANDEM_TEST_SLOW_MIN_CHUNK": "4"}) as cluster:
         yield cluster
 
 
@@ -77,7 +80,9 @@ def test_a_client_traceparent_yields_one_trace_across_router_prefill_transfer_an
     assert by_name["prefill.compute"].attributes["tandem.num_prompt_tokens"] == body["usage"]["prompt_tokens"]
     # one clock on one host: the stages follow each other
     assert request.start_ns <= prefill.start_ns and request.start_ns <= decode.start_ns
-    assert by_name["prefill.queue"].end_ns <= by_name["prefill.compute"].start_ns
+    queue, compute = by_name["prefill.queue"], by_name["prefill.compute"]
+    assert queue.end_ns == compute.start_ns  # the step that ran the prompt is compute, not queueing
+    assert compute.end_ns - compute.start_ns >= 0.3e9 > queue.end_ns - queue.start_ns
     assert by_name["decode.queue"].end_ns <= by_name["kv_transfer.receive"].end_ns <= decoding.start_ns
     assert decoding.end_ns <= request.end_ns
 

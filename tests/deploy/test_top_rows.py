@@ -37,9 +37,9 @@ tandem_worker_running_requests{{{p}}} 0
 tandem_worker_queue_depth{{{d}}} {decode_queued}
 tandem_worker_queue_depth{{{p}}} 0
 tandem_kv_blocks_used{{{d}}} 128
-tandem_kv_blocks_total{{{d}}} 512
+tandem_kv_blocks_capacity{{{d}}} 512
 tandem_kv_blocks_used{{{p}}} 0
-tandem_kv_blocks_total{{{p}}} 512
+tandem_kv_blocks_capacity{{{p}}} 512
 tandem_kv_transfer_bytes_total{{{d}}} {decode_bytes}
 tandem_worker_busy_in_step_seconds{{{p}}} {prefill_busy}
 tandem_worker_draining{{{p}}} 0

@@ -152,6 +152,23 @@ def test_bad_requests_never_reach_a_worker(router, body, status, param, words):
     assert error["param"] == param and words in error["message"], error
     assert error["type"] == ("invalid_request_error" if status == 400 else "not_found_error")
     assert worker.requests == []
+    assert router.metric('tandem_requests_total{outcome="rejected"}') == 1
+
+
+def test_every_refused_generation_request_counts_once_as_rejected_and_other_endpoints_not_at_all(router_factory):
+    router = router_factory(api_key="sekret")
+    router.add_worker()
+    key = {"Authorization": "Bearer sekret"}
+    refused = [httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "Hi"}),  # no key: 401
+               httpx.post(f"{router.url}/v1/chat/completions", headers=key, json={"model": "tiny"}),  # 400
+               httpx.get(f"{router.url}/v1/completions", headers=key),  # 405
+               httpx.post(f"{router.url}/v1/responses", headers=key, json={"model": "nope", "input": "Hi"})]  # 404
+    assert [r.status_code for r in refused] == [401, 400, 405, 404]
+    assert httpx.post(f"{router.url}/tokenize", headers=key, json={"model": "nope", "prompt": "x"}).status_code == 404
+    assert httpx.post(f"{router.url}/tokenize", headers=key, json={"model": "tiny", "prompt": "x"}).status_code == 200
+    assert httpx.post(f"{router.url}/v1/nowhere", headers=key, json={}).status_code == 404
+    assert router.metric('tandem_requests_total{outcome="rejected"}') == 4
+    assert router.metric('tandem_requests_total{outcome="ok"}') == 0
 
 
 def test_openai_client_sees_bad_request_errors(router, client):
@@ -217,14 +234,15 @@ def test_only_prefill_workers_is_not_ready_and_503(router):
 
 def test_metrics_expose_worker_kv_gauges_and_request_counts(router):
     load = WorkerLoad(num_free_blocks=52, num_used_blocks=12, num_total_blocks=64, num_running=2, num_waiting=1,
-                      transfer_bytes=4096, transfer_seconds=0.5)
+                      transfer_bytes=4096, transfer_seconds=0.5, transfer_busy_seconds=0.125)
     router.add_worker(load=load)
     assert httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3}).status_code == 200
     text = httpx.get(f"{router.url}/metrics").text
     labels = '{role="PrefillAndDecode",worker="w0"}'
     for line in (f"tandem_kv_blocks_used{labels} 12.0", f"tandem_kv_blocks_free{labels} 52.0",
-                 f"tandem_kv_blocks_total{labels} 64.0", f"tandem_worker_queue_depth{labels} 1.0",
+                 f"tandem_kv_blocks_capacity{labels} 64.0", f"tandem_worker_queue_depth{labels} 1.0",
                  f"tandem_kv_transfer_bytes_total{labels} 4096.0", f"tandem_worker_up{labels} 1.0",
+                 f"tandem_kv_transfer_seconds_total{labels} 0.5", f"tandem_kv_transfer_busy_seconds_total{labels} 0.125",
                  'tandem_requests_total{outcome="ok"} 1.0', "tandem_time_to_first_token_seconds_count 1.0",
                  "tandem_router_queue_depth 0.0", "tandem_requests_in_flight 0.0"):
         assert line in text, line

@@ -247,6 +247,7 @@ def test_a_stream_whose_worker_dies_migrates_and_goes_on(router, served_model):
     [resumed] = second.requests
     assert 3 <= len(resumed.resume_token_ids) < len(ids) and resumed.request_id.endswith("~2")
     assert router.metric('tandem_migrations_total{cause="worker_died"}') == 1.0
+    assert router.metric("tandem_request_retries_total") == 0  # retries are before the first token
     assert router.metric("tandem_migration_recomputed_tokens_total") == len(resumed.prompt_token_ids) + len(
         resumed.resume_token_ids)
     assert router.metric("tandem_migration_pause_seconds_count") == 1.0

@@ -38,6 +38,7 @@ def prioritized(prompt: str, priority: int) -> dict:
 
 def test_queued_requests_are_dispatched_best_priority_first(router_factory, served_model):
     router = router_factory(max_queued_requests=8)
+    assert router.metric('tandem_router_priority_admission_queue_depth{priority="0"}') == 0  # reported idle too
     worker = router.add_worker(script=held, max_batch_size=1)
     running = in_thread(post, router, prioritized("busy", 0))
     wait_until(lambda: len(worker.requests) == 1)
@@ -56,6 +57,7 @@ def test_queued_requests_are_dispatched_best_priority_first(router_factory, serv
     order = [served_model.tokenizer.decode(r.prompt_token_ids) for r in worker.requests]
     assert order == ["busy", "urgent", "mid", "low one", "low two"]
     router.wait_idle()
+    assert router.metric('tandem_router_priority_admission_queue_depth{priority="10+"}') == 0  # its series goes on
     assert router.metric('tandem_router_priority_admission_wait_seconds_count{priority="10+"}') == 2
     assert router.metric('tandem_router_priority_time_to_first_token_seconds_count{priority="0"}') == 2
 

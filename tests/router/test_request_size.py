@@ -43,6 +43,7 @@ def test_a_body_over_the_bound_gets_413_and_the_router_serves_on(router_factory,
     ok = httpx.post(f"{router.url}/v1/completions", content=iter([small[:10], small[10:]]),  # chunked, under the bound
                     headers={"content-type": "application/json"}, timeout=10)
     assert ok.status_code == 200, ok.text
+    assert router.metric('tandem_requests_total{outcome="rejected"}') == 2  # the two 413s
 
 
 class HeldTokenizer:

@@ -4,9 +4,11 @@ queue, the routing decision) and the trace context it sends the workers; nothing
 from __future__ import annotations
 
 import httpx
+from opentelemetry.trace import SpanKind, StatusCode
 
 from pipeline.config import PipelineRole
-from tests.router.fake_worker import tokens_script
+from tests.router.fake_worker import held, tokens_script
+from tests.router.test_admission import in_thread
 from tests.tracing_support import in_memory_tracing
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -43,6 +45,7 @@ def test_the_request_continues_the_client_trace_and_its_workers_join_it(router_f
         assert prefill.wait_for(lambda: prefill.early_starts)
         spans = {s.name: s for s in log.spans()}
     request = spans["tandem.request"]
+    assert request.kind is SpanKind.SERVER and request.status.status_code is StatusCode.UNSET
     assert format(request.context.trace_id, "032x") == CLIENT_TRACE_ID
     assert format(request.parent.span_id, "016x") == CLIENT_SPAN_ID
     assert request.attributes["tandem.request_id"] == body["id"] and request.attributes["tandem.outcome"] == "finished"
@@ -81,12 +84,34 @@ def test_a_migrated_stream_stays_in_its_trace_with_a_span_per_move(router_factor
     [request] = [s for s in spans if s.name == "tandem.request"]
     moves = sorted((s for s in spans if s.name == "router.migration"), key=lambda s: s.start_time)
     assert [m.attributes["tandem.migration.cause"] for m in moves] == ["drain", "worker_died"]
-    assert moves[0].attributes["tandem.migration.to_worker"] == "b-survivor"
+    assert all(m.attributes["tandem.migration.to_worker"] == "b-survivor" for m in moves)  # handed off, replayed
     assert all(m.attributes["tandem.migration.from_worker"] == "a-dying" for m in moves)
     assert all(m.attributes["tandem.migration.num_output_tokens"] == 4 for m in moves)
     routes = sorted((s for s in spans if s.name == "router.route"), key=lambda s: s.start_time)
     assert [r.attributes["tandem.decode_worker"] for r in routes] == ["a-dying", "b-survivor"]
     assert all(s.parent.span_id == request.context.span_id for s in moves + routes)
-    assert moves[1].end_time <= routes[1].end_time  # the replay's route ends the move
+    # the move is the pause: over when the first token after it came, after the replay was routed
+    assert routes[1].end_time <= moves[1].end_time <= request.end_time
     contexts = {r.trace_context["traceparent"].rsplit("-", 1)[0] for r in source.requests + target.requests}
     assert contexts == {f"00-{format(request.context.trace_id, '032x')}-{format(request.context.span_id, '016x')}"}
+
+
+def test_a_request_that_fails_ends_its_span_as_an_error_named_like_its_http_status(router_factory):
+    """Timed out (504), turned away (429) and with no worker to serve it (503): each has its span, with ERROR
+    status and the outcome; a timeout is not a cancellation."""
+    post = lambda router: httpx.post(f"{router.url}/v1/completions", timeout=10,  # noqa: E731
+                                     json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3})
+    with in_memory_tracing("tandem-router", "router") as log:
+        router = router_factory(request_timeout_s=0.5, max_queued_requests=0)
+        worker = router.add_worker(script=held, max_batch_size=1)
+        timed_out = in_thread(post, router)
+        assert worker.wait_for(lambda: worker.requests)
+        assert post(router).status_code == 429  # the only slot is taken, and nothing may wait
+        assert timed_out.join().status_code == 504
+        empty = router_factory()
+        assert post(empty).status_code == 503
+        router.wait_idle()
+        spans = [s for s in log.spans() if s.name == "tandem.request"]
+    outcomes = sorted(s.attributes["tandem.outcome"] for s in spans)
+    assert outcomes == ["failed (429)", "failed (503)", "timeout"]
+    assert all(s.status.status_code is StatusCode.ERROR and s.status.description for s in spans)
