@@ -136,11 +136,20 @@ def _check_without_torch(spec: StructuredOutput, backends) -> None:
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
     from pipeline.structured_output.backend import StructuredOutputError
+    from pipeline.structured_output.xgrammar_schemas import refusal as xgrammar_refusal
 
     check = spec
+    if spec.kind == "json":
+        try:
+            why = xgrammar_refusal(json.loads(spec.value))
+        except ValueError:  # not JSON: llguidance's check below says so
+            why = None
+        if why:
+            raise StructuredOutputError(why)
     if spec.kind == "grammar":
         try:
             check = StructuredOutput(kind="grammar", value=gbnf_to_lark(spec.value))
         except Exception as exc:  # noqa: BLE001 - the translator's own errors name the bad rule
             raise StructuredOutputError(f"grammar: {str(exc).strip() or exc!r}") from None
     backends.get("llguidance").validate(check)
+

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.protocol import StructuredOutput
 from pipeline.structured_output.closed_objects import closed_objects
+from pipeline.structured_output.xgrammar_schemas import refusal as xgrammar_refusal
 
 if TYPE_CHECKING:  # the router validates constraints too, and never imports torch
     import torch
@@ -44,6 +45,21 @@ def _schema_text(spec: StructuredOutput) -> str:
     if not isinstance(schema, (dict, bool)):
         raise StructuredOutputError("json_schema: must be a JSON object")
     return spec.value
+
+
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)
+
+
+def _as_lark(grammar: str) -> str:
+    """A GBNF grammar (llama.cpp's, vLLM's examples: ``root ::= ...``) in llguidance's Lark; Lark as it is."""
+    if not _GBNF_RULE.search(grammar):
+        return grammar
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as exc:  # noqa: BLE001 - the translator's own errors name the bad rule
+        raise StructuredOutputError(f"grammar: {str(exc).strip() or exc!r}") from None
 
 
 def _choice_regex(choices: list[str]) -> str:
@@ -143,7 +159,7 @@ class LLGuidanceBackend(GrammarBackend):
         elif spec.kind == "choice":
             grammar = llguidance.LLMatcher.grammar_from_regex(_choice_regex(spec.choices))
         else:
-            grammar = llguidance.LLMatcher.grammar_from_lark(spec.value)
+            grammar = llguidance.LLMatcher.grammar_from_lark(_as_lark(spec.value))
         message = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if message:
             raise StructuredOutputError(f"{spec.kind}: {message.strip().splitlines()[0]}")
@@ -236,10 +252,16 @@ class XGrammarBackend(GrammarBackend):
     def _compile(self, spec: StructuredOutput) -> Any:
         compact = {"any_whitespace": False, "separators": (",", ":")}  # as llguidance: compact JSON
         if spec.kind == "json":
-            return self._compiler.compile_json_schema(_schema_text(spec), **compact), True
+            schema = _schema_text(spec)
+            why = xgrammar_refusal(json.loads(schema))
+            if why:
+                raise StructuredOutputError(why)
+            return self._compiler.compile_json_schema(schema, **compact), True
         if spec.kind == "json_object":
-            # not compile_json_schema({"type": "object"}): its strict mode would allow only "{}"
-            return self._compiler.compile_builtin_json_grammar(), True
+            # an object, any keys: its strict mode would allow only "{}", its compact mode no nested values, its
+            # built-in JSON grammar arrays too; one whitespace between tokens at most
+            return self._compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                                      max_whitespace_cnt=1), True
         if spec.kind == "regex":
             return self._compiler.compile_regex(spec.value), False
         if spec.kind == "choice":
