@@ -58,16 +58,21 @@ class OutputProcessor:
             return FinishReason.LENGTH.value, None
         return None
 
-    def finalize_text(self, seq: Sequence) -> None:
-        """Set ``seq.text`` for a finished sequence (already set when a stop string ended it)."""
+    def finalize_text(self, seq: Sequence, ended_by_stop_token: bool = False) -> None:
+        """Set ``seq.text`` for a finished sequence (already set when a stop string ended it). A stop token's
+        text (an EOS, one of ``stop_token_ids``) is left out unless ``include_stop_str_in_output``, as vLLM's
+        detokenizer does (the token itself stays among the output tokens)."""
         state = self._text.pop(seq.request_id, None)
         if seq.stop_reason is not None and isinstance(seq.stop_reason, str):
             return
-        if state is not None:
+        token_ids = list(seq.output_token_ids)
+        if ended_by_stop_token and not seq.params.include_stop_str_in_output:
+            token_ids = token_ids[:-1]
+        elif state is not None and not ended_by_stop_token:  # its detokenizer has read every token
             state.detokenizer.finish()
             seq.text = state.detokenizer.text
-        else:
-            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            return
+        seq.text = self.tokenizer.decode(token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def drop(self, request_id: str) -> None:
         self._text.pop(request_id, None)

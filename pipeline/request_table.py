@@ -48,15 +48,17 @@ class RequestTable:
         for sibling in self._choices.take_unforked(seq):
             self.scheduler.fork(seq, sibling)
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> bool:
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None,
+               ended_by_stop_token: bool = False) -> bool:
         """``seq`` stopped: free it (a prefill-only request keeps its blocks until ``release_blocks``); True
-        when it was the last of its request's choices to end."""
+        when it was the last of its request's choices to end. ``ended_by_stop_token``: its last token is an
+        EOS or one of ``stop_token_ids`` (whose text the answer leaves out)."""
         seq.drop_placeholders()  # overlap: the step launched after this token sampled one too many
         self.runner.forget(seq.request_id)
         self.scheduler.finish(seq, reason, stop_reason, keep_blocks=seq.is_prefill_only)
         if seq.is_prefill_only:
             self._held[seq.request_id] = seq
-        self.output_processor.finalize_text(seq)
+        self.output_processor.finalize_text(seq, ended_by_stop_token)
         del self._sequences[seq.request_id]
         return self._choices.leave(seq)
 

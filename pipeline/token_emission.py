@@ -53,7 +53,7 @@ class TokenEmitter:
         if stop is not None:
             out.finish_reason, out.stop_reason = stop
             out.num_preemptions = seq.num_preemptions
-            out.request_finished = self.requests.finish(seq, *stop)
+            out.request_finished = self.requests.finish(seq, *stop, ended_by_stop_token=out.is_stop_token)
         return out
 
     def emit_tokens(self, seq: Sequence, token_ids: list[int],

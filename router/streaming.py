@@ -105,7 +105,7 @@ class OutputBuilder:
                 # the stop token (EOS, stop_token_ids) too, as vLLM lists it: one entry per completion token,
                 # though its text is not part of the answer
                 piece.logprobs.append(self._entry(delta.logprobs[i], token_id, self._text_base + offset))
-            if is_stop_token:
+            if is_stop_token and not self._params.include_stop_str_in_output:  # its text is not the answer's
                 break
             new_text = self._detok.add([token_id])
             if self._append(new_text, piece):

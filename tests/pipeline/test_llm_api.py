@@ -69,6 +69,15 @@ def test_stop_token_ids_and_min_tokens(llm):
                                                     stop_token_ids=[stop_id]))[0]
     assert out.token_ids == base.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # the stop token's text is left out, as the server (and vLLM) leave it, unless include_stop_str_in_output
+    decode = llm.tokenizer.decode
+    assert out.text == decode(base.token_ids[:first], skip_special_tokens=True)
+    kept = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                     stop_token_ids=[stop_id], include_stop_str_in_output=True))[0]
+    assert kept.text == decode(base.token_ids[: first + 1], skip_special_tokens=True) != out.text
+    with_stop_string = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                                 stop_token_ids=[stop_id], stop=["\x00never"]))[0]
+    assert with_stop_string.text == out.text  # the text is the same whether or not stop strings are watched
     held = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
                                                      stop_token_ids=[stop_id], min_tokens=first + 3))[0]
     assert len(held.token_ids) >= first + 3

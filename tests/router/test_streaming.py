@@ -69,6 +69,11 @@ def test_final_stop_token_is_counted_but_not_rendered(served_model):
     builder = OutputBuilder(served_model, SamplingParams(skip_special_tokens=False), 5)
     out, pieces = run(builder, deltas(ids, FinishCode.STOP, stop_token_id=ids[-1], is_eos=True))
     assert out == "Hello" and pieces[-1].finish_reason == "stop" and pieces[-1].stop_reason is None
+    # include_stop_str_in_output keeps the stop token's text, as vLLM's detokenizer does
+    kept = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True)
+    builder = OutputBuilder(served_model, kept, 5)
+    out, pieces = run(builder, deltas(ids, FinishCode.STOP, stop_token_id=ids[-1]))
+    assert out == "Hello<|user|>" and pieces[-1].stop_reason == ids[-1]
 
 
 def test_the_stop_token_has_a_logprob_entry_as_every_counted_token(served_model):
