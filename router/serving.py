@@ -158,6 +158,7 @@ class _Group:
     handle: RequestHandle
     choices: list[_Choice]
     num_returned: int  # n: best_of candidates beyond it are decoded, then dropped
+    is_ranked: bool = False  # best_of: the choices come back most likely first (best_of == n too)
     prompt_logprobs: PromptLogprobs | None = None  # choice 0 brings them; every choice's echo shows them
 
     @classmethod
@@ -167,7 +168,7 @@ class _Group:
                                                                 len(prepared.prompt_token_ids), prepared.prompt,
                                                                 prepared.tokens_as_ids), prepared.chat_output)
                    for j in range(prepared.params.num_sequences)]
-        return cls(handle, choices, n)
+        return cls(handle, choices, n, is_ranked=prepared.params.best_of is not None)
 
     @property
     def is_finished(self) -> bool:
@@ -183,7 +184,7 @@ class _Group:
 
     def best(self, results: list[ChoiceResult]) -> list[ChoiceResult]:
         """best_of: the n candidates with the highest cumulative logprob, most likely first."""
-        if len(results) == self.num_returned:
+        if not self.is_ranked:
             return results
         ranked = sorted(zip(results, self.choices), key=lambda rc: -rc[1].builder.cumulative_logprob)
         base = self.choices[0].index

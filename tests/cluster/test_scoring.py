@@ -227,6 +227,10 @@ def test_best_of_returns_the_most_likely_candidates(cluster, client, offline, re
     assert out.usage.completion_tokens == 32  # every candidate was generated
     if "prefill-0" in cluster.worker_names:  # four candidates, one prefill, one transfer
         assert transfers_received(cluster, at_least=before + 1) == before + 1
+    every = client.completions.create(model=name(client), prompt=prompt, max_tokens=8, temperature=1.0, seed=7, n=4,
+                                      best_of=4, extra_body={"ignore_eos": True})  # best_of == n: ranked too
+    ranked = sorted(candidates, key=lambda c: -c.cumulative_logprob)
+    assert [c.text for c in every.choices] == [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in ranked]
 
 
 def test_a_client_leaving_mid_stream_frees_every_choice(cluster, client):
