@@ -92,10 +92,16 @@ class KVPort:
         self._kv_manager.withhold(request_id)
 
     def activate_remote(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None,
-                        prompt_logprobs: PromptLogprobs | None = None) -> StepOutput:
+                        prompt_logprobs: PromptLogprobs | None = None,
+                        num_prefill_computed_tokens: int | None = None) -> StepOutput:
         """The prompt's KV arrived: record the first token (sampled by the prefill worker, with the
-        prompt's logprobs when asked for), run stop checks on it, and let the sequence decode from the next step."""
+        prompt's logprobs when asked for), run stop checks on it, and let the sequence decode from the next step.
+        ``num_prefill_computed_tokens``: the prompt tokens the prefill worker ran; what the request reports as
+        cached is what neither worker computed (a prompt-logprobs request is computed whole there, for one)."""
         seq = self._requests[request_id]
+        if num_prefill_computed_tokens is not None:
+            not_computed = seq.num_prompt_tokens - num_prefill_computed_tokens
+            seq.num_cached_tokens = max(0, min(seq.num_cached_tokens, not_computed))
         if seq.prompt_logprobs is not None:
             seq.prompt_logprobs = prompt_logprobs or PromptLogprobs()
         self._scheduler.activate_remote(seq, first_token_id)

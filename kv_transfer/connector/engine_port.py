@@ -38,8 +38,9 @@ class SinkEngine(Protocol):
         are not sent): none of them may enter the prefix cache."""
 
     def activate_remote(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None,
-                        prompt_logprobs: Any = None) -> Any:
-        """The prompt's KV landed: the request decodes from its first token (returns its step output)."""
+                        prompt_logprobs: Any = None, num_prefill_computed_tokens: int | None = None) -> Any:
+        """The prompt's KV landed: the request decodes from its first token (returns its step output);
+        ``num_prefill_computed_tokens``: what the prefill worker ran of the prompt (the rest counts as cached)."""
 
     def activate_migrated(self, request_id: str, num_draft_computed_tokens: int | None = None) -> None:
         """A migrated stream's KV landed: it decodes on, emitting nothing now."""

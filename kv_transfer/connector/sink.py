@@ -214,7 +214,8 @@ class KVSink:
         if prefill.first_logprobs is not None:  # sampled first, then top-N: a dict holds both
             first_logprobs = {lp.token_id: lp.logprob for lp in prefill.first_logprobs}
         return SinkEvent(rid, first_step=self.engine.activate_remote(rid, prefill.first_token_id, first_logprobs,
-                                                                     prefill.prompt_logprobs))
+                                                                     prefill.prompt_logprobs,
+                                                                     prefill.num_computed_tokens))
 
     def take_migrated_bytes(self, request_id: str) -> int:
         """An ARRIVED stream's KV bytes, once (for its first delta); the record goes with them."""

@@ -112,6 +112,18 @@ def test_vllm_prompt_logprobs(client, reference):
         client.completions.create(model=name(client), prompt=prompt, stream=True, extra_body={"prompt_logprobs": 1})
 
 
+def test_a_prompt_logprobs_request_reports_nothing_cached_on_a_warm_prompt(client):
+    """Its prompt is computed whole to score it, wherever it runs: the decode worker's warm prefix did not save
+    that compute (the 1P1D cluster reported it as cached)."""
+    warm = client.completions.create(model=name(client), prompt=LONG_PROMPT, max_tokens=2, temperature=0)
+    again = client.completions.create(model=name(client), prompt=LONG_PROMPT, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0, (warm.usage, again.usage)  # the prefix cache works
+    scored = client.completions.create(model=name(client), prompt=LONG_PROMPT, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 0})
+    details = scored.usage.prompt_tokens_details
+    assert details is None or details.cached_tokens == 0, scored.usage
+
+
 def test_a_list_of_prompts_streams_every_choice(client, reference):
     model, tokenizer = reference
     prompts = ["Hello there, how are you?", "The quick brown fox", LONG_PROMPT, "def main():\n"]

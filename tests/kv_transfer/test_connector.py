@@ -54,7 +54,8 @@ class FakeEngine:
         reserved, self.to_reserve = self.to_reserve, []
         return reserved
 
-    def activate_remote(self, request_id, first_token_id, first_logprobs, prompt_logprobs=None):
+    def activate_remote(self, request_id, first_token_id, first_logprobs, prompt_logprobs=None,
+                        num_prefill_computed_tokens=None):
         self.activated.append(("remote", request_id, first_token_id))
         return SimpleNamespace(request_id=request_id, new_token_ids=[first_token_id])
 
