@@ -4,9 +4,9 @@
 quantizes the linear weights of its decoder layers with torch into the exact tensor names and config.json form
 of the scheme (compressed-tensors: ``weight`` int8 / float8_e4m3fn, ``weight_scale`` ``[out, 1]`` per channel or
 ``[1]`` per tensor, ``input_scale`` ``[1]`` for static activations, ``quantization_config`` with
-``config_groups`` targeting Linear and ``ignore: [lm_head]``; the fp8 method: ``weight_scale_inv`` per
-``weight_block_size`` block), and writes beside it the same model with the dequantized weights in fp32: the
-oracle transformers runs.
+``config_groups`` targeting Linear and ``ignore: [lm_head]`` plus each decoder linear left float; the fp8 method:
+``weight_scale_inv`` per ``weight_block_size`` block), and writes beside it the same model with the dequantized
+weights in fp32: the oracle transformers runs.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def write_quantized(source: str | Path, quantized: Path, reference: Path, scheme
     for directory in (quantized, reference):
         shutil.copytree(source, directory, dirs_exist_ok=True)
     tensors = load_file(source / "model.safetensors")
-    stored, dequantized = {}, {}
+    stored, dequantized, left_float = {}, {}, []
     for name, tensor in tensors.items():
         module = name.rpartition(".")[0]
         if name.endswith(".weight") and module.endswith(LINEAR_NAMES):
@@ -142,6 +142,8 @@ def write_quantized(source: str | Path, quantized: Path, reference: Path, scheme
             dequantized[name] = float_values
         else:
             stored[name] = dequantized[name] = tensor
+            if name.endswith(".weight") and tensor.dim() == 2 and ".layers." in name:
+                left_float.append(module)  # a linear left float (a router, MLA's kv_a_proj, Mixtral's experts)
     save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
     if is_static:
         qmax = 127.0 if kind == "int8" else FP8_MAX
@@ -149,7 +151,16 @@ def write_quantized(source: str | Path, quantized: Path, reference: Path, scheme
             leaf = "activation_scale" if quant_config["quant_method"] == "fp8" else "input_scale"
             stored[f"{module}.{leaf}"] = torch.tensor([value / qmax], dtype=torch.bfloat16)
     save_file(stored, quantized / "model.safetensors", metadata={"format": "pt"})
-    set_quantization_config(quantized, quant_config)
+    set_quantization_config(quantized, with_ignored(quant_config, left_float))
+
+
+def with_ignored(quant_config: dict, modules: list[str]) -> dict:
+    """``quant_config`` naming ``modules`` (left float) where the method lists them, as llm-compressor writes
+    each Linear it did not quantize into ``ignore`` (transformers' fp8: ``modules_to_not_convert``)."""
+    if not modules:
+        return quant_config
+    key = "ignore" if quant_config["quant_method"] == "compressed-tensors" else "modules_to_not_convert"
+    return {**quant_config, key: [*(quant_config.get(key) or []), *modules]}
 
 
 def set_quantization_config(directory: Path, quant_config: dict | None) -> None:

@@ -11,8 +11,9 @@ anything starts, and the loader calls it again. Two methods are understood:
 - ``mxfp4`` on gpt-oss (the hub's released checkpoints): the experts in OCP MXFP4 (``*_blocks`` and ``*_scales``),
   dequantized at load (``mxfp4.py``).
 
-Everything else (int4 ``pack-quantized``, ``nvfp4``, mxfp4 on another architecture, awq, gptq, bitsandbytes, a quantized KV cache,
-sparsity, asymmetric schemes) is a ``CheckpointError`` that names it.
+Everything else (``pack-quantized``: int4, and llm-compressor's W8A16 packed into int32; ``nvfp4``, mxfp4 on
+another architecture, awq, gptq, bitsandbytes, a quantized KV cache, sparsity, asymmetric schemes) is a
+``CheckpointError`` that names it. Whether the stored tensors match the config: ``checks.py``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ class QuantizationSpec:
     weight_strategy: Literal["tensor", "channel", "block"]
     activations: Literal["none", "dynamic", "static"]
     block_size: tuple[int, int] | None = None
+    fp8_format: Literal["e4m3", "e5m2"] = "e4m3"  # the fp8 method's ``fmt``; compressed-tensors' fp8 is e4m3
+
+    @property
+    def stored_dtype(self) -> str | None:
+        """The safetensors dtype the quantized weights must be stored in ("I8", "F8_E4M3", "F8_E5M2"); None for
+        MXFP4 (uint8 blocks, checked by ``mxfp4.py``)."""
+        if self.weight_type == "int8":
+            return "I8"
+        return {"e4m3": "F8_E4M3", "e5m2": "F8_E5M2"}[self.fp8_format] if self.weight_type == "fp8" else None
 
     @property
     def is_w8a8_int8(self) -> bool:
@@ -174,4 +184,5 @@ def _fp8_spec(quant: dict) -> QuantizationSpec:
     if block is not None and len(block) != 2:
         raise CheckpointError(f"fp8 weight_block_size must have 2 elements (got {block})")
     block_size = None if block is None else (int(block[0]), int(block[1]))
-    return QuantizationSpec("fp8", "fp8", "tensor" if block_size is None else "block", activation_scheme, block_size)
+    return QuantizationSpec("fp8", "fp8", "tensor" if block_size is None else "block", activation_scheme, block_size,
+                            fmt)

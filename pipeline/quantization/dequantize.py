@@ -9,27 +9,27 @@ name notwithstanding: DeepSeek-V3's reference dequantizes with ``weight * scale_
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from pipeline.checkpoint_errors import CheckpointError
+from pipeline.quantization.checks import check_scale_shape
+from pipeline.quantization.config import QuantizationSpec
 
 
-def dequantize_weight(name: str, weight: torch.Tensor, scale: torch.Tensor,
-                      block_size: tuple[int, int] | None) -> torch.Tensor:
-    """fp32 ``[out, in]`` from a quantized ``[out, in]`` weight and its scale: one value (per tensor),
-    ``[out]`` / ``[out, 1]`` (per channel) or ``[ceil(out / b0), ceil(in / b1)]`` (per block)."""
+def dequantize_weight(name: str, weight: torch.Tensor, scale_name: str, scale: torch.Tensor,
+                      spec: QuantizationSpec) -> torch.Tensor:
+    """fp32 ``[out, in]`` from a quantized ``[out, in]`` weight and its scale, laid out as ``spec``'s declared
+    strategy says: one value (tensor), ``[out]`` / ``[out, 1]`` (channel) or ``[ceil(out / bh), ceil(in / bw)]``
+    (block); a scale of another shape is a ``CheckpointError`` naming it (never a layout guessed from its shape)."""
+    if weight.dim() != 2:
+        raise CheckpointError(f"{name}: a quantized weight of shape {tuple(weight.shape)} (expected [out, in])")
+    check_scale_shape(scale_name, tuple(scale.shape), tuple(weight.shape), spec)
     values, scale = weight.float(), scale.float()
     rows, cols = values.shape
-    if scale.numel() == 1:
+    if spec.weight_strategy == "tensor":
         return values * scale.reshape(())
-    if scale.numel() == rows and (scale.dim() == 1 or scale.shape[-1] == 1):
+    if spec.weight_strategy == "channel":
         return values * scale.reshape(rows, 1)
-    if scale.dim() == 2:
-        block_rows, block_cols = block_size or (math.ceil(rows / scale.shape[0]), math.ceil(cols / scale.shape[1]))
-        if (math.ceil(rows / block_rows), math.ceil(cols / block_cols)) == tuple(scale.shape):
-            expanded = scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
-            return values * expanded
-    raise CheckpointError(f"{name}: scale of shape {tuple(scale.shape)} fits neither a per-tensor, per-channel nor "
-                          f"{block_size or ''} block layout of the weight {tuple(weight.shape)}")
+    block_rows, block_cols = spec.block_size
+    expanded = scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+    return values * expanded

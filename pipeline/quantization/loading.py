@@ -1,7 +1,8 @@
 """Loading a model whose checkpoint is quantized, or which ``--quantization int8`` quantizes at load.
 
 ``plan_quantization`` runs between building the model and loading its weights: it reads the checkpoint's
-``quantization_config`` and the dtype of every tensor (the safetensors headers, no data), and swaps each
+``quantization_config`` and the dtype and shape of every tensor (the safetensors headers, no data), refuses a
+weight whose dtype or scale shape is not what the config declares (``checks.py``), and swaps each
 eligible ``layers.Linear`` whose checkpoint weights are int8 W8A8 (or, with ``--quantization int8``, every
 eligible one) for an ``Int8Linear`` with the same shard sizes and names, so ``load_weights`` fills it like
 any other layer; on a GPU with fp8 GEMMs, fp8 layers with per-tensor or per-channel scales become
@@ -20,10 +21,8 @@ linears: they load dequantized, and where the checkpoint's experts are int8 W8A8
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
@@ -32,6 +31,7 @@ from pipeline.checkpoint_errors import CheckpointError
 from pipeline.checkpoint_files import read_config_json, weight_files
 from pipeline.models.layers import Linear
 from pipeline.models.moe import StackedExperts
+from pipeline.quantization.checks import SCALE_LEAVES, check_scale_shape, check_stored_weights, read_tensor_headers
 from pipeline.quantization.config import QuantizationSpec, check_load_time_quantization, quantization_spec
 from pipeline.quantization.dequantize import dequantize_weight
 from pipeline.quantization.fp8 import Fp8Linear, fits_fp8_gemm, fp8_gemm_available
@@ -40,7 +40,6 @@ from pipeline.quantization.int8_experts import Int8StackedExperts
 from pipeline.quantization.mxfp4 import Mxfp4Pairs
 
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
-SCALE_LEAVES = ("weight_scale", "weight_scale_inv")
 ZERO_POINT_LEAVES = ("weight_zero_point", "input_zero_point")
 # activation scales of layers that run unquantized (dequantized weights): not needed
 UNUSED_LEAVES = ("input_scale", "activation_scale", "output_scale")
@@ -48,19 +47,6 @@ UNUSED_LEAVES = ("input_scale", "activation_scale", "output_scale")
 KEPT_NAMES = {"weight": "weight", "weight_scale": "weight_scale", "weight_scale_inv": "weight_scale",
               "input_scale": "input_scale", "activation_scale": "input_scale"}
 SAFETENSORS_DTYPES = {"I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn}
-
-
-def tensor_dtypes(files: list[Path]) -> dict[str, str]:
-    """``{tensor name: safetensors dtype ("I8", "F8_E4M3", "BF16", ...)}`` read from the files' JSON headers."""
-    dtypes: dict[str, str] = {}
-    for file in files:
-        try:
-            with open(file, "rb") as handle:
-                header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read weight file {file}: {exc}") from exc
-        dtypes.update({name: info["dtype"] for name, info in header.items() if name != "__metadata__"})
-    return dtypes
 
 
 @dataclass
@@ -74,6 +60,7 @@ class QuantizationPlan:
     def tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors as the (swapped) model takes them."""
         pending: dict[str, dict[str, torch.Tensor]] = {}  # prefix -> the tensors of one layer seen so far
+        kept_scale_names: dict[str, str] = {}  # kept prefix -> its weight scale's checkpoint name (for messages)
         mxfp4 = Mxfp4Pairs() if self.spec is not None and self.spec.weight_type == "mxfp4" else None
         for name, tensor in named_tensors:
             prefix, _, leaf = name.rpartition(".")
@@ -87,8 +74,11 @@ class QuantizationPlan:
                     continue
                 group = pending.setdefault(prefix, {})
                 group[KEPT_NAMES[leaf]] = tensor
+                if leaf in SCALE_LEAVES:
+                    kept_scale_names[prefix] = name
                 if self._is_complete_kept(group):
-                    yield from self._kept_tensors(prefix, pending.pop(prefix), self.kept[prefix])
+                    yield from self._kept_tensors(prefix, pending.pop(prefix), self.kept[prefix],
+                                                  kept_scale_names.pop(prefix))
                 continue
             if leaf in UNUSED_LEAVES:
                 continue
@@ -98,13 +88,14 @@ class QuantizationPlan:
                     yield dequantized
                 continue
             if leaf in SCALE_LEAVES or (leaf == "weight" and tensor.dtype in QUANTIZED_DTYPES):
+                self._check_declared(name, tensor)
                 group = pending.setdefault(prefix, {})
                 group[leaf] = tensor
-                scale = next((group[s] for s in SCALE_LEAVES if s in group), None)
-                if "weight" in group and scale is not None:
+                scale_leaf = next((s for s in SCALE_LEAVES if s in group), None)
+                if "weight" in group and scale_leaf is not None:
                     pending.pop(prefix)
-                    block = self.spec.block_size if self.spec is not None else None
-                    yield f"{prefix}.weight", dequantize_weight(f"{prefix}.weight", group["weight"], scale, block)
+                    yield f"{prefix}.weight", dequantize_weight(f"{prefix}.weight", group["weight"],
+                                                                f"{prefix}.{scale_leaf}", group[scale_leaf], self.spec)
                 continue
             yield name, tensor
         if mxfp4 is not None:
@@ -116,30 +107,32 @@ class QuantizationPlan:
                                   f"{prefix}.{lacking}" + (f" (and {len(pending) - 1} more such layers)"
                                                            if len(pending) > 1 else ""))
 
+    def _check_declared(self, name: str, tensor: torch.Tensor) -> None:
+        """A quantized weight or a scale needs a config that declares int8 or fp8 weights (its layout)."""
+        if self.spec is None or self.spec.stored_dtype is None:
+            declared = "no quantization_config" if self.spec is None else f"{self.spec.method} weights"
+            raise CheckpointError(f"{name} ({tensor.dtype}) is a quantized weight or its scale, but config.json "
+                                  f"declares {declared}")
+
     def _is_complete_kept(self, group: dict) -> bool:
         static = self.spec is not None and self.spec.activations == "static"
         return "weight" in group and "weight_scale" in group and ("input_scale" in group or not static)
 
-    @staticmethod
-    def _kept_tensors(prefix: str, group: dict[str, torch.Tensor], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def _kept_tensors(self, prefix: str, group: dict[str, torch.Tensor], dtype: torch.dtype,
+                      scale_name: str) -> Iterator[tuple[str, torch.Tensor]]:
         """A kept layer's weight and its scales as ``[rows, 1]`` (per-tensor scales repeated over the rows)."""
         weight = group["weight"]
         if weight.dtype != dtype:
             raise CheckpointError(f"{prefix}.weight is {weight.dtype}; its safetensors header says {dtype}")
         rows = weight.shape[0]
         yield f"{prefix}.weight", weight
-        for leaf in ("weight_scale", "input_scale"):
-            if leaf not in group:
-                continue
-            scale = group[leaf].float()
-            if scale.numel() == 1:
-                scale = scale.reshape(1, 1).expand(rows, 1)
-            elif scale.numel() == rows and leaf == "weight_scale":
-                scale = scale.reshape(rows, 1)
-            else:
-                raise CheckpointError(f"{prefix}.{leaf} has shape {tuple(scale.shape)}: expected one value"
-                                      + (f" or one per output channel ({rows})" if leaf == "weight_scale" else ""))
-            yield f"{prefix}.{leaf}", scale
+        check_scale_shape(scale_name, tuple(group["weight_scale"].shape), tuple(weight.shape), self.spec)
+        yield f"{prefix}.weight_scale", group["weight_scale"].float().reshape(-1, 1).expand(rows, 1)
+        if "input_scale" in group:
+            scale = group["input_scale"].float()
+            if scale.numel() != 1:
+                raise CheckpointError(f"{prefix}.input_scale has shape {tuple(scale.shape)}: expected one value")
+            yield f"{prefix}.input_scale", scale.reshape(1, 1).expand(rows, 1)
 
     def finish(self, model: torch.nn.Module) -> None:
         """Once every tensor is in: int8 layers quantize (``--quantization int8``) and lay out their weights;
@@ -154,12 +147,15 @@ class QuantizationPlan:
 def plan_quantization(model: torch.nn.Module, path: str | os.PathLike, requested: str | None) -> QuantizationPlan | None:
     """Swap ``model``'s linears for int8 ones where the checkpoint at ``path`` (or ``requested``) says so;
     None when neither the checkpoint nor ``requested`` quantizes anything."""
-    spec = quantization_spec(read_config_json(path))
+    config = read_config_json(path)
+    spec = quantization_spec(config)
     check_load_time_quantization(requested)
     if spec is None and requested is None:
         return None
     plan = QuantizationPlan(spec)
-    dtypes = tensor_dtypes(weight_files(path))
+    headers = read_tensor_headers(weight_files(path))
+    check_stored_weights(config, headers)  # each weight's dtype and scale shape as the config declares
+    dtypes = {name: header.dtype for name, header in headers.items()}
     # experts run int8 where the checkpoint stores them int8 W8A8 (or --quantization int8 asks for it)
     plan.int8_experts = requested == "int8" or (spec is not None and spec.is_w8a8_int8 and any(
         ".experts." in name and dtype == "I8" for name, dtype in dtypes.items()))

@@ -325,5 +325,6 @@ def test_int8_deepseek_folds_a_float_kv_b_proj(scheme, deepseek_checkpoint, quan
     assert isinstance(attention.o_proj, Int8Linear)
     max_error, agreement = teacher_forced_errors(llm, hf_model, sequences())
     # measured 0.234 / 98% (checkpoint), 0.322 / 95% (at load): a near-tie in the sigmoid top-k routing moves a
-    # token to another expert; before kv_b_proj was kept float, int8 at load failed on the int8 weight's dtype
+    # token to another expert; before kv_b_proj was kept float, int8 at load failed on the int8 weight's dtype.
+    # These are this random model's figures: the same config from other seeds gave 0.22-0.72 at load (91.7-95.5%)
     assert max_error < 0.45 and agreement >= 0.9, (max_error, agreement)
