@@ -95,6 +95,9 @@ class GrammarBackend:
                 raise
             except Exception as exc:  # noqa: BLE001 - the backend's own errors: a bad schema, regex or grammar
                 raise StructuredOutputError(f"{spec.kind}: {_first_line(exc)}") from None
+            if self._matches_nothing(compiled):  # else answered "" as a success, or with a token it refuses
+                raise StructuredOutputError(f"{spec.kind}: nothing can satisfy it (no output, not even an empty "
+                                            f"one, matches)")
             with self._lock:
                 if len(self._compiled) >= _CACHE_SIZE:
                     self._compiled.pop(next(iter(self._compiled)))
@@ -108,6 +111,10 @@ class GrammarBackend:
         raise NotImplementedError
 
     def _new_matcher(self, compiled: Any) -> "GrammarMatcher":  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _matches_nothing(self, compiled: Any) -> bool:  # pragma: no cover - abstract
+        """Whether no output at all satisfies the compiled grammar (a regex like ``[^\\s\\S]``)."""
         raise NotImplementedError
 
 
@@ -169,6 +176,13 @@ class LLGuidanceBackend(GrammarBackend):
         import llguidance
 
         return _LLGuidanceMatcher(llguidance.LLMatcher(self._tokenizer, grammar))
+
+    def _matches_nothing(self, grammar: str) -> bool:
+        import llguidance
+
+        fresh = llguidance.LLMatcher(self._tokenizer, grammar)
+        fresh.compute_bitmask()  # a dead grammar stops here, unaccepting (its mask then allows only the EOS)
+        return fresh.is_error() or (fresh.is_stopped() and not fresh.is_accepting())
 
 
 class _TextTokens:
@@ -273,6 +287,13 @@ class XGrammarBackend(GrammarBackend):
 
         grammar, is_json = compiled
         return _XGrammarMatcher(xgrammar.GrammarMatcher(grammar), self._control_tokens if is_json else None)
+
+    def _matches_nothing(self, compiled: Any) -> bool:
+        import xgrammar
+
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        xgrammar.GrammarMatcher(compiled[0]).fill_next_token_bitmask(bitmask)
+        return not bool(bitmask.any())  # not even the end of the output is allowed
 
 
 class _XGrammarMatcher(GrammarMatcher):

@@ -119,6 +119,10 @@ def test_seeded_constrained_request_is_the_same_alone_batched_and_with_overlap(t
     (StructuredOutput(kind="json", value='{"type": "object", "not": {"required": ["a"]}}'), "Unimplemented keys"),
     (StructuredOutput(kind="grammar", value="root ::= undefined", backend="xgrammar"), "undefined"),
     (StructuredOutput(kind="json", value='{"type": "bogus"}', backend="xgrammar"), "bogus"),
+    # a constraint nothing satisfies: llguidance answered "" as a success, xgrammar failed on a token it refused
+    (StructuredOutput(kind="regex", value=r"[^\s\S]"), "nothing can satisfy it"),
+    (StructuredOutput(kind="regex", value=r"x[^\s\S]"), "nothing can satisfy it"),
+    (StructuredOutput(kind="regex", value=r"[^\s\S]", backend="xgrammar"), "nothing can satisfy it"),
 ])
 def test_bad_constraints_are_request_errors_and_nothing_leaks(llm, spec, message):
     free = llm.engine.kv_manager.num_free_blocks
