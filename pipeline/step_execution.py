@@ -45,22 +45,24 @@ class StepExecutor:
     def _run_speculative(self, plan, emit_tokens: EmitTokens) -> list[StepOutput]:
         """Run ``plan`` through ``pipeline/speculative``: a request may emit several tokens."""
         results = self.speculator.run(plan.chunks, self.kv_manager.block_table)
-        outputs: list[StepOutput] = []
         for chunk, result in zip(plan.chunks, results):
-            seq = chunk.seq
-            seq.num_computed_tokens = result.num_computed_tokens
-            seq.num_draft_computed_tokens = result.num_draft_computed_tokens
-            if result.token_ids:
-                outputs.append(emit_tokens(seq, result.token_ids, result.logprobs))
-        for chunk in plan.chunks:
-            seq = chunk.seq
-            # a block is cached only once both models' KV of it is written, by any sequence that still holds
-            # its blocks (a finished prefill-only request does: they wait for the transfer)
-            if self.kv_manager.has_sequence(seq.request_id):
-                self.kv_manager.register_computed(seq.request_id, seq.token_ids,
-                                                  min(seq.num_computed_tokens, seq.num_draft_computed_tokens))
+            chunk.seq.num_computed_tokens = result.num_computed_tokens
+            chunk.seq.num_draft_computed_tokens = result.num_draft_computed_tokens
+        self._publish_written(plan.chunks)  # before the tokens: a request they end lets go of its blocks
+        outputs = [emit_tokens(chunk.seq, result.token_ids, result.logprobs)
+                   for chunk, result in zip(plan.chunks, results) if result.token_ids]
+        self._publish_written(plan.chunks)  # the accepted tokens' blocks, now that the tokens are known
         self.scheduler.warmups.end_if_complete()
         return outputs
+
+    def _publish_written(self, chunks) -> None:
+        """Publish to the prefix cache the blocks whose KV both models have written, of every sequence that still
+        holds its blocks (a finished prefill-only request does: they wait for the transfer)."""
+        for chunk in chunks:
+            seq = chunk.seq
+            if self.kv_manager.has_sequence(seq.request_id):
+                num_written = min(seq.num_computed_tokens, seq.num_draft_computed_tokens, seq.num_tokens)
+                self.kv_manager.register_computed(seq.request_id, seq.token_ids, num_written)
 
     def launch(self, plan, previous_read: Future) -> InFlightStep:
         """Queue ``plan`` on the execution stream; lengths advance now, token values come when the engine

@@ -63,6 +63,10 @@ def test_greedy_matches_without_speculation_and_prefix_hits(arch, tiny_checkpoin
     assert [o.token_ids for o in outputs] == expected
     assert all(len(llm.engine.kv_manager.find_cached_prefix(p)) >= 5 for p in prompts)
     assert_no_leaks(llm.engine.kv_manager, free_at_start)
+    # a request that ends at its first token (a classifier's max_tokens 1) still leaves its prompt cached
+    once = make_prompts(model.config.vocab_size, [24], seed=5)[0]
+    assert llm.generate([once], greedy(1))[0].token_ids == plain.generate([once], greedy(1))[0].token_ids
+    assert len(llm.engine.kv_manager.find_cached_prefix(once)) == (len(once) - 1) // 4  # all but the last token
 
 
 def test_logprobs_penalties_and_stops_behave_as_without_speculation(tiny_checkpoint, drafts):
