@@ -23,7 +23,7 @@ class RejectionCounter:
         self.paths = frozenset(paths)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] not in self.paths:
+        if scope["type"] != "http" or scope["path"] not in self.paths or scope["method"] == "OPTIONS":  # CORS
             await self.app(scope, receive, send)
             return
 
