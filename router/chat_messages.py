@@ -3,12 +3,21 @@
 The OpenAI wire carries a tool call's arguments as JSON text; templates (Qwen's, Llama's, Mistral's)
 write them with ``tojson``, so they get the parsed object, as transformers' own examples pass it and
 as vLLM does. Text is checked for lone surrogates here, once for every string that reaches the tokenizer.
+
+A message whose content is a list of text parts reaches a template that walks a message's content itself
+(Llama 3's, Gemma 3's: ``{% for part in message['content'] %}``) as that list, and any other template as
+the parts' texts joined by newlines: vLLM's two content formats ("openai" and "string"), told apart as
+vLLM does, by whether the template loops over a message's content.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
+
+# a loop over a message's content in a chat template: ``for x in message['content']`` / ``message.content``
+_LOOPS_OVER_CONTENT = re.compile(r"\bfor\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
 
 from router.errors import bad_request
 from router.openai_schema import ChatMessage, ChatTool
@@ -23,11 +32,19 @@ def check_text(text: str, param: str) -> None:
                           param=param) from None
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def walks_content_parts(template: str | None) -> bool:
+    """Whether ``template`` reads a message's content parts itself (vLLM's "openai" content format)."""
+    return bool(template) and _LOOPS_OVER_CONTENT.search(template) is not None
+
+
+def template_messages(messages: list[ChatMessage], content_parts: bool = False) -> list[dict[str, Any]]:
+    """The messages for a template; ``content_parts``: the template walks a list content's parts itself."""
     out = []
     for message in messages:
         item: dict[str, Any] = {"role": message.role, "content": message.text()}
         check_text(item["content"], "messages")
+        if content_parts and isinstance(message.content, list):
+            item["content"] = [{"type": "text", "text": part.text} for part in message.content]
         if message.name is not None:
             item["name"] = message.name
         if message.tool_calls:

@@ -37,7 +37,8 @@ class ChatOutputFormat:
         calls: list[ToolCall] = []
         if self.tool_parser is not None:
             content, calls = self.tool_parser.extract(content)
-        fields["content"] = content if content or not calls else None
+        # null when tool calls or the thinking are all there is (vLLM's reasoning parsers give None there too)
+        fields["content"] = content if content or not (calls or self.reasoning is not None) else None
         if calls:
             fields["tool_calls"] = [call_json(call) for call in calls]
         return fields

@@ -30,9 +30,12 @@ def combined_constraint(requested: StructuredOutput | None, call_grammar: tuple[
     answer may be instead of ``requested``."""
     if requested is not None and calls_instead is not None:
         call_rules, call_entry = calls_instead
+        why = "tools under tool_choice auto (their calls are the other answer)"
+        if thinking_prefix:
+            why = f"the reasoning parser (its thinking comes first) nor with {why}"
         return StructuredOutput(kind="grammar", backend=_BACKEND, value=(
             f"start: {thinking_prefix or ''} answer_or_calls\nanswer_or_calls: answer | {call_entry}\n"
-            f"{_answer_rule(requested)}\n{call_rules}"))
+            f"{_answer_rule(requested, why)}\n{call_rules}"))
     if requested is not None and call_grammar is not None:
         raise bad_request("tool_choice: the tools' call grammar (a required or named call, or strict tools) already "
                           "constrains the answer; drop response_format / structured_outputs, or use tool_choice "
@@ -43,23 +46,37 @@ def combined_constraint(requested: StructuredOutput | None, call_grammar: tuple[
                                 backend=_BACKEND)
     if requested is None or not thinking_prefix:
         return requested
-    return StructuredOutput(kind="grammar", value=f"start: {thinking_prefix} answer\n{_answer_rule(requested)}",
-                            backend=_BACKEND)
+    answer = _answer_rule(requested, "the reasoning parser (its thinking comes first)")
+    return StructuredOutput(kind="grammar", value=f"start: {thinking_prefix} answer\n{answer}", backend=_BACKEND)
 
 
-def _answer_rule(spec: StructuredOutput) -> str:
+def _answer_rule(spec: StructuredOutput, combined_with: str) -> str:
+    """The answer's Lark rule; ``combined_with``: what the constraint is spliced beside (a grammar cannot be)."""
     if spec.kind == "json":
         return f"answer: %json {_schema_object(spec.value)}"
     if spec.kind == "json_object":
         return "answer: %json " + json.dumps({"type": "object", **_COMPACT})
     if spec.kind == "regex":
-        return "answer: ANSWER\nANSWER: /" + spec.value.replace("/", "\\/") + "/"
+        return "answer: ANSWER\nANSWER: /" + _slashes_escaped(spec.value) + "/"
     if spec.kind == "choice":
         return "answer: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choices)
-    raise bad_request("structured_outputs.grammar: a grammar cannot be combined with the reasoning parser (its "
-                      "thinking comes first) nor with tools under tool_choice auto (their calls are the other "
-                      "answer); use a JSON schema, regex or choice, or send chat_template_kwargs to turn thinking "
-                      "off", param="structured_outputs")
+    thinking_off = ", or send chat_template_kwargs to turn thinking off" if "reasoning" in combined_with else ""
+    raise bad_request(f"structured_outputs.grammar: a grammar cannot be combined with {combined_with}; use a JSON "
+                      f"schema, regex or choice{thinking_off}", param="structured_outputs")
+
+
+def _slashes_escaped(regex: str) -> str:
+    """``regex`` inside a Lark ``/.../`` literal: each ``/`` not escaped already gets its backslash (``\\/``, which
+    clients write in closing tags, stays as it is)."""
+    out, i = [], 0
+    while i < len(regex):
+        if regex[i] == "\\":
+            out.append(regex[i:i + 2])
+            i += 2
+            continue
+        out.append("\\/" if regex[i] == "/" else regex[i])
+        i += 1
+    return "".join(out)
 
 
 def _schema_object(text: str) -> str:

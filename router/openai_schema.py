@@ -146,11 +146,13 @@ class ChatMessage(RequestBody):
     reasoning_content: str | None = None  # assistant: its thinking, for templates that render it
 
     def text(self) -> str:
+        """The content as one string: text parts joined by newlines, as vLLM gives them to a template that takes a
+        string."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)
 
 
 class FunctionDefinition(RequestBody):

@@ -12,7 +12,7 @@ from pipeline.generation_config import resolved_defaults
 from pipeline.protocol import StructuredOutput
 from pipeline.protocol.requests import SamplingParams
 from pipeline.tokenizer import TokenizerError, apply_chat_template, encode_prompt
-from router.chat_messages import check_text, template_messages, template_tools
+from router.chat_messages import check_text, template_messages, template_tools, walks_content_parts
 from router.chat_output import ChatOutputFormat
 from router.constraint_grammar import combined_constraint
 from router.errors import APIError, bad_request, from_value_error
@@ -135,7 +135,8 @@ def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: Samp
 
 def render_chat(model: ServedModel, body, tools: list[dict] | None) -> list[int]:
     """The chat's prompt ids through the checkpoint's (or the request's) template; 400 when it refuses."""
-    messages = template_messages(body.messages)
+    template = body.chat_template or model.tokenizer.chat_template
+    messages = template_messages(body.messages, walks_content_parts(template if isinstance(template, str) else None))
     try:
         return apply_chat_template(model.tokenizer, messages, **body.template_options(), tools=tools)
     except TokenizerError as exc:
@@ -233,11 +234,12 @@ def _sampling_params(
     except ValueError as exc:
         raise renamed(from_value_error(exc), renames or {}) from None
     if explicit and room is not None and max_tokens > room:
+        max_tokens_param = (renames or {}).get("max_tokens", "max_tokens")  # as the client named it
         raise bad_request(
             f"This model's maximum context length is {model.max_length} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {prompt_param}, {max_tokens} "
-            f"for the completion). Please reduce the length of the {prompt_param} or max_tokens.",
-            param="max_tokens", code="context_length_exceeded",
+            f"for the completion). Please reduce the length of the {prompt_param} or {max_tokens_param}.",
+            param=max_tokens_param, code="context_length_exceeded",
         )
     return params
 

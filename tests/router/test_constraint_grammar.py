@@ -39,6 +39,8 @@ SPECS = {
                                                               "required": ["a"]})), '{"a":1}', '{"b":1}'),
     "json_object": (StructuredOutput(kind="json_object"), '{"x":true}', "[1]"),
     "regex": (StructuredOutput(kind="regex", value="(yes|no)/[0-9]"), "no/7", "maybe"),
+    # a slash a client escaped already (closing tags: <\/x>) was escaped again into a lexer error
+    "regex_escaped_slash": (StructuredOutput(kind="regex", value=r"<x>[a-z]+<\/x>"), "<x>ok</x>", "<x>ok<x>"),
     "choice": (StructuredOutput(kind="choice", choices=["red", 'say "hi"']), 'say "hi"', "blue"),
 }
 
@@ -69,6 +71,7 @@ def test_what_cannot_be_composed_is_a_400():
     with pytest.raises(APIError) as info:
         combined_constraint(grammar, None, get_reasoning_parser("think").grammar_prefix(False))
     assert info.value.status_code == 400 and "reasoning" in info.value.message
+    assert "tool_choice auto" not in info.value.message  # only what it was combined with
     with pytest.raises(APIError) as info:
         combined_constraint(SPECS["json"][0], "tool_calls: \"x\"", None)
     assert info.value.param == "tool_choice"

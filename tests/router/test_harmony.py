@@ -107,6 +107,9 @@ def test_chat_answer_fields():
     assert [call["function"]["name"] for call in message["tool_calls"]] == ["get_weather"]
     assert fmt.message(THINK + FINAL) == {"reasoning_content": "The user asks for the weather. I should call "
                                           "get_weather.", "content": "It is 18 degrees in Paris."}
+    # cut off while thinking: the thinking is all there is, and content is null (vLLM's parsers say None too)
+    assert fmt.message(THINK) == {"reasoning_content": "The user asks for the weather. I should call get_weather.",
+                                  "content": None}
 
 
 def test_registration_and_what_is_not_supported():

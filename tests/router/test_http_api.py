@@ -248,6 +248,31 @@ def test_metrics_expose_worker_kv_gauges_and_request_counts(router):
         assert line in text, line
 
 
+def test_a_completion_budget_past_the_context_is_named_as_the_client_sent_it(router):
+    router.add_worker()
+    for field in ("max_tokens", "max_completion_tokens"):
+        response = httpx.post(f"{router.url}/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], field: 1000})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == field and f"or {field}." in error["message"], error
+
+
+def test_content_parts_reach_a_template_as_it_reads_them(router, served_model):
+    """vLLM's two content formats: a template that loops over a message's content gets the parts; any other gets
+    their texts joined by newlines (they were joined with nothing)."""
+    from router.chat_messages import walks_content_parts
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
+    as_string = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    as_parts = "{% for m in messages %}{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}|{% endfor %}"
+    assert not walks_content_parts(as_string) and walks_content_parts(as_parts)
+    assert walks_content_parts("{%- for item in message.content %}") and not walks_content_parts(None)
+    for template, text in ((as_string, "Hello\nworld|"), (as_parts, "<Hello><world>|")):
+        body = httpx.post(f"{router.url}/tokenize", json={"messages": messages, "chat_template": template,
+                                                          "add_generation_prompt": False}).json()
+        assert body["tokens"] == served_model.tokenizer.encode(text, add_special_tokens=False), (template, body)
+
+
 def test_tokenize_and_detokenize_in_vllms_shapes(router, served_model):
     tokenizer = served_model.tokenizer
     text = "Hello there, how are you?"
