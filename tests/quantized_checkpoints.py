@@ -68,8 +68,10 @@ SCHEMES: dict[str, tuple[dict, tuple, bool]] = {
 
 # config.json quantization_config of formats Tandem refuses, and the name the refusal must carry
 REFUSED: dict[str, tuple[dict, str]] = {
-    "int4_pack_quantized": (compressed_tensors_config(
-        "pack-quantized", {**_args("int", "group", False), "num_bits": 4, "group_size": 128}, None), "pack-quantized"),
+    # pack-quantized runs weight-only (W4A16, W8A16: tests/pipeline/test_pack_quantized.py); W4A8 is refused
+    "w4a8_pack_quantized": (compressed_tensors_config(
+        "pack-quantized", {**_args("int", "group", False), "num_bits": 4, "group_size": 128},
+        _args("int", "token", True)), "pack-quantized with input_activations"),
     "nvfp4": (compressed_tensors_config("nvfp4-pack-quantized", {**_args("float", "tensor_group", False),
                                                                  "num_bits": 4, "group_size": 16}, None),
               "nvfp4-pack-quantized"),

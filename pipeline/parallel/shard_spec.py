@@ -14,6 +14,7 @@ a static ``input_scale``) whole on every rank, a per-output-channel scale by the
 the weight is cut by input columns), a per-block scale by the blocks of its weight's cut, which must fall on block
 boundaries (``check_supported`` refuses a size whose cuts do not). The quantized layers then load as in a
 single-process model (``pipeline/quantization/loading.py``).
+compressed-tensors ``pack-quantized`` checkpoints (W4A16, W8A16) are refused at any size > 1 (``check_supported``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def check_supported(hf_config, tensor_parallel_size: int, quantization: str | No
             f"tensor_parallel_size={tp} is not supported for architecture {', '.join(architectures) or '(none)'}; "
             f"tensor parallelism runs {', '.join(TENSOR_PARALLEL_ARCHITECTURES)} (see docs/tensor-parallel.md)")
     quantized = quantization_spec(config_json)
+    if quantized is not None and quantized.packed:
+        raise UnsupportedTensorParallel(
+            f"tensor_parallel_size={tp} is not supported for compressed-tensors pack-quantized checkpoints (W4A16, "
+            "W8A16): their int32 words are not cut per rank; run them with tensor_parallel_size=1")
     if quantized is not None and quantized.weight_type == "mxfp4":
         per_rank = hf_config.intermediate_size // tp
         if hf_config.intermediate_size % tp or per_rank % MXFP4_GROUP_SIZE:

@@ -14,7 +14,12 @@ not match its config:
 - **scale shape**: a quantized weight's ``weight_scale`` / ``weight_scale_inv`` must have the shape of the
   declared strategy: one element (tensor), ``[out, 1]`` or ``[out]`` (channel), ``[ceil(out / bh), ceil(in /
   bw)]`` (block, ``block_structure`` / ``weight_block_size``). The dequantizer and the int8 / fp8 layers apply
-  the same rule to the tensors themselves (``check_scale_shape``), each rank's slices included.
+  the same rule to the tensors themselves (``check_scale_shape``), each rank's slices included;
+- **pack-quantized** (compressed-tensors W4A16 / W8A16): each quantized linear stores ``weight_packed`` (int32,
+  ``[out, ceil(in * num_bits / 32)]``), ``weight_scale`` (``[out, ceil(in / group_size)]`` for strategy
+  ``group``, ``[out, 1]`` or ``[out]`` for ``channel``) and ``weight_shape`` (``[out, in]``: its two values are
+  read from the file, a few bytes, still without torch); a ``weight_zero_point`` (asymmetric) or ``weight_g_idx``
+  (activation reordering) is refused by name. ``dequantize.dequantize_packed`` checks the same on the tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import math
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +38,11 @@ from pipeline.quantization.config import QuantizationSpec, quantization_spec
 
 SCALE_LEAVES = ("weight_scale", "weight_scale_inv")
 QUANTIZED_STORAGE = ("I8", "F8_E4M3", "F8_E5M2")  # safetensors dtypes of quantized weights
+# compressed-tensors pack-quantized: a linear's packed integers, its [out, in], and what Tandem refuses beside them
+PACKED_LEAF, SHAPE_LEAF = "weight_packed", "weight_shape"
+PACKED_REFUSED_LEAVES = {"weight_zero_point": "asymmetric quantization",
+                         "weight_g_idx": "activation reordering (actorder 'group')"}
+SHAPE_FORMATS = {"I64": "<q", "I32": "<i", "I16": "<h"}  # how a weight_shape's values are stored
 READABLE_DTYPES = {"I8": "int8", "U8": "uint8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
                    "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I32": "int32"}
 ROUTER_LEAVES = ("gate", "router")  # a mixture-of-experts router: float unless stored quantized
@@ -44,6 +55,7 @@ class TensorHeader:
 
     dtype: str  # "I8", "F8_E4M3", "BF16", ...
     shape: tuple[int, ...]
+    values: tuple[int, ...] | None = None  # a pack-quantized ``weight_shape``'s values, read from the file
 
 
 def read_tensor_headers(files: list[Path]) -> dict[str, TensorHeader]:
@@ -52,12 +64,34 @@ def read_tensor_headers(files: list[Path]) -> dict[str, TensorHeader]:
     for file in files:
         try:
             with open(file, "rb") as handle:
-                header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+                header_size = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(header_size))
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read weight file {file}: {exc}") from exc
-        headers.update({name: TensorHeader(info["dtype"], tuple(info["shape"]))
-                        for name, info in header.items() if name != "__metadata__"})
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            values = None
+            if name.endswith(f".{SHAPE_LEAF}") and info["dtype"] in SHAPE_FORMATS and math.prod(info["shape"]) <= 8:
+                values = _read_ints(file, 8 + header_size, info)
+            headers[name] = TensorHeader(info["dtype"], tuple(info["shape"]), values)
     return headers
+
+
+def _read_ints(file: Path, data_start: int, info: dict) -> tuple[int, ...]:
+    """A small integer tensor's values (a pack-quantized ``weight_shape``), from its bytes in the file."""
+    fmt = SHAPE_FORMATS[info["dtype"]]
+    begin, end = info["data_offsets"]
+    try:
+        with open(file, "rb") as handle:
+            handle.seek(data_start + begin)
+            data = handle.read(end - begin)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read weight file {file}: {exc}") from exc
+    size = struct.calcsize(fmt)
+    if len(data) != size * math.prod(info["shape"]):
+        raise CheckpointError(f"weight file {file}: a tensor's data is cut short")
+    return tuple(struct.unpack(fmt, data[i:i + size])[0] for i in range(0, len(data), size))
 
 
 def check_quantized_checkpoint(path: str | os.PathLike) -> None:
@@ -76,6 +110,12 @@ def check_stored_weights(config: dict, headers: dict[str, TensorHeader]) -> None
     problems = [problem for name in sorted(headers) if name.endswith(".weight")
                 for problem in (_dtype_problem(name, headers[name], config, spec),
                                 _scale_problem(name, headers, spec)) if problem]
+    if spec.packed:
+        problems += [problem for name in sorted(headers) for problem in [_packed_problem(name, headers, spec)]
+                     if problem]
+    else:
+        problems += [f"{name}: a pack-quantized weight, but config.json's quantization_config declares {spec.method} "
+                     "weights" for name in sorted(headers) if name.endswith(f".{PACKED_LEAF}")]
     if problems:
         more = f" (and {len(problems) - 1} more such tensors)" if len(problems) > 1 else ""
         raise CheckpointError(problems[0] + more)
@@ -93,7 +133,78 @@ def readable_dtype(stored: str) -> str:
     return READABLE_DTYPES.get(stored, stored)
 
 
+def packed_shape(shape: tuple[int, int], num_bits: int) -> tuple[int, int]:
+    """The ``weight_packed`` shape of an ``[out, in]`` weight: ``num_bits`` per value, densely in int32 words."""
+    rows, cols = shape
+    return rows, math.ceil(cols * num_bits / 32)
+
+
+def packed_scale_shapes(shape: tuple[int, int], spec: QuantizationSpec) -> tuple[tuple[int, ...], ...]:
+    """The ``weight_scale`` shapes a pack-quantized ``[out, in]`` weight may have under ``spec``'s strategy (group:
+    one per ``group_size`` input columns, the last group possibly partial, as compressed-tensors allows)."""
+    rows, cols = shape
+    if spec.weight_strategy == "group":
+        return ((rows, math.ceil(cols / spec.group_size)),)
+    return ((rows, 1), (rows,))
+
+
+def packed_layout_problem(prefix: str, packed: tuple[int, ...], scale: tuple[int, ...] | None,
+                          shape: tuple[int, ...] | None, spec: QuantizationSpec) -> str | None:
+    """What is wrong with a pack-quantized layer's stored shapes (``shape``: its ``weight_shape``'s values), if
+    anything; None also where ``shape`` is unknown (a header without the values: only the dimensions are checked)."""
+    if len(packed) != 2:
+        return f"{prefix}.{PACKED_LEAF} has shape {tuple(packed)}: expected 2 dimensions [out, packed columns]"
+    if shape is None:
+        return None
+    if len(shape) != 2 or min(shape) <= 0:
+        return f"{prefix}.{SHAPE_LEAF} is {list(shape)}: expected [out, in] of a linear weight"
+    want = packed_shape((shape[0], shape[1]), spec.num_bits)
+    if tuple(packed) != want:
+        return (f"{prefix}.{PACKED_LEAF} has shape {tuple(packed)}, but {prefix}.{SHAPE_LEAF} {list(shape)} in the "
+                f"{spec.num_bits}-bit integers config.json declares ({spec.method}) packs into {want}")
+    if scale is not None and tuple(scale) not in packed_scale_shapes((shape[0], shape[1]), spec):
+        expected = " or ".join(map(str, packed_scale_shapes((shape[0], shape[1]), spec)))
+        per = (f"one per {spec.group_size} input columns" if spec.weight_strategy == "group"
+               else "one per output channel")
+        return (f"{prefix}.weight_scale: scale of shape {tuple(scale)} does not fit the weight strategy "
+                f"{_strategy(spec)} that config.json declares ({spec.method}) for a weight of shape {tuple(shape)}: "
+                f"expected {expected}, {per}")
+    return None
+
+
+def _packed_problem(name: str, headers: dict[str, TensorHeader], spec: QuantizationSpec) -> str | None:
+    """A pack-quantized checkpoint's tensor (``weight_packed``, or one Tandem refuses beside it) against the config."""
+    prefix, _, leaf = name.rpartition(".")
+    header = headers[name]
+    if leaf in PACKED_REFUSED_LEAVES:
+        return (f"{name}: {PACKED_REFUSED_LEAVES[leaf]} is not supported in compressed-tensors pack-quantized "
+                f"checkpoints (Tandem runs symmetric W4A16 / W8A16 without activation reordering)")
+    if leaf != PACKED_LEAF:
+        return None
+    if header.dtype != "I32":
+        return (f"{name} is stored as {readable_dtype(header.dtype)}, but config.json's quantization_config "
+                f"({spec.method}) declares {spec.num_bits}-bit integers packed into int32")
+    shape_header = headers.get(f"{prefix}.{SHAPE_LEAF}")
+    if shape_header is None:  # its values are the layout
+        return f"the checkpoint has {name} but no {prefix}.{SHAPE_LEAF}"
+    if shape_header.shape != (2,):
+        return f"{prefix}.{SHAPE_LEAF} has shape {shape_header.shape}: expected 2 values [out, in]"
+    scale = headers.get(f"{prefix}.weight_scale")
+    return packed_layout_problem(prefix, header.shape, None if scale is None else scale.shape, shape_header.values,
+                                 spec)
+
+
 def _dtype_problem(name: str, header: TensorHeader, config: dict, spec: QuantizationSpec) -> str | None:
+    if spec.packed:
+        declared = f"{spec.num_bits}-bit integers packed into int32 ({PACKED_LEAF})"
+        if header.dtype in QUANTIZED_STORAGE:
+            return (f"{name} is stored as {readable_dtype(header.dtype)}, but config.json's quantization_config "
+                    f"({spec.method}) declares {declared}")
+        if _is_declared_quantized(name, header, config):
+            return (f"{name} is stored as {readable_dtype(header.dtype)}, but config.json's quantization_config "
+                    f"({spec.method}) declares {declared} for it (quantize it, or name it in the config's "
+                    f"{_ignore_key(config['quantization_config'])} list)")
+        return None
     declared = readable_dtype(spec.stored_dtype)
     if header.dtype in QUANTIZED_STORAGE and header.dtype != spec.stored_dtype:
         return (f"{name} is stored as {readable_dtype(header.dtype)}, but config.json's quantization_config "
@@ -134,6 +245,8 @@ def _scale_shape_problem(scale_name: str, scale_shape: tuple[int, ...], weight_s
 
 
 def _strategy(spec: QuantizationSpec) -> str:
+    if spec.weight_strategy == "group":
+        return f"'group' (group_size {spec.group_size})"
     if spec.weight_strategy != "block":
         return repr(spec.weight_strategy)
     return f"'block' {list(spec.block_size)}"

@@ -9,8 +9,9 @@ any other layer; on a GPU with fp8 GEMMs, fp8 layers with per-tensor or per-chan
 ``Fp8Linear`` the same way. ``QuantizationPlan.tensors`` wraps the checkpoint's tensor stream: it pairs each
 quantized weight with its scale, hands the kept (int8 / fp8) layers their tensors in the shapes they hold (a
 per-tensor scale repeated over its rows, so a fused projection's parts stay row blocks), and dequantizes every
-other quantized weight to fp32 (``dequantize.py``; gpt-oss's MXFP4 experts: ``mxfp4.py``). ``finish`` lays the
-kept weights out for the GEMM.
+other quantized weight to fp32 (``dequantize.py``; gpt-oss's MXFP4 experts: ``mxfp4.py``; compressed-tensors
+``pack-quantized`` W4A16 / W8A16: a layer's ``weight_packed``, ``weight_scale`` and ``weight_shape`` become its
+``weight``, unpacked and scaled, one layer at a time). ``finish`` lays the kept weights out for the GEMM.
 
 Eligible: every linear but the output projection (``lm_head``, whose logits stay in the model dtype), a
 mixture-of-experts router (a ``gate`` beside ``experts``) and a linear whose module reads its weight instead of
@@ -31,9 +32,10 @@ from pipeline.checkpoint_errors import CheckpointError
 from pipeline.checkpoint_files import read_config_json, weight_files
 from pipeline.models.layers import Linear
 from pipeline.models.moe import StackedExperts
-from pipeline.quantization.checks import SCALE_LEAVES, check_scale_shape, check_stored_weights, read_tensor_headers
+from pipeline.quantization.checks import (PACKED_LEAF, PACKED_REFUSED_LEAVES, SCALE_LEAVES, SHAPE_LEAF,
+                                          check_scale_shape, check_stored_weights, read_tensor_headers)
 from pipeline.quantization.config import QuantizationSpec, check_load_time_quantization, quantization_spec
-from pipeline.quantization.dequantize import dequantize_weight
+from pipeline.quantization.dequantize import dequantize_packed, dequantize_weight
 from pipeline.quantization.fp8 import Fp8Linear, fits_fp8_gemm, fp8_gemm_available
 from pipeline.quantization.int8 import Int8Linear
 from pipeline.quantization.int8_experts import Int8StackedExperts
@@ -47,6 +49,7 @@ UNUSED_LEAVES = ("input_scale", "activation_scale", "output_scale")
 KEPT_NAMES = {"weight": "weight", "weight_scale": "weight_scale", "weight_scale_inv": "weight_scale",
               "input_scale": "input_scale", "activation_scale": "input_scale"}
 SAFETENSORS_DTYPES = {"I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn}
+PACKED_LEAVES = (PACKED_LEAF, "weight_scale", SHAPE_LEAF)  # what a pack-quantized layer stores
 
 
 @dataclass
@@ -62,8 +65,25 @@ class QuantizationPlan:
         pending: dict[str, dict[str, torch.Tensor]] = {}  # prefix -> the tensors of one layer seen so far
         kept_scale_names: dict[str, str] = {}  # kept prefix -> its weight scale's checkpoint name (for messages)
         mxfp4 = Mxfp4Pairs() if self.spec is not None and self.spec.weight_type == "mxfp4" else None
+        packed = self.spec is not None and self.spec.packed
+        packed_pending: dict[str, dict[str, torch.Tensor]] = {}  # pack-quantized prefix -> its tensors seen so far
         for name, tensor in named_tensors:
             prefix, _, leaf = name.rpartition(".")
+            if packed and leaf in PACKED_REFUSED_LEAVES:
+                raise CheckpointError(f"{name}: {PACKED_REFUSED_LEAVES[leaf]} is not supported in compressed-tensors "
+                                      "pack-quantized checkpoints")
+            if packed and leaf in PACKED_LEAVES:  # one layer's tensors, held until its last one arrives
+                group = packed_pending.setdefault(prefix, {})
+                group[leaf] = tensor
+                if all(part in group for part in PACKED_LEAVES):
+                    del packed_pending[prefix]
+                    yield f"{prefix}.weight", dequantize_packed(prefix, group[PACKED_LEAF], group["weight_scale"],
+                                                                group[SHAPE_LEAF], self.spec)
+                continue
+            if leaf in (PACKED_LEAF, SHAPE_LEAF):
+                declared = "no quantization_config" if self.spec is None else f"{self.spec.method} weights"
+                raise CheckpointError(f"{name} is a pack-quantized weight's tensor, but config.json declares "
+                                      f"{declared}")
             if leaf in ZERO_POINT_LEAVES:
                 if torch.count_nonzero(tensor):
                     raise CheckpointError(f"{name}: a nonzero zero point (asymmetric quantization) is not supported")
@@ -100,6 +120,12 @@ class QuantizationPlan:
             yield name, tensor
         if mxfp4 is not None:
             mxfp4.check_complete()
+        if packed_pending:
+            prefix, group = next(iter(packed_pending.items()))
+            lacking = next(leaf for leaf in PACKED_LEAVES if leaf not in group)
+            raise CheckpointError(f"the checkpoint has {', '.join(f'{prefix}.{leaf}' for leaf in group)} but no "
+                                  f"{prefix}.{lacking}" + (f" (and {len(packed_pending) - 1} more such layers)"
+                                                           if len(packed_pending) > 1 else ""))
         if pending:
             prefix, group = next(iter(pending.items()))
             lacking = next(leaf for leaf in ("weight", "weight_scale", "input_scale") if leaf not in group)

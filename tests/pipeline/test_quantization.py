@@ -276,7 +276,7 @@ def test_unsupported_quantization_is_refused_with_its_name(name, tiny_checkpoint
 
 
 def test_launcher_check_refuses_without_torch(tiny_checkpoint, tmp_path):
-    path = refused_checkpoint(tiny_checkpoint, tmp_path, "int4_pack_quantized")
+    path = refused_checkpoint(tiny_checkpoint, tmp_path, "w4a8_pack_quantized")
     code = ("import sys; from deploy.checkpoint_check import check_checkpoint\n"
             "try:\n    check_checkpoint(sys.argv[1])\nexcept ValueError as exc:\n    print(exc)\n"
             "print('torch' in sys.modules)")
@@ -284,8 +284,8 @@ def test_launcher_check_refuses_without_torch(tiny_checkpoint, tmp_path):
     result = subprocess.run([sys.executable, "-c", code, str(path)], cwd=root, capture_output=True, text=True,
                             check=True)
     assert result.stdout.splitlines() == [
-        "compressed-tensors format pack-quantized is not supported; supported: int-quantized, float-quantized, "
-        "naive-quantized (8-bit weights)", "False"]
+        "compressed-tensors pack-quantized with input_activations (8-bit int activations, e.g. W4A8) is not "
+        "supported; pack-quantized runs weight-only (W4A16, W8A16), dequantized at load", "False"]
 
 
 def test_quantization_config_parsing():
