@@ -78,14 +78,20 @@ def run(args: argparse.Namespace) -> int:
     from deploy.cpu_plan import describe_plan, plan_cores, router_cores
     from deploy.local_launcher import ClusterError, LocalCluster
     from deploy.tensor_parallel_plan import check_tensor_parallel_workers, worker_tensor_parallel_sizes
+    from pipeline.config import config_env_names
     from pipeline.core_list import format_core_list
     from pipeline.cpu_placement import allowed_cores
 
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts: must be >= 0 (got {args.max_restarts})")
-    if args.prefill is None and args.decode is None:
-        args.prefill, args.decode = (1, 1) if not args.colocated else (0, 0)
+    default_count = 0 if args.colocated else 1  # each role's own default: --decode 2 alone is 1P2D
+    args.prefill = default_count if args.prefill is None else args.prefill
+    args.decode = default_count if args.decode is None else args.decode
     config = config_from_args(args)  # validates every flag and the file section before anything starts
+    # the TANDEM_* variables are merged into the config the processes get (below the flags): were the processes to
+    # inherit them too, they would apply them again, over the flags
+    for name in config_env_names(os.environ):
+        del os.environ[name]
     check_checkpoint(config.model.model_path)  # a checkpoint we cannot serve: one clear error, nothing started
     api_key = _checked_http_security(args, config)
     tensor_parallel_sizes = worker_tensor_parallel_sizes(

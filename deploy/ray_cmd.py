@@ -27,8 +27,8 @@ def register(sub) -> None:
 
     up = commands.add_parser("up", help="start a router and workers as supervised Ray actors")
     _add_common(up, name_default="tandem")
-    up.add_argument("--prefill", type=int, default=None, help="PrefillOnly workers (default 1)")
-    up.add_argument("--decode", type=int, default=None, help="DecodeOnly workers (default 1)")
+    up.add_argument("--prefill", type=int, default=None, help="PrefillOnly workers (default 1, or 0 with --colocated)")
+    up.add_argument("--decode", type=int, default=None, help="DecodeOnly workers (default 1, or 0 with --colocated)")
     up.add_argument("--colocated", type=int, default=0, help="PrefillAndDecode workers (default 0)")
     up.add_argument("--host", default=None, help="the router's HTTP address (default: its node's address)")
     up.add_argument("--port", type=port_number, default=8000, help="the router's HTTP port (default 8000)")
@@ -120,8 +120,9 @@ def _up_options(args: argparse.Namespace):
 
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts: must be >= 0 (got {args.max_restarts})")
-    if args.prefill is None and args.decode is None:
-        args.prefill, args.decode = (1, 1) if not args.colocated else (0, 0)
+    default_count = 0 if args.colocated else 1  # each role's own default: --decode 2 alone is 1P2D
+    args.prefill = default_count if args.prefill is None else args.prefill
+    args.decode = default_count if args.decode is None else args.decode
     if min(args.prefill or 0, args.decode or 0, args.colocated) < 0:
         raise ValueError("--prefill, --decode, --colocated: must be >= 0")
     if (args.decode or 0) + args.colocated == 0:

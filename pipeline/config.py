@@ -227,6 +227,12 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def config_env_names(environ: Mapping[str, str]) -> list[str]:
+    """The ``TANDEM_*`` variables of ``environ`` that set a config field (the ones ``env_overrides`` reads)."""
+    return [key for key in environ if key.startswith(ENV_PREFIX)
+            and _is_field_path([p.lower() for p in key[len(ENV_PREFIX):].split(ENV_NESTED_DELIMITER)])]
+
+
 def _is_field_path(path: list[str]) -> bool:
     model: type[BaseModel] = PipelineConfig
     for i, part in enumerate(path):

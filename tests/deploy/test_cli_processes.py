@@ -34,14 +34,16 @@ def wait_ready(url: str, procs: list[subprocess.Popen], num_workers: int, timeou
 
 def test_tandem_up_serves_and_stops_every_process_on_sigterm(tiny_checkpoint, tmp_path):
     """... and leaves nothing on disk but its logs: no socket file under its ipc:// base, no work dir (config
-    file, cluster key)."""
+    file, cluster key). A flag beats a TANDEM_* variable in every process (the processes inherited the variable
+    and applied it again, over the flag); --decode alone keeps --prefill's default (1P1D)."""
     port = free_port()
     ipc_dir = Path(tempfile.mkdtemp(prefix="up-"))  # short: a Unix socket's path has ~107 bytes
     launcher = subprocess.Popen(
-        [*TANDEM, "up", "--prefill", "1", "--decode", "1", "--model", tiny_checkpoint("llama"), "--port", str(port),
-         "--log-dir", str(tmp_path / "logs"), "--kv-cache-num-blocks", "128",
+        [*TANDEM, "up", "--decode", "1", "--model", tiny_checkpoint("llama"), "--port", str(port),
+         "--log-dir", str(tmp_path / "logs"), "--kv-cache-num-blocks", "128", "--max-length", "96",
          "--zmq-endpoint-base", f"ipc://{ipc_dir}/c"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "TANDEM_MAX_LENGTH": "80"},
     )
     children: list[int] = []
     try:
@@ -63,6 +65,7 @@ def test_tandem_up_serves_and_stops_every_process_on_sigterm(tiny_checkpoint, tm
                          json={"model": Path(tiny_checkpoint("llama")).name, "prompt": "Hi", "max_tokens": 4},
                          timeout=60)
         assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] >= 1
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["max_model_len"] == 96
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=30) == 0
         assert not [pid for pid in children if is_alive(pid)]
