@@ -162,8 +162,13 @@ class Dispatcher:
         handle = RequestHandle(request_id, prompt_token_ids, params, deadline=time.monotonic() + timeout_s,
                                priority=priority)
         handle.trace = request_trace(request_id, len(prompt_token_ids), params.max_tokens, priority, trace_parent)
+        # the only decode worker drains in a rolling restart: a new request waits for its replacement, as a retry
+        # would, instead of a 503 for the seconds until it registers
+        replacement_due = self.wait_for_worker_s > 0 and self.registry.expects_a_decode_worker_back(
+            self.model_name, self.wait_for_worker_s)
         try:
-            handle.admission = self.admission.enqueue(handle, timeout_s=timeout_s, priority=priority, counted=counted)
+            handle.admission = self.admission.enqueue(handle, timeout_s=timeout_s, priority=priority, counted=counted,
+                                                      waits_for_a_route=replacement_due)
         except Overloaded as exc:
             exc.retry_after_s = self.retry_after_s()
             self._finish(handle, "failed (429)", str(exc))

@@ -211,6 +211,14 @@ class WorkerRegistry:
     def all_workers(self) -> list[WorkerInfo]:
         return list(self._workers.values())
 
+    def expects_a_decode_worker_back(self, model_name: str, within_s: float) -> bool:
+        """Whether a decode-capable worker of ``model_name`` drains now, or stopped after draining at most
+        ``within_s`` ago: a rolling restart's replacement is on its way (``tandem up``'s SIGHUP, ``tandem ray
+        restart``), so a request nobody can serve meanwhile may wait for it."""
+        now = self._clock()
+        return any(w.can_decode and w.model_name == model_name and w.load.is_draining
+                   and (w.is_alive or now - w.last_seen <= within_s) for w in self._workers.values())
+
     def readiness(self) -> tuple[bool, str]:
         """(ready, why): a decode-capable worker is alive (DecodeOnly workers prefill locally when no
         PrefillOnly worker is)."""

@@ -24,6 +24,7 @@ from pipeline.protocol.cluster import (
     encode,
 )
 from tests.router.fake_worker import tokens_script
+from tests.router.test_admission import in_thread
 
 BODY = {"model": "tiny", "prompt": "Hi", "max_tokens": 30}
 
@@ -278,6 +279,31 @@ def test_a_stream_whose_only_worker_dies_goes_on_once_it_restarts(router_factory
     assert text == served_model.tokenizer.decode(ids)
     assert len(restarted.requests) == 1 and len(restarted.requests[0].resume_token_ids) >= 3
     assert router.metric('tandem_migrations_total{cause="worker_died"}') == 1.0
+
+
+def test_a_new_request_waits_for_the_replacement_of_the_only_worker_draining_in_a_rolling_restart(
+        router_factory, served_model):
+    """The one decode worker of a 1P1D cluster drains (SIGHUP, tandem ray restart) and leaves; its replacement
+    registers seconds later. Requests arriving meanwhile wait for it, as a retry would: an audit saw 503s (12 of
+    111) for those seconds. Once no replacement is due, a request with no worker is still a 503 at once."""
+    router = router_factory(config=ONLY_WORKER_COMES_BACK)
+    ids = served_model.tokenizer.encode("Paris is")
+    old = router.add_worker("w0", script=tokens_script(ids), pid=1001)
+    old.load = WorkerLoad(num_free_blocks=64, num_total_blocks=64, is_draining=True)  # it drains
+    registry = router.state.dispatcher.registry
+    assert old.wait_for(lambda: all(w.load.is_draining for w in registry.all_workers()))
+    waiting = in_thread(lambda: httpx.post(f"{router.url}/v1/completions", json={**BODY, "max_tokens": len(ids)},
+                                           timeout=30))
+    time.sleep(0.3)
+    old.stop()  # drained, gone
+    time.sleep(1.5)  # silent past dead_after_s: declared dead
+    new = router.add_worker("w0", script=tokens_script(ids), pid=1002)  # the replacement
+    answer = waiting.join()
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == served_model.tokenizer.decode(ids)
+    assert len(new.requests) == 1
+    new.stop()
+    time.sleep(1.5)
+    assert httpx.post(f"{router.url}/v1/completions", json=BODY, timeout=30).status_code == 503  # nothing is due
 
 
 def test_a_stream_goes_on_on_its_worker_when_that_worker_resumes_after_being_declared_dead(router_factory,
