@@ -50,8 +50,9 @@ REGISTER_RETRY_S = 0.5
 STALL_EXIT_CODE = 75  # EX_TEMPFAIL: the launcher restarts a worker that exits with it
 
 
-class RegistrationRejected(RuntimeError):
-    """The router refused this worker (e.g. a different model); the worker must not serve."""
+class RegistrationRejected(ValueError):
+    """The router refused this worker (e.g. a different model); the worker must not serve. A ValueError: the CLI
+    says it as one line (``tandem decode: error: the router refused worker ...``), as any configuration error."""
 
 
 class RouterLink:

@@ -104,6 +104,12 @@ def test_one_process_per_role_over_tcp(tiny_checkpoint, tmp_path):
         assert out.json()["usage"]["completion_tokens"] == 5
         assert "listening on tcp://127.0.0.2:" in (tmp_path / "prefill.log").read_text()
         assert "listening on tcp://127.0.0.3:" in (tmp_path / "decode.log").read_text()
+        # a worker of another model (the built-in one) is refused by name, in one line (it was a traceback)
+        stranger = subprocess.run([*TANDEM, "decode", "--worker-id", "d9", *common[2:]],
+                                  capture_output=True, text=True, timeout=120)
+        assert stranger.returncode == 2, stranger.stderr
+        assert "tandem decode: error: the router refused worker d9: model" in stranger.stderr
+        assert "Traceback" not in stranger.stderr
     finally:
         for proc in procs:
             if proc.poll() is None:
