@@ -23,9 +23,11 @@ Unix user can connect; ``inproc://`` needs nothing.
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import os
+import socket
 import stat
 import threading
 from dataclasses import dataclass
@@ -206,7 +208,11 @@ def connect_securely(sock: zmq.Socket, endpoint: str) -> None:
 
 def _bind_owner_only(sock: zmq.Socket, endpoint: str) -> None:
     """The socket file is created 0700 (the umask covers the moment before chmod), so only its owner
-    can connect; the umask is process-wide for that instant, which only makes other files stricter."""
+    can connect; the umask is process-wide for that instant, which only makes other files stricter. A path
+    another process listens on is refused (libzmq would replace its file and take its peers: two routers on
+    one ipc:// base), a stale file from a process that is gone is bound over."""
+    if _someone_listens_on(endpoint[len("ipc://"):]):
+        raise zmq.ZMQError(errno.EADDRINUSE, "another process listens on this socket file")
     previous = os.umask(0o077)
     try:
         sock.bind(endpoint)
@@ -219,6 +225,28 @@ def _bind_owner_only(sock: zmq.Socket, endpoint: str) -> None:
         except FileNotFoundError:
             return
         remember_bound_file(path)
+
+
+def _someone_listens_on(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket file ``path`` (an abstract name, "@...", is
+    the kernel's to refuse)."""
+    if not path or path.startswith("@") or not stat.S_ISSOCK(_mode_or_zero(path)):
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:  # refused: nobody listens (the file of a process that is gone)
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def _mode_or_zero(path: str) -> int:
+    try:
+        return os.stat(path).st_mode
+    except OSError:
+        return 0
 
 
 def _count_refused(endpoint: str, why: str) -> None:
