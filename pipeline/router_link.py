@@ -47,6 +47,7 @@ from pipeline.protocol.typed_socket import TypedSocket, open_socket
 logger = logging.getLogger(__name__)
 
 REGISTER_RETRY_S = 0.5
+UNANSWERED_WARN_S = 10.0  # registering this long without an answer: say so (and again at each such interval)
 STALL_EXIT_CODE = 75  # EX_TEMPFAIL: the launcher restarts a worker that exits with it
 
 
@@ -84,7 +85,8 @@ class RouterLink:
         self._dealer: TypedSocket[RouterToWorker] = TypedSocket(
             ctx, zmq.DEALER, decode_router_to_worker, f"router link {self.worker_id}", logger=logger,
             identity=self.worker_id)
-        self._dealer.connect(router_endpoint(zmq_endpoint_base))
+        self._router_endpoint = router_endpoint(zmq_endpoint_base)
+        self._dealer.connect(self._router_endpoint)
         self._thread = threading.Thread(target=self._main, name=f"router-link-{self.worker_id}", daemon=True)
         self._thread.start()
 
@@ -170,6 +172,7 @@ class RouterLink:
         poller.register(self._dealer.socket, zmq.POLLIN)
         poller.register(self._io_end, zmq.POLLIN)
         last_register = last_heartbeat = 0.0
+        unanswered_since = warned_at = time.monotonic()
         try:
             while not self._stopping:
                 for sock, _ in poller.poll(50):
@@ -182,9 +185,14 @@ class RouterLink:
                     if now - last_register >= REGISTER_RETRY_S:
                         self._dealer.send(self.registration)
                         last_register = now
-                elif now - last_heartbeat >= self.heartbeat_interval_s:
-                    self._dealer.send(Heartbeat(worker_id=self.worker_id, load=self._heartbeat_load(now)))
-                    last_heartbeat = now
+                    if now - warned_at >= UNANSWERED_WARN_S:
+                        self._warn_unanswered(now - unanswered_since)
+                        warned_at = now
+                else:
+                    unanswered_since = warned_at = now
+                    if now - last_heartbeat >= self.heartbeat_interval_s:
+                        self._dealer.send(Heartbeat(worker_id=self.worker_id, load=self._heartbeat_load(now)))
+                        last_heartbeat = now
                 self._watch_for_stall(now)
         except Exception:
             logger.exception("router link thread failed")
@@ -192,6 +200,15 @@ class RouterLink:
         finally:
             self._dealer.close(linger=0)
             self._io_end.close(linger=0)
+
+    def _warn_unanswered(self, seconds: float) -> None:
+        """Registering without an answer: a router that is not there yet, or one that refuses this worker's
+        connection before any message (another cluster key), which only the router's log would say otherwise."""
+        hint = (" On tcp:// the worker must hold the router's cluster key (--cluster-key-file): a worker with "
+                "another key is refused before any message, and only the router logs it."
+                if self._router_endpoint.startswith("tcp://") else "")
+        logger.warning("worker %s: no answer from the router at %s for %.0f s; still trying. Is it running?%s",
+                       self.worker_id, self._router_endpoint, seconds, hint)
 
     def _read_router(self) -> None:
         has_requests = False
