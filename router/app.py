@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import signal
 import sys
 import threading
@@ -177,7 +178,7 @@ def create_app(
              "busy_in_step_s": round(w.load.busy_in_step_s, 3), "draining": w.load.is_draining}
             for w in registry.all_workers()
         ]
-        body = {"ready": is_ready, "reason": reason, "workers": workers}
+        body = {"ready": is_ready, "reason": reason, "pid": os.getpid(), "workers": workers}  # pid: whose answer
         return JSONResponse(body, status_code=200 if is_ready else 503)
 
     @app.get("/metrics")

@@ -134,11 +134,18 @@ class ProcessSupervisor:
         return f"http://{self.node_ip if host in _WILDCARDS else host}:{self.spec.http_port}"
 
     def router_ready(self) -> dict:
-        """The router's ``/ready`` body, asked on its own node (``{"error": ...}`` when unreachable)."""
+        """The router's ``/ready`` body, asked on its own node (``{"error": ...}`` when unreachable, or when another
+        process answers on its port: another deployment's router, while this one cannot bind it)."""
         try:
-            return httpx.get(f"{self.url}/ready", timeout=5.0).json()
+            body = httpx.get(f"{self.url}/ready", timeout=5.0).json()
         except (httpx.HTTPError, ValueError) as exc:
             return {"ready": False, "error": str(exc)}
+        with self._lock:
+            ours = self._proc.pid if self._proc is not None else None
+        if body.get("pid") != ours:
+            return {"ready": False, "error": f"{self.url} is answered by another router (pid {body.get('pid')}), not "
+                                             f"this deployment's (pid {ours}): is its port taken?"}
+        return body
 
     def log_tail(self, num_lines: int = 40) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
@@ -167,6 +174,10 @@ class ProcessSupervisor:
         self._stopped.wait(timeout_s + 10.0)
         with self._lock:
             return self._state
+
+    @property
+    def _key_path(self) -> Path:
+        return self.log_dir / f"{self.spec.name}.cluster.key_secret"
 
     @property
     def _plan_path(self) -> Path:
@@ -212,6 +223,7 @@ class ProcessSupervisor:
                     self._state = {"exited": "restarting", "restarted": "running", "given_up": "given_up"}.get(
                         event.kind, self._state)
         self._terminate(self._stop_timeout_s or WORKER_STOP_TIMEOUT_S)
+        self._key_path.unlink(missing_ok=True)  # the cluster's secret stays on no node after it stops for good
         self._finish("stopped")
 
     def _spawn(self) -> int:
@@ -220,7 +232,7 @@ class ProcessSupervisor:
         if not self.spec.is_router and config.get("zmq_endpoint_base", "").startswith("tcp://"):
             config.setdefault("bind_host", self.node_ip)  # peers on other nodes reach it here
         if self.spec.cluster_key:
-            key_path = write_private_file(self.log_dir / f"{self.spec.name}.cluster.key_secret", self.spec.cluster_key)
+            key_path = write_private_file(self._key_path, self.spec.cluster_key)
             config["security"] = {**config.get("security", {}), "cluster_key_file": str(key_path)}
         config_path = self.log_dir / f"{self.spec.name}.config.yaml"
         config_path.write_text(yaml.safe_dump({_CONFIG_SECTION: config}))

@@ -123,6 +123,18 @@ def test_up_refuses_a_second_deployment_of_the_same_name(head, deployment):
     assert result.returncode == 1 and "already running" in result.stderr, result.stderr
 
 
+def test_up_on_a_port_another_deployment_serves_fails_instead_of_reading_its_readiness(head, deployment):
+    """Its router cannot bind the port; the other deployment's router answered /ready there, and up said ready."""
+    port = deployment["url"].rsplit(":", 1)[1]
+    result = head.run(TANDEM, "ray", "up", "--name", "blue", "--decode", "1", "--prefill", "0", "--port", port,
+                      "--zmq-port", str(free_ports(1)[0]), "--log-dir", deployment["log_dir"], "--ready-timeout", "8",
+                      *CONFIG_FLAGS, timeout_s=180)
+    said = result.stdout + result.stderr
+    assert result.returncode == 1 and "Tandem is ready" not in said, said
+    assert "is answered by another router" in said or "keeps exiting" in said, said  # whichever comes first
+    assert status(head, "blue") == {}  # what it started is stopped
+
+
 def test_killed_worker_is_restarted_by_its_supervisor(head, deployment, tokenizer, reference_text):
     old_pid = status(head)["decode-0"]["pid"]
     os.kill(old_pid, signal.SIGKILL)
@@ -261,3 +273,4 @@ def test_down_stops_every_process_and_actor(head, deployment):
     assert status(head) == {}
     assert not [pid for pid in deployment["pids"] if is_alive(pid)]
     assert not processes_mentioning(deployment["log_dir"])
+    assert not list(Path(deployment["log_dir"]).rglob("*.cluster.key_secret"))  # no node keeps the cluster's secret
