@@ -108,16 +108,24 @@ def test_logprobs_match_transformers(cluster, client, tokenizer, hf_reference, t
 
 def test_a_pd_stream_starts_with_the_prefill_workers_first_token(cluster, client, tokenizer, reference_text):
     """Under P/D the router streams the first token as the prefill worker sent it, beside the KV, and drops
-    the decode worker's copy: still transformers' text, one logprob per token, each token once."""
+    the decode worker's copy: still transformers' text, one logprob per token, each token once. Which copy
+    reaches the router first is a race between two sockets (it is the prefill worker's unless the machine is
+    loaded: a suite run on two busy cores once saw the decode worker's win), so up to three streams are sent
+    until one starts early; whichever copy comes first, each stream's text and logprobs are exact."""
     ids = tokenizer(PROMPTS[3])["input_ids"]
     want_ids, want_text = reference_text(ids, 12)
-    before = router_metric(cluster.url, "tandem_prefill_first_tokens_total")
-    chunks = list(client.completions.create(model=model_name(client), prompt=ids, max_tokens=12, temperature=0,
-                                            logprobs=1, stream=True))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == want_text
-    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs) \
-        == len(want_ids) > 1
-    streamed_early = router_metric(cluster.url, "tandem_prefill_first_tokens_total") - before
+    streamed_early = 0.0
+    for _ in range(3 if cluster.num_prefill else 1):
+        before = router_metric(cluster.url, "tandem_prefill_first_tokens_total")
+        chunks = list(client.completions.create(model=model_name(client), prompt=ids, max_tokens=12, temperature=0,
+                                                logprobs=1, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want_text
+        assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs) \
+            == len(want_ids) > 1
+        streamed_early = router_metric(cluster.url, "tandem_prefill_first_tokens_total") - before
+        assert streamed_early in (0, 1)
+        if streamed_early:
+            break
     assert streamed_early == (1 if cluster.num_prefill else 0)
 
 
