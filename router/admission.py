@@ -229,6 +229,23 @@ class AdmissionQueue(Generic[T]):
             waiter.future.set_exception(error)
 
 
+class MeanSlotHold:
+    """How long a request holds its worker slot, on average (an exponential moving average of finished ones):
+    what ``Retry-After`` is estimated from."""
+
+    WEIGHT = 0.1  # of the newest sample
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+
+    def note(self, seconds: float) -> None:
+        mean = self.seconds
+        self.seconds = seconds if mean is None else mean + self.WEIGHT * (seconds - mean)
+
+    def retry_after_s(self, num_ahead: int, num_slots: int) -> int:
+        return estimate_retry_after_s(num_ahead, num_slots, self.seconds)
+
+
 def estimate_retry_after_s(num_ahead: int, num_slots: int, mean_slot_hold_s: float | None) -> int:
     """Whole seconds until a request that finds ``num_ahead`` requests waiting would likely get a slot.
 

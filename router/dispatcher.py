@@ -31,7 +31,6 @@ import msgspec
 
 from pipeline.endpoints import router_endpoint
 from pipeline.protocol.cluster import (
-    PROTOCOL_VERSION,
     CancelRequest,
     GenerateRequest,
     HandoffOffer,
@@ -41,18 +40,17 @@ from pipeline.protocol.cluster import (
     RegisterWorker,
     StartPrefill,
     TokenBatch,
-    WorkerRole,
     WorkerToRouter,
 )
 from pipeline.protocol.requests import SamplingParams
-from router.admission import AdmissionQueue, Displaced, Overloaded, estimate_retry_after_s
+from router.admission import AdmissionQueue, Displaced, MeanSlotHold, Overloaded
 from router.kv_index import PromptHashes
 from router.metrics import RouterMetrics
 from router.in_flight import InFlightRequests
 from router.migration import Migration
 from router.policy import NoRoute, Saturated, WorkerView, choose_route
 from router.prefill_warmups import PrefillWarmups
-from router.registry import WorkerInfo, WorkerRegistry
+from router.registry import WorkerInfo, WorkerRegistry, registration_refusal
 from router.request_handle import RequestFailed, RequestHandle, RequestStatus
 from router.request_trace import request_trace
 from router.token_delivery import TokenDelivery
@@ -60,7 +58,6 @@ from router.worker_socket import WorkerSocket
 
 logger = logging.getLogger(__name__)
 
-_SLOT_HOLD_EWMA_WEIGHT = 0.1  # weight of the newest sample in the mean time a request holds a slot
 
 
 class Dispatcher:
@@ -117,7 +114,7 @@ class Dispatcher:
             registry, self.in_flight, metrics, self.migration, send=self._send, finish=self._finish,
             finish_choice=self._choice_finished,
             after_turn=self.warmups.after_turn if self.warmups is not None else None)
-        self._mean_slot_hold_s: float | None = None  # feeds the Retry-After estimate
+        self._slot_hold = MeanSlotHold()  # feeds the Retry-After estimate
         self._housekeeping: asyncio.Task | None = None
         registry.on_worker_dead = self._on_worker_dead
 
@@ -230,7 +227,7 @@ class Dispatcher:
         """Whole seconds after which a request turned away now would likely find a free slot."""
         num_slots = sum(w.max_batch_size for w in self.registry.live_workers()
                         if w.can_decode and w.model_name == self.model_name and not w.load.is_draining)
-        return estimate_retry_after_s(len(self.admission), num_slots, self._mean_slot_hold_s)
+        return self._slot_hold.retry_after_s(len(self.admission), num_slots)
 
     def _try_dispatch(self, handle: RequestHandle) -> bool:
         """The admission queue's ``try_admit``: send now; False while every worker is saturated."""
@@ -315,17 +312,13 @@ class Dispatcher:
         self.admission.discard(handle)  # it may be waiting (new, or a retry) rather than on a worker
         slot_held_s = self.in_flight.unassign(handle)
         if slot_held_s is not None:
-            self._note_slot_hold(slot_held_s)
+            self._slot_hold.note(slot_held_s)
         status = handle.status
         handle.set_status(RequestStatus.FINISHED)
         if status is not RequestStatus.QUEUED:  # admitted: counted in the gauges until now
             if status is RequestStatus.ROUTED:  # no token yet
                 self.metrics.queue_depth.dec()
             self.metrics.requests_in_flight.dec()
-
-    def _note_slot_hold(self, seconds: float) -> None:
-        mean = self._mean_slot_hold_s
-        self._mean_slot_hold_s = seconds if mean is None else mean + _SLOT_HOLD_EWMA_WEIGHT * (seconds - mean)
 
     def _fail(self, handle: RequestHandle, message: str, status_code: int) -> None:
         if handle.is_done:
@@ -371,15 +364,7 @@ class Dispatcher:
         self.admission.wake()  # queued requests that only this worker could serve now fail (503)
 
     def _on_register(self, worker_id: str, msg: RegisterWorker) -> None:
-        error = None
-        if msg.worker_id != worker_id:
-            error = f"worker_id {msg.worker_id!r} differs from the socket routing id {worker_id!r}"
-        elif msg.protocol_version != PROTOCOL_VERSION:
-            error = f"protocol version {msg.protocol_version} != router's {PROTOCOL_VERSION}"
-        elif msg.model_name != self.model_name:
-            error = f"model {msg.model_name!r} differs from the router's {self.model_name!r}"
-        elif msg.role == WorkerRole.PREFILL_ONLY and not msg.prefill_endpoint:
-            error = "a PrefillOnly worker must report its prefill_endpoint"
+        error = registration_refusal(worker_id, msg, self.model_name)
         if error is not None:
             logger.error("rejected worker %s: %s", worker_id, error)
             self._send(worker_id, RegisterAck(accepted=False, error=error))

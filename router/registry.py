@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pipeline.config import PipelineRole
-from pipeline.protocol.cluster import Heartbeat, KVEvents, RegisterWorker, WorkerLoad, WorkerRole
+from pipeline.protocol.cluster import PROTOCOL_VERSION, Heartbeat, KVEvents, RegisterWorker, WorkerLoad, WorkerRole
 from router.kv_index import KVIndex, PromptHashes
 from router.policy import WorkerView
 
@@ -70,6 +70,20 @@ class WorkerInfo:
     @property
     def can_prefill_for_others(self) -> bool:
         return self.role == PipelineRole.PrefillOnly and bool(self.prefill_endpoint)
+
+
+def registration_refusal(routing_id: str, msg: RegisterWorker, model_name: str) -> str | None:
+    """Why a worker may not register with a router serving ``model_name`` (None: it may): its id is not its
+    socket's, it speaks another protocol version, serves another model, or is a prefill worker with no endpoint."""
+    if msg.worker_id != routing_id:
+        return f"worker_id {msg.worker_id!r} differs from the socket routing id {routing_id!r}"
+    if msg.protocol_version != PROTOCOL_VERSION:
+        return f"protocol version {msg.protocol_version} != router's {PROTOCOL_VERSION}"
+    if msg.model_name != model_name:
+        return f"model {msg.model_name!r} differs from the router's {model_name!r}"
+    if msg.role == WorkerRole.PREFILL_ONLY and not msg.prefill_endpoint:
+        return "a PrefillOnly worker must report its prefill_endpoint"
+    return None
 
 
 class WorkerRegistry:

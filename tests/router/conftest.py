@@ -131,3 +131,11 @@ def router_factory(served_model) -> Iterator:
 @pytest.fixture
 def router(router_factory) -> RouterServer:
     return router_factory()
+
+
+@pytest.fixture
+def client(router):
+    """The official openai client of ``router`` (no retries: a test sees every answer as it came)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=10)
