@@ -230,23 +230,16 @@ def _bind_owner_only(sock: zmq.Socket, endpoint: str) -> None:
 def _someone_listens_on(path: str) -> bool:
     """Whether a process accepts connections on the Unix socket file ``path`` (an abstract name, "@...", is
     the kernel's to refuse)."""
-    if not path or path.startswith("@") or not stat.S_ISSOCK(_mode_or_zero(path)):
+    if not path or path.startswith("@"):
         return False
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
-    except OSError:  # refused: nobody listens (the file of a process that is gone)
+    except OSError:  # no file, not a socket, or refused: nobody listens (the file of a process that is gone)
         return False
     finally:
         probe.close()
     return True
-
-
-def _mode_or_zero(path: str) -> int:
-    try:
-        return os.stat(path).st_mode
-    except OSError:
-        return 0
 
 
 def _count_refused(endpoint: str, why: str) -> None:
