@@ -169,6 +169,18 @@ def wait_for_incarnation(url: str, worker_id: str, pid: int, timeout_s: float) -
     raise AssertionError(f"{worker_id} (pid {pid}) not alive at the router after {timeout_s:.0f}s; last seen: {seen}")
 
 
+def wait_for_restart(cluster, worker_id: str, old_pid: int, timeout_s: float) -> None:
+    """Wait until the launcher has started ``worker_id`` again (a pid other than ``old_pid``) and the router lists
+    that incarnation alive. Reading ``cluster.pids`` right after a kill can still give the old pid: the launcher
+    starts the new process a moment later, and the router never lists the old one alive again."""
+    deadline = time.monotonic() + timeout_s
+    while cluster.pids.get(worker_id) in (None, old_pid):
+        assert time.monotonic() < deadline, f"{worker_id} (pid {old_pid}) was not restarted within {timeout_s:.0f}s"
+        time.sleep(0.1)
+    wait_for_incarnation(cluster.url, worker_id, cluster.pids[worker_id],
+                         timeout_s=max(5.0, deadline - time.monotonic()))
+
+
 def windowed_kv_bytes(config, sliding_layers: list[bool], num_prompt_tokens: int,
                       first_query: int | None = None) -> tuple[int, int]:
     """(KV bytes the transfer of a prompt moves, bytes had every layer gone whole) on a cluster of

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.cluster.conftest import (CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks,
-                                    wait_for_incarnation, worker_metric)
+                                    wait_for_restart, worker_metric)
 
 NUM_BLOCKS = CLUSTER_CONFIG["kv_cache"]["num_blocks"]
 PAGE = CLUSTER_CONFIG["kv_cache"]["page_size"]
@@ -119,11 +119,7 @@ def test_a_killed_workers_blocks_leave_the_index(colocated, tiny_checkpoint, hf_
     wait_indexed(url, worker)
     old_pid = colocated.pids[worker]
     colocated.kill(worker, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while colocated.pids.get(worker) in (None, old_pid):
-        assert time.monotonic() < deadline, "the worker was not restarted"
-        time.sleep(0.1)
-    wait_for_incarnation(url, worker, colocated.pids[worker], timeout_s=30)
+    wait_for_restart(colocated, worker, old_pid, timeout_s=30)
     assert worker_metric(url, "tandem_kv_index_blocks", worker) == 0  # a new process: nothing cached
     before = routed(url)
     again = client.completions.create(model=name, prompt=prompt, max_tokens=2, temperature=0)

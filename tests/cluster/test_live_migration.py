@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.cluster.conftest import (CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks,
-                                    wait_for_incarnation, worker_metric)
+                                    wait_for_incarnation, wait_for_restart, worker_metric)
 
 MAX_TOKENS = 120
 DECODERS = ["decode-0", "decode-1"]
@@ -107,6 +107,7 @@ def streams_across_a_signal(cluster, sig: int, every_decoder: bool = False) -> t
 
 
 def test_sigterm_moves_every_stream_with_its_kv(cluster):
+    old_pids = dict(cluster.pids)
     results, victim = streams_across_a_signal(cluster, signal.SIGTERM)
     handed_off = metric(cluster.url, "tandem_migrations_total", '{cause="drain"}')
     assert handed_off >= 1
@@ -116,6 +117,7 @@ def test_sigterm_moves_every_stream_with_its_kv(cluster):
     pause_s = metric(cluster.url, "tandem_migration_pause_seconds_sum") / handed_off
     print(f"\n{handed_off:.0f} streams handed off by {victim}, mean pause {pause_s * 1e3:.0f} ms (last token "
           f"before to first after); longest client-side gap of any stream {max(r[3] for r in results.values()) * 1e3:.0f} ms")
+    wait_for_restart(cluster, victim, old_pids[victim], timeout_s=60)
     wait_for_idle_blocks(cluster.url, DECODERS + ["prefill-0"], CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=60)
 
 
@@ -124,11 +126,12 @@ def test_sigkill_replays_every_stream_elsewhere(cluster):
     greedy and seeded alike, with the uninterrupted text."""
     for worker in DECODERS:  # the drained worker of the test before is back
         wait_for_incarnation(cluster.url, worker, cluster.pids[worker], timeout_s=60)
+    old_pids = dict(cluster.pids)
     before = metric(cluster.url, "tandem_migrations_total", '{cause="worker_died"}')
     _, victim = streams_across_a_signal(cluster, signal.SIGKILL)
     assert metric(cluster.url, "tandem_migrations_total", '{cause="worker_died"}') > before
     assert metric(cluster.url, "tandem_migration_recomputed_tokens_total") > 0
-    wait_for_incarnation(cluster.url, victim, cluster.pids[victim], timeout_s=60)
+    wait_for_restart(cluster, victim, old_pids[victim], timeout_s=60)
     wait_for_idle_blocks(cluster.url, DECODERS + ["prefill-0"], CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=60)
 
 
@@ -142,9 +145,5 @@ def test_when_every_decode_worker_drains_the_streams_finish_where_they_are(clust
     streams_across_a_signal(cluster, signal.SIGTERM, every_decoder=True)
     assert metric(cluster.url, "tandem_migration_recomputed_tokens_total") == before  # nothing replayed
     for worker in DECODERS:  # they exit once their streams are done; their supervisor starts them again
-        deadline = time.monotonic() + 60
-        while cluster.pids.get(worker) in (None, old_pids[worker]):
-            assert time.monotonic() < deadline, f"{worker} was not restarted"
-            time.sleep(0.1)
-        wait_for_incarnation(cluster.url, worker, cluster.pids[worker], timeout_s=60)
+        wait_for_restart(cluster, worker, old_pids[worker], timeout_s=60)
     wait_for_idle_blocks(cluster.url, DECODERS + ["prefill-0"], CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=60)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -17,7 +16,7 @@ import openai
 import pytest
 
 from tests.cluster.conftest import (CLUSTER_CONFIG, migrations, openai_client, running_cluster,
-                                    wait_for_idle_blocks, wait_for_incarnation, worker_metric)
+                                    wait_for_idle_blocks, wait_for_restart, worker_metric)
 
 SCHEMA = {"type": "object", "required": ["name", "tags"], "additionalProperties": False, "properties": {
     "name": {"type": "string", "maxLength": 40}, "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
@@ -88,9 +87,5 @@ def test_streams_outlive_their_worker(cluster):
         assert (text, completion_tokens, prompt_tokens) == want[key], key  # nothing repeated or missing; usage right
     jsonschema.validate(json.loads(results["schema"][1]), SCHEMA)
     assert migrations(cluster.url) >= 1
-    deadline = time.monotonic() + 30
-    while cluster.pids.get(victim) in (None, old_pid):
-        assert time.monotonic() < deadline, f"{victim} was not restarted"
-        time.sleep(0.1)
-    wait_for_incarnation(cluster.url, victim, cluster.pids[victim], timeout_s=30)
+    wait_for_restart(cluster, victim, old_pid, timeout_s=30)
     wait_for_idle_blocks(cluster.url, cluster.worker_names, CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=20)

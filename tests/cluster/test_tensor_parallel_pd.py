@@ -21,7 +21,8 @@ import pytest
 from deploy.cpu_plan import plan_cores
 from tests.cluster.conftest import (CLUSTER_CONFIG, check_concurrent_greedy_streams, check_greedy_against_transformers,
                                     migrations, running_cluster, sent_kv_bytes_after, wait_for_idle_blocks,
-                                    wait_for_incarnation, wait_for_metric, windowed_kv_bytes, worker_metric)
+                                    wait_for_incarnation, wait_for_metric, wait_for_restart, windowed_kv_bytes,
+                                    worker_metric)
 from tests.cluster.test_live_migration import metric
 from tests.cluster.test_tensor_parallel_cluster import streams_across, wait_restarted, worker_entry
 from tests.moe_checkpoints import moe_checkpoint  # noqa: F401 (a fixture)
@@ -111,10 +112,11 @@ def test_a_draining_decode_worker_moves_its_streams_with_their_kv_to_another_lay
     handed_off = metric(decode_tp2.url, "tandem_migrations_total", '{cause="drain"}')
     recomputed = metric(decode_tp2.url, "tandem_migration_recomputed_tokens_total")
     moved = metric(decode_tp2.url, "tandem_migration_kv_bytes_total")
+    old_pid = decode_tp2.pids[victim]
     streams_across(decode_tp2, victim, lambda: decode_tp2.kill(victim, signal.SIGTERM), prompts=DRAIN_PROMPTS)
     assert metric(decode_tp2.url, "tandem_migrations_total", '{cause="drain"}') > handed_off
     assert metric(decode_tp2.url, "tandem_migration_recomputed_tokens_total") == recomputed  # the KV moved
     assert metric(decode_tp2.url, "tandem_migration_kv_bytes_total") > moved
-    wait_for_incarnation(decode_tp2.url, victim, decode_tp2.pids[victim], timeout_s=60)
+    wait_for_restart(decode_tp2, victim, old_pid, timeout_s=60)
     wait_for_idle_blocks(decode_tp2.url, decode_tp2.worker_names, CLUSTER_CONFIG["kv_cache"]["num_blocks"],
                          timeout_s=30)
