@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.config import PipelineConfig
     from pipeline.protocol import SamplingParams
 
-    from deploy.checkpoint_check import check_checkpoint
+    from deploy.checkpoint_check import check_checkpoints
 
     requests = read_requests(args)
     base = {k: getattr(args, k) for k in (*_SAMPLING_FLAGS, "stop", "ignore_eos") if getattr(args, k) is not None}
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     config = PipelineConfig.load(args.config_file, args.section_name,
                                  overrides={**overrides, "model": {**model_section, **(
                                      {"model_path": model_path} if model_path is not None else {})}})
-    check_checkpoint(config.model.model_path)
+    check_checkpoints(config)
 
     from tqdm import tqdm
 

@@ -74,7 +74,7 @@ def add_supervision_flags(parser: argparse.ArgumentParser, share_cores_help: str
 
 
 def run(args: argparse.Namespace) -> int:
-    from deploy.checkpoint_check import check_checkpoint
+    from deploy.checkpoint_check import check_checkpoints
     from deploy.cpu_plan import describe_plan, plan_cores, router_cores
     from deploy.local_launcher import ClusterError, LocalCluster
     from deploy.tensor_parallel_plan import check_tensor_parallel_workers, worker_tensor_parallel_sizes
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     # inherit them too, they would apply them again, over the flags
     for name in config_env_names(os.environ):
         del os.environ[name]
-    check_checkpoint(config.model.model_path)  # a checkpoint we cannot serve: one clear error, nothing started
+    check_checkpoints(config)  # a checkpoint we cannot serve: one clear error, nothing started
     api_key = _checked_http_security(args, config)
     tensor_parallel_sizes = worker_tensor_parallel_sizes(
         args.prefill or 0, args.decode or 0, args.colocated, config.tensor_parallel_size,

@@ -113,7 +113,7 @@ def run_up(args: argparse.Namespace) -> int:
 
 def _up_options(args: argparse.Namespace):
     from deploy.ray_cluster.deployment import UpOptions
-    from deploy.checkpoint_check import check_checkpoint
+    from deploy.checkpoint_check import check_checkpoints
     from deploy.ray_cluster.spec import check_deployment_name, parse_resources
     from deploy.tensor_parallel_plan import check_tensor_parallel_workers, worker_tensor_parallel_sizes
     from pipeline.core_list import parse_core_list
@@ -136,7 +136,7 @@ def _up_options(args: argparse.Namespace):
     if config.zmq_endpoint_base.startswith("ipc://") and "zmq_endpoint_base" in given:
         raise ValueError("zmq_endpoint_base: a Ray deployment spans nodes, so it needs tcp://HOST:PORT "
                          "(or leave it unset: tcp://ROUTER_NODE:--zmq-port)")
-    check_checkpoint(config.model.model_path)  # a checkpoint we cannot serve: one clear error, no actor started
+    check_checkpoints(config)  # a checkpoint we cannot serve: one clear error, no actor started
     check_tensor_parallel_workers(config, num_ranks)  # and one its workers of several ranks cannot split
     # Only what the operator set travels: a default written out would read as the operator's choice in
     # every process (the API's max_tokens default among them).

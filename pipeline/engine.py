@@ -148,7 +148,7 @@ class LLMEngine:
         from pipeline.speculative.draft import load_draft_model
 
         return load_draft_model(self.config.draft_model.model_path, self.model_path, self.model, self.hf_config,
-                                self.tokenizer, self.dtype, self.device)
+                                self.tokenizer, self.dtype, self.device, self.max_length)
 
     def model_fingerprint(self) -> str:
         """Which weights this worker's KV comes from (target, and draft when speculating): P/D peers must agree."""

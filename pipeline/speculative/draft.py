@@ -10,6 +10,7 @@ import torch
 
 from pipeline.checkpoint_errors import CheckpointError
 from pipeline.config import ConfigError, PipelineRole
+from pipeline.speculative.draft_context import check_draft_covers
 from pipeline.tokenizer import load_tokenizer
 from pipeline.weights import checkpoint_fingerprint, load_model
 
@@ -34,9 +35,10 @@ class DraftModel:
 
 
 def load_draft_model(draft_path: str | None, target_path: str, target_model: torch.nn.Module, target_hf_config,
-                     target_tokenizer, dtype: torch.dtype, device: str) -> DraftModel:
+                     target_tokenizer, dtype: torch.dtype, device: str, max_length: int) -> DraftModel:
     """The draft at ``draft_path`` (None: the target itself, sharing its weights), or a CheckpointError
-    naming the draft when it cannot be loaded or does not share the target's tokenizer."""
+    naming the draft when it cannot be loaded or does not share the target's tokenizer, or a ConfigError when
+    it does not cover the ``max_length`` positions the target serves."""
     if draft_path is None:
         return DraftModel(target_model, target_hf_config, target_path, is_target=True)
     try:
@@ -45,6 +47,7 @@ def load_draft_model(draft_path: str | None, target_path: str, target_model: tor
     except CheckpointError as exc:
         raise CheckpointError(f"draft_model.model_path: {exc}") from None
     check_same_tokenizer(tokenizer, target_tokenizer, draft_path)
+    check_draft_covers(draft_path, getattr(hf_config, "max_position_embeddings", None), max_length)
     return DraftModel(model, hf_config, draft_path, is_target=False)
 
 

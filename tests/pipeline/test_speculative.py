@@ -153,6 +153,35 @@ def test_draft_with_another_tokenizer_is_refused(tiny_checkpoint, tmp_path):
         speculative_llm(tiny_checkpoint("llama"), str(tmp_path / "missing"))
 
 
+def test_a_draft_shorter_than_the_targets_context_is_refused_until_max_length_fits(tiny_checkpoint, tmp_path):
+    """The draft drafts at every position the target serves: one whose rotary tables end sooner is refused, by the
+    engine and by the launchers' check before any process starts (it used to fail a step past its end, or read past
+    its table on the native kernels); with max_length within it, it speculates and gives the plain engine's tokens."""
+    from deploy.checkpoint_check import check_checkpoints
+    from pipeline.config import PipelineConfig
+
+    target = tiny_checkpoint("llama")
+    draft = build_checkpoint(tmp_path / "short", "llama", seed=2, **{
+        **TINY_CONFIGS["llama"], "num_hidden_layers": 1, "max_position_embeddings": 48})
+    refusal = r"short covers 48 positions \(its max_position_embeddings\) but the target serves up to 2048"
+    with pytest.raises(ConfigError, match=refusal):
+        speculative_llm(target, str(draft))
+    overrides = {"model": {"model_path": target}, "draft_model": {"model_path": str(draft)},
+                 "speculative": {"num_speculative_tokens": K}}
+    with pytest.raises(ConfigError, match=refusal):
+        check_checkpoints(PipelineConfig.load(overrides=overrides))
+    check_checkpoints(PipelineConfig.load(overrides={**overrides, "max_length": 48}))
+
+    prompts = make_prompts(300, [40, 12], seed=6)
+    plain = LLM(model=target, max_length=48, kv_cache={"page_size": 4, "num_blocks": 256})
+    llm = speculative_llm(target, str(draft), max_length=48)
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)  # up to the last position
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert [len(p) + len(o.token_ids) for p, o in zip(prompts, outputs)] == [48, 48]
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+
+
 def test_config_names_and_conflicts():
     with pytest.raises(ConfigError, match="enable_overlap_scheduler"):
         LLM(speculative={"num_speculative_tokens": 2}, enable_overlap_scheduler=True)
