@@ -60,7 +60,8 @@ class _SamplingFields(RequestBody):
     skip_special_tokens: StrictBool = True
     return_tokens_as_token_ids: StrictBool = False  # logprob entries name tokens "token_id:N"
     prompt_logprobs: StrictInt | None = None  # per prompt position: the prompt's token and the top N
-    priority: StrictInt = 0  # lower is served first: the router's admission queue, workers under "priority"
+    # lower is served first (the router's admission queue, workers under "priority"); a 64-bit integer, as it travels
+    priority: StrictInt = Field(0, ge=-2**63, le=2**63 - 1)
     # structured output (router/structured_output.py): OpenAI's, then vLLM's
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -141,7 +141,7 @@ class ResponsesRequest(RequestBody):
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool | None = None
     min_tokens: StrictInt | None = None
-    priority: StrictInt = 0  # vLLM's: lower is served first
+    priority: StrictInt = Field(0, ge=-2**63, le=2**63 - 1)  # vLLM's: lower is served first; 64 bits, as it travels
     chat_template_kwargs: dict[str, Any] | None = None
 
 
