@@ -169,5 +169,6 @@ class Supervisor:
         state.num_restarts += 1
         pid_text = f" as pid {pid}" if pid is not None else ""
         if planned:
-            return SupervisorEvent("replaced", name, f"{name} drained and replaced{pid_text} (rolling restart)")
+            return SupervisorEvent("replaced", name,
+                                   f"{name} drained; its replacement started{pid_text} (rolling restart)")
         return SupervisorEvent("restarted", name, f"{name} restarted{pid_text} (restart {state.num_restarts})")

@@ -200,7 +200,7 @@ def test_rolling_restart_replaces_every_worker_with_no_failed_request(head, depl
     for name in WORKERS:
         assert rows[name]["pid"] != before[name]["pid"]
         assert rows[name]["restarts"] == before[name]["restarts"], rows[name]  # a planned exit is no crash
-        assert any("drained and replaced" in e for e in rows[name]["events"]), rows[name]
+        assert any("drained; its replacement started" in e for e in rows[name]["events"]), rows[name]
         deployment["pids"].add(rows[name]["pid"])
     wait_for_idle_blocks(deployment["url"], WORKERS, CLUSTER_CONFIG["kv_cache"]["num_blocks"])
 
