@@ -158,8 +158,7 @@ def run(args: argparse.Namespace) -> int:
         except ClusterError as exc:
             print(f"tandem up: error: {exc}", file=sys.stderr, flush=True)
             return 1
-        print(f"Tandem is ready at {cluster.url}/v1 (model: {config.model.model_path or 'built-in'}); "
-              "Ctrl-C to stop", flush=True)
+        print(f"Tandem is ready at {cluster.url}/v1 (model: {_served_as(config)}); Ctrl-C to stop", flush=True)
         print("pids: " + ", ".join(f"{name} {pid}" for name, pid in cluster.pids.items()), flush=True)
         print(f"kill -HUP {os.getpid()} replaces every worker one at a time, with no failed request", flush=True)
         while not stop.wait(0.5):
@@ -197,3 +196,13 @@ def _checked_http_security(args: argparse.Namespace, config) -> str | None:
 def _print_event(event) -> None:
     if event.kind != "cluster_failed":  # the main loop says that one, as the error it exits with
         print(event.message, flush=True)
+
+
+def _served_as(config) -> str:
+    """The name clients send as ``model`` (the first served name), and the checkpoint it serves."""
+    from pipeline.protocol.cluster import served_model_name
+
+    names = [n.strip() for n in (config.model.served_model_name or "").split(",") if n.strip()]
+    name = names[0] if names else served_model_name(config.model.model_path)
+    source = "the built-in model" if config.model.model_path is None else f"from {config.model.model_path}"
+    return f"{name!r}, {source}"

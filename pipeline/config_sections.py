@@ -86,8 +86,8 @@ class SamplingConfig(ConfigSection):
     top_k: int = Field(-1, ge=-1, description="default top-k (-1 = off)")
     max_tokens: int = Field(
         256, ge=1, description="default output length of the offline API; the HTTP API's default is the rest of "
-        "the context (as vLLM's and OpenAI's) unless this is set explicitly or the checkpoint's "
-        "generation_config.json sets max_new_tokens")
+        "the context on every endpoint (as vLLM's chat endpoint; vLLM's and OpenAI's /v1/completions default to "
+        "16) unless this is set explicitly or the checkpoint's generation_config.json sets max_new_tokens")
     structured_output_backend: Literal["llguidance", "xgrammar"] = Field(
         "llguidance", description="grammar backend of structured output requests that name none")
     generation_config: Literal["auto", "ignore"] = Field(

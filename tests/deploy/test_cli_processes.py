@@ -56,13 +56,15 @@ def test_tandem_up_serves_and_stops_every_process_on_sigterm(tiny_checkpoint, tm
             if "ready at" in line:
                 break
         assert f"http://127.0.0.1:{port}/v1" in lines[-1]
+        name = Path(tiny_checkpoint("llama")).name  # the banner names what clients send as model, not the path
+        assert f"(model: {name!r}, from {tiny_checkpoint('llama')})" in lines[-1]
         children = cluster_processes(launcher.pid)
         assert len(children) == 3  # router, prefill, decode
         arguments = Path(f"/proc/{children[0]}/cmdline").read_bytes().decode().split("\0")
         work_dir = Path(next(a for a in arguments if a.endswith("cluster.yaml"))).parent
         assert list(ipc_dir.iterdir())  # the sockets, while it runs
         out = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                         json={"model": Path(tiny_checkpoint("llama")).name, "prompt": "Hi", "max_tokens": 4},
+                         json={"model": name, "prompt": "Hi", "max_tokens": 4},
                          timeout=60)
         assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] >= 1
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["max_model_len"] == 96

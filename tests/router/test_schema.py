@@ -85,7 +85,7 @@ def test_defaults_come_from_the_config_and_fit_the_context(served_model):
     assert (p.max_tokens, p.temperature, p.top_p) == (20, 1.0, 1.0)
     long_prompt = [5] * 60  # max_length is 64: only 4 tokens of room
     assert completion(served_model, prompt=long_prompt).params.max_tokens == 4
-    # max_tokens left out and not set by the operator: the rest of the context, as vLLM and OpenAI do
+    # max_tokens left out and not set by the operator: the rest of the context (as vLLM's chat endpoint)
     request = CompletionRequest.model_validate({"model": "tiny", "prompt": [5] * 10})
     [unbounded] = prepare_completion(request, served_model, SamplingConfig())
     assert unbounded.params.max_tokens == 64 - 10
