@@ -24,7 +24,7 @@ from pipeline.config import ConfigError, PipelineConfig
 from pipeline.execution_stream import ExecutionStream
 from pipeline.generation_config import generation_eos_ids, read_generation_config
 from pipeline.host_memory import keep_freed_memory
-from pipeline.kv_pool import build_kv_pool
+from pipeline.kv_pool import build_kv_pool, servable_length
 from pipeline.kv_port import KVPort
 from pipeline.model_runner import TORCH_DTYPES, ModelRunner
 from pipeline.output_processor import OutputProcessor
@@ -88,6 +88,7 @@ class LLMEngine:
         pool = build_kv_pool(config, self.hf_config, self.draft, self.max_length, self.dtype, self.device,
                              kv_cache_allocator)
         self.kv_manager, self.kv_cache, self.draft_kv_cache = pool.manager, pool.kv_cache, pool.draft_kv_cache
+        self.max_length = servable_length(self.kv_manager, self.max_length, num_lookahead)
         self.scheduler = Scheduler(
             self.kv_manager,
             max_batch_size=config.max_batch_size,

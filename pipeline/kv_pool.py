@@ -1,16 +1,20 @@
 """An engine's KV pool: how many blocks fit (the draft's KV counted), the block manager, and the cache
-tensor(s), placed by the caller's allocator (e.g. in shared memory for the same-host transfer)."""
+tensor(s), placed by the caller's allocator (e.g. in shared memory for the same-host transfer), and the longest
+sequence it can hold."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from pipeline.config import PipelineConfig
+from pipeline.config import ConfigError, PipelineConfig
 from pipeline.kv_cache import KVCacheManager
 from pipeline.model_runner import bytes_per_block, determine_num_blocks, kv_cache_shape
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,3 +54,20 @@ def build_kv_pool(config: PipelineConfig, hf_config, draft, max_length: int, dty
                                                       allocate, config.pipeline_role, is_target_split=tp > 1)
     manager = KVCacheManager(num_blocks, page_size, config.kv_cache.enable_prefix_caching)
     return KVPool(manager, kv_cache, draft_kv_cache)
+
+
+def servable_length(manager: KVCacheManager, max_length: int, num_lookahead: int) -> int:
+    """``max_length``, or less when the pool cannot hold one sequence that long (with its draft positions): such
+    a sequence could never run, and waiting at the head of the queue it would stall every request behind it. The
+    worker registers the length it serves, so the router refuses longer prompts with a 400."""
+    page_size, num_blocks = manager.page_size, manager.num_total_blocks
+    capacity = num_blocks * page_size - num_lookahead
+    if capacity >= max_length:
+        return max_length
+    if capacity < 2:
+        raise ConfigError(f"kv_cache: {num_blocks} blocks of {page_size} tokens cannot hold a prompt and a token; "
+                          "raise kv_cache.num_blocks (or cpu_kv_cache_gib)")
+    log.warning("the KV pool (%d blocks of %d tokens) holds one sequence of %d tokens, fewer than max_length %d: "
+                "serving sequences of up to %d tokens; raise kv_cache.num_blocks / cpu_kv_cache_gib (or set "
+                "max_length) to serve longer ones", num_blocks, page_size, capacity, max_length, capacity)
+    return capacity

@@ -94,16 +94,22 @@ def choose_route(
     whose prompt has ``num_prompt_tokens`` (default: all of ``num_tokens``); ``kv_overlap_weight``
     None routes by load alone; ``prefill_spill_tokens`` None never spills a prompt to its decode worker."""
     excluded = set(exclude)
-    fitting = [w for w in workers
-               if w.worker_id not in excluded and w.max_length >= num_tokens and not w.is_draining]
-    prefill = [w for w in fitting if w.role == PipelineRole.PrefillOnly and w.prefill_endpoint]
-    decode_candidates = [w for w in fitting if w.role in (PipelineRole.PrefillAndDecode, PipelineRole.DecodeOnly)]
+    num_prompt_tokens = num_tokens if num_prompt_tokens is None else num_prompt_tokens
+    live = [w for w in workers if w.worker_id not in excluded and not w.is_draining]
+    # a prefill worker computes the prompt and its first token only
+    prefill = [w for w in live if w.role == PipelineRole.PrefillOnly and w.prefill_endpoint
+               and w.max_length > num_prompt_tokens]
+    decoders = [w for w in live if w.role in (PipelineRole.PrefillAndDecode, PipelineRole.DecodeOnly)]
+    decode_candidates = [w for w in decoders if w.max_length >= num_tokens]
+    if not decode_candidates:
+        # none holds the whole output (a worker serves what its KV pool holds: pipeline/kv_pool.servable_length):
+        # one that holds the prompt ends the output at its own max_length, finish_reason "length"
+        decode_candidates = [w for w in decoders if w.max_length > num_prompt_tokens]
     if not decode_candidates:
         raise NoRoute(_why_none(workers, excluded, num_tokens))
     decode_candidates = [w for w in decode_candidates if not w.is_saturated]
     if not decode_candidates:
         raise Saturated("every decode-capable worker is running a full batch")
-    num_prompt_tokens = num_tokens if num_prompt_tokens is None else num_prompt_tokens
     if kv_overlap_weight is None:
         decode = min(decode_candidates, key=_decode_key)
         uncached = num_prompt_tokens

@@ -100,6 +100,27 @@ def test_max_length_caps_generation(llm):
     assert len(prompt) + len(out.token_ids) == 96 and out.finish_reason == "length"
 
 
+def test_a_kv_pool_shorter_than_max_length_caps_it_and_stalls_nothing(tiny_checkpoint, caplog):
+    """A pool of 10 blocks of 4 holds 40 tokens of one sequence: the engine serves up to 40 (said in a warning, and
+    registered with the router so), a longer prompt is refused at once, and a generation that reaches 40 ends
+    "length" with the request beside it done too. A sequence longer than the pool used to wait at the head of
+    the queue forever (preempted, never readmitted), stalling every request behind it."""
+    with caplog.at_level("WARNING", logger="pipeline.kv_pool"):
+        small = LLM(model=tiny_checkpoint("llama"), kv_cache={"page_size": 4, "num_blocks": 10})
+    assert small.engine.max_length == 40
+    assert "holds one sequence of 40 tokens, fewer than max_length 2048" in caplog.text
+    with pytest.raises(RequestError, match="max_length=40"):
+        small.generate([list(range(5, 45))], SamplingParams(max_tokens=1))
+    free_at_start = small.engine.kv_manager.num_free_blocks
+    outs = small.generate([list(range(5, 25)), [7, 8, 9]], SamplingParams(max_tokens=500, temperature=0.0,
+                                                                          ignore_eos=True))
+    assert [(len(o.prompt_token_ids) + len(o.token_ids), o.finish_reason) for o in outs] == [(40, "length")] * 2
+    assert_no_leaks(small.engine.kv_manager, free_at_start)
+    with pytest.raises(ConfigError, match="cannot hold a prompt and a token"):
+        LLM(model=tiny_checkpoint("llama"), kv_cache={"page_size": 1, "num_blocks": 2},
+            speculative={"num_speculative_tokens": 1})  # 2 slots, 1 of them for the draft position
+
+
 def test_token_id_prompts_and_strings_agree(llm):
     ids = llm.tokenizer(PROMPTS[3])["input_ids"]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

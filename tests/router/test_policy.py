@@ -136,6 +136,17 @@ def test_max_length_and_exclusions_filter_candidates():
         choose_route(workers, 10, exclude={"c0", "c1"})
 
 
+def test_a_worker_holding_only_the_prompt_serves_when_none_holds_the_whole_output():
+    """A worker whose KV pool is shorter than the model's context registers that length; a request whose
+    max_tokens (the router's default: the rest of the context) no worker holds goes to one that holds its prompt,
+    which ends the output at its own length, rather than failing."""
+    workers = [w("c0", PD, max_length=64), w("c1", PD, max_length=512)]
+    assert choose_route(workers, 2048, num_prompt_tokens=100).decode.worker_id == "c1"
+    assert choose_route(workers, 2048, num_prompt_tokens=10).decode.worker_id in ("c0", "c1")
+    with pytest.raises(NoRoute, match="largest max_length is 512"):
+        choose_route(workers, 2048, num_prompt_tokens=600)
+
+
 def test_deterministic_on_ties():
     workers = [w("d1", D), w("d0", D), w("p1", P), w("p0", P)]
     route = choose_route(workers, 10)
