@@ -24,8 +24,11 @@ def register(sub) -> None:
                         "per line, optionally with sampling fields overriding the flags")
     parser.add_argument("--output", type=Path, help="JSONL output file (default: stdout)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    for name, kind in _SAMPLING_FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    for name, kind in _SAMPLING_FLAGS.items():  # unset: the config's sampling section, then the checkpoint's
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                            help=f"this run's {name} (default: sampling.{name} of the config, then "
+                                 "generation_config.json)" if name in ("max_tokens", "temperature", "top_p", "top_k")
+                            else None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", default=None)
     add_config_flags(parser)
@@ -56,21 +59,12 @@ def run(args: argparse.Namespace) -> int:
     # Everything a user can get wrong (prompts, sampling fields, the config, the checkpoint) is checked
     # before torch is imported, so bad input is one line in a fraction of a second, not after the imports.
     from pipeline.config import PipelineConfig
+    from pipeline.generation_config import read_generation_config, resolved_defaults
     from pipeline.protocol import SamplingParams
 
     from deploy.checkpoint_check import check_checkpoints
 
     requests = read_requests(args)
-    base = {k: getattr(args, k) for k in (*_SAMPLING_FLAGS, "stop", "ignore_eos") if getattr(args, k) is not None}
-    params_list = []
-    for i, item in enumerate(requests):
-        fields = {**base, **{k: v for k, v in item.items() if k not in ("prompt", "prompt_token_ids")}}
-        try:
-            params_list.append(SamplingParams(**fields))
-        except TypeError as exc:
-            raise ValueError(f"request {i}: unknown sampling field ({exc})") from None
-    prompts = [item.get("prompt_token_ids") or item["prompt"] for item in requests]
-
     overrides = config_overrides(args)
     model_section = overrides.pop("model", {})
     model_path = model_section.pop("model_path", None)
@@ -80,6 +74,17 @@ def run(args: argparse.Namespace) -> int:
                                  overrides={**overrides, "model": {**model_section, **(
                                      {"model_path": model_path} if model_path is not None else {})}})
     check_checkpoints(config)
+    # what a flag or a request leaves unset: the config's sampling section, else the checkpoint's generation_config
+    defaults = resolved_defaults(config.sampling, read_generation_config(config.model.model_path))
+    base = {k: getattr(args, k) for k in (*_SAMPLING_FLAGS, "stop", "ignore_eos") if getattr(args, k) is not None}
+    params_list = []
+    for i, item in enumerate(requests):
+        fields = {**defaults, **base, **{k: v for k, v in item.items() if k not in ("prompt", "prompt_token_ids")}}
+        try:
+            params_list.append(SamplingParams(**fields))
+        except TypeError as exc:
+            raise ValueError(f"request {i}: unknown sampling field ({exc})") from None
+    prompts = [item.get("prompt_token_ids") or item["prompt"] for item in requests]
 
     from tqdm import tqdm
 
