@@ -84,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts: must be >= 0 (got {args.max_restarts})")
+    for flag in ("prefill", "decode", "colocated"):
+        if (getattr(args, flag) or 0) < 0:
+            raise ValueError(f"--{flag}: a number of workers is >= 0 (got {getattr(args, flag)})")
+    if args.port == 0:  # the launcher waits for the router on that port, and the banner names it
+        raise ValueError("--port: tandem up needs a fixed port (got 0, any free port); pick one, e.g. 8000")
     default_count = 0 if args.colocated else 1  # each role's own default: --decode 2 alone is 1P2D
     args.prefill = default_count if args.prefill is None else args.prefill
     args.decode = default_count if args.decode is None else args.decode

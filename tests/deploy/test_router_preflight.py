@@ -9,6 +9,7 @@ import socket
 import pytest
 
 from deploy.cli import main
+from tests.cluster.conftest import free_port
 
 
 @pytest.fixture
@@ -54,6 +55,20 @@ def test_tandem_up_says_it_before_starting_a_worker(capsys, busy_port, tiny_chec
     assert not list((tmp_path / "logs").glob("*.log"))  # no process was started
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--colocated", "-2"], "--colocated: a number of workers is >= 0 (got -2)"),
+    (["--prefill", "-1"], "--prefill: a number of workers is >= 0 (got -1)"),
+    (["--port", "0"], "--port: tandem up needs a fixed port"),
+])
+def test_tandem_up_refuses_a_negative_worker_count_or_port_0_before_starting_anything(capsys, tmp_path, flags,
+                                                                                      message):
+    """Both used to start: a negative count as none (or no worker at all, waiting out --ready-timeout), port 0 as a
+    router on a port the launcher never polled."""
+    assert main(["up", *flags, "--log-dir", str(tmp_path / "logs")]) == 2
+    assert message in one_line_error(capsys)
+    assert not (tmp_path / "logs").exists()
+
+
 def test_a_file_that_cannot_be_written_is_one_line(capsys, tmp_path):
     existing = tmp_path / "afile"
     existing.write_text("x")
@@ -70,6 +85,6 @@ def test_a_log_dir_that_cannot_be_made_names_the_flag_and_leaves_nothing(capsys,
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the cluster's work directory is made
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    assert main(["up", "--model", checkpoint, "--port", "0", "--log-dir", str(blocker / "logs")]) == 2
+    assert main(["up", "--model", checkpoint, "--port", str(free_port()), "--log-dir", str(blocker / "logs")]) == 2
     assert f"--log-dir {blocker / 'logs'}: cannot be created" in one_line_error(capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
