@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Mapping
@@ -24,7 +25,7 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel]) -> str
         msg = err["msg"].removeprefix("Value error, ").removeprefix(f"{field}: ")
         if err["type"] == "extra_forbidden":
             msg = f"unknown field; known fields here: {', '.join(_known_fields(model, err['loc'][:-1]))}"
-        elif "input" in err and err["type"] != "missing" and "(got " not in msg:
+        elif "input" in err and err["type"] != "missing" and not re.search(r"[(;] got ", msg):  # said already
             msg = f"{msg} (got {err['input']!r})"
         lines.append(f"{field}: {msg}")
     return "invalid config: " + "; ".join(lines)

@@ -44,12 +44,14 @@ def test_toml_file(tmp_path):
         ({"max_batch_sise": 3}, "max_batch_sise: unknown field; known fields here:"),
         ({"kv_cache": {"pages": 3}}, "kv_cache.pages: unknown field; known fields here: cpu_kv_cache_gib"),
         ({"kernel_backend": "cuda"}, "kernel_backend: Input should be 'torch', 'cpu', 'triton' or 'auto'"),
+        ({"otlp_traces_endpoint": "localhost:4318"},  # the input once (a message naming it is not given it again)
+         "otlp_traces_endpoint: must be an http:// or https:// URL (OTLP over HTTP; got 'localhost:4318')"),
     ],
 )
 def test_invalid_values_name_the_field_and_range(data, expected):
     with pytest.raises(ConfigError) as info:
         build_config(data)
-    assert expected in str(info.value)
+    assert expected in str(info.value) and str(info.value).count("got ") <= 1
 
 
 def test_missing_file_and_section_are_clear(tmp_path):
