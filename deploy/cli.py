@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from deploy import bench_cmd, generate_cmd, keygen_cmd, launch_cmd, ray_cmd, serve_cmds, top_cmd
@@ -16,7 +17,9 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving.")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    parser.add_argument("--log-level", default=None, type=_log_level,
+                        help="DEBUG, INFO, WARNING (default), ERROR; tandem up's processes log at this level too "
+                             "(default INFO, in their log files)")
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.register(sub)
     serve_cmds.register(sub)
@@ -28,10 +31,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise argparse.ArgumentTypeError(f"one of DEBUG, INFO, WARNING, ERROR (got {text!r})")
+    return level
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent_if_asked()  # before anything else: a supervised process must not outlive its supervisor
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level is not None:  # the processes a launcher starts log at the level asked for too
+        from deploy.local_spawner import CHILD_LOG_LEVEL_ENV
+
+        os.environ[CHILD_LOG_LEVEL_ENV] = args.log_level
+    logging.basicConfig(level=args.log_level or "WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("httpx", "httpcore"):  # a launcher's readiness polls, a request per line at DEBUG
+        logging.getLogger(chatty).setLevel(max(logging.getLogger().level, logging.INFO))
     try:
         return int(args.handler(args) or 0)
     except USER_ERRORS as exc:

@@ -15,6 +15,10 @@ from pathlib import Path
 from deploy.parent_guard import DIE_WITH_PARENT_ENV
 from deploy.zygote_client import ForkedProcess, shared_fork_server
 
+# the log level of the processes a launcher starts: the launcher's own --log-level when given (deploy/cli.py sets
+# it), else INFO (their log files are where an operator looks)
+CHILD_LOG_LEVEL_ENV = "TANDEM_CHILD_LOG_LEVEL"
+
 
 class ProcessSpawner:
     def __init__(self, log_dir: Path, entry_module: str, env: dict[str, str], use_fork_server: bool) -> None:
@@ -46,7 +50,7 @@ class ProcessSpawner:
                 log.write(f"\n===== {stamp} tandem: {name} restarted; the previous run's output is above =====\n"
                           .encode())
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, DIE_WITH_PARENT_ENV: str(os.getpid())}
-        argv = ["--log-level", "INFO", *args]
+        argv = ["--log-level", os.environ.get(CHILD_LOG_LEVEL_ENV, "INFO"), *args]
         if name != "router" and self.use_fork_server:
             return shared_fork_server(self.log_dir / "zygote.log").spawn(self.entry_module, argv, env, log_path)
         if self._spawner is None:
