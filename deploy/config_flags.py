@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pipeline.config import PipelineConfig, parse_scalar
+from pipeline.config import PipelineConfig, parse_field_value
 
 _SKIP = {"config_file", "section_name", "model"}
 
@@ -83,7 +83,7 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
         node = overrides
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = raw if path[-1] == "model_path" else parse_scalar(raw)
+        node[path[-1]] = parse_field_value(path, raw)
     return overrides
 
 

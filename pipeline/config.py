@@ -223,7 +223,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = parse_scalar(raw)
+        node[path[-1]] = parse_field_value(path, raw)
     return out
 
 
@@ -234,14 +234,31 @@ def config_env_names(environ: Mapping[str, str]) -> list[str]:
 
 
 def _is_field_path(path: list[str]) -> bool:
+    return _field_at(path) is not None
+
+
+def _field_at(path: list[str]):
+    """The pydantic FieldInfo of the (nested) field at ``path``, or None when it names none."""
     model: type[BaseModel] = PipelineConfig
     for i, part in enumerate(path):
         field = model.model_fields.get(part)
         if field is None:
-            return False
+            return None
         if i < len(path) - 1:
             annotation = field.annotation
             if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-                return False
+                return None
             model = annotation
-    return True
+        else:
+            return field
+    return None
+
+
+def parse_field_value(path: list[str], raw: str) -> Any:
+    """A flag's or a TANDEM_* variable's text for the field at ``path``: the text itself for a text field (a
+    served name "2024", a path "123", a CORS origin "null"), else parsed as JSON when it parses (numbers,
+    booleans, null, a whole section as an object), else the text."""
+    field = _field_at(path)
+    if field is not None and field.annotation in (str, str | None):
+        return raw
+    return parse_scalar(raw)

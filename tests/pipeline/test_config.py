@@ -128,3 +128,23 @@ def test_override_flags_are_the_flags_that_set_those_overrides():
     # vLLM's --dtype, on every command
     assert build_config(config_overrides(build_parser().parse_args(["prefill", "--dtype", "bfloat16"]))).model.dtype \
         == "bfloat16"
+
+
+def test_a_text_field_keeps_its_text_from_a_flag_or_variable():
+    """A served name "2024", a path "123", a CORS origin "null": the text, not JSON's number or null (they used to
+    be refused as not a string); other fields still parse (numbers, null, a section as an object)."""
+    import argparse
+
+    from deploy.config_flags import add_config_flags, config_overrides
+
+    env = env_overrides({"TANDEM_MODEL__MODEL_PATH": "123", "TANDEM_ROUTER__CORS_ALLOWED_ORIGINS": "null",
+                         "TANDEM_MAX_BATCH_SIZE": "8", "TANDEM_MAX_LENGTH": "null",
+                         "TANDEM_KV_CACHE": '{"page_size": 4}'})
+    assert env == {"model": {"model_path": "123"}, "router": {"cors_allowed_origins": "null"}, "max_batch_size": 8,
+                   "max_length": None, "kv_cache": {"page_size": 4}}
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    flags = config_overrides(parser.parse_args(["--served-model-name", "2024", "--bind-host", "10",
+                                                "--max-batch-size", "3"]))
+    assert flags == {"model": {"served_model_name": "2024"}, "bind_host": "10", "max_batch_size": 3}
+    assert build_config(flags).model.served_model_name == "2024"
