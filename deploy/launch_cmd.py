@@ -41,7 +41,8 @@ def register(sub) -> None:
                         help="colocated workers that prefill and decode themselves (PrefillAndDecode; default 0)")
     parser.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on (default 127.0.0.1)")
     parser.add_argument("--port", type=port_number, default=8000, help="port of the HTTP API (default 8000)")
-    add_http_security_flags(parser)
+    add_http_security_flags(parser, api_key_default=os.environ.get("TANDEM_API_KEY"),
+                            api_key_default_text="$TANDEM_API_KEY")  # as tandem router (its router would read it)
     parser.add_argument("--log-dir", default=None, metavar="DIR",
                         help="where each process logs (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",

@@ -88,3 +88,14 @@ def test_a_log_dir_that_cannot_be_made_names_the_flag_and_leaves_nothing(capsys,
     assert main(["up", "--model", checkpoint, "--port", str(free_port()), "--log-dir", str(blocker / "logs")]) == 2
     assert f"--log-dir {blocker / 'logs'}: cannot be created" in one_line_error(capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_tandem_up_takes_the_api_key_from_the_environment_as_tandem_router_does(monkeypatch):
+    """Its router inherited $TANDEM_API_KEY and enforced it while `tandem up --help` said "default: no key"."""
+    from deploy.cli import build_parser
+
+    monkeypatch.setenv("TANDEM_API_KEY", "k1,k2")
+    for command in ("up", "router"):
+        assert build_parser().parse_args([command]).api_key == "k1,k2"
+    assert "(default: $TANDEM_API_KEY)" in " ".join(build_parser()._subparsers._group_actions[0].choices["up"]
+                                                   .format_help().split())
