@@ -17,8 +17,12 @@ Modular MAX's PipelineConfig). Sources, lowest to highest precedence:
 1. defaults (below);
 2. a YAML or TOML file section: `--config tandem.yaml --section decode` (or `PipelineConfig.load(path, section)`);
 3. environment variables: `TANDEM_<FIELD>`, nested sections with `__` (`TANDEM_KV_CACHE__PAGE_SIZE=4`);
-4. command-line flags (`--max-batch-size 8`, nested: `--kv-cache-page-size 4`; `--model PATH` is
-   `model.model_path`) or keyword arguments of `LLM(...)` (nested sections as dicts).
+4. command-line flags (`--max-batch-size 8`, nested: `--kv-cache-page-size 4`; the model section by vLLM's
+   names, `--model PATH`, `--served-model-name`, `--quantization`, `--dtype`, its other fields as
+   `--model-device cuda:1`, `--model-seed 7`) or keyword arguments of `LLM(...)` (nested sections as dicts).
+   A text field takes a flag's or variable's text as it is (a served name `2024`); other values are read as
+   JSON when they parse (numbers, `true`, `null`, a section as an object). A `TANDEM_` variable that names no
+   field is ignored (other tools share the prefix), so check a variable's spelling against this table.
 
 A bad value stops the process with one line naming the field and what it accepts, e.g.
 `invalid config: kv_cache.page_size: Input should be greater than or equal to 1 (got 0)`.

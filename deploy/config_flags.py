@@ -36,6 +36,9 @@ def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     group.add_argument("--dtype", dest="cfg:model.dtype", default=argparse.SUPPRESS,
                        metavar="{" + ",".join(typing.get_args(model_fields["dtype"].annotation)) + "}",
                        help=f"{model_fields['dtype'].description} (vLLM's flag; default: auto)")
+    for sub_name, sub_field in model_fields.items():  # the rest of the model section: --model-device, --model-seed
+        if sub_name not in _MODEL_FLAGS:
+            _add(group, f"model-{sub_name}", f"cfg:model.{sub_name}", sub_field)
     for name, field in PipelineConfig.model_fields.items():
         if name in _SKIP or name in skip:
             continue
@@ -89,14 +92,13 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def override_flags(overrides: dict[str, Any]) -> list[str]:
     """``config_overrides``' inverse: a nested override dict as the flags that set it
-    (``{"router": {"prefill_spill_tokens": 2048}}`` -> ``["--router-prefill-spill-tokens", "2048"]``). Of the
-    model section only what ``--model``, ``--served-model-name``, ``--quantization`` and ``--dtype`` set has a flag."""
+    (``{"router": {"prefill_spill_tokens": 2048}}`` -> ``["--router-prefill-spill-tokens", "2048"]``); the model
+    section's by vLLM's names (``--model``, ``--served-model-name``, ``--quantization``, ``--dtype``), the rest
+    as ``--model-FIELD``."""
     flags: list[str] = []
     for name, value in overrides.items():
         for sub_name, sub_value in (value.items() if isinstance(value, dict) else [(None, value)]):
-            if name == "model":
-                if sub_name not in _MODEL_FLAGS:
-                    raise ValueError(f"no flag sets model.{sub_name}: use a config file")
+            if name == "model" and sub_name in _MODEL_FLAGS:
                 flag = _MODEL_FLAGS[sub_name]
             else:
                 flag = "--" + (name if sub_name is None else f"{name}-{sub_name}").replace("_", "-")
