@@ -50,7 +50,7 @@ class _SamplingFields(RequestBody):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # the caller's end user, for the operator's logs; OpenAI's abuse-monitoring id
     # vLLM extras
-    top_k: StrictInt | None = None
+    top_k: StrictInt | None = Field(None, ge=-2**63, le=2**63 - 1)  # 64 bits, as it travels
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: StrictInt = 0

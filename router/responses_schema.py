@@ -134,7 +134,7 @@ class ResponsesRequest(RequestBody):
     metadata: dict[str, str] | None = None  # echoed back in the response object, as OpenAI does
     # vLLM-style extras, as on the chat endpoint (vllm bench serve sends ignore_eos on every request)
     seed: StrictInt | None = Field(None, ge=-2**63, le=2**63 - 1)
-    top_k: StrictInt | None = None
+    top_k: StrictInt | None = Field(None, ge=-2**63, le=2**63 - 1)  # 64 bits, as it travels
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None

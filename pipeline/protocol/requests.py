@@ -81,7 +81,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(1 <= self.n <= MAX_CHOICES, "n", f"must be in [1, {MAX_CHOICES}]", self.n)
         _check(self.best_of is None or self.n <= self.best_of <= MAX_CHOICES, "best_of",
                f"must be in [n, {MAX_CHOICES}] (n is {self.n})", self.best_of)
-        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
+        _check(_finite(self.temperature) and 0 <= self.temperature <= _FLOAT32_MAX, "temperature",
+               "must be >= 0 and a float32 (<= 3.4e38: the sampler divides by it in float32)", self.temperature)
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(self.top_k >= -1, "top_k", "must be -1 (disabled), 0 (disabled) or >= 1", self.top_k)
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
@@ -144,6 +145,9 @@ def sibling_params(params: SamplingParams, index: int) -> SamplingParams:
     """Choice ``index``'s parameters: its own seed; one choice each; the prompt scored by choice 0 only."""
     return msgspec.structs.replace(params, seed=choice_seed(params.seed, index), n=1, best_of=None,
                                    prompt_logprobs=None)
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _finite(value: float) -> bool:

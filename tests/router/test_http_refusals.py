@@ -24,6 +24,10 @@ import pytest
         ({"model": "nope", "prompt": "Hi"}, 404, "model", "does not exist"),
         ({"model": "tiny", "prompt": "Hi", "seed": 2**70}, 400, "seed", "less than or equal to 9223372036854775807"),
         ({"model": "tiny", "prompt": "Hi", "seed": -2**63 - 1}, 400, "seed", "greater than or equal"),
+        # past 64 bits: it used to be admitted and fail its dispatch with a 500 (the frame cannot carry it)
+        ({"model": "tiny", "prompt": "Hi", "top_k": 2**64}, 400, "top_k", "less than or equal to 9223372036854775807"),
+        # past float32: it used to reach the sampler as inf (a grammar then refused the NaN draw: a 500)
+        ({"model": "tiny", "prompt": "Hi", "temperature": 1e39}, 400, "temperature", "a float32"),
     ],
 )
 def test_bad_requests_never_reach_a_worker(router, body, status, param, words):
