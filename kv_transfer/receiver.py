@@ -103,6 +103,7 @@ class KVReceiver(IOThread):
         self._peers: dict[bytes, _Peer] = {}
         self._tombstones: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._stats = StatsBox()
+        self._num_unknown_requests = 0  # frames for requests never reserved here (logged rate-limited)
         super().__init__(name, num_torch_threads)
         self._start()
 
@@ -298,7 +299,9 @@ class KVReceiver(IOThread):
                 return None  # P gave up on a request this receiver never had: nothing to report
             if reason is None:  # never expected here: report once, then treat as ended
                 reason = f"unknown request {msg.request_id!r} (no reservation on this receiver)"
-                log.warning("KV transfer: %s", reason)
+                self._num_unknown_requests += 1
+                if self._num_unknown_requests <= 10 or self._num_unknown_requests % 1000 == 0:  # a flood: one line
+                    log.warning("KV transfer: %s (%d so far)", reason, self._num_unknown_requests)
                 self._emit(ReceivedTransfer(msg.request_id, ok=False, error=reason, transport=peer.transport))
                 self._tombstone(msg.request_id, reason)
         self._count_late()

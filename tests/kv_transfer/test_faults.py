@@ -172,6 +172,19 @@ def test_unknown_request_is_reported_once(make_pair):
     assert torch.count_nonzero(dst) == 0
 
 
+def test_a_flood_of_frames_for_unknown_requests_logs_a_few_lines(closer, raw_socket, caplog):
+    """Each is still reported and answered, but logged one by one only at first (2,000 frames of an audit made
+    2,000 warnings)."""
+    dst, receiver, raw = _receiver_and_raw_sender(closer, raw_socket)
+    with caplog.at_level("WARNING", logger="kv_transfer.receiver"):
+        for i in range(30):
+            raw.send(FRAME_ENCODER.encode(Finish(request_id=f"flood-{i}", num_bytes=0, checksum=0)))
+        replies = [RECEIVER_FRAME_DECODER.decode(raw.recv()) for _ in range(30)]
+    assert all(type(r).__name__ == "FinishAck" and not r.ok for r in replies)
+    assert sum("unknown request" in r.getMessage() for r in caplog.records) == 10
+    assert torch.count_nonzero(dst) == 0
+
+
 def test_sender_abort_is_reported_on_both_sides(make_pair):
     sender, receiver, src, dst = make_pair("shm")
     receiver.expect("r", [0, 1])
