@@ -16,33 +16,20 @@ def run_cli(*args, cwd=None):
 
 
 def test_cli_generate_jsonl_roundtrip(tmp_path, tiny_checkpoint):
+    """A request's fields beat the flags; what neither sets comes from the config's sampling section (here by
+    flag; a file or a TANDEM_SAMPLING__* variable alike), as in the LLM API: it used to be dropped for
+    SamplingParams' own defaults (16 tokens, temperature 1)."""
     source = tmp_path / "in.jsonl"
-    source.write_text(json.dumps({"prompt": "Hello"}) + "\n" + json.dumps({"prompt_token_ids": [5, 6, 7],
-                                                                            "max_tokens": 3}) + "\n")
+    source.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"prompt": "Hello"}, {"prompt": "Hello"}, {"prompt_token_ids": [5, 6, 7], "max_tokens": 3})))
     target = tmp_path / "out.jsonl"
     result = run_cli("generate", "--model", tiny_checkpoint("llama"), "--input", str(source), "--output",
-                     str(target), "--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--kv-cache-num-blocks",
-                     "64")
+                     str(target), "--sampling-max-tokens", "5", "--sampling-temperature", "0", "--ignore-eos",
+                     "--kv-cache-num-blocks", "64")
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in target.read_text().splitlines()]
-    assert [len(r["token_ids"]) for r in rows] == [5, 3]
-    assert rows[0]["finish_reason"] == "length"
-
-
-def test_cli_generate_takes_the_configs_sampling_defaults(tmp_path, tiny_checkpoint):
-    """What neither a flag nor a request sets comes from the config's sampling section (here by flag; a file or a
-    TANDEM_SAMPLING__* variable alike), as in the LLM API: it used to be dropped for SamplingParams' own defaults
-    (16 tokens, temperature 1)."""
-    source = tmp_path / "in.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in ({"prompt": "Hello"}, {"prompt": "Hello"},
-                                                               {"prompt": "Hello", "max_tokens": 2})))
-    result = run_cli("generate", "--model", tiny_checkpoint("llama"), "--input", str(source), "--ignore-eos",
-                     "--sampling-max-tokens", "4", "--sampling-temperature", "0", "--kv-cache-num-blocks", "64",
-                     "--no-progress")
-    assert result.returncode == 0, result.stderr
-    rows = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [len(r["token_ids"]) for r in rows] == [4, 4, 2]
-    assert rows[0]["token_ids"] == rows[1]["token_ids"] and rows[2]["token_ids"] == rows[0]["token_ids"][:2]
+    assert [len(r["token_ids"]) for r in rows] == [5, 5, 3]
+    assert rows[0]["finish_reason"] == "length" and rows[0]["token_ids"] == rows[1]["token_ids"]  # greedy
 
 
 def test_cli_generate_with_a_draft_model_reports_acceptance(tmp_path, tiny_checkpoint):
