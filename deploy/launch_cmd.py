@@ -74,6 +74,21 @@ def add_supervision_flags(parser: argparse.ArgumentParser, share_cores_help: str
     parser.add_argument("--share-cores", action="store_true", help=share_cores_help)
 
 
+def resolve_worker_counts(args: argparse.Namespace) -> None:
+    """``tandem up``'s and ``tandem ray up``'s ``--max-restarts`` and worker counts checked, and each role's
+    default filled in (1 prefill and 1 decode worker, none with ``--colocated``; ``--decode 2`` alone is 1P2D)."""
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts: must be >= 0 (got {args.max_restarts})")
+    for flag in ("prefill", "decode", "colocated"):
+        if (getattr(args, flag) or 0) < 0:
+            raise ValueError(f"--{flag}: a number of workers is >= 0 (got {getattr(args, flag)})")
+    default_count = 0 if args.colocated else 1
+    args.prefill = default_count if args.prefill is None else args.prefill
+    args.decode = default_count if args.decode is None else args.decode
+    if args.decode + args.colocated == 0:
+        raise ValueError("a deployment needs at least one decode or colocated worker")
+
+
 def run(args: argparse.Namespace) -> int:
     from deploy.checkpoint_check import check_checkpoints
     from deploy.cpu_plan import describe_plan, plan_cores, router_cores
@@ -83,16 +98,9 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.core_list import format_core_list
     from pipeline.cpu_placement import allowed_cores
 
-    if args.max_restarts < 0:
-        raise ValueError(f"--max-restarts: must be >= 0 (got {args.max_restarts})")
-    for flag in ("prefill", "decode", "colocated"):
-        if (getattr(args, flag) or 0) < 0:
-            raise ValueError(f"--{flag}: a number of workers is >= 0 (got {getattr(args, flag)})")
+    resolve_worker_counts(args)
     if args.port == 0:  # the launcher waits for the router on that port, and the banner names it
         raise ValueError("--port: tandem up needs a fixed port (got 0, any free port); pick one, e.g. 8000")
-    default_count = 0 if args.colocated else 1  # each role's own default: --decode 2 alone is 1P2D
-    args.prefill = default_count if args.prefill is None else args.prefill
-    args.decode = default_count if args.decode is None else args.decode
     config = config_from_args(args)  # validates every flag and the file section before anything starts
     # the TANDEM_* variables are merged into the config the processes get (below the flags): were the processes to
     # inherit them too, they would apply them again, over the flags
@@ -206,9 +214,8 @@ def _print_event(event) -> None:
 
 def _served_as(config) -> str:
     """The name clients send as ``model`` (the first served name), and the checkpoint it serves."""
-    from pipeline.protocol.cluster import served_model_name
+    from pipeline.protocol.cluster import served_model_name, served_names
 
-    names = [n.strip() for n in (config.model.served_model_name or "").split(",") if n.strip()]
-    name = names[0] if names else served_model_name(config.model.model_path)
+    name = served_names(config.model.served_model_name, served_model_name(config.model.model_path))[0]
     source = "the built-in model" if config.model.model_path is None else f"from {config.model.model_path}"
     return f"{name!r}, {source}"

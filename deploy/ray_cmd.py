@@ -17,7 +17,7 @@ import sys
 
 from deploy.config_flags import add_config_flags, config_from_args
 from deploy.keygen_cmd import add_security_flags
-from deploy.launch_cmd import add_supervision_flags, add_tensor_parallel_flags
+from deploy.launch_cmd import add_supervision_flags, add_tensor_parallel_flags, resolve_worker_counts
 from deploy.router_preflight import port_number
 
 
@@ -118,15 +118,7 @@ def _up_options(args: argparse.Namespace):
     from deploy.tensor_parallel_plan import check_tensor_parallel_workers, worker_tensor_parallel_sizes
     from pipeline.core_list import parse_core_list
 
-    if args.max_restarts < 0:
-        raise ValueError(f"--max-restarts: must be >= 0 (got {args.max_restarts})")
-    default_count = 0 if args.colocated else 1  # each role's own default: --decode 2 alone is 1P2D
-    args.prefill = default_count if args.prefill is None else args.prefill
-    args.decode = default_count if args.decode is None else args.decode
-    if min(args.prefill or 0, args.decode or 0, args.colocated) < 0:
-        raise ValueError("--prefill, --decode, --colocated: must be >= 0")
-    if (args.decode or 0) + args.colocated == 0:
-        raise ValueError("a deployment needs at least one decode or colocated worker")
+    resolve_worker_counts(args)
     config = config_from_args(args)  # every flag and the file section validated before anything starts
     num_ranks = worker_tensor_parallel_sizes(  # what a role cannot run with several ranks: refused here, by flag
         args.prefill or 0, args.decode or 0, args.colocated, config.tensor_parallel_size,

@@ -37,6 +37,13 @@ def read_config_json(path: str | os.PathLike) -> dict:
     return config
 
 
+def max_positions(config: dict) -> int | None:
+    """max_position_embeddings as a config.json states it (a multimodal wrapper's in its text_config); None when it
+    does not (transformers' class default then applies)."""
+    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return value if isinstance(value, int) else None
+
+
 def weight_files(path: str | os.PathLike) -> list[Path]:
     """The safetensors files holding the checkpoint's weights, checked to exist."""
     directory = Path(path)

@@ -59,7 +59,7 @@ def build_kv_pool(config: PipelineConfig, hf_config, draft, max_length: int, dty
 def servable_length(manager: KVCacheManager, max_length: int, num_lookahead: int) -> int:
     """``max_length``, or less when the pool cannot hold one sequence that long (with its draft positions): such
     a sequence could never run, and waiting at the head of the queue it would stall every request behind it. The
-    worker registers the length it serves, so the router refuses longer prompts with a 400."""
+    worker registers the length it serves: the router sends it no longer prompt, and ends outputs there."""
     page_size, num_blocks = manager.page_size, manager.num_total_blocks
     capacity = num_blocks * page_size - num_lookahead
     if capacity >= max_length:

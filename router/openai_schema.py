@@ -4,9 +4,13 @@ accepted field is honoured, and nothing a client asks for is dropped silently.""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+
+# an integer a worker's frame carries (msgpack: 64 bits); past that, a 400 naming the field instead of a request
+# admitted and then failing its dispatch
+Int64 = Annotated[StrictInt, Field(ge=-2**63, le=2**63 - 1)]
 
 
 class RequestBody(BaseModel):
@@ -44,13 +48,13 @@ class _SamplingFields(RequestBody):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: StrictInt | None = Field(None, ge=-2**63, le=2**63 - 1)  # a 64-bit integer, as vLLM takes it
+    seed: Int64 | None = None  # as vLLM takes it
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # the caller's end user, for the operator's logs; OpenAI's abuse-monitoring id
     # vLLM extras
-    top_k: StrictInt | None = Field(None, ge=-2**63, le=2**63 - 1)  # 64 bits, as it travels
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: StrictInt = 0
@@ -60,8 +64,7 @@ class _SamplingFields(RequestBody):
     skip_special_tokens: StrictBool = True
     return_tokens_as_token_ids: StrictBool = False  # logprob entries name tokens "token_id:N"
     prompt_logprobs: StrictInt | None = None  # per prompt position: the prompt's token and the top N
-    # lower is served first (the router's admission queue, workers under "priority"); a 64-bit integer, as it travels
-    priority: StrictInt = Field(0, ge=-2**63, le=2**63 - 1)
+    priority: Int64 = 0  # lower is served first: the router's admission queue, workers under "priority"
     # structured output (router/structured_output.py): OpenAI's, then vLLM's
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

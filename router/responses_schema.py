@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag
 
 from router.errors import bad_request
-from router.openai_schema import RequestBody
+from router.openai_schema import Int64, RequestBody
 
 
 class InputText(RequestBody):
@@ -133,15 +133,15 @@ class ResponsesRequest(RequestBody):
     include: list[str] | None = None
     metadata: dict[str, str] | None = None  # echoed back in the response object, as OpenAI does
     # vLLM-style extras, as on the chat endpoint (vllm bench serve sends ignore_eos on every request)
-    seed: StrictInt | None = Field(None, ge=-2**63, le=2**63 - 1)
-    top_k: StrictInt | None = Field(None, ge=-2**63, le=2**63 - 1)  # 64 bits, as it travels
+    seed: Int64 | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool | None = None
     min_tokens: StrictInt | None = None
-    priority: StrictInt = Field(0, ge=-2**63, le=2**63 - 1)  # vLLM's: lower is served first; 64 bits, as it travels
+    priority: Int64 = 0  # vLLM's: lower is served first
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.checkpoint_files import max_positions
 from pipeline.generation_config import read_generation_config
-from pipeline.protocol.cluster import served_model_name
+from pipeline.protocol.cluster import served_model_name, served_names as served_names_of
 from pipeline.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def load_served_model(
     comma-separated (``model.served_model_name``; default: that same name).
     """
     checkpoint_name = name or served_model_name(model_path)
-    names = [n.strip() for n in (served_names or "").split(",") if n.strip()] or [checkpoint_name]
+    names = served_names_of(served_names, checkpoint_name)
     path = Path(model_path) if model_path else _builtin_path()
     hf_config = _read_json(path / "config.json")
     text_config = hf_config.get("text_config") or {}
@@ -102,7 +103,7 @@ def load_served_model(
         tokenizer = load_tokenizer(path)
     vocab_size = int(hf_config.get("vocab_size") or text_config.get("vocab_size") or len(tokenizer))
     if max_length is None:
-        max_length = hf_config.get("max_position_embeddings") or text_config.get("max_position_embeddings")
+        max_length = max_positions(hf_config)
     return ServedModel(names[0], tokenizer, vocab_size, int(max_length) if max_length else None,
                        root=str(path.resolve()), aliases=tuple(names[1:]), checkpoint_name=checkpoint_name,
                        generation_config=read_generation_config(path))

@@ -57,6 +57,12 @@ def served_model_name(model_path: str | None) -> str:
     return Path(str(model_path).rstrip("/")).name or BUILTIN_MODEL_NAME
 
 
+def served_names(names: str | None, checkpoint_name: str) -> list[str]:
+    """The names clients ask for, first the one responses show: ``model.served_model_name`` (comma-separated),
+    else the name workers register with."""
+    return [n.strip() for n in (names or "").split(",") if n.strip()] or [checkpoint_name]
+
+
 class WorkerRole(enum.IntEnum):
     """PipelineRole as a wire code."""
 
