@@ -18,7 +18,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving.")
     parser.add_argument("--log-level", default=None, type=_log_level,
-                        help="DEBUG, INFO, WARNING (default), ERROR; tandem up's processes log at this level too "
+                        help="DEBUG, INFO, WARNING (default), ERROR, CRITICAL; tandem up's processes log at this level too "
                              "(default INFO, in their log files)")
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.register(sub)
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _log_level(text: str) -> str:
     level = text.upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        raise argparse.ArgumentTypeError(f"one of DEBUG, INFO, WARNING, ERROR (got {text!r})")
+        raise argparse.ArgumentTypeError(f"one of DEBUG, INFO, WARNING, ERROR, CRITICAL (got {text!r})")
     return level
 
 

@@ -9,9 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class ConfigSection(BaseModel):
-    """A config section: unknown fields are errors, and so are invalid values assigned later."""
+    """A config section: unknown fields are errors, and so are invalid values assigned later and non-finite numbers
+    (a timeout or a rate of ``inf`` / ``nan``)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(ConfigSection):

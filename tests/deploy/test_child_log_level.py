@@ -35,4 +35,4 @@ def test_an_unknown_level_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--log-level", "bogus", "keygen", "--out", "/nonexistent/x"])
     assert exit_.value.code == 2
-    assert "--log-level: one of DEBUG, INFO, WARNING, ERROR (got 'bogus')" in capsys.readouterr().err
+    assert "--log-level: one of DEBUG, INFO, WARNING, ERROR, CRITICAL (got 'bogus')" in capsys.readouterr().err

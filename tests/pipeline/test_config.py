@@ -46,6 +46,8 @@ def test_toml_file(tmp_path):
         ({"kernel_backend": "cuda"}, "kernel_backend: Input should be 'torch', 'cpu', 'triton' or 'auto'"),
         ({"otlp_traces_endpoint": "localhost:4318"},  # the input once (a message naming it is not given it again)
          "otlp_traces_endpoint: must be an http:// or https:// URL (OTLP over HTTP; got 'localhost:4318')"),
+        ({"router": {"request_timeout_s": float("inf")}}, "router.request_timeout_s: Input should be a finite number"),
+        ({"drain_timeout_s": float("nan")}, "drain_timeout_s: Input should be a finite number"),
     ],
 )
 def test_invalid_values_name_the_field_and_range(data, expected):
