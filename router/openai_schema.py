@@ -210,8 +210,15 @@ class ChatCompletionRequest(ChatTemplateOptions, _SamplingFields):
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: StrictBool = True  # False: at most one call per answer
     include_reasoning: StrictBool = True  # vLLM: False drops reasoning_content (the thinking is still generated)
-    store: Literal[False] | None = None  # nothing is stored: only false is honoured
+    store: StrictBool | None = None  # nothing is stored: only false is honoured
     modalities: list[Literal["text"]] | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("this server keeps no completions; send store false or leave it out")
+        return value
 
     def resolved_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -72,6 +72,12 @@ def test_an_unsupported_value_is_a_400(router, endpoint, field):
     assert response.json()["error"]["param"].split(".")[0] == field
 
 
+def test_a_boolean_field_takes_only_a_boolean(router):
+    body = dict(BASE["/v1/chat/completions"], store=0)
+    error = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=10).json()["error"]
+    assert error["param"] == "store" and "boolean" in error["message"]
+
+
 def test_a_field_names_its_nested_place(router):
     body = dict(BASE["/v1/chat/completions"], messages=[{"role": "user", "content": "hi", "audio": {"id": "a"}}])
     error = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=10).json()["error"]
