@@ -45,15 +45,14 @@ class OutputProcessor:
                 return FinishReason.STOP.value, None
             if token_id in params.stop_token_ids:
                 return FinishReason.STOP.value, token_id
-            state = self._text.get(seq.request_id)
-            if state is not None:
-                delta = state.detokenizer.add([token_id])
+        state = self._text.get(seq.request_id)
+        if state is not None:
+            delta = state.detokenizer.add([token_id])
+            if num_output > params.min_tokens:  # as vLLM: a stop string ends only what has min_tokens before it
                 match = state.matcher.find(state.detokenizer.text, len(delta))
                 if match is not None:
                     seq.text = match[0]
                     return FinishReason.STOP.value, match[1]
-        elif seq.request_id in self._text:
-            self._text[seq.request_id].detokenizer.add([token_id])
         if num_tokens >= seq.max_total_tokens:
             return FinishReason.LENGTH.value, None
         return None

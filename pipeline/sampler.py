@@ -22,9 +22,10 @@ Order of operations for each row, vectorized over the batch:
 3. Greedy rows (``temperature == 0`` or ``top_k == 1``) take the argmax of the processed logits. Fast
    path: when every row is greedy and nothing needs processing, the raw logits' argmax is used (checked
    on the states first, so such a batch never builds the per-step metadata).
-4. Other rows: divide by temperature, keep the top_k largest, keep the smallest set whose cumulative
-   probability >= top_p (the top token always stays), drop tokens with prob < min_p * max prob, then
-   sample with the exponential race ``argmax(probs / Exp(1) noise)``.
+4. Other rows: divide by temperature, drop tokens with prob < min_p * max prob, keep the top_k largest,
+   keep the smallest set whose cumulative probability (over what min_p and top_k kept) >= top_p (the top
+   token always stays), then sample with the exponential race ``argmax(probs / Exp(1) noise)``. This is
+   vLLM v1's order (min_p before top-k / top-p); transformers' ``generate`` applies min_p last.
 
 Reproducibility: a seeded request draws its noise (one ``[vocab]`` draw per step on a non-greedy step)
 from its own generator, so it samples the same tokens alone or batched with any other rows. Unseeded
@@ -214,24 +215,23 @@ def apply_logits_processing(logits: torch.Tensor, metadata: SamplingMetadata) ->
 
 def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """The distribution each random row draws from (module docstring, step 4, before the draw):
-    [num_rows, vocab] processed logits -> [num_random, vocab] probabilities of ``metadata.random_rows``
-    (unnormalized where min_p removed mass: the exponential race does not need it normalized)."""
+    [num_rows, vocab] processed logits -> [num_random, vocab] probabilities of ``metadata.random_rows``."""
     return distribution(logits[metadata.random_rows], metadata.temperature, metadata.top_k, metadata.top_p,
                         metadata.min_p, metadata.max_top_k)
 
 
 def distribution(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
                  top_p: torch.Tensor | None, min_p: torch.Tensor | None, max_top_k: int) -> torch.Tensor:
-    """[rows, vocab] logits -> [rows, vocab] probabilities after temperature [rows], top-k, top-p and min-p
+    """[rows, vocab] logits -> [rows, vocab] probabilities after temperature [rows], min-p, top-k and top-p
     (each [rows] or None when no row uses it)."""
     scaled = logits / temperature[:, None]  # [rows, vocab]
+    if min_p is not None:  # first, as vLLM v1 does: top-p then measures what min_p kept
+        probs = scaled.softmax(dim=-1)  # [rows, vocab]
+        max_probs = probs.amax(dim=-1, keepdim=True)  # [rows, 1]
+        scaled = scaled.masked_fill(probs < min_p[:, None] * max_probs, float("-inf"))
     if top_k is not None or top_p is not None:
         scaled = apply_top_k_top_p(scaled, top_k, top_p, max_top_k)
-    probs = scaled.softmax(dim=-1)  # [rows, vocab]
-    if min_p is not None:
-        max_probs = probs.amax(dim=-1, keepdim=True)  # [rows, 1]
-        probs = probs.masked_fill(probs < min_p[:, None] * max_probs, 0.0)
-    return probs
+    return scaled.softmax(dim=-1)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -187,6 +187,8 @@ class OutputBuilder:
         if not new_text:
             return False
         self.text += new_text
+        if self.num_output_tokens <= self._params.min_tokens:  # the worker's rule: no stop string before that
+            return False
         match = self._stops.find(self.text, len(new_text))
         if match is None:
             return False

@@ -133,13 +133,13 @@ class RayHead:
 
 
 @contextlib.contextmanager
-def tandem_ray_deployment(head: "RayHead", tandem: str, log_dir, *up_args: str):
-    """``tandem ray up <up_args>`` on ``head`` with free HTTP and ZMQ ports and ``log_dir``; yields ``{"url",
-    "log_dir", "up" (the completed process), "pids"}``, then ``tandem ray down`` (idempotent) and no Tandem process
-    left that mentions ``log_dir`` (any found is killed, and the test fails)."""
+def tandem_ray_deployment(head: "RayHead", tandem: str, log_dir, *up_args: str, log_level: str = "INFO"):
+    """``tandem --log-level <log_level> ray up <up_args>`` on ``head`` with free HTTP and ZMQ ports and ``log_dir``:
+    yields ``{"url", "log_dir", "up" (the completed process), "pids"}``, then ``tandem ray down`` (idempotent) and
+    no Tandem process left that mentions ``log_dir`` (any found is killed, and the test fails)."""
     http_port, zmq_port = free_ports(2)
-    result = head.run(tandem, "ray", "up", *up_args, "--port", str(http_port), "--zmq-port", str(zmq_port),
-                      "--log-dir", str(log_dir), timeout_s=300)
+    result = head.run(tandem, "--log-level", log_level, "ray", "up", *up_args, "--port", str(http_port),
+                      "--zmq-port", str(zmq_port), "--log-dir", str(log_dir), timeout_s=300)
     info = {"url": f"http://127.0.0.1:{http_port}", "log_dir": str(log_dir), "up": result, "pids": set()}
     try:
         yield info

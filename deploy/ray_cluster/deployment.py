@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+from deploy.local_spawner import CHILD_LOG_LEVEL_ENV
 from deploy.ray_cluster import placement_groups
 from deploy.ray_cluster import spec as specs
 from deploy.ray_cluster.operations import DeployError, deployment_actors, stop_and_kill
@@ -99,6 +100,8 @@ def up(options: UpOptions, say: Callable[[str], None] = print) -> str:
     config = {**options.config, "zmq_endpoint_base": options.config.get("zmq_endpoint_base")
               or f"tcp://{router_ip}:{options.zmq_port}"}
     env = {"TANDEM_API_KEY": options.api_key} if options.api_key else {}
+    if os.environ.get(CHILD_LOG_LEVEL_ENV):  # `tandem --log-level X ray up`: its processes log at X too
+        env[CHILD_LOG_LEVEL_ENV] = os.environ[CHILD_LOG_LEVEL_ENV]
     log_dir = os.path.join(options.log_dir, options.deployment)
     names = specs.process_names(options.num_prefill, options.num_decode, options.num_colocated)
     up_id = uuid.uuid4().hex

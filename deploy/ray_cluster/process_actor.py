@@ -37,6 +37,7 @@ import json
 import httpx
 import yaml
 
+from deploy.local_spawner import CHILD_LOG_LEVEL_ENV
 from deploy.process_group import signal_group
 from deploy.parent_guard import DIE_WITH_PARENT_ENV
 from deploy.ray_cluster.spec import ProcessSpec
@@ -236,7 +237,8 @@ class ProcessSupervisor:
             config["security"] = {**config.get("security", {}), "cluster_key_file": str(key_path)}
         config_path = self.log_dir / f"{self.spec.name}.config.yaml"
         config_path.write_text(yaml.safe_dump({_CONFIG_SECTION: config}))
-        argv = [sys.executable, "-m", "deploy.cli", "--log-level", "INFO", *self.spec.cli_args(self.node_ip),
+        log_level = self.spec.env.get(CHILD_LOG_LEVEL_ENV, "INFO")
+        argv = [sys.executable, "-m", "deploy.cli", "--log-level", log_level, *self.spec.cli_args(self.node_ip),
                 "--config", str(config_path), "--section", _CONFIG_SECTION]
         if self._cores:
             argv += ["--cpu-cores", format_core_list(self._cores)]

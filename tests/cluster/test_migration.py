@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -41,6 +42,18 @@ def cluster(tiny_checkpoint, tmp_path_factory):
                          num_decode=0, num_colocated=2, max_restarts=2, entry_module="tests.cluster.slow_steps",
                          env={"TANDEM_TEST_STEP_DELAY_S": "0.02", "OMP_NUM_THREADS": "1"}) as c:
         yield c
+
+
+def busiest_worker(cluster, num_streams: int, timeout_s: float = 30.0) -> str:
+    """The worker running the most streams, once the workers' reports (their stats, seconds apart) show all
+    ``num_streams``: read earlier, a busy machine's stale zeros picked a worker with none, and nothing moved."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = {w: worker_metric(cluster.url, "tandem_worker_running_requests", w) or 0
+                   for w in cluster.worker_names}
+        if sum(running.values()) >= num_streams or time.monotonic() > deadline:
+            return max(running, key=running.get)
+        time.sleep(0.1)
 
 
 def test_streams_outlive_their_worker(cluster):
@@ -76,8 +89,7 @@ def test_streams_outlive_their_worker(cluster):
         t.start()
     for _ in threads:
         assert started.acquire(timeout=60), f"a stream did not start: {results}"
-    running = {w: worker_metric(cluster.url, "tandem_worker_running_requests", w) or 0 for w in cluster.worker_names}
-    victim = max(running, key=running.get)
+    victim = busiest_worker(cluster, len(STREAMS))
     old_pid = cluster.pids[victim]
     cluster.kill(victim, signal.SIGKILL)
     for t in threads:

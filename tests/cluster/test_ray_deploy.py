@@ -48,7 +48,7 @@ def head():
 def deployment(head, tiny_checkpoint, tmp_path_factory):
     with tandem_ray_deployment(head, TANDEM, tmp_path_factory.mktemp("ray-logs"), "--prefill", "1", "--decode", "2",
                                "--model", tiny_checkpoint("llama"), "--max-restarts", "3", "--ready-timeout", "240",
-                               *CONFIG_FLAGS) as info:
+                               *CONFIG_FLAGS, log_level="DEBUG") as info:
         yield info
 
 
@@ -113,6 +113,9 @@ def test_status_shows_each_process_on_its_node_and_cores(head, deployment):
     # a worker binds its own sockets on its node's address (Ray's node IP), where peers on other nodes reach it
     for name in WORKERS:
         assert "listening on tcp://127.0.0.1:" in Path(rows[name]["log"]).read_text(), name
+    # `tandem --log-level DEBUG ray up`: its processes log at that level too
+    for name, row in rows.items():
+        assert "deploy.cli --log-level DEBUG " in Path(row["log"]).read_text(), name
     table = head.run(TANDEM, "ray", "status", timeout_s=60).stdout
     assert "decode-1" in table and f"{deployment['url']}/v1" in table
 

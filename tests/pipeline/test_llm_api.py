@@ -59,6 +59,11 @@ def test_stop_strings_truncate_text(llm):
     kept = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=stop,
                                                      include_stop_str_in_output=True))[0]
     assert kept.text == base.text[: base.text.index(stop) + len(stop)]
+    # vLLM: no stop string ends the output before min_tokens tokens are out (the engine's rule; the router's is
+    # tests/router/test_streaming.py's)
+    held = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop],
+                                                     min_tokens=len(out.token_ids)))[0]
+    assert len(held.token_ids) > len(out.token_ids) and held.token_ids[:len(out.token_ids)] == out.token_ids
 
 
 def test_stop_token_ids_and_min_tokens(llm):

@@ -227,6 +227,16 @@ def test_min_p_drops_relatively_unlikely_tokens():
     assert set(sample_many(three_way_logits(), min_p=0.5)) == {1, 2}  # 0.2 < 0.5 * 0.5
 
 
+def test_min_p_comes_before_top_p_as_in_vllm():
+    """vLLM v1: temperature, then min_p, then top-k / top-p over what min_p kept (renormalized)."""
+    logits = torch.full((1, VOCAB), -40.0)
+    logits[0, :6] = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]).log()
+    # min_p 0.3 keeps p >= 0.12: 0.4 / 0.25 / 0.15, renormalized 0.5 / 0.31 / 0.19; top_p 0.8 then keeps two
+    # (over the whole distribution first, top_p 0.8 would keep three and min_p all of them)
+    assert set(sample_many(logits, min_p=0.3, top_p=0.8)) == {0, 1}
+    assert set(sample_many(logits, min_p=0.3, top_k=5)) == {0, 1, 2}
+
+
 def test_temperature_sharpens_and_flattens():
     low = sample_many(three_way_logits(), temperature=0.1)
     high = sample_many(three_way_logits(), temperature=5.0)

@@ -51,6 +51,17 @@ def test_stop_string_truncates_and_never_leaks_held_back_text(served_model):
     assert builder.add(TokenDelta(request_id="r", token_ids=[5])).text == ""  # finished: ignores late tokens
 
 
+def test_no_stop_string_ends_the_first_min_tokens_tokens(served_model):
+    """vLLM's rule (and the worker's): a stop string is looked for only once more than min_tokens tokens are out."""
+    text = "Hello there, how are you? Over there."
+    ids = served_model.tokenizer.encode(text)
+    first_there = next(k for k in range(1, len(ids) + 1) if "there" in served_model.tokenizer.decode(ids[:k]))
+    for min_tokens, expected in ((first_there - 1, "Hello "), (first_there, "Hello there, how are you? Over ")):
+        builder = OutputBuilder(served_model, SamplingParams(max_tokens=100, stop=["there"], min_tokens=min_tokens), 5)
+        out, pieces = run(builder, deltas(ids))
+        assert out == expected and builder.finish_reason == "stop", min_tokens
+
+
 def test_stop_string_included_when_asked(served_model):
     ids = served_model.tokenizer.encode("Hello there, how are you?")
     builder = OutputBuilder(served_model, SamplingParams(stop=["there"], include_stop_str_in_output=True), 5)
