@@ -50,6 +50,10 @@ class TokenEmitter:
                 out.is_stop_token = False
             elif stop is None and grammar.is_finished:  # the constraint is complete: this token is its last text
                 stop = (FinishReason.STOP.value, None)
+            elif stop is not None and stop[0] == FinishReason.LENGTH.value and grammar.allows_only_the_end():
+                # a whole answer that also reached max_tokens ("length" would make the openai SDK's parse()
+                # refuse a complete document)
+                stop = (FinishReason.STOP.value, None)
         if stop is not None:
             out.finish_reason, out.stop_reason = stop
             out.num_preemptions = seq.num_preemptions

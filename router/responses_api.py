@@ -26,6 +26,7 @@ from router.openai_schema import ChatCompletionRequest
 from router.preprocess import PreparedRequest, renamed
 from router.responses_schema import ResponsesRequest, chat_body
 from router.sse import sse_event
+from router.served_model import ServedModel
 from router.serving import ClientGone, RouterState, admit, chunks, event_stream, unless_disconnected
 
 
@@ -44,7 +45,7 @@ def install_responses_route(app: FastAPI, state: RouterState, dependencies: list
         except APIError as exc:  # named as this request names the field
             raise renamed(exc, _CHAT_TO_RESPONSES_FIELDS) from None
         response_id = f"resp_{uuid.uuid4().hex}"
-        shell = _ResponseShell(response_id, state.model.name, body, prepared[0].params)
+        shell = _ResponseShell(response_id, state.model, body, prepared[0].params)
         admitted = await admit(state, request, prepared, "chat", request_id=response_id)
         if admitted is None:
             return Response(status_code=499)  # the client left while waiting
@@ -66,10 +67,11 @@ _CHAT_TO_RESPONSES_FIELDS = {"max_completion_tokens": "max_output_tokens", "max_
 class _ResponseShell:
     """What every form of one response shares: id, model, the request's settings echoed back."""
 
-    def __init__(self, response_id: str, model_name: str, body: ResponsesRequest, params: SamplingParams) -> None:
+    def __init__(self, response_id: str, model: ServedModel, body: ResponsesRequest, params: SamplingParams) -> None:
         """``params``: what the request runs with (the defaults it left unset filled in), echoed back."""
         self.id = response_id
-        self.model = model_name
+        self.model = model.name
+        self.tokenizer = model.tokenizer
         self.body = body
         self.params = params
         self.created_at = int(time.time())
@@ -92,15 +94,22 @@ class _ResponseShell:
             "previous_response_id": None, "store": False, "temperature": self.params.temperature, "top_p": self.params.top_p,
             "text": {"format": text_format}, "tool_choice": tool_choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()], "truncation": "disabled",
-            "usage": _usage(usage) if usage is not None else None,
+            "usage": self._usage(usage, output) if usage is not None else None,
         }
 
+    def _usage(self, usage: dict[str, Any], output: list[dict[str, Any]]) -> dict[str, Any]:
+        cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(output, usage)},
+                "total_tokens": usage["total_tokens"]}
 
-def _usage(usage: dict[str, Any]) -> dict[str, Any]:
-    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage["total_tokens"]}
+    def _reasoning_tokens(self, output: list[dict[str, Any]], usage: dict[str, Any]) -> int:
+        """The output's reasoning items counted in tokens: their text tokenized again (the parser splits text,
+        not tokens; the tags between reasoning and answer are not counted), at most every output token."""
+        texts = [part["text"] for item in output if item["type"] == "reasoning" for part in item["content"]]
+        count = sum(len(self.tokenizer.encode(text, add_special_tokens=False)) for text in texts if text)
+        return min(count, usage["completion_tokens"])
 
 
 def _item_id(prefix: str) -> str:

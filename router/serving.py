@@ -293,6 +293,12 @@ async def chunks(state: RouterState, admitted: Admitted) -> AsyncIterator[dict |
     # a chat choice's role chunk goes out with its first output, as vLLM sends it: sent before the prompt is
     # computed, it would read as the first token to a client timing TTFT (vllm bench serve's chat backend)
     unannounced = {id(choice) for group in groups for choice in group.choices} if shape.kind == "chat" else set()
+
+    def with_usage(chunk: dict) -> dict:  # vLLM's continuous_usage_stats: every chunk, the role's too
+        if admitted.continuous_usage:
+            chunk["usage"] = total_usage([g.usage() for g in groups])
+        return chunk
+
     try:
         remaining = len(groups)
         failed = False
@@ -307,14 +313,11 @@ async def chunks(state: RouterState, admitted: Admitted) -> AsyncIterator[dict |
             elif item.text or item.logprobs or item.finish_reason is not None:
                 if id(choice) in unannounced:
                     unannounced.discard(id(choice))
-                    yield shape.chunk(Piece(), first=True, index=choice.index)
+                    yield with_usage(shape.chunk(Piece(), first=True, index=choice.index))
                 fields = choice.delta_fields(item)
                 if fields == {} and not item.logprobs and item.finish_reason is None:
                     continue  # held back by a parser: it may be a marker
-                chunk = shape.chunk(item, index=choice.index, fields=fields)
-                if admitted.continuous_usage:
-                    chunk["usage"] = total_usage([g.usage() for g in groups])
-                yield chunk
+                yield with_usage(shape.chunk(item, index=choice.index, fields=fields))
         if not failed and admitted.include_usage:
             yield shape.usage_chunk(total_usage([g.usage() for g in groups]))
     finally:  # also runs when the client disconnects (the generator is closed at a yield or await)

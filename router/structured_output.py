@@ -33,14 +33,15 @@ def structured_output_from(body: Any) -> StructuredOutput | None:
         spec = _from_response_format(response_format)
         if spec is not None:
             found.append(("response_format", spec))
-    extension = dict(getattr(body, "structured_outputs", None) or {})
-    for name in ("json", "regex", "choice", "grammar"):
+    extension = {key: (f"structured_outputs.{key}", value)
+                 for key, value in (getattr(body, "structured_outputs", None) or {}).items()}
+    for name in ("json", "regex", "choice", "grammar"):  # vLLM's older guided_* fields, named as the client sent them
         value = getattr(body, f"guided_{name}", None)
         if value is not None:
-            extension.setdefault(name, value)
-    backend = extension.pop("backend", None)
-    for key, value in extension.items():
-        found.append((f"structured_outputs.{key}", _from_extension(key, value, backend)))
+            extension.setdefault(name, (f"guided_{name}", value))
+    backend = extension.pop("backend", (None, None))[1]
+    for key, (param, value) in extension.items():
+        found.append((param, _from_extension(key, value, backend, param)))
     if len(found) > 1:
         raise bad_request(f"give one output constraint, not {len(found)} ({', '.join(n for n, _ in found)})",
                           param=found[1][0])
@@ -52,9 +53,11 @@ def constraint_param(body: Any) -> str:
     else ``tools`` (the constraint is the call grammar of ``tool_choice`` required or named)."""
     if getattr(body, "response_format", None) is not None:
         return "response_format"
-    if getattr(body, "structured_outputs", None) or any(getattr(body, f"guided_{name}", None) is not None
-                                                        for name in ("json", "regex", "choice", "grammar")):
+    if getattr(body, "structured_outputs", None):
         return "structured_outputs"
+    for name in ("json", "regex", "choice", "grammar"):  # vLLM's older fields, named as the client sent them
+        if getattr(body, f"guided_{name}", None) is not None:
+            return f"guided_{name}"
     return "tools" if getattr(body, "tools", None) else "response_format"
 
 
@@ -84,8 +87,7 @@ def _from_response_format(value: Any) -> StructuredOutput | None:
                       param="response_format.type")
 
 
-def _from_extension(key: str, value: Any, backend: Any) -> StructuredOutput:
-    param = f"structured_outputs.{key}"
+def _from_extension(key: str, value: Any, backend: Any, param: str) -> StructuredOutput:
     if backend is not None and not isinstance(backend, str):
         raise bad_request("structured_outputs.backend: must be a string", param="structured_outputs.backend")
     try:

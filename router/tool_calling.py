@@ -25,7 +25,7 @@ from typing import Any
 
 from router.errors import bad_request
 from router.openai_schema import ChatCompletionRequest, NamedToolChoice
-from router.tool_parsers import ToolParser, get_tool_parser, infer_tool_parser
+from router.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser, infer_tool_parser
 
 
 @dataclass
@@ -82,7 +82,7 @@ def plan_tools(body: ChatCompletionRequest, parser_setting: str, chat_template: 
         how = ("its chat template names no tool-call format Tandem knows" if parser_setting == "auto"
                else "the router runs with tool_call_parser none")
         raise bad_request(f"tools: this server cannot read tool calls for this model ({how}); start the router "
-                          "with --router-tool-call-parser hermes|llama3_json|mistral|harmony, or send tool_choice none",
+                          f"with --router-tool-call-parser {'|'.join(sorted(TOOL_PARSERS))}, or send tool_choice none",
                           param="tools")
     parser = get_tool_parser(parser_name)
     strict_auto = bool(strict) and forced is None

@@ -143,6 +143,11 @@ class GrammarMatcher:
         """The grammar is complete and allows nothing more (the request stops here)."""
         raise NotImplementedError
 
+    def allows_only_the_end(self) -> bool:
+        """Nothing but the end of the output may follow: asked once, when the request reaches max_tokens (a
+        whole answer ends "stop", not "length"). A backend whose matcher finishes only on EOS looks further."""
+        return self.is_finished
+
 
 # ----------------------------------------------------------------- llguidance
 class LLGuidanceBackend(GrammarBackend):
@@ -286,7 +291,8 @@ class XGrammarBackend(GrammarBackend):
         import xgrammar
 
         grammar, is_json = compiled
-        return _XGrammarMatcher(xgrammar.GrammarMatcher(grammar), self._control_tokens if is_json else None)
+        return _XGrammarMatcher(xgrammar.GrammarMatcher(grammar), self._control_tokens if is_json else None,
+                                self.vocab_size)
 
     def _matches_nothing(self, compiled: Any) -> bool:
         import xgrammar
@@ -297,9 +303,10 @@ class XGrammarBackend(GrammarBackend):
 
 
 class _XGrammarMatcher(GrammarMatcher):
-    def __init__(self, matcher, blocked_tokens) -> None:
+    def __init__(self, matcher, blocked_tokens, vocab_size: int) -> None:
         self._matcher = matcher
         self._blocked = blocked_tokens  # token ids never allowed (JSON: raw control characters), or None
+        self._vocab_size = vocab_size
 
     def fill_bitmask(self, bitmask: "torch.Tensor", row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
@@ -319,6 +326,21 @@ class _XGrammarMatcher(GrammarMatcher):
     @property
     def is_finished(self) -> bool:
         return bool(self._matcher.is_terminated())
+
+    def allows_only_the_end(self) -> bool:
+        """xgrammar terminates only on a stop token: complete here, with nothing but stop tokens allowed next."""
+        import xgrammar
+
+        if self.is_finished:
+            return True
+        if not self._matcher.is_completed():
+            return False
+        bitmask = xgrammar.allocate_token_bitmask(1, self._vocab_size)  # [1, words] int32
+        self.fill_bitmask(bitmask, 0)
+        for token_id in self._matcher.stop_token_ids:
+            bit = token_id % 32
+            bitmask[0, token_id // 32] &= ~((1 << bit) if bit < 31 else -(1 << 31))  # an int32's bit 31 is its sign
+        return not bool(bitmask.any())
 
 
 def _control_character_tokens(hf_tokenizer, vocab_size: int):

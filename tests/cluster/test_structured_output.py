@@ -102,7 +102,8 @@ def test_the_openai_parse_helper_with_a_pydantic_model(client):
     ({"structured_outputs": {"json": {"type": "object"}, "backend": "nope"}}, "unknown backend"),
     ({"structured_outputs": {"grammar": "root ::= undefined", "backend": "xgrammar"}}, "undefined"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
-    ({"guided_regex": "a+", "guided_choice": ["a"]}, "one output constraint"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, r"one output constraint, not 2 \(guided_regex, guided_choice\)"),
+    ({"guided_regex": "[a-z"}, "guided_regex: "),  # the field the client sent
 ])
 def test_bad_constraints_are_clear_400s(cluster, client, extra, message):
     model = client.models.list().data[0].id

@@ -75,6 +75,12 @@ def test_regex_choice_and_grammar(llm, backend):
     assert outputs[1].text in ("yes", "no", "not sure") and outputs[2].text in ("yes", "no", "not sure")
     assert re.fullmatch(r"a[bc]+d", outputs[3].text) or outputs[3].finish_reason == "length"
     assert all(o.finish_reason == "stop" for o in outputs[:3])
+    # the grammar complete on the last token max_tokens allows: a whole answer, "stop" (not "length")
+    choice = StructuredOutput(kind="choice", choices=["yes"], backend=backend)
+    exact = SamplingParams(max_tokens=len(llm.tokenizer.encode("yes", add_special_tokens=False)), temperature=0.0,
+                           structured_output=choice)
+    at_limit = llm.generate(["x"], exact)[0]
+    assert at_limit.text == "yes" and at_limit.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)

@@ -265,6 +265,12 @@ def test_vllm_stream_and_logprob_extras(router, client, served_model):
     assert chunks and all(c.usage is not None for c in chunks)
     assert [c.usage.completion_tokens for c in chunks] == sorted(c.usage.completion_tokens for c in chunks)
     assert chunks[-1].usage.completion_tokens == len(ids)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=10,
+                                          stream=True, stream_options={"include_usage": True,
+                                                                       "continuous_usage_stats": True})
+    chat_chunks = [c for c in chat if c.choices]
+    assert chat_chunks[0].choices[0].delta.role == "assistant"  # the role chunk carries it too, as vLLM's does
+    assert all(c.usage is not None for c in chat_chunks)
     plain = client.completions.create(model="tiny", prompt="Hi", max_tokens=10, stream=True,
                                       stream_options={"include_usage": True})
     assert all(c.usage is None for c in plain if c.choices)

@@ -13,6 +13,7 @@ import pytest
 
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
 from router.responses_schema import ResponsesRequest
+from router.tool_parsers import TOOL_PARSERS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "openai-api.md"
 SCHEMAS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
@@ -119,6 +120,12 @@ def test_bad_tool_and_item_shapes_are_400s_that_reach_no_worker(router, endpoint
                           timeout=10)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["message"] and worker.requests == []
+
+
+def test_tools_without_a_parser_name_every_parser_there_is(router):
+    body = {"model": "tiny", "messages": MESSAGES, "tools": [TOOL]}  # this template names no tool format
+    message = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=10).json()["error"]["message"]
+    assert f"--router-tool-call-parser {'|'.join(sorted(TOOL_PARSERS))}," in message and "deepseek_v31" in message
 
 
 def test_a_function_call_output_may_be_a_list_of_text_parts():

@@ -132,12 +132,15 @@ def test_thinking_turned_off_in_the_template_is_all_content(serve, tool_model):
     assert tokens == want
 
 
-def test_responses_items_follow_the_answer(serve):
-    client = serve("<think>\nhm\n</think>\n\nChecking.\n" + CALL, reasoning_parser="think")
+def test_responses_items_follow_the_answer(serve, tool_model):
+    thinking = "hm, the weather in Paris"
+    client = serve(f"<think>\n{thinking}\n</think>\n\nChecking.\n" + CALL, reasoning_parser="think")
     tools = [{"type": "function", **TOOLS[0]["function"]}]
     out = client.responses.create(model="tiny", input="Weather?", tools=tools, max_output_tokens=200)
     assert [item.type for item in out.output] == ["reasoning", "message", "function_call"]
-    assert out.output[0].content[0].text == "hm" and out.output[1].content[0].text == "Checking."
+    assert out.output[0].content[0].text == thinking and out.output[1].content[0].text == "Checking."
+    thinking_tokens = len(tool_model.tokenizer(thinking, add_special_tokens=False)["input_ids"])
+    assert out.usage.output_tokens_details.reasoning_tokens == thinking_tokens > 1
     assert json.loads(out.output[2].arguments) == {"city": "Paris"} and out.output[2].name == "get_weather"
     assert out.status == "completed" and out.usage.output_tokens > 0
     with client.responses.stream(model="tiny", input="Weather?", tools=tools, max_output_tokens=200) as stream:
