@@ -1,12 +1,15 @@
 """What a local cluster keeps on disk besides its logs, and its removal: a private work dir (0700, from
-``mkdtemp``) holding the config file every process reads, a generated cluster key for a ``tcp://`` cluster given
-none, and by default the ``ipc://`` socket files. ``remove`` leaves only the logs: every socket file under the
-cluster's ``ipc://`` base (a killed process's included, which it could not remove itself), the config file, the
-key, and the work dir unless the logs are in it."""
+``mkdtemp``, named after the launcher's pid) holding the config file every process reads, a generated cluster key
+for a ``tcp://`` cluster given none, and by default the ``ipc://`` socket files. ``remove`` leaves only the logs:
+every socket file under the cluster's ``ipc://`` base (a killed process's included, which it could not remove
+itself), the config file, the key, and the work dir unless the logs are in it. A launcher killed by SIGKILL
+removes nothing; the next one on the host removes what it left (``remove_stale_work_dirs``), logs kept."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import shutil
 import stat
 import tempfile
@@ -14,12 +17,22 @@ from pathlib import Path
 
 import yaml
 
+from kv_transfer.shm_files import is_running
+
 CONFIG_SECTION = "cluster"
 
 
+log = logging.getLogger(__name__)
+WORK_DIR_PREFIX = "tandem-"
+
+
 class ClusterFiles:
-    def __init__(self) -> None:
-        self.work_dir = Path(tempfile.mkdtemp(prefix="tandem-"))  # owner-only
+    def __init__(self, work_dir: Path | None = None) -> None:
+        """A new work dir (after clearing killed launchers' ones), or ``work_dir``, one that exists."""
+        if work_dir is None:
+            remove_stale_work_dirs()
+            work_dir = Path(tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{os.getpid()}-"))  # owner-only
+        self.work_dir = work_dir
 
     @property
     def default_endpoint_base(self) -> str:
@@ -59,3 +72,23 @@ class ClusterFiles:
         shutil.rmtree(self.work_dir / "cluster-key", ignore_errors=True)
         with contextlib.suppress(OSError):  # not empty: the logs are here, for the user
             self.work_dir.rmdir()
+
+
+def remove_stale_work_dirs(root: str | None = None) -> list[Path]:
+    """Clear the work dirs (under ``root``, default the temp dir) of launchers that no longer run, as their
+    ``remove`` would have (their own ``ipc://`` sockets, config, key; the logs stay); only this user's. Returns
+    the dirs cleared."""
+    cleared = []
+    for work_dir in Path(root or tempfile.gettempdir()).glob(f"{WORK_DIR_PREFIX}*-*"):
+        pid_text = work_dir.name[len(WORK_DIR_PREFIX):].split("-", 1)[0]
+        try:
+            if (not pid_text.isdigit() or is_running(int(pid_text)) or not work_dir.is_dir()
+                    or work_dir.stat().st_uid != os.getuid()):
+                continue
+        except OSError:  # gone meanwhile: another launcher cleared it
+            continue
+        ClusterFiles(work_dir).remove(f"ipc://{work_dir}/zmq")
+        log.info("removed what a killed tandem up (pid %s) left in %s%s", pid_text, work_dir,
+                 " (its logs stay)" if work_dir.exists() else "")
+        cleared.append(work_dir)
+    return cleared

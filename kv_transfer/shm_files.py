@@ -46,7 +46,7 @@ def remove_stale_shared_kv_files() -> list[str]:
     removed = []
     for path in shared_kv_files_of():
         pid = _owner_pid(os.path.basename(path))
-        if pid is not None and not _is_running(pid):
+        if pid is not None and not is_running(pid):
             unlink_quietly(path)
             removed.append(path)
     return removed
@@ -68,7 +68,8 @@ def _owner_pid(entry: str) -> int | None:
     return int(pid_text) if pid_text.isdigit() else None
 
 
-def _is_running(pid: int) -> bool:
+def is_running(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
