@@ -200,7 +200,8 @@ def _wait_placed(actors: dict, where: dict[str, dict], timeout_s: float, bundles
 
 
 def _wait_ready(actors: dict, timeout_s: float) -> None:
-    """Until the router is ready with every worker alive; fails fast on a process given up."""
+    """Until the router is ready with every worker alive; fails fast on a process given up or on a port another
+    router answers."""
     import ray
 
     expected = set(actors) - {ROUTER}
@@ -213,6 +214,8 @@ def _wait_ready(actors: dict, timeout_s: float) -> None:
                 raise DeployError(f"{name} on {status['node_ip']} keeps exiting ({status['last_event']}); "
                                   f"log {status['log']}:\n{tail}")
         body = ray.get(actors[ROUTER].router_ready.remote())
+        if body.get("port_taken"):  # its router cannot bind the port: no wait makes it ready
+            raise DeployError(body["error"])
         alive = {w["worker_id"] for w in body.get("workers", []) if w.get("alive")}
         if body.get("ready") and expected <= alive:
             return

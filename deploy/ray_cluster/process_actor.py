@@ -136,7 +136,8 @@ class ProcessSupervisor:
 
     def router_ready(self) -> dict:
         """The router's ``/ready`` body, asked on its own node (``{"error": ...}`` when unreachable, or when another
-        process answers on its port: another deployment's router, while this one cannot bind it)."""
+        process answers on its port: another deployment's router, while this one cannot bind it; ``port_taken``
+        then)."""
         try:
             body = httpx.get(f"{self.url}/ready", timeout=5.0).json()
         except (httpx.HTTPError, ValueError) as exc:
@@ -144,8 +145,9 @@ class ProcessSupervisor:
         with self._lock:
             ours = self._proc.pid if self._proc is not None else None
         if body.get("pid") != ours:
-            return {"ready": False, "error": f"{self.url} is answered by another router (pid {body.get('pid')}), not "
-                                             f"this deployment's (pid {ours}): is its port taken?"}
+            return {"ready": False, "port_taken": True,
+                    "error": f"{self.url} is answered by another router (pid {body.get('pid')}), not this "
+                             f"deployment's (pid {ours}): is its port taken?"}
         return body
 
     def log_tail(self, num_lines: int = 40) -> str:
