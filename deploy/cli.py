@@ -18,8 +18,8 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving.")
     parser.add_argument("--log-level", default=None, type=_log_level,
-                        help="DEBUG, INFO, WARNING (default), ERROR, CRITICAL; tandem up's processes log at this level too "
-                             "(default INFO, in their log files)")
+                        help="DEBUG, INFO, WARNING (default), ERROR, CRITICAL; tandem up's processes log at this "
+                             "level too (default INFO, in their log files)")
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.register(sub)
     serve_cmds.register(sub)

@@ -209,7 +209,7 @@ class ChatCompletionRequest(ChatTemplateOptions, _SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: StrictBool = True  # False: at most one call per answer
-    include_reasoning: StrictBool = True  # vLLM: False drops reasoning_content (the thinking is still generated)
+    include_reasoning: StrictBool = True  # vLLM: False leaves reasoning_content null (the thinking still happens)
     store: StrictBool | None = None  # nothing is stored: only false is honoured
     modalities: list[Literal["text"]] | None = None
 
