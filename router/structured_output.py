@@ -25,6 +25,9 @@ from router.served_model import ServedModel
 _BACKENDS: dict[int, Any] = {}  # id(ServedModel) -> its grammar BackendSet (the tokenizer is wrapped once)
 
 
+GUIDED_KINDS = ("json", "regex", "choice", "grammar")  # vLLM's guided_<kind> request fields
+
+
 def structured_output_from(body: Any) -> StructuredOutput | None:
     """The body's one constraint (None when it has none); 400 for a malformed or doubled one."""
     found: list[tuple[str, StructuredOutput]] = []
@@ -35,7 +38,7 @@ def structured_output_from(body: Any) -> StructuredOutput | None:
             found.append(("response_format", spec))
     extension = {key: (f"structured_outputs.{key}", value)
                  for key, value in (getattr(body, "structured_outputs", None) or {}).items()}
-    for name in ("json", "regex", "choice", "grammar"):  # vLLM's older guided_* fields, named as the client sent them
+    for name in GUIDED_KINDS:  # vLLM's older guided_* fields, named as the client sent them
         value = getattr(body, f"guided_{name}", None)
         if value is not None:
             extension.setdefault(name, (f"guided_{name}", value))
@@ -55,7 +58,7 @@ def constraint_param(body: Any) -> str:
         return "response_format"
     if getattr(body, "structured_outputs", None):
         return "structured_outputs"
-    for name in ("json", "regex", "choice", "grammar"):  # vLLM's older fields, named as the client sent them
+    for name in GUIDED_KINDS:  # vLLM's older fields, named as the client sent them
         if getattr(body, f"guided_{name}", None) is not None:
             return f"guided_{name}"
     return "tools" if getattr(body, "tools", None) else "response_format"
