@@ -20,7 +20,9 @@ Rules, in order:
    backlog plus this prompt by at least that many tokens (Dynamo's queue-aware conditional
    disaggregation): at saturation the decode workers' idle compute takes prompts off a prefill queue
    that would start them later than a local prefill would finish them; below it nothing spills.
-5. No decode candidate -> ``NoRoute`` with the reason (the HTTP layer answers 503). Candidates that
+5. No decode candidate -> ``NoRoute`` with the reason (the HTTP layer answers 503); ``PromptTooLong`` (a 400,
+   as a prompt past the model's context is) when decode-capable workers are there but none holds the prompt
+   (their KV pools are shorter than the model's context: ``pipeline/kv_pool.servable_length``). Candidates that
    all run a full batch (router-side in-flight count >= their ``max_batch_size``) -> ``Saturated``
    (a ``NoRoute``): the request waits in the router's admission queue instead.
 
@@ -81,6 +83,15 @@ class NoRoute(Exception):
     """No live worker combination can serve the request; ``str()`` says why."""
 
 
+class PromptTooLong(NoRoute):
+    """Decode-capable workers are live, but none holds the prompt: ``longest`` is the most any of them holds."""
+
+    def __init__(self, num_prompt_tokens: int, longest: int) -> None:
+        super().__init__(f"the prompt has {num_prompt_tokens} tokens; the workers serving this model hold at most "
+                         f"{longest} (their KV caches are shorter than the model's context)")
+        self.longest = longest
+
+
 class Saturated(NoRoute):
     """Workers can serve the request, but every one of them is saturated: wait for a free slot."""
 
@@ -105,6 +116,8 @@ def choose_route(
         # none holds the whole output (a worker serves what its KV pool holds: pipeline/kv_pool.servable_length):
         # one that holds the prompt ends the output at its own max_length, finish_reason "length"
         decode_candidates = [w for w in decoders if w.max_length > num_prompt_tokens]
+    if not decode_candidates and decoders:
+        raise PromptTooLong(num_prompt_tokens, max(w.max_length for w in decoders))
     if not decode_candidates:
         raise NoRoute(_why_none(workers, excluded, num_tokens))
     decode_candidates = [w for w in decode_candidates if not w.is_saturated]

@@ -30,9 +30,9 @@ from router.admission import Overloaded
 from router.chat_output import ChatOutputFormat, ChatOutputStream
 from router.dispatcher import Dispatcher
 from router.request_handle import RequestFailed, RequestHandle
-from router.errors import APIError, overloaded
+from router.errors import APIError, bad_request, overloaded
 from router.metrics import RouterMetrics
-from router.policy import NoRoute
+from router.policy import NoRoute, PromptTooLong
 from router.preprocess import PreparedRequest
 from router.served_model import ServedModel
 from router.sse import sse_event
@@ -209,6 +209,10 @@ async def _admit_all(state: RouterState, http_request: Request, request_id: str,
         _cancel_all(state, handles, None, "failed (429)", str(exc))
         state.metrics.requests_total.labels("overloaded").inc()
         raise overloaded(str(exc), exc.retry_after_s) from None
+    except PromptTooLong as exc:  # as a prompt past the model's context: the client's to shorten, not to retry
+        _cancel_all(state, handles, None, "failed (400)", str(exc))  # counted as rejected by its status
+        raise bad_request(f"This model's maximum context length is {exc.longest} tokens on its workers: {exc}",
+                          code="context_length_exceeded") from None
     except NoRoute as exc:
         _cancel_all(state, handles, None, "failed (503)", str(exc))
         state.metrics.requests_total.labels("unavailable").inc()

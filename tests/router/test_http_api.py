@@ -280,6 +280,19 @@ def test_vllm_stream_and_logprob_extras(router, client, served_model):
     assert as_ids.choices[0].text == "Hello there"
 
 
+def test_a_prompt_no_workers_kv_pool_holds_is_a_400_not_a_503(router, client):
+    """A worker whose KV pool is shorter than the model's context registers what it holds: a prompt longer than
+    that on every worker is the client's to shorten (openai's BadRequestError, code context_length_exceeded;
+    LangChain and LiteLLM act on it), not a 503 that SDKs retry. Nothing is sent to the worker."""
+    worker = router.add_worker(max_length=16)
+    rejected = router.metric('tandem_requests_total{outcome="rejected"}')
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=list(range(5, 25)), max_tokens=2)
+    assert info.value.code == "context_length_exceeded" and "hold at most 16" in info.value.message
+    assert router.metric('tandem_requests_total{outcome="rejected"}') == rejected + 1 and worker.requests == []
+    assert client.completions.create(model="tiny", prompt=list(range(5, 10)), max_tokens=2).choices  # it fits
+
+
 def test_an_unexpected_error_is_a_500_that_keeps_the_connection(router, monkeypatch):
     """A bug's exception: an OpenAI-shaped 500, counted, and the client's keep-alive connection still works."""
     import router.app as app_module

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import PipelineRole
-from router.policy import NoRoute, Saturated, WorkerView, choose_route
+from router.policy import NoRoute, PromptTooLong, Saturated, WorkerView, choose_route
 
 P, D, PD = PipelineRole.PrefillOnly, PipelineRole.DecodeOnly, PipelineRole.PrefillAndDecode
 
@@ -143,7 +143,9 @@ def test_a_worker_holding_only_the_prompt_serves_when_none_holds_the_whole_outpu
     workers = [w("c0", PD, max_length=64), w("c1", PD, max_length=512)]
     assert choose_route(workers, 2048, num_prompt_tokens=100).decode.worker_id == "c1"
     assert choose_route(workers, 2048, num_prompt_tokens=10).decode.worker_id in ("c0", "c1")
-    with pytest.raises(NoRoute, match="largest max_length is 512"):
+    # a prompt no worker holds is the client's to shorten (a 400), not a worker missing (a 503)
+    with pytest.raises(PromptTooLong, match="the prompt has 600 tokens; the workers serving this model hold at most "
+                                            "512"):
         choose_route(workers, 2048, num_prompt_tokens=600)
 
 
