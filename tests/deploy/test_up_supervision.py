@@ -161,12 +161,13 @@ def test_crashing_past_the_limit_exits_nonzero_with_the_reason(tiny_checkpoint, 
         up.cleanup()
 
 
-def read_a_long_stream(url: str, tiny_checkpoint) -> tuple[dict, threading.Thread]:
-    """Start a 1,900-token stream and read it in a thread; returns once it is streaming. The dict
+def read_a_long_stream(url: str, tiny_checkpoint, max_tokens: int = 1900) -> tuple[dict, threading.Thread]:
+    """Start a ``max_tokens`` stream and read it in a thread; returns once it is streaming. The dict
     gets ``finish`` and ``ended`` when it completes, ``error`` when it breaks."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
     stream = client.completions.create(model=Path(tiny_checkpoint("llama")).name, prompt="a long story",
-                                       max_tokens=1900, temperature=0, stream=True, extra_body={"ignore_eos": True})
+                                       max_tokens=max_tokens, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
     result: dict = {}
 
     def consume():
@@ -193,7 +194,8 @@ def read_a_long_stream(url: str, tiny_checkpoint) -> tuple[dict, threading.Threa
 def test_sigterm_lets_a_running_stream_finish(tiny_checkpoint, tmp_path):
     up = TandemUp(up_args(tiny_checkpoint, tmp_path, "--prefill", "1", "--decode", "1"))
     try:
-        result, reader = read_a_long_stream(up.wait_ready(), tiny_checkpoint)
+        # long enough to be under way at the signal (seconds of steps), short enough not to spend them all
+        result, reader = read_a_long_stream(up.wait_ready(), tiny_checkpoint, max_tokens=700)
         children = cluster_processes(up.proc.pid)
         up.proc.send_signal(signal.SIGTERM)
         signalled_at = time.monotonic()
