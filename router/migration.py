@@ -151,16 +151,17 @@ class Migration:
         is_planned = worker.load.is_draining  # this incarnation was stopping on purpose (its last report)
         for handle in self.in_flight.handles():
             if handle.decode_worker_id == worker.worker_id:
-                self.retry_or_fail(handle, worker.worker_id, f"decode worker {worker.worker_id} died",
-                                   is_planned=is_planned)
+                self.retry_or_fail(handle, worker.worker_id, f"worker {worker.worker_id}, decoding it, was lost "
+                                   "(it exited or stopped answering)", is_planned=is_planned)
             elif handle.prefill_worker_id == worker.worker_id and not handle.has_tokens:
-                self.retry_or_fail(handle, worker.worker_id, f"prefill worker {worker.worker_id} died",
-                                   is_planned=is_planned)
+                self.retry_or_fail(handle, worker.worker_id, f"worker {worker.worker_id}, prefilling it, was lost "
+                                   "(it exited or stopped answering)", is_planned=is_planned)
             elif (handle.status is RequestStatus.HANDING_OFF and handle.kv_source is not None
                   and handle.kv_source[0] == worker.worker_id):
                 handle.kv_source = None  # nobody to tell: its KV is gone, the new worker recomputes it
                 handle.set_status(RequestStatus.MIGRATING)
-                self.retry_or_fail(handle, worker.worker_id, f"decode worker {worker.worker_id} died handing off")
+                self.retry_or_fail(handle, worker.worker_id, f"worker {worker.worker_id} was lost while handing it "
+                                   "off (it exited or stopped answering)")
 
     # ------------------------------------------------------------------ live migration (drain)
 

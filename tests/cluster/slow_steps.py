@@ -1,6 +1,8 @@
 """Test-only entry point: the ``tandem`` CLI with engine steps made slow, as on a big model or a loaded CPU.
 
-``python -m tests.cluster.slow_steps <tandem args>`` runs ``deploy.cli``; in worker processes, every
+``python -m tests.cluster.slow_steps <tandem args>`` runs ``deploy.cli`` (a per-role process, or a LocalCluster started
+with ``entry_module="tests.cluster.slow_steps"``; ``tandem up``'s own workers are forked with ``deploy.cli`` and
+are not slowed); in worker processes, every
 engine step that ran a prompt chunk of at least ``TANDEM_TEST_SLOW_MIN_CHUNK`` tokens then burns
 ``TANDEM_TEST_SLOW_STEP_S`` more seconds of CPU in torch matmuls (which, like a real forward, release
 the GIL between ops and keep the cores busy). With ``TANDEM_TEST_SLOW_ONCE=1`` only the first such
