@@ -129,7 +129,7 @@ def test_saturated_workers_are_skipped_and_all_saturated_is_its_own_error():
 def test_max_length_and_exclusions_filter_candidates():
     workers = [w("c0", PD, max_length=64), w("c1", PD, max_length=4096, num_running=50)]
     assert choose_route(workers, 100).decode.worker_id == "c1"
-    with pytest.raises(NoRoute, match="largest max_length is 4096"):
+    with pytest.raises(PromptTooLong, match="hold at most 4096"):
         choose_route(workers, 5000)
     assert choose_route(workers, 10, exclude={"c0"}).decode.worker_id == "c1"
     with pytest.raises(NoRoute, match="no other live worker"):
