@@ -58,7 +58,8 @@ def make_backend(name: str | None, hf_tokenizer, vocab_size: int) -> GrammarBack
     try:
         return _BACKEND_CLASSES[name](hf_tokenizer, vocab_size)
     except ImportError:
-        raise StructuredOutputError(f"structured_output.backend: {name} is not installed (pip install {name})") from None
+        raise StructuredOutputError(
+            f"structured_output.backend: {name} is not installed (pip install {name})") from None
 
 
 class BackendSet:
