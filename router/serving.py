@@ -248,8 +248,8 @@ async def _next_piece(state: RouterState, group: _Group) -> tuple[_Choice, Piece
             state.dispatcher.cancel(handle, "timeout", error.message)
             state.metrics.requests_total.labels("timeout").inc()
             raise error from None
-        if isinstance(item, RequestFailed):
-            state.metrics.requests_total.labels("error").inc()
+        if isinstance(item, RequestFailed):  # 503: no worker could carry it on; 500: a worker's error
+            state.metrics.requests_total.labels("unavailable" if item.status_code == 503 else "error").inc()
             raise _failure_error(item)
         if not 0 <= item.index < len(group.choices):
             continue

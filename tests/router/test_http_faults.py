@@ -144,6 +144,7 @@ def test_worker_error_fails_the_request(router):
     router.add_worker(script=fail)
     response = httpx.post(f"{router.url}/v1/completions", json=BODY)
     assert response.status_code == 500 and "KV checksum mismatch" in response.json()["error"]["message"]
+    assert router.metric('tandem_requests_total{outcome="error"}') == 1
 
 
 def test_request_deadline(router_factory):
@@ -342,4 +343,6 @@ def test_a_stream_fails_once_no_worker_came_back_in_time_and_is_no_migration(rou
             if i == 0:
                 worker.stop()
     assert router.metric('tandem_migrations_total{cause="worker_died"}') == 0.0  # nothing moved
+    assert router.metric('tandem_requests_total{outcome="unavailable"}') == 1  # no worker: not the server's error
+    assert router.metric('tandem_requests_total{outcome="error"}') == 0
     router.wait_idle()
