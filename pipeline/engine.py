@@ -140,9 +140,12 @@ class LLMEngine:
         self.executor = StepExecutor(self.scheduler, self.runner, self.kv_manager, self.speculator, self.stream)
         self.sequence_builder = SequenceBuilder(self.tokenizer, self.vocab_size, self.max_length, self.eos_token_ids,
                                                 self.device, is_speculative=self.speculator is not None)
+        from pipeline.quantization.loading import describe_quantized_layers
+
         logger.info(
-            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, kernels=%s",
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, kernels=%s, quantized layers: %s",
             model_path, self.device, self.dtype, pool.num_blocks, config.kv_cache.page_size, self.kernels.name,
+            describe_quantized_layers(self.model),
         )
 
     def _load_draft(self):

@@ -213,6 +213,19 @@ def plan_quantization(model: torch.nn.Module, path: str | os.PathLike, requested
     return plan
 
 
+def describe_quantized_layers(model: torch.nn.Module) -> str:
+    """What runs quantized, for the start-up line: e.g. "int8 W8A8 x154, int8 experts x2", or "none"."""
+    counts = {"int8 W8A8": 0, "fp8": 0, "int8 experts": 0}
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            counts["int8 W8A8"] += 1
+        elif isinstance(module, Fp8Linear):
+            counts["fp8"] += 1
+        elif isinstance(module, Int8StackedExperts):
+            counts["int8 experts"] += 1
+    return ", ".join(f"{kind} x{count}" for kind, count in counts.items() if count) or "none"
+
+
 def _is_eligible(model: torch.nn.Module, name: str) -> bool:
     """Not the output projection, not a mixture-of-experts router, not a linear its module reads as weights
     (listed in the module's ``weights_read_directly``: multi-head latent attention folds ``kv_b_proj`` into its

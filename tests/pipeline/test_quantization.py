@@ -10,6 +10,7 @@ activations too, which the dequantized oracle does not: bounds measured on these
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -120,11 +121,14 @@ def test_int8_checkpoint_in_bf16(tiny_checkpoint, quantized_checkpoint, hf_refer
     assert max_error < 0.1 and agreement >= 0.9, (max_error, agreement)
 
 
-def test_load_time_int8_agrees_with_the_float_model(tiny_checkpoint, hf_reference):
+def test_load_time_int8_agrees_with_the_float_model(tiny_checkpoint, hf_reference, caplog):
     path = tiny_checkpoint("llama")
     hf_model, _ = hf_reference(path)
-    llm = LLM(path, model_config={"quantization": "int8"}, **ENGINE)
+    with caplog.at_level(logging.INFO, logger="pipeline.engine"):
+        llm = LLM(path, model_config={"quantization": "int8"}, **ENGINE)
     assert linear_kinds(llm) == {"Int8Linear"}
+    layers = len(llm.engine.model.model.layers)  # qkv, o, gate_up and down of each layer: the start-up line says so
+    assert f"quantized layers: int8 W8A8 x{4 * layers}" in caplog.text
     assert llm.engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
     max_error, agreement = teacher_forced_errors(llm, hf_model, sequences())
     assert max_error < 0.15 and agreement >= 0.85, (max_error, agreement)  # measured 0.050 / 94%
