@@ -99,6 +99,8 @@ class KVReceiver(IOThread):
         self._endpoint = ""
         self._results: collections.deque[ReceivedTransfer] = collections.deque()
         self._open: set[str] = set()  # caller side: expected and not yet reported
+        # written by the I/O thread, read by the caller (one dict operation each side: atomic)
+        self._last_landed: dict[str, float] = {}  # request id -> when a piece of it last landed (monotonic)
         self._reservations: dict[str, _Reservation] = {}  # I/O thread from here on
         self._peers: dict[bytes, _Peer] = {}
         self._tombstones: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -149,6 +151,11 @@ class KVReceiver(IOThread):
         for result in out:
             self._open.discard(result.request_id)
         return out
+
+    def last_landed(self, request_id: str) -> float | None:
+        """When a piece of ``request_id``'s KV last landed here (``time.monotonic``); None before the first piece
+        or once it ended. The sink's TTL runs from it."""
+        return self._last_landed.get(request_id)
 
     def abort(self, request_id: str) -> None:
         """Drop the reservation; ``poll()`` reports it (ok=False) once no byte can land any more."""
@@ -325,6 +332,7 @@ class KVReceiver(IOThread):
         land_piece(self._kernels, self.kv_cache, self._pages, msg.dst_block_ids,
                    slice(msg.layer_start, msg.layer_stop), frame, res.checksum)
         self._stats.add_bytes(res.transport, msg.num_bytes, time.perf_counter() - start)
+        self._last_landed[res.request_id] = time.monotonic()
 
     def _on_finish(self, identity: bytes, res: _Reservation, msg: Finish) -> None:
         if res.revoking is not None:  # Finish comes after the writer's last write: it has stopped
@@ -360,6 +368,7 @@ class KVReceiver(IOThread):
 
     def _end(self, res: _Reservation, error: str | None, payload: bytes) -> None:
         del self._reservations[res.request_id]
+        self._last_landed.pop(res.request_id, None)
         self._tombstone(res.request_id, error or "request already finished")
         seconds = time.monotonic() - res.created
         self._stats.end_transfer(res.transport, error is None, seconds)

@@ -103,7 +103,9 @@ class TransferConfig(ConfigSection):
     transport: Literal["auto", "zmq", "shm", "cuda_ipc"] = Field(
         "auto", description="auto: CUDA IPC between GPU workers on one host, shared memory between CPU workers on one "
         "host, else ZMQ")
-    ttl_s: float = Field(30.0, gt=0.0, description="a reservation expires if its KV has not arrived by then")
+    ttl_s: float = Field(30.0, gt=0.0, description="a KV transfer is given up after this long without progress: "
+                         "the prefill worker silent before it starts the prompt, or no chunk computed / no KV landed "
+                         "since the last (a queue at the prefill worker does not count)")
     heartbeat_interval_s: float = Field(0.5, gt=0.0, description="worker -> router heartbeat period")
     kv_migration_on_drain: bool = Field(
         True, description="a draining DecodeOnly worker hands its running streams, with their KV, to another "

@@ -15,8 +15,8 @@ A request walks (``SinkStatus``; vLLM's WAITING_FOR_REMOTE_KVS, SGLang's preallo
   blocks outside the window are not sent, and such a request's blocks are withheld from the prefix cache)
   and the source gets a ``PrefillRequest`` (``REQUESTED``, TTL running until it
   answers). ``PrefillAccepted`` stops the TTL (queued there: load, not a fault); ``PrefillStarted`` starts it
-  again for the prefill and the transfer. The receiver's verdict activates the request in the engine (its
-  first token, or nothing for a migrated stream) or fails it.
+  again for the prefill and the transfer, and every piece of KV that lands starts it again. The receiver's
+  verdict activates the request in the engine (its first token, or nothing for a migrated stream) or fails it.
 - ``expire`` (TTL) and ``tear_down`` (cancel, request deadline, rejection): the receiver stops expecting and
   the source is told; the blocks are freed only when the receiver reports it will never write them again.
 """
@@ -51,7 +51,7 @@ class SinkStatus(enum.Enum):
     WAITING_FOR_BLOCKS = "waiting_for_blocks"  # queued in the engine for a reservation
     REQUESTED = "requested"  # blocks reserved and expected, PrefillRequest sent; TTL until the source answers
     QUEUED_AT_SOURCE = "queued_at_source"  # the source accepted it: no TTL (its queue is load)
-    TRANSFERRING = "transferring"  # the source started it: TTL for the prefill and the transfer
+    TRANSFERRING = "transferring"  # the source started it: TTL from the start, then from each piece landed
     ABORTING = "aborting"  # torn down; gone once the receiver lets go of its blocks
     ARRIVED = "arrived"  # a migrated stream decoding here; kept until its first delta reports the KV bytes
 
@@ -227,11 +227,17 @@ class KVSink:
 
     # ------------------------------------------------------------ ends
     def expire(self, now: float | None = None) -> None:
-        """Tear down every request whose source did not answer, or whose KV did not come, within the TTL."""
+        """Tear down every request whose source did not answer, or whose KV stopped coming, within the TTL: a
+        transferring request's TTL runs from its last piece of KV landed (a long prompt is slow, not stuck)."""
         now = time.monotonic() if now is None else now
         for transfer in list(self.transfers.values()):
             if transfer.status in IN_FLIGHT and transfer.status is not SinkStatus.ABORTING \
                     and now > transfer.ttl_deadline:
+                landed = self.receiver.last_landed(transfer.request_id) \
+                    if transfer.status is SinkStatus.TRANSFERRING else None
+                if landed is not None and now <= landed + self.ttl_s:
+                    transfer.ttl_deadline = landed + self.ttl_s
+                    continue
                 logger.warning("request %s: no KV from the prefill worker within %.1fs", transfer.request_id,
                                self.ttl_s)
                 self.tear_down(transfer.request_id, "prefill timed out", retryable=True, notify=True)

@@ -62,7 +62,8 @@ class SourceTransfer:
 
     request_id: str  # the request's id here (the engine's)
     status: SourceStatus
-    deadline: float  # the hold (UNCLAIMED), then the TTL counted from ``start``; inf while queued
+    deadline: float  # the hold (UNCLAIMED), then the TTL counted from the last chunk computed; inf while queued
+    ttl_s: float = math.inf  # from ``start``: how long it may go without a chunk computed (or the sink's verdict)
     request: PrefillRequest | None = None  # the sink's ask (destination blocks, endpoint), once it came
     reply_to: bytes | None = None  # the sink's routing id on the source socket
     num_skipped_blocks: int = 0  # leading destination blocks the sink already holds (its prefix cache)
@@ -156,10 +157,12 @@ class KVSource:
 
     # ------------------------------------------------------------ shipping
     def start(self, request_id: str, ttl_s: float | None = None) -> None:
-        """QUEUED -> SHIPPING: tell the sink (``PrefillStarted``); the TTL (the request's unless given) runs."""
+        """QUEUED -> SHIPPING: tell the sink (``PrefillStarted``); the TTL (the request's unless given) runs, and
+        runs again from each chunk computed after (a long prompt beside others is slow, not stuck)."""
         transfer = self.transfers[request_id]
         self._move(transfer, SourceStatus.QUEUED, SourceStatus.SHIPPING)
-        transfer.deadline = time.monotonic() + (transfer.request.ttl_s if ttl_s is None else ttl_s)
+        transfer.ttl_s = transfer.request.ttl_s if ttl_s is None else ttl_s
+        transfer.deadline = time.monotonic() + transfer.ttl_s
         self.socket.send(PrefillStarted(request_id=transfer.transfer_id), to=transfer.reply_to)
 
     def on_kv_written(self, written: list[tuple[str, int]]) -> None:
@@ -171,6 +174,8 @@ class KVSource:
                 continue  # (unclaimed: the claim ships what is computed by then)
             if transfer.status is SourceStatus.QUEUED:
                 self.start(request_id)
+            else:
+                transfer.deadline = time.monotonic() + transfer.ttl_s  # progress: the TTL runs again
             self.ship(request_id, num_tokens // self.engine.page_size)
 
     def ship(self, request_id: str, upto_block: int) -> None:

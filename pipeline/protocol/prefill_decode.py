@@ -27,8 +27,9 @@ class PrefillRequest(msgspec.Struct, tag=True, **_HOT):
 
     The first ``num_cached_tokens`` tokens' KV is already on the decode worker (prefix reuse); the
     prefill worker does not send their full blocks (a block they fill only partly is sent whole).
-    ``ttl_s`` after ``PrefillStarted`` the decode worker gives up on this request (and ``ttl_s`` after
-    sending it, until ``PrefillAccepted``).
+    ``ttl_s`` without progress ends it: after sending it, until ``PrefillAccepted`` (the prefill worker is
+    unreachable); after ``PrefillStarted``, since the last chunk computed (prefill worker) or the last KV
+    landed (decode worker).
     """
 
     request_id: str
@@ -70,7 +71,8 @@ class PrefillAccepted(msgspec.Struct, tag=True, **_HOT):
 
 
 class PrefillStarted(msgspec.Struct, tag=True, **_HOT):
-    """Prefill -> decode: the request's first chunk ran; the transfer TTL starts again on both sides."""
+    """Prefill -> decode: the request's first chunk ran; the transfer TTL runs again on both sides (from here,
+    then from each chunk computed / each piece of KV landed)."""
 
     request_id: str
 

@@ -208,6 +208,50 @@ def test_a_reservation_queued_on_a_busy_prefill_worker_waits_then_the_ttl_runs_f
         router.close()
 
 
+def test_a_long_prompt_whose_chunks_keep_coming_outlives_the_ttl(tiny_checkpoint, base, monkeypatch):
+    """The TTL is a bound on silence, not on a prompt's whole prefill: 16-token chunks of a 120-token prompt, each
+    step 0.15 s longer (a slow model, or chunks beside other prompts'), take about 1.2 s, twice the 0.5 s TTL.
+    An audit saw such prompts retried (6 of 8 at once, 1,500 tokens each, TTL 2 s) while every chunk came."""
+    router = FakeRouter(base)
+    transfer = {"transport": "zmq", "ttl_s": 0.5}
+    prefill = PrefillWorker(config(tiny_checkpoint("llama"), base, "PrefillOnly", transfer=transfer,
+                                   max_batch_input_tokens=16, long_prefill_token_threshold=None), "p0")
+    decode = DecodeWorker(config(tiny_checkpoint("llama"), base, "DecodeOnly", transfer=transfer), "d0")
+    step = prefill.engine.step
+
+    def slow_step():
+        outputs = step()
+        time.sleep(0.15)
+        return outputs
+
+    monkeypatch.setattr(prefill.engine, "step", slow_step)
+    free_at_start = decode.engine.kv_manager.num_free_blocks
+    threads = [run_in_thread(prefill), run_in_thread(decode)]
+    try:
+        router.pump(0.5)
+        started = time.monotonic()
+        router.send("d0", GenerateRequest(request_id="long", prompt_token_ids=[3 + i % 50 for i in range(120)],
+                                          sampling_params=SamplingParams(max_tokens=3, temperature=0.0,
+                                                                         ignore_eos=True),
+                                          prefill_worker_id="p0", prefill_endpoint=prefill.endpoint))
+        ours = []
+        while not any(d.finish_reason is not None for d in ours):
+            assert time.monotonic() - started < 20, "the request never finished"
+            router.pump(0.1)
+            ours = [d for d, who in zip(router.deltas, router.senders) if who == "d0"]
+        assert [d.error for d in ours if d.error] == []  # not "prefill timed out"
+        assert sum(len(d.token_ids) for d in ours) >= 2 and time.monotonic() - started > 1.0
+        deadline = time.monotonic() + 5
+        while decode.engine.kv_manager.num_free_blocks != free_at_start and time.monotonic() < deadline:
+            router.pump(0.05)
+        assert decode.engine.kv_manager.num_free_blocks == free_at_start
+    finally:
+        for stop, thread in threads:
+            stop.set()
+            join_worker(thread)
+        router.close()
+
+
 def test_a_first_token_whose_kv_arrived_goes_out_before_the_next_step(tiny_checkpoint, base, monkeypatch):
     """The decode worker reads a finished transfer between steps; the first token it carries is the
     request's TTFT, so it goes to the router at once, not with the tokens of the step that follows

@@ -184,6 +184,23 @@ def test_a_ttl_past_its_start_drops_and_fail_all_rejects_what_never_shipped(sour
     assert not source.has_work()
 
 
+def test_each_chunk_computed_starts_the_ttl_again(source, monkeypatch):
+    """A long prompt beside others gets a chunk now and then: slow, not stuck. The TTL runs from its last chunk."""
+    import kv_transfer.connector.source as source_module
+
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(source_module.time, "monotonic", lambda: clock.now)
+    source.accept(b"d0", prefill_request())
+    source.on_kv_written([("r", 4)])  # the first chunk: started, TTL 5 s
+    assert source.get("r").deadline == 105.0
+    clock.now = 104.0
+    source.on_kv_written([("r", 8)])  # the next chunk, 4 s later
+    source.expire(now=107.0)  # past the first chunk's TTL, inside the second's
+    assert source.get("r").status is SourceStatus.SHIPPING and source.get("r").deadline == 109.0
+    source.expire(now=109.5)  # no chunk for 5.5 s
+    assert source.get("r").status is SourceStatus.DROPPING
+
+
 def test_a_handed_off_stream_is_claimed_under_the_targets_id_and_finishes_with_nothing_to_ship(source):
     source.engine.tables["stream"] = [5]
     source.hold("stream")
@@ -219,8 +236,12 @@ class FakeReceiver:
         self.expected_bytes: dict[str, int | None] = {}
         self.aborted: list[str] = []
         self.results: list[ReceivedTransfer] = []
+        self.landed: dict[str, float] = {}  # request id -> when a piece last landed
 
     layout = FakeSender.layout
+
+    def last_landed(self, request_id):
+        return self.landed.get(request_id)
 
     def expect(self, request_id, block_ids, num_bytes=None):
         self.expected[request_id] = list(block_ids)
@@ -304,6 +325,19 @@ def test_a_ttl_tears_down_and_the_blocks_wait_for_the_receiver(sink):
     (event,) = sink.progress(107.0)
     assert event.error == "prefill timed out" and event.retryable
     assert sink.engine.aborted == [("g", False)] and sink.get("g") is None
+
+
+def test_each_piece_landed_starts_the_ttl_again(sink):
+    """A transferring request whose KV keeps landing is not torn down; one silent for the TTL is."""
+    sink.expect(generate())
+    reserve(sink, now=100.0)
+    sink.links.answers.append(PrefillStarted(request_id="g"))
+    sink.progress(100.0)
+    sink.receiver.landed["g"] = 104.0  # a piece landed 4 s in
+    sink.expire(106.0)  # past the start's TTL, inside the piece's
+    assert sink.get("g").status is SinkStatus.TRANSFERRING and sink.get("g").ttl_deadline == 109.0
+    sink.expire(109.5)  # nothing landed for 5.5 s
+    assert sink.get("g").status is SinkStatus.ABORTING and sink.receiver.aborted == ["g"]
 
 
 def test_a_cancel_reports_nothing_and_a_rejection_does_not_notify_the_source(sink):

@@ -31,6 +31,11 @@ def test_chunked_round_trip_is_exact(make_pair, case, dtype):
     # Chunked prefill: blocks 0-3 as two per-layer pushes, then blocks 4-9 whole, in two chunks.
     sender.send_blocks("req-1", receiver.endpoint, src_ids[:4], dst_ids[:4], layers=slice(0, 1))
     sender.send_blocks("req-1", receiver.endpoint, src_ids[:4], dst_ids[:4], layers=slice(1, num_layers))
+    assert receiver.last_landed("req-1") is None or receiver.last_landed("req-1") <= time.monotonic()
+    deadline = time.monotonic() + 10
+    while receiver.last_landed("req-1") is None and time.monotonic() < deadline:  # the sink's TTL runs from it
+        time.sleep(0.01)
+    assert receiver.last_landed("req-1") is not None
     sender.send_blocks("req-1", receiver.endpoint, src_ids[4:7], dst_ids[4:7])
     sender.send_blocks("req-1", receiver.endpoint, src_ids[7:], dst_ids[7:], layers=None)
     sender.finish("req-1", b"prefill-done")
@@ -38,6 +43,7 @@ def test_chunked_round_trip_is_exact(make_pair, case, dtype):
     (got,), (status,) = wait_for(receiver, sender, 1, 1)
     # When the completion is visible, every byte already landed.
     assert got.ok and got.error is None and got.payload == b"prefill-done"
+    assert receiver.last_landed("req-1") is None  # ended: forgotten
     assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
     untouched = [b for b in range(num_blocks) if b not in dst_ids]
     assert torch.equal(dst[:, :, untouched], before[:, :, untouched])
