@@ -41,6 +41,7 @@ class IOThread:
         self._ready = threading.Event()
         self._reported = threading.Event()  # set by the I/O thread each time it reports a result (or fails)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.inbox_read_at = time.monotonic()  # I/O thread: when its sockets were last polled and read
 
     # ---- caller side ---------------------------------------------------------------------------
 
@@ -118,6 +119,7 @@ class IOThread:
                         self._drain_wake()
                     else:
                         self._on_readable(sock)
+                self.inbox_read_at = time.monotonic()
         except BaseException as exc:
             log.exception("%s: I/O thread crashed", type(self).__name__)
             self._failure = exc

@@ -4,7 +4,8 @@ Safety rule: bytes of a request are written only into blocks reserved for it by 
 that reservation is open, and only by the sender that first spoke for it. After ``abort`` (or any
 failure) nothing more is written: ZMQ pieces are dropped unread; an in-place writer (shm, cuda_ipc) is told to stop
 (``Revoke``) and the failure is reported only once it confirmed (``RevokeAck`` / ``Finish``) or stayed
-silent for ``timeout_s``. So D may reuse a request's blocks as soon as ``poll()`` has reported it.
+silent for ``timeout_s``, or its process has exited (same host: ``process_identity``). So D may reuse a request's
+blocks as soon as ``poll()`` has reported it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kv_transfer.handshake import negotiate
 from kv_transfer.interface import ReceivedTransfer, StatsBox, TransferStats
 from kv_transfer.io_thread import IOThread
 from kv_transfer.layout import check_kv_cache
+from kv_transfer.process_identity import has_exited
 from kv_transfer.shm import free_shared_kv_cache, host_id, shared_kv_path
 from pipeline.protocol.transfer import (
     IN_PLACE_TRANSPORTS, SENDER_FRAME_DECODER, Begin, Blocks, CudaIpcHandle, Finish, FinishAck, Grant, Hello,
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 _MAX_TOMBSTONES = 100_000  # ids of ended requests remembered, to tell "late" from "unknown"
 _RECV_BATCH = 64  # messages per wake-up before commands (expect / abort) run again
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
+_WRITER_CHECK_S = 0.2  # how often a revoked in-place writer's process is looked at while it has not confirmed
 
 
 @dataclass(eq=False)
@@ -64,6 +67,7 @@ class _Peer:
     ok: bool
     transport: str = ""
     error: str = ""
+    process: str = ""  # the sender's process identity (Hello.process)
 
 
 class KVReceiver(IOThread):
@@ -205,12 +209,20 @@ class KVReceiver(IOThread):
     def _tick(self, now: float) -> float | None:
         waiting = [r for r in self._reservations.values() if r.revoking is not None]
         for res in waiting:
-            if now >= res.revoke_deadline:
+            if self._writer_exited(res):  # SIGKILLed mid-transfer: no acknowledgement will come, no byte either
+                log.info("request %s: the in-place writer's process has exited; releasing", res.request_id)
+                self._release(res, f"{res.revoking} (writer exited)")
+            elif now >= res.revoke_deadline:
                 self._stats.count("num_timeouts")
                 log.warning("request %s: in-place writer did not confirm it stopped within %.1fs; releasing",
                             res.request_id, self.timeout_s)
                 self._release(res, f"{res.revoking} (writer silent for {self.timeout_s}s)")
-        return min((r.revoke_deadline - now for r in self._reservations.values() if r.revoking), default=None)
+        due = min((r.revoke_deadline - now for r in self._reservations.values() if r.revoking), default=None)
+        return None if due is None else min(due, _WRITER_CHECK_S)
+
+    def _writer_exited(self, res: _Reservation) -> bool:
+        peer = self._peers.get(res.sender) if res.sender is not None else None
+        return peer is not None and bool(peer.process) and has_exited(peer.process)
 
     # ---- I/O thread: commands ------------------------------------------------------------------
 
@@ -278,7 +290,7 @@ class KVReceiver(IOThread):
             self._peers[identity] = _Peer(ok=False, error=f"handshake refused: {error}")
             self._send(identity, HelloReply(ok=False, error=error, layout=self.layout, host_id=self._host_id))
             return
-        self._peers[identity] = _Peer(ok=True, transport=transport)
+        self._peers[identity] = _Peer(ok=True, transport=transport, process=hello.process)
         log.info("KV sender %s: handshake accepted, transport %s", identity.hex(), transport)
         if hello.layout.tensor_parallel_size != self.layout.tensor_parallel_size:
             log.info("KV from sender %s (%d tensor-parallel ranks) to this receiver (%d): the full-head layout "

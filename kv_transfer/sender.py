@@ -31,6 +31,7 @@ from kv_transfer.interface import SendStatus, StatsBox, TransferStats
 from kv_transfer.io_thread import IOThread
 from kv_transfer.sender_peers import SEND_HWM, Peer, PeerTable
 from kv_transfer.layout import check_kv_cache
+from kv_transfer.process_identity import own_identity
 from kv_transfer.shm import host_id
 from pipeline.protocol.transfer import (
     IN_PLACE_TRANSPORTS, Begin, Blocks, Finish, FinishAck, Grant, Hello, HelloReply, KVLayout,
@@ -101,8 +102,9 @@ class KVSender(IOThread):
         # to travel (zmq) or on the first page that just landed in the receiver's cache (shm).
         self.corrupt_hook: Callable[[str, torch.Tensor], None] | None = None
         super().__init__(name, num_torch_threads)
-        self._peers = PeerTable(self.ctx, self.poller, Hello(layout=self.layout, host_id=host_id()), self.layout,
-                                kv_cache, lambda: self._stats.count("num_bad_frames"), log)  # I/O thread only
+        hello = Hello(layout=self.layout, host_id=host_id(), process=own_identity())
+        self._peers = PeerTable(self.ctx, self.poller, hello, self.layout, kv_cache,
+                                lambda: self._stats.count("num_bad_frames"), log)  # I/O thread only
         self._start()
 
     # ---- caller side ---------------------------------------------------------------------------
@@ -292,6 +294,10 @@ class KVSender(IOThread):
             outside = [b for b in piece.dst_block_ids if b not in req.grant]
             if outside:
                 self._complete(req, False, f"blocks {outside[:8]} are outside the receiver's reservation")
+                return None
+            if time.monotonic() - self.inbox_read_at > self.timeout_s / 2:
+                # this thread was stopped (SIGSTOP) or starved mid-round: the receiver may have revoked the grant
+                # and, after timeout_s, reused the blocks; read its messages before writing into its memory
                 return None
             peer, first = req.peer, (piece.layer_start, 0, piece.dst_block_ids[0])
             is_device = peer.transport == "cuda_ipc"

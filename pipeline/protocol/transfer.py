@@ -111,6 +111,8 @@ class _Frame(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 class Hello(_Frame, tag="hello"):
     layout: KVLayout
     host_id: str  # equal on both ends <=> they share /dev/shm
+    # the sender's process (kv_transfer.process_identity): an in-place writer known to have exited is not waited for
+    process: str = ""
 
 
 class Begin(_Frame, tag="begin"):

@@ -1,0 +1,48 @@
+"""Whether another process on this host has exited, told apart from a later process that reuses its pid.
+
+An in-place KV writer (shm, cuda_ipc) shares the receiver's host: when it is SIGKILLed, the receiver need not
+wait out the revocation timeout for an acknowledgement that cannot come, since a process that has exited (or is a
+zombie, its memory already released) writes nothing more. A pid alone is not proof (pids are reused, and a
+process in another pid namespace has other numbers), so the identity is the pid namespace, the pid and the
+process's start time (``/proc/<pid>/stat`` field 22).
+"""
+
+from __future__ import annotations
+
+import os
+
+_NO_IDENTITY = ""
+
+
+def own_identity() -> str:
+    """This process's identity (``"<pid namespace inode>:<pid>:<start time>"``), or "" where /proc cannot say."""
+    try:
+        return f"{os.stat('/proc/self/ns/pid').st_ino}:{os.getpid()}:{_start_time('self')}"
+    except (OSError, ValueError, IndexError):
+        return _NO_IDENTITY
+
+
+def has_exited(identity: str) -> bool:
+    """True only when the process ``identity`` names has certainly exited: it shares this process's pid
+    namespace and its pid is gone, a zombie, or another process's. False when it runs, or when this cannot tell
+    (no identity, another pid namespace, no /proc)."""
+    try:
+        namespace, pid, start_time = identity.split(":")
+        if int(namespace) != os.stat("/proc/self/ns/pid").st_ino:
+            return False
+    except (OSError, ValueError):
+        return False
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):
+        return False
+    # after the command's closing parenthesis: field 3 (state) is fields[0], field 22 (start time) fields[19]
+    return fields[0] in ("Z", "X") or fields[19] != start_time
+
+
+def _start_time(pid: str) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[19]
