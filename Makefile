@@ -27,12 +27,15 @@ run: $(STAMP)
 
 # The suite in three pytest-xdist workers, a file to a worker (a module's cluster is started once): most of
 # the cluster lane waits on processes, sockets and timeouts, so three workers on two cores overlap that
-# waiting. Tests marked `solo` compare timings and run afterwards with the machine to themselves.
-# `pytest -q` alone still runs everything in one process.
+# waiting. Files go out in collection order, the longest first (tests/conftest.py, LONGEST_FILES). Tests
+# marked `solo` compare timings and run afterwards with the machine to themselves; only the files that mark
+# some are collected for that. `pytest -q` alone still runs everything in one process.
 XDIST_WORKERS ?= 3
+SOLO_FILES = $(shell grep -rl --include='test_*.py' 'mark.solo' tests)
 test: $(TEST_STAMP)
-	$(VENV)/bin/pytest -q -n $(XDIST_WORKERS) --dist loadfile -m "not slow and not gpu and not solo"
-	$(VENV)/bin/pytest -q -m "solo and not slow and not gpu" || [ $$? -eq 5 ]  # 5: none selected
+	$(VENV)/bin/pytest -q -n $(XDIST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		-m "not slow and not gpu and not solo"
+	$(VENV)/bin/pytest -q -m "solo and not slow and not gpu" $(SOLO_FILES) || [ $$? -eq 5 ]  # 5: none selected
 
 # the fast lane: no process started, no cluster (pytest -m "not cluster")
 test-fast: $(TEST_STAMP)

@@ -55,12 +55,36 @@ CLUSTER_LANE = ("tests/cluster/", "tests/deploy/test_cli_processes.py", "tests/d
                 "tests/observability/")
 
 
+# The longest files of the suite, longest first (seconds in `make test`'s three workers, quiet 2-core Zen 4,
+# 2026-11-28). `make test` hands files to its workers in collection order (`--no-loadscope-reorder`), so these go
+# first and the short ones fill in around them: the longest-first rule, which evens the workers' ends (by
+# default pytest-xdist hands out the files with the most tests first, which left one worker ~15 s behind).
+LONGEST_FILES = {
+    "tests/cluster/test_ray_deploy.py": 136, "tests/deploy/test_up_supervision.py": 77,
+    "tests/cluster/test_tensor_parallel_pd.py": 58, "tests/pipeline/test_tensor_parallel.py": 56,
+    "tests/cluster/test_scoring.py": 54, "tests/bench/test_serve_bench_live.py": 49,
+    "tests/cluster/test_structured_output.py": 47, "tests/cluster/test_tensor_parallel_cluster.py": 46,
+    "tests/cluster/test_load.py": 46, "tests/pipeline/test_tensor_parallel_quantized.py": 42,
+    "tests/cluster/test_speculative.py": 37, "tests/cluster/test_live_migration.py": 37,
+    "tests/cluster/test_serving.py": 37, "tests/deploy/test_generate_cmd.py": 34, "tests/cluster/test_tools.py": 33,
+    "tests/pipeline/test_tensor_parallel_moe.py": 33, "tests/deploy/test_cli_processes.py": 32,
+    "tests/cluster/test_restarts.py": 28, "tests/deploy/test_gpu_check.py": 26, "tests/pipeline/test_speculative.py": 26,
+    "tests/cluster/test_faults.py": 25, "tests/router/test_http_faults.py": 24,
+    "tests/security/test_multi_host_netns.py": 21,
+}
+
+
+def _relative(item) -> str:
+    path = Path(str(item.fspath)).resolve()
+    return path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else ""
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        path = Path(str(item.fspath)).resolve()
-        relative = path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else ""
-        if relative.startswith(CLUSTER_LANE):
+        if _relative(item).startswith(CLUSTER_LANE):
             item.add_marker(pytest.mark.cluster)
+    # longest files first, each file's tests in their order (a stable sort: every worker collects the same order)
+    items.sort(key=lambda item: -LONGEST_FILES.get(_relative(item), 0))
 
 
 @pytest.fixture(scope="session")
