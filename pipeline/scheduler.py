@@ -155,6 +155,13 @@ class Scheduler:
             # (a migrated stream holds its last token already: its KV is computed here next).
             num_slots = seq.num_tokens + (0 if seq.num_output_tokens else 1)
             num_cached = self.kv.allocate(seq.request_id, seq.token_ids, num_slots, max_usage=self.kvcache_ce_watermark)
+            if num_cached is None and self.warmups.drop_active():  # its blocks go to real work first
+                num_cached = self.kv.allocate(seq.request_id, seq.token_ids, num_slots,
+                                              max_usage=self.kvcache_ce_watermark)
+            if num_cached is None and not self.running and not self.reserved:
+                # Nothing runs or waits for KV here, so nothing will free blocks: the whole pool rather than a
+                # stall (a prompt between the watermark and the pool waited forever, and everything behind it)
+                num_cached = self.kv.allocate(seq.request_id, seq.token_ids, num_slots)
             if num_cached is None:
                 break
             self.waiting_remote.popleft()

@@ -42,6 +42,23 @@ def test_chunked_prefill_respects_token_budget_and_batches_decodes():
     assert kv.num_free_blocks == 64
 
 
+def test_a_remote_prefill_above_the_watermark_takes_the_whole_pool_when_nothing_else_holds_blocks():
+    """A prompt that fits the pool but not under the watermark (61 of 64 blocks, 0.95 x 64 = 60.8) is reserved
+    once nothing runs or waits for KV: nothing would free blocks for it (an audit saw it, and every request queued
+    behind it, wait forever on a prefill / decode split). While something holds blocks, the watermark holds."""
+    kv = KVCacheManager(64, 4)
+    scheduler = Scheduler(kv, max_batch_size=8, max_batch_input_tokens=64, kvcache_ce_watermark=0.95)  # the default's
+    scheduler.add_remote(make_seq("small", 7, 2))
+    (small,) = scheduler.reserve_remote()
+    scheduler.add_remote(make_seq("big", 243, 2))  # 243 + the first token = 61 blocks of 4
+    scheduler.add_remote(make_seq("after", 3, 2))
+    assert scheduler.reserve_remote() == []  # "small" holds 2 blocks: 63 > the watermark's 60.8
+    scheduler.reserved.pop("small")
+    kv.free("small")
+    assert [s.request_id for s in scheduler.reserve_remote()] == ["big"]  # "after" needs a block more than is left
+    assert kv.num_free_blocks == 3
+
+
 def test_max_batch_size_caps_running_requests():
     kv = KVCacheManager(64, 4)
     scheduler = Scheduler(kv, max_batch_size=2, max_batch_input_tokens=100)
