@@ -1,4 +1,4 @@
-"""``tandem ray up|down|status|restart``: Tandem on a running Ray cluster (``pip install 'tandem[ray]'``).
+"""``tandem ray up|down|status|restart``: Tandem on a running Ray cluster (``pip install -e '.[ray]'`` in the checkout).
 
 ``up`` starts the router and the workers as detached, named supervisor actors in the Ray namespace
 ``tandem`` (``deploy.ray_cluster``); each runs one Tandem process and restarts it when it exits. A worker
@@ -45,7 +45,8 @@ def register(sub) -> None:
                     help="Ray resources of each decode (and colocated) worker, JSON, e.g. '{\"decode\": 1}'")
     up.add_argument("--log-dir", default="/tmp/tandem-ray",
                     help="on each node, where processes log: DIR/NAME/PROCESS.log (default /tmp/tandem-ray)")
-    up.add_argument("--ready-timeout", type=float, default=300.0)
+    up.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
+                    help="how long to wait for the router and every worker to be ready before failing (default 300)")
     add_tensor_parallel_flags(up, "A worker's ranks run on one node, in a placement group of a CPU per rank.")
     add_supervision_flags(up, share_cores_help="CPU nodes: let every worker use every core of its node (default: "
                           "prefill and decode workers on one node get disjoint cores, as in tandem up)")

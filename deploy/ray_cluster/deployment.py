@@ -60,7 +60,7 @@ def connect(address: str | None) -> None:
     try:
         import ray
     except ImportError:
-        raise DeployError("Ray is not installed: pip install 'tandem[ray]'") from None
+        raise DeployError("Ray is not installed: pip install -e '.[ray]' in Tandem's checkout") from None
 
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
     _check_reachable(address)
