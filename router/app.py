@@ -142,14 +142,22 @@ def create_app(
         prepared = await run_tokenizer_work(lambda: prepare_chat(body, model, config.sampling, config.router))
         return await serve(state, request, prepared, "chat")
 
-    install_tokenizer_routes(app, model, v1)
+    def servable_length() -> int | None:
+        """The model's context, or less where every live decode-capable worker's KV pool holds less (a longer
+        prompt is a 400 context_length_exceeded: clients that size prompts by this field stay under it)."""
+        pools = [w.max_length for w in registry.live_workers()
+                 if w.can_decode and w.model_name == model.checkpoint_name]
+        longest = max(pools, default=None)
+        return model.max_length if longest is None or not model.max_length else min(model.max_length, longest)
+
+    install_tokenizer_routes(app, model, v1, servable_length)
     install_responses_route(app, state, v1, lambda chat: run_tokenizer_work(
         lambda: prepare_chat(chat, model, config.sampling, config.router)))
 
     def model_card(served_name: str) -> dict[str, Any]:
         card = {"id": served_name, "object": "model", "created": created, "owned_by": "tandem"}
-        if model.max_length:
-            card["max_model_len"] = model.max_length
+        if (max_length := servable_length()):
+            card["max_model_len"] = max_length
         if model.root:
             card["root"] = model.root
         return card

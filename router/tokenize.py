@@ -7,7 +7,7 @@ guidellm; prompt-length checks) need no copy of the checkpoint. Nothing here rea
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
@@ -45,7 +45,9 @@ class Detokenize(_Body):
     tokens: list[StrictInt]
 
 
-def install_tokenizer_routes(app: FastAPI, model: ServedModel, dependencies: list) -> None:
+def install_tokenizer_routes(app: FastAPI, model: ServedModel, dependencies: list,
+                             servable_length: Callable[[], int | None]) -> None:
+    """``servable_length``: the longest sequence the live workers hold (``max_model_len``, as /v1/models says)."""
     tokenizer = model.tokenizer
 
     def check_model(name: str | None) -> None:
@@ -62,7 +64,7 @@ def install_tokenizer_routes(app: FastAPI, model: ServedModel, dependencies: lis
                 return render_chat(model, body, template_tools(body.tools))
             return list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
         ids = await run_tokenizer_work(encode)
-        return {"count": len(ids), "max_model_len": model.max_length, "tokens": ids,
+        return {"count": len(ids), "max_model_len": servable_length(), "tokens": ids,
                 "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
 
     @app.post("/detokenize", dependencies=dependencies)

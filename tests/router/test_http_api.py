@@ -36,6 +36,14 @@ def test_ready_health_and_models(router):
     assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 64
 
 
+def test_max_model_len_is_what_the_workers_kv_pools_hold_when_that_is_less(router):
+    """A worker whose KV pool holds 48 tokens of the model's 64: /v1/models says 48, as the 400 for a longer
+    prompt does (an audit saw 2048 advertised by workers of 1024)."""
+    router.add_worker(max_length=48)
+    assert router.wait_ready(True)
+    assert httpx.get(f"{router.url}/v1/models").json()["data"][0]["max_model_len"] == 48
+
+
 def test_no_worker_is_503_with_an_openai_body(router):
     response = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
     assert response.status_code == 503
