@@ -260,13 +260,18 @@ def build_model(path, device: str, dry_run: bool):
 
 
 def offline_stage(args) -> dict:
+    """The 1.1B-shape offline comparison; its checkpoint (2.2 GB in bf16) is deleted after, pass or fail."""
     import tempfile
 
+    with tempfile.TemporaryDirectory(prefix="gpu-check-1b-") as path:
+        return _offline_stage(args, path)
+
+
+def _offline_stage(args, path: str) -> dict:
     from pipeline import LLM, SamplingParams
 
     device, dry_run = args.device, args.dry_run
     num_prompts, max_tokens, lengths = (4, 8, (5, 40)) if dry_run else (64, 128, (64, 512))
-    path = tempfile.mkdtemp(prefix="gpu-check-1b-")
     t0 = time.perf_counter()
     hf = build_model(path, device, dry_run)
     result = {"device": device, "dtype": "float32" if dry_run else "bfloat16",
