@@ -65,10 +65,18 @@ def describe_prompt_route() -> str:
     return route if FLASH_ROUTE_SOURCE in ("no AMX", "set") else f"{route} ({FLASH_ROUTE_SOURCE})"
 
 
+NATIVE_MAX_GROUP = 64  # query heads per KV head the native kernel takes (MAX_ROWS in kernels/native/cpu_ops.c)
+NATIVE_MAX_HEAD_DIM = 512  # MAX_HEAD_DIM there
+
+
 def native_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the native kernel takes these tensors (else the reference runs)."""
+    """Whether the native kernel takes these tensors (else the reference runs: a larger GQA group or head dim
+    made the kernel refuse every step, and a worker serving such a model failed each request)."""
+    num_q_heads, head_dim, num_kv_heads = query.shape[-2], query.shape[-1], k_cache.shape[-2]
     return (
         cpu_native.ops is not None
+        and num_kv_heads > 0 and num_q_heads % num_kv_heads == 0
+        and num_q_heads // num_kv_heads <= NATIVE_MAX_GROUP and head_dim <= NATIVE_MAX_HEAD_DIM
         and query.device.type == "cpu"
         and query.dtype in _DTYPE_CODES
         and k_cache.dtype == query.dtype

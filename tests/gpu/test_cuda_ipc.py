@@ -25,7 +25,7 @@ def _transfer(src_device: str, dst_device: str, dtype: torch.dtype) -> None:
     from kv_transfer import KVSender, kv_layout
 
     src = torch.randn(SHAPE, device=src_device).to(dtype)
-    sender = KVSender(src, kv_layout(src, "gpu-test", transport="cuda_ipc"), kernel_backend="auto")
+    sender = KVSender(src, kv_layout(src, "gpu-check", transport="cuda_ipc"), kernel_backend="auto")
     proc = subprocess.Popen([sys.executable, "-m", "bench.gpu_check_numbers", "kv-receiver", dst_device,
                              str(dtype)[6:], ",".join(map(str, SHAPE)), "cuda_ipc"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO_ROOT)
