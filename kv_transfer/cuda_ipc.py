@@ -16,16 +16,31 @@ again without ``cuda_ipc`` (``kv_transfer/sender.py``), so the transfer goes ove
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from pipeline.protocol.transfer import CudaIpcHandle
 
+log = logging.getLogger(__name__)
+
 
 def can_export(kv_cache: object) -> bool:
     """Whether ``kv_cache`` can be offered over CUDA IPC: one contiguous CUDA tensor."""
     return isinstance(kv_cache, torch.Tensor) and kv_cache.device.type == "cuda" and kv_cache.is_contiguous()
+
+
+def export_or_none(kv_cache: torch.Tensor) -> CudaIpcHandle | None:
+    """A receiver's cache handle, made once before any step runs (every sender opens the same one), or None where
+    it cannot be shared (not a CUDA tensor, or the allocator refuses: then the other transports serve)."""
+    if not can_export(kv_cache):
+        return None
+    try:
+        return export_cache(kv_cache)
+    except Exception as exc:  # noqa: BLE001 - never run on a GPU yet: whatever fails, the other transports serve
+        log.warning("KV receiver: cannot share the KV cache over CUDA IPC (%s); cuda_ipc is not offered", exc)
+        return None
 
 
 def export_cache(kv_cache: torch.Tensor) -> CudaIpcHandle:

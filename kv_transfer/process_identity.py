@@ -17,7 +17,7 @@ _NO_IDENTITY = ""
 def own_identity() -> str:
     """This process's identity (``"<pid namespace inode>:<pid>:<start time>"``), or "" where /proc cannot say."""
     try:
-        return f"{os.stat('/proc/self/ns/pid').st_ino}:{os.getpid()}:{_start_time('self')}"
+        return f"{os.stat('/proc/self/ns/pid').st_ino}:{os.getpid()}:{_stat_fields('self')[19]}"
     except (OSError, ValueError, IndexError):
         return _NO_IDENTITY
 
@@ -33,16 +33,16 @@ def has_exited(identity: str) -> bool:
     except (OSError, ValueError):
         return False
     try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
+        fields = _stat_fields(str(int(pid)))
     except FileNotFoundError:
         return True
     except (OSError, ValueError):
         return False
-    # after the command's closing parenthesis: field 3 (state) is fields[0], field 22 (start time) fields[19]
     return fields[0] in ("Z", "X") or fields[19] != start_time
 
 
-def _start_time(pid: str) -> str:
+def _stat_fields(pid: str) -> list[str]:
+    """``/proc/<pid>/stat`` after the command's closing parenthesis: field 3 (state) is [0], field 22 (start
+    time) [19]."""
     with open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()[19]
+        return f.read().rpartition(")")[2].split()

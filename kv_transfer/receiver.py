@@ -34,7 +34,7 @@ from kv_transfer.layout import check_kv_cache
 from kv_transfer.process_identity import has_exited
 from kv_transfer.shm import free_shared_kv_cache, host_id, shared_kv_path
 from pipeline.protocol.transfer import (
-    IN_PLACE_TRANSPORTS, SENDER_FRAME_DECODER, Begin, Blocks, CudaIpcHandle, Finish, FinishAck, Grant, Hello,
+    IN_PLACE_TRANSPORTS, SENDER_FRAME_DECODER, Begin, Blocks, Finish, FinishAck, Grant, Hello,
     HelloReply, KVLayout, Revoke, RevokeAck, SenderAbort, SenderFrame, Written,
 )
 from pipeline.protocol.typed_socket import TypedSocket
@@ -86,7 +86,7 @@ class KVReceiver(IOThread):
     ) -> None:
         check_kv_cache(kv_cache, layout)
         self._shm_path = shared_kv_path(kv_cache)
-        self._cuda_ipc_handle = self._export_for_cuda_ipc(kv_cache) if "cuda_ipc" in layout.transports else None
+        self._cuda_ipc_handle = cuda_ipc.export_or_none(kv_cache) if "cuda_ipc" in layout.transports else None
         can_open = {"shm": bool(self._shm_path), "cuda_ipc": self._cuda_ipc_handle is not None, "zmq": True}
         transports = tuple(t for t in layout.transports if can_open[t])
         if not transports:
@@ -112,18 +112,6 @@ class KVReceiver(IOThread):
         self._num_unknown_requests = 0  # frames for requests never reserved here (logged rate-limited)
         super().__init__(name, num_torch_threads)
         self._start()
-
-    @staticmethod
-    def _export_for_cuda_ipc(kv_cache: torch.Tensor) -> CudaIpcHandle | None:
-        """The cache's CUDA IPC handle, made once here before any step runs (every sender opens the same one), or
-        None where it cannot be shared (not a CUDA tensor, or the allocator refuses: then the other transports)."""
-        if not cuda_ipc.can_export(kv_cache):
-            return None
-        try:
-            return cuda_ipc.export_cache(kv_cache)
-        except Exception as exc:  # noqa: BLE001 - never run on a GPU yet: whatever fails, the other transports serve
-            log.warning("KV receiver: cannot share the KV cache over CUDA IPC (%s); cuda_ipc is not offered", exc)
-            return None
 
     # ---- caller side ---------------------------------------------------------------------------
 

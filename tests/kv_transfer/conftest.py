@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+import zmq
 
 from kv_transfer import KVReceiver, KVSender, allocate_shared_kv_cache, kv_layout
 from tests.kv_transfer.helpers import SHAPE, emulate_cuda_ipc, names, random_cache
@@ -46,3 +47,19 @@ def make_pair(closer, tmp_path, monkeypatch):
         return sender, receiver, src, dst
 
     return make
+
+
+@pytest.fixture
+def raw_socket():
+    """``raw_socket(kind)`` -> a bare ZMQ socket (a misbehaving peer), closed after the test."""
+    ctx = zmq.Context()
+    sockets = []
+
+    def make(kind: int) -> zmq.Socket:
+        sockets.append(ctx.socket(kind))
+        return sockets[-1]
+
+    yield make
+    for sock in sockets:
+        sock.close(linger=0)
+    ctx.term()

@@ -14,7 +14,8 @@ from kv_transfer.connector.sink import KVSink
 from kv_transfer.interface import SendStatus
 from pipeline import tracing
 from tests.tracing_support import in_memory_tracing
-from tests.kv_transfer.test_connector import FakeEngine, FakeLinks, FakeReceiver, done, generate, reserve
+from tests.kv_transfer.test_connector import FakeEngine
+from tests.kv_transfer.test_connector_sink import FakeLinks, FakeReceiver, done, generate, reserve
 
 CONTEXT = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pipeline.protocol.cluster import GenerateRequest
-from tests.kv_transfer.test_connector import GREEDY, reserve, sink  # noqa: F401 - sink is a fixture
+from tests.kv_transfer.test_connector import GREEDY
+from tests.kv_transfer.test_connector_sink import reserve, sink  # noqa: F401 - sink is a fixture
 
 
 def test_the_prefill_request_carries_the_priority(sink):  # noqa: F811
