@@ -1,8 +1,9 @@
 """What a local cluster keeps on disk besides its logs, and its removal: a private work dir (0700, from
 ``mkdtemp``, named after the launcher's pid) holding the config file every process reads, a generated cluster key
-for a ``tcp://`` cluster given none, and by default the ``ipc://`` socket files. ``remove`` leaves only the logs:
-every socket file under the cluster's ``ipc://`` base (a killed process's included, which it could not remove
-itself), the config file, the key, and the work dir unless the logs are in it. A launcher killed by SIGKILL
+for a ``tcp://`` cluster given none, the processes' signs of life (``watchdog_dir``: ``deploy.watchdog``) and by
+default the ``ipc://`` socket files. ``remove`` leaves only the logs: every socket file under the cluster's
+``ipc://`` base (a killed process's included, which it could not remove itself), the config file, the key, the
+signs of life, and the work dir unless the logs are in it. A launcher killed by SIGKILL
 removes nothing; the next one on the host removes what it left (``remove_stale_work_dirs``), logs kept."""
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class ClusterFiles:
         return f"ipc://{self.work_dir}/zmq"
 
     @property
+    def watchdog_dir(self) -> Path:
+        return self.work_dir / "alive"
+
+    @property
     def default_log_dir(self) -> Path:
         return self.work_dir / "logs"
 
@@ -70,6 +75,7 @@ class ClusterFiles:
                         leftover.unlink()
         (self.work_dir / "cluster.yaml").unlink(missing_ok=True)
         shutil.rmtree(self.work_dir / "cluster-key", ignore_errors=True)
+        shutil.rmtree(self.watchdog_dir, ignore_errors=True)
         with contextlib.suppress(OSError):  # not empty: the logs are here, for the user
             self.work_dir.rmdir()
 

@@ -71,6 +71,9 @@ def add_supervision_flags(parser: argparse.ArgumentParser, share_cores_help: str
     """``--max-restarts`` and ``--share-cores``, shared by ``tandem up`` and ``tandem ray up``."""
     parser.add_argument("--max-restarts", type=int, default=5, metavar="N",
                         help="restart a process that exits up to N times in a row, with backoff; 0: never (default 5)")
+    parser.add_argument("--watchdog-timeout", type=float, default=30.0, metavar="S",
+                        help="kill and restart a process that gives no sign of life for S seconds while it runs "
+                        "(frozen: SIGSTOP, a debugger, a wedged event loop); 0: never (default 30)")
     parser.add_argument("--share-cores", action="store_true", help=share_cores_help)
 
 
@@ -79,6 +82,8 @@ def resolve_worker_counts(args: argparse.Namespace) -> None:
     default filled in (1 prefill and 1 decode worker, none with ``--colocated``; ``--decode 2`` alone is 1P2D)."""
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts: must be >= 0 (got {args.max_restarts})")
+    if not args.watchdog_timeout >= 0:  # NaN too
+        raise ValueError(f"--watchdog-timeout: must be >= 0 (got {args.watchdog_timeout:g})")
     for flag in ("prefill", "decode", "colocated"):
         if (getattr(args, flag) or 0) < 0:
             raise ValueError(f"--{flag}: a number of workers is >= 0 (got {getattr(args, flag)})")
@@ -129,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         num_prefill=args.prefill or 0, num_decode=args.decode or 0, num_colocated=args.colocated,
         host=args.host, port=args.port, config=overrides, api_key=api_key, log_dir=args.log_dir,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-        max_restarts=args.max_restarts, on_event=_print_event, cpu_plan=cpu_plan, router_cores=router_pool,
+        max_restarts=args.max_restarts, watchdog_timeout_s=args.watchdog_timeout, on_event=_print_event, cpu_plan=cpu_plan, router_cores=router_pool,
         tensor_parallel_sizes={name: size for name, size in tensor_parallel_sizes.items()
                                if size != config.tensor_parallel_size},
     )

@@ -17,8 +17,9 @@ exec's every process afresh instead.
 The router serves from its first ``/ready`` 200; from that moment a background thread applies
 ``deploy.supervisor``'s restart policy (a worker that dies while ``start()`` still waits for the others
 is restarted, never a start-up failure): a process that exits is started again (same command, its log
-appended to) until it crashes ``max_restarts`` times in a row. An exited process's shared-memory KV
-cache is removed as soon as its exit is seen, and every started process's at ``stop()``.
+appended to) until it crashes ``max_restarts`` times in a row; a process that runs but gives no sign of
+life for ``watchdog_timeout_s`` (frozen: ``deploy.watchdog``) is killed and restarted the same way. An exited
+process's shared-memory KV cache is removed as soon as its exit is seen, and every started process's at ``stop()``.
 Restarted workers re-register with the router by themselves. What the cluster keeps on disk (its work dir,
 config file, generated cluster key, socket files) is ``deploy.cluster_files``'; ``stop()`` leaves only the logs. Every supervision event goes to
 ``on_event`` (``tandem up`` prints it; default: this module's logger) and to ``launcher.log``.
@@ -43,8 +44,9 @@ import httpx
 
 from deploy.cluster_files import ClusterFiles
 from deploy.local_spawner import ProcessSpawner
-from deploy.process_group import terminate_groups
+from deploy.process_group import signal_group, terminate_groups
 from deploy.supervisor import RestartPolicy, Supervisor, SupervisorEvent
+from deploy.watchdog import Watchdog
 from deploy.zygote_client import ForkedProcess, fork_server_enabled
 from kv_transfer.shm_files import remove_shared_kv_files_of
 from pipeline.config import PipelineConfig
@@ -78,6 +80,8 @@ class LocalCluster:
     log_dir: Path | None = None
     # 0: a process that exits stays down (the test fixture's choice: fault tests kill on purpose).
     max_restarts: int = 0
+    # a running process silent this long (SIGSTOP, a held GIL, a wedged event loop) is killed, then restarted; 0: off
+    watchdog_timeout_s: float = 30.0
     on_event: Callable[[SupervisorEvent], None] | None = None  # called from the supervision thread
     entry_module: str = "deploy.cli"  # what ``python -m`` runs in each process (tests swap in a wrapper)
     env: dict[str, str] = field(default_factory=dict)  # set in every process's environment, over ours
@@ -106,7 +110,9 @@ class LocalCluster:
         except OSError as exc:  # nothing started yet: nothing of this cluster stays behind
             self._files.remove("")
             raise ValueError(f"--log-dir {self.log_dir}: cannot be created ({exc.strerror})") from None
-        self.spawner = ProcessSpawner(self.log_dir, self.entry_module, self.env, self.use_fork_server)
+        self.watchdog = Watchdog(self._files.watchdog_dir, self.watchdog_timeout_s)
+        self.spawner = ProcessSpawner(self.log_dir, self.entry_module, {**self.env, **self.watchdog.env()},
+                                      self.use_fork_server)
         self.config = dict(self.config)
         self.config.setdefault("zmq_endpoint_base", self._files.default_endpoint_base)
         if self.model_path is not None:
@@ -188,6 +194,8 @@ class LocalCluster:
             poll_exit=self._poll_exit,
             respawn=self._spawn,
             why_cannot_serve=_why_cannot_serve, log_path_of=lambda name: str(self.log_path(name)),
+            why_frozen=lambda name: self.watchdog.why_frozen(self.processes[name].pid),
+            kill=lambda name: signal_group(self.processes[name], signal.SIGKILL),  # a TP worker's ranks too
         )
         self._supervision_thread = threading.Thread(target=self._supervise, name="tandem-supervisor", daemon=True)
         self._supervision_thread.start()
@@ -199,6 +207,7 @@ class LocalCluster:
         returncode = proc.poll()
         if returncode is not None:
             remove_shared_kv_files_of({proc.pid})
+            self.watchdog.forget(proc.pid)
         return returncode
 
     def _supervise(self) -> None:

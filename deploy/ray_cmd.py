@@ -144,6 +144,7 @@ def _up_options(args: argparse.Namespace):
         num_prefill=args.prefill or 0, num_decode=args.decode or 0, num_colocated=args.colocated,
         deployment=check_deployment_name(args.name), config=overrides, http_port=args.port, http_host=args.host,
         zmq_port=args.zmq_port, api_key=args.api_key, log_dir=args.log_dir, max_restarts=args.max_restarts,
+        watchdog_timeout_s=args.watchdog_timeout,
         ready_timeout_s=args.ready_timeout, router_node=args.router_node, gpus_per_worker=args.gpus_per_worker,
         prefill_resources=parse_resources(args.prefill_resources, "--prefill-resources"),
         decode_resources=parse_resources(args.decode_resources, "--decode-resources"),

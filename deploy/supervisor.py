@@ -16,6 +16,8 @@ Per process:
    (a crash loop backs off). Otherwise it is given up: it stays down.
 3. After each give-up, ``why_cannot_serve(names not given up)`` decides whether the cluster is still
    useful; a reason (not None) is the supervisor's ``failure`` and its owner should stop.
+4. A process that runs but is frozen (``why_frozen(name)`` gives a reason: ``deploy.watchdog``) is killed
+   (``kill(name)``); its exit is then a crash like any other, told as "was killed: it gave no sign of life ...".
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class RestartPolicy:
 
 @dataclass(frozen=True)
 class SupervisorEvent:
-    """Something the supervisor did: ``kind`` is "exited", "restarted", "given_up" or "cluster_failed"."""
+    """Something the supervisor did: ``kind`` is "exited", "restarted", "replaced", "frozen" (killed: its exit
+    follows), "given_up" or "cluster_failed"."""
 
     kind: str
     name: str
@@ -71,6 +74,7 @@ class _ProcessState:
     restart_at: float | None = None  # a restart is pending at this time
     is_given_up: bool = False
     is_being_replaced: bool = False  # a planned stop (rolling restart): its exit is no crash, restart at once
+    frozen_reason: str | None = None  # killed as frozen (why): its exit is told with this
 
 
 def describe_exit(returncode: int) -> str:
@@ -95,15 +99,22 @@ class Supervisor:
         why_cannot_serve: Callable[[set[str]], str | None] = lambda _: None,
         log_path_of: Callable[[str], str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        why_frozen: Callable[[str], str | None] | None = None,
+        kill: Callable[[str], None] | None = None,
     ) -> None:
         """``respawn(name)`` starts the process again and may return its pid (for the message); it may
-        raise, which counts as another crash. ``why_cannot_serve`` gets the names not given up."""
+        raise, which counts as another crash. ``why_cannot_serve`` gets the names not given up.
+        ``why_frozen(name)`` (asked only of a running process) and ``kill(name)`` go together."""
+        if why_frozen is not None and kill is None:
+            raise ValueError("why_frozen needs kill")
         self.policy = policy
         self._poll_exit = poll_exit
         self._respawn = respawn
         self._why_cannot_serve = why_cannot_serve
         self._log_path_of = log_path_of
         self._clock = clock
+        self._why_frozen = why_frozen
+        self._kill = kill
         now = clock()
         self._states = {name: _ProcessState(started_at=now) for name in names}
         self.failure: str | None = None  # why the cluster cannot serve any more; set once
@@ -130,7 +141,11 @@ class Supervisor:
                     state.is_being_replaced = False
                     events.append(self._restart(name, state, now, planned=True))
                 elif returncode is not None:
-                    events.append(self._on_crash(name, state, describe_exit(returncode), now))
+                    how = f"was killed: it {state.frozen_reason}" if state.frozen_reason else describe_exit(returncode)
+                    state.frozen_reason = None
+                    events.append(self._on_crash(name, state, how, now))
+                elif state.frozen_reason is None and not state.is_being_replaced:
+                    events.extend(self._kill_if_frozen(name, state))
             if state.restart_at is not None and now >= state.restart_at:  # due (at once after a first crash)
                 events.append(self._restart(name, state, now))
         if self.failure is None and any(e.kind == "given_up" for e in events):
@@ -141,6 +156,14 @@ class Supervisor:
         for event in events:
             logger.debug("%s", event.message)
         return events
+
+    def _kill_if_frozen(self, name: str, state: _ProcessState) -> list[SupervisorEvent]:
+        reason = self._why_frozen(name) if self._why_frozen is not None else None
+        if reason is None:
+            return []
+        state.frozen_reason = reason
+        self._kill(name)
+        return [SupervisorEvent("frozen", name, f"{name} {reason}; killing it")]
 
     def _on_crash(self, name: str, state: _ProcessState, how: str, now: float) -> SupervisorEvent:
         if now - state.started_at >= self.policy.stable_after_s:

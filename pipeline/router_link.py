@@ -43,6 +43,7 @@ from pipeline.protocol.cluster import (
     encode,
 )
 from pipeline.protocol.typed_socket import TypedSocket, open_socket
+from pipeline.sign_of_life import SignOfLife
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class RouterLink:
         self._inbox: collections.deque[GenerateRequest | CancelRequest] = collections.deque()
         self._rejection: str | None = None
         self._stopping = False
+        self._sign_of_life = SignOfLife()  # this thread's loop alive: the launcher's watchdog (deploy.watchdog)
         address = f"inproc://router-link-{id(self)}"
         # The inproc pair carries wake-ups and messages encoded already (forwarded as they are): no decoder.
         self._io_end = open_socket(ctx, zmq.PAIR)
@@ -194,6 +196,7 @@ class RouterLink:
                         self._dealer.send(Heartbeat(worker_id=self.worker_id, load=self._heartbeat_load(now)))
                         last_heartbeat = now
                 self._watch_for_stall(now)
+                self._sign_of_life.beat(now)
         except Exception:
             logger.exception("router link thread failed")
             self._rejection = "the router link thread failed (see the log)"

@@ -15,6 +15,7 @@ runs a full batch, and beyond it get 429 with ``Retry-After`` (see ``router.admi
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pipeline import tracing
 from pipeline.config import PipelineConfig
+from pipeline.sign_of_life import SignOfLife
 from router.body_limit import BodyLimitMiddleware
 from router.dispatcher import Dispatcher
 from router.errors import APIError, install_error_handlers
@@ -100,9 +102,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await dispatcher.start()
+        beating = asyncio.create_task(SignOfLife().beat_from_event_loop())  # for the launcher's watchdog
         try:
             yield
         finally:
+            beating.cancel()
             await dispatcher.stop()
 
     app = FastAPI(title="Tandem router", lifespan=lifespan)

@@ -44,6 +44,7 @@ class UpOptions:
     api_key: str | None = None
     log_dir: str = "/tmp/tandem-ray"
     max_restarts: int = 5
+    watchdog_timeout_s: float = 30.0  # a running process silent this long is killed and restarted; 0: never
     ready_timeout_s: float = 300.0
     router_node: str | None = None  # a node address; None: the head node
     gpus_per_worker: float | None = None  # None: 1 when the cluster has GPUs, else 0
@@ -117,7 +118,8 @@ def up(options: UpOptions, say: Callable[[str], None] = print) -> str:
         for name in names:
             spec = ProcessSpec(options.deployment, name, config, log_dir, options.max_restarts,
                                http_port=options.http_port, http_host=options.http_host, env=env,
-                               cluster_key=options.cluster_key, num_ranks=options.num_ranks.get(name, 1), up_id=up_id)
+                               cluster_key=options.cluster_key, num_ranks=options.num_ranks.get(name, 1), up_id=up_id,
+                               watchdog_timeout_s=options.watchdog_timeout_s)
             if name == ROUTER:
                 placement = specs.actor_options({}, pin_to=specs.router_pin(options.router_node))
             elif name in bundles:

@@ -5,7 +5,8 @@
 * says where Ray placed it (``where``), so the driver can split each node's cores;
 * starts the process (``start``) with the same per-role command line ``tandem up`` uses, logging to
   ``{log_dir}/{name}.log`` on its node, and restarts it when it exits with ``deploy.supervisor``'s
-  policy (backoff from 1 s, ``max_restarts`` crashes in a row, then given up);
+  policy (backoff from 1 s, ``max_restarts`` crashes in a row, then given up), and kills (then restarts) one that
+  runs but gives no sign of life for ``watchdog_timeout_s`` (frozen: ``deploy.watchdog``);
 * ties the process's life to its own: the process runs with ``TANDEM_DIE_WITH_PARENT``
   (``deploy.parent_guard``), so it gets SIGKILL when the actor dies however it dies;
 * stops it on ``stop`` (SIGTERM to its process group: the router drains, workers finish; SIGKILL
@@ -42,6 +43,7 @@ from deploy.process_group import signal_group
 from deploy.parent_guard import DIE_WITH_PARENT_ENV
 from deploy.ray_cluster.spec import ProcessSpec
 from deploy.supervisor import RestartPolicy, Supervisor
+from deploy.watchdog import Watchdog
 from deploy.zygote_client import ForkedProcess, fork_server_enabled, shared_fork_server
 from pipeline.core_list import format_core_list
 from pipeline.security import write_private_file
@@ -68,6 +70,7 @@ class ProcessSupervisor:
         self.log_dir = Path(spec.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"{spec.name}.log"
+        self._watchdog = Watchdog(self.log_dir / f".{spec.name}.alive", spec.watchdog_timeout_s)
         # the fields below, between the supervision thread and methods (reentrant: a restart inside a
         # supervisor step spawns, which takes it again)
         self._lock = threading.RLock()
@@ -213,8 +216,10 @@ class ProcessSupervisor:
         with self._lock:
             self._supervisor = supervisor = Supervisor(
                 [self.spec.name], RestartPolicy(max_restarts=self.spec.max_restarts),
-                poll_exit=lambda _: self._proc.poll(), respawn=lambda _: self._spawn(),
-                log_path_of=lambda _: str(self.log_path))
+                poll_exit=lambda _: self._poll_exit(), respawn=lambda _: self._spawn(),
+                log_path_of=lambda _: str(self.log_path),
+                why_frozen=lambda _: self._watchdog.why_frozen(self._proc.pid),
+                kill=lambda _: signal_group(self._proc, signal.SIGKILL))  # a TP worker's ranks with it
         while not self._stop_request.wait(SUPERVISE_INTERVAL_S):
             with self._lock:  # replace() marks an exit as planned between two steps, never inside one
                 events = supervisor.step()
@@ -227,7 +232,14 @@ class ProcessSupervisor:
                         event.kind, self._state)
         self._terminate(self._stop_timeout_s or WORKER_STOP_TIMEOUT_S)
         self._key_path.unlink(missing_ok=True)  # the cluster's secret stays on no node after it stops for good
+        self._watchdog.remove()
         self._finish("stopped")
+
+    def _poll_exit(self) -> int | None:
+        returncode = self._proc.poll()
+        if returncode is not None:
+            self._watchdog.forget(self._proc.pid)
+        return returncode
 
     def _spawn(self) -> int:
         """Start (or restart) the process; its log is appended to across restarts."""
@@ -244,7 +256,8 @@ class ProcessSupervisor:
                 "--config", str(config_path), "--section", _CONFIG_SECTION]
         if self._cores:
             argv += ["--cpu-cores", format_core_list(self._cores)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env, DIE_WITH_PARENT_ENV: str(os.getpid())}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env, **self._watchdog.env(),
+               DIE_WITH_PARENT_ENV: str(os.getpid())}
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} tandem ray: starting {self.spec.name}: "
                       f"{' '.join(argv[1:])} =====\n".encode())

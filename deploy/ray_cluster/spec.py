@@ -53,6 +53,7 @@ class ProcessSpec:
     cluster_key: str | None = field(default=None, repr=False)
     num_ranks: int = 1  # a worker's tensor_parallel_size: above 1, its actor runs in its placement group
     up_id: str = ""  # one per ``tandem ray up``: a restarted actor reuses only its own deployment's core plan
+    watchdog_timeout_s: float = 30.0  # a running process silent this long is killed (deploy.watchdog); 0: never
 
     @property
     def actor_name(self) -> str:

@@ -1,7 +1,8 @@
 """Busy is not dead, frozen is: liveness on real processes with the router's deadline at 1 s.
 
 A worker inside one 10-second engine step keeps heartbeating (from its router link's own thread) and
-reports how long the step has run; it is never declared dead and its request completes. A worker
+reports how long the step has run; it is never declared dead (nor killed as frozen by a 3 s launcher watchdog)
+and its request completes. A worker
 frozen with SIGSTOP mid-stream falls silent and is declared dead within the deadline; its streams
 move on to the other worker and end with transformers' exact text; after SIGCONT it is admitted again. A 1P1D cluster
 whose prefill worker is gone (and not restarted) serves by prefilling on the decode worker.
@@ -44,8 +45,10 @@ def test_a_worker_inside_a_ten_second_step_is_not_declared_dead(tiny_checkpoint,
     monkeypatch.setenv("TANDEM_TEST_SLOW_MIN_CHUNK", "200")
     monkeypatch.setenv("TANDEM_TEST_SLOW_ONCE", "1")
     cluster = start_cluster(tiny_checkpoint("llama"), tmp_path, num_prefill=0, num_decode=0, num_colocated=1,
-                            config=FAST_LIVENESS, entry_module="tests.cluster.slow_steps")
+                            config=FAST_LIVENESS, entry_module="tests.cluster.slow_steps",
+                            watchdog_timeout_s=3, max_restarts=1)  # nor is it taken for frozen by the launcher
     try:
+        pid = cluster.pids["colocated-0"]
         client = client_for(cluster)
         name = client.models.list().data[0].id
         prompt = [10 + (i * 7) % 280 for i in range(300)]
@@ -66,6 +69,7 @@ def test_a_worker_inside_a_ten_second_step_is_not_declared_dead(tiny_checkpoint,
             assert time.monotonic() < deadline, "the 10-second step should be reported"
             time.sleep(0.1)
         assert "declared dead" not in cluster.log_tail("router", 10_000)
+        assert cluster.pids["colocated-0"] == pid and "frozen" not in (tmp_path / "launcher.log").read_text()
         wait_for_idle_blocks(cluster.url, cluster.worker_names, NUM_BLOCKS)
     finally:
         cluster.stop()

@@ -1,8 +1,8 @@
 """`tandem ray up|status|down` on a real Ray head (loopback, private temp dir, stopped by pid).
 
 One deployment of 1 prefill + 2 decode workers serves the official openai client with transformers'
-exact greedy text; a SIGKILLed worker is restarted by its supervisor actor; a SIGKILLed supervisor
-actor takes its process down with it (no orphan) and Ray restarts it; `tandem ray down` leaves no
+exact greedy text; a SIGKILLed worker is restarted by its supervisor actor, and so is a SIGSTOPped one (its
+watchdog kills it); a SIGKILLed supervisor actor takes its process down with it (no orphan) and Ray restarts it; `tandem ray down` leaves no
 Tandem process and no named actor; a deployment Ray cannot place fails and leaves nothing behind; `tandem ray restart` replaces every worker
 under a streaming load with no failed request, and `tandem ray down --process decode-1` removes one
 (a scale-down: its streams move to decode-0 with their KV, none fails).
@@ -48,6 +48,7 @@ def head():
 def deployment(head, tiny_checkpoint, tmp_path_factory):
     with tandem_ray_deployment(head, TANDEM, tmp_path_factory.mktemp("ray-logs"), "--prefill", "1", "--decode", "2",
                                "--model", tiny_checkpoint("llama"), "--max-restarts", "3", "--ready-timeout", "240",
+                               "--watchdog-timeout", "3",
                                *CONFIG_FLAGS, log_level="DEBUG") as info:
         yield info
 
@@ -146,6 +147,20 @@ def test_killed_worker_is_restarted_by_its_supervisor(head, deployment, tokenize
     assert rows["decode-0"]["restarts"] == 1
     assert any("killed by signal SIGKILL; restarting" in e for e in rows["decode-0"]["events"]), rows["decode-0"]
     deployment["pids"].add(rows["decode-0"]["pid"])
+    assert_serves_exactly(deployment["url"], tokenizer, reference_text)
+
+
+def test_frozen_worker_is_killed_and_restarted_by_its_supervisor(head, deployment, tokenizer, reference_text):
+    old_pid = status(head)["decode-1"]["pid"]
+    os.kill(old_pid, signal.SIGSTOP)  # it neither exits nor answers: only the watchdog ends it
+    rows = wait_for(head, lambda r: all_ready(r) and r["decode-1"]["pid"] not in (None, old_pid), 60,
+                    "frozen decode-1 was not replaced and ready")
+    events = rows["decode-1"]["events"]
+    assert any("decode-1 gave no sign of life for" in e and "(it is stopped: SIGSTOP or a debugger)" in e
+               and e.endswith("killing it") for e in events), events
+    assert any("decode-1 was killed: it gave no sign of life" in e and "restarting now" in e for e in events), events
+    assert rows["decode-1"]["restarts"] == 1 and not is_alive(old_pid)
+    deployment["pids"].add(rows["decode-1"]["pid"])
     assert_serves_exactly(deployment["url"], tokenizer, reference_text)
 
 

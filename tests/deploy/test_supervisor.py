@@ -176,3 +176,41 @@ def test_a_planned_exit_is_replaced_at_once_and_counts_no_crash():
     procs.exit_codes["decode-0"] = -9  # an unplanned exit afterwards is a crash again
     [event] = supervisor.step()
     assert event.kind == "given_up"
+
+
+def test_a_frozen_process_is_killed_and_its_exit_restarted_as_a_crash():
+    clock, procs = Clock(), FakeProcesses(("router", "decode-0"))
+    frozen: dict[str, str] = {}
+    killed: list[str] = []
+    supervisor = Supervisor(("router", "decode-0"), RestartPolicy(max_restarts=1), procs.poll_exit, procs.respawn,
+                            clock=clock, why_frozen=frozen.get, kill=killed.append)
+    assert supervisor.step() == [] and killed == []
+    frozen["decode-0"] = "gave no sign of life for 31 s"
+    [event] = supervisor.step()
+    assert (event.kind, event.message) == ("frozen", "decode-0 gave no sign of life for 31 s; killing it")
+    assert killed == ["decode-0"]
+    assert supervisor.step() == [] and killed == ["decode-0"]  # one kill while it dies, not one a step
+    procs.exit_codes["decode-0"] = -signal.SIGKILL
+    del frozen["decode-0"]  # the new process has not beaten yet
+    exited, restarted = supervisor.step()
+    assert exited.message.startswith("decode-0 was killed: it gave no sign of life for 31 s; restarting now")
+    assert restarted.kind == "restarted" and procs.respawned == ["decode-0"]
+    frozen["decode-0"] = "gave no sign of life for 31 s"  # frozen again: a second crash in a row, over the limit
+    supervisor.step()
+    procs.exit_codes["decode-0"] = -signal.SIGKILL
+    [event] = supervisor.step()
+    assert event.kind == "given_up" and "was killed: it gave no sign of life" in event.message
+
+
+def test_a_process_draining_on_purpose_is_not_called_frozen():
+    clock, procs = Clock(), FakeProcesses(("decode-0",))
+    killed: list[str] = []
+    supervisor = Supervisor(("decode-0",), RestartPolicy(), procs.poll_exit, procs.respawn, clock=clock,
+                            why_frozen=lambda _: "gave no sign of life for 31 s", kill=killed.append)
+    supervisor.expect_exit("decode-0")
+    assert supervisor.step() == [] and killed == []
+
+
+def test_why_frozen_without_kill_is_refused():
+    with pytest.raises(ValueError, match="why_frozen needs kill"):
+        Supervisor(("a",), RestartPolicy(), lambda _: None, lambda _: None, why_frozen=lambda _: None)
