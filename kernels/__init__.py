@@ -84,14 +84,25 @@ def resolve_backend(name: str, device: str) -> str:
     return name
 
 
-def load_kernels(name: str, device: str = "cpu") -> Kernels:
+def load_kernels(name: str, device: str = "cpu", model_dtype=None, latent_attention: bool = False) -> Kernels:
+    """The kernel set ``name`` for ``device``; ``model_dtype`` and ``latent_attention`` only make the CPU set's
+    name say what such a model runs (native kernels or references)."""
     backend = resolve_backend(name, device)
     if backend == "torch":
         return TORCH_KERNELS
     if backend == "cpu":
         from kernels.cpu_backend import cpu_kernels
 
-        return cpu_kernels(TORCH_KERNELS)
+        return cpu_kernels(TORCH_KERNELS, model_dtype, latent_attention)
     from kernels.triton_backend import TRITON_KERNELS  # imported lazily: triton is optional on CPU
 
+    if not str(device).startswith("cuda"):
+        from kernels.triton_common import is_interpreted
+        from kernels.triton_kv_store import _store_kv_kernel
+
+        if not is_interpreted(_store_kv_kernel):  # else every request would fail at its first kernel launch
+            raise ValueError(f"kernel_backend: 'triton' runs compiled kernels on a CUDA device, and this device is "
+                             f"{device}; use 'cpu' (the native CPU kernels) or 'torch' here, or set "
+                             "TRITON_INTERPRET=1 before start to run the triton kernels in triton's interpreter "
+                             "(slow: for testing them)")
     return TRITON_KERNELS

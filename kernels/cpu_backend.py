@@ -22,11 +22,15 @@ from kernels.cpu_elementwise import apply_rotary_cpu, rms_norm_cpu, silu_and_mul
 from kernels.cpu_paged_attention import describe_prompt_route, paged_attention_cpu
 
 
-def cpu_kernels(torch_kernels):
-    """``torch_kernels`` with the native CPU kernels in their places."""
-    routes = [describe_prompt_route(), cpu_int8.describe_amx_route()]
+def cpu_kernels(torch_kernels, model_dtype: torch.dtype | None = None, latent_attention: bool = False):
+    """``torch_kernels`` with the native CPU kernels in their places; named for a model of ``model_dtype`` (with
+    latent attention, DeepSeek's MLA, whose attention has no native kernel) when given."""
+    cpu_native.check_switch()
+    runs_native = cpu_native.ops is not None and model_dtype in (None, *cpu_native.NATIVE_DTYPES)
+    routes = [("latent attention torch reference" if latent_attention else describe_prompt_route()),
+              cpu_int8.describe_amx_route()] if runs_native else []
     return replace(
-        torch_kernels, name=f"cpu: {cpu_native.describe()}, " + ", ".join(r for r in routes if r),
+        torch_kernels, name=", ".join([f"cpu: {cpu_native.describe(model_dtype)}", *(r for r in routes if r)]),
         paged_attention=paged_attention_cpu,
         rms_norm=rms_norm_cpu, apply_rotary=apply_rotary_cpu, store_kv=store_kv_cpu, silu_and_mul=silu_and_mul_cpu,
         prepare_model=prepare_model_cpu, combine_grouped_rows=cpu_moe.combine_grouped_rows_cpu,

@@ -107,7 +107,9 @@ class LLMEngine:
             keep_freed_memory()
         for model in {id(m): m for m in (self.model, self.draft.model if self.draft else None) if m}.values():
             self.kernels.prepare_model(model, config.model.cpu_weight_prepack)
-        self.kernels = load_kernels(config.kernel_backend, self.device)  # named for what preparing chose (CPU: routes)
+        # named for what preparing chose (CPU: routes) and for what this model runs
+        self.kernels = load_kernels(config.kernel_backend, self.device, self.dtype,
+                                    latent_attention=getattr(self.hf_config, "kv_lora_rank", None) is not None)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kernels, Sampler(self.vocab_size, config.model.seed),
                                   self.device, max_num_reqs=config.max_batch_size, max_model_len=self.max_length)
         if str(self.device).startswith("cuda") and not config.enforce_eager and self.rank_driver is None:
@@ -176,10 +178,8 @@ class LLMEngine:
     def close_ranks(self, has_failed: bool = False) -> None:
         """Stop the tensor-parallel ranks 1..N-1, if any: asked, then killed after a grace (none when
         ``has_failed``: a rank died or hung, the group cannot run another step). Idempotent."""
-        if self.rank_driver is not None and has_failed:
-            self.rank_driver.close(grace_s=0.0)
-        elif self.rank_driver is not None:
-            self.rank_driver.close()
+        if self.rank_driver is not None:
+            self.rank_driver.close(grace_s=0.0) if has_failed else self.rank_driver.close()
 
     # -------------------------------------------------------------- requests
     def add_request(
@@ -344,8 +344,16 @@ class LLMEngine:
                 outputs += self._read(previous)
             elif not outputs:
                 self.last_plan = None
+        except BaseException:  # a step failed: the next call starts clean, with no step launched on its tokens
+            previous_read.set_result(None)
+            for unread in (self._take_in_flight(), previous):  # neither is read: wait till the stream is free
+                if unread is not None:
+                    unread.wait_and_drop()
+            self.runner.forget_launched()
+            raise
         finally:
-            previous_read.set_result(None)  # also on an error: the execution stream must never wait forever
+            if not previous_read.done():
+                previous_read.set_result(None)  # also on an error: the execution stream must never wait forever
         return outputs
 
     def _schedule(self):

@@ -159,6 +159,11 @@ class ModelRunner:
 
         return stream.submit(run)
 
+    def forget_launched(self) -> None:
+        """After a failed step: no launched step's sampled tokens exist to copy into the next step's placeholders."""
+        self._launched_rows = {}
+        self._last_sampled = None
+
     def prepare(self, chunks: list[ScheduledChunk], block_table: Callable[[str], list[int]]) -> ForwardBatch:
         """The step's ``ForwardBatch`` from the persistent batch (each request's row brought up to date)."""
         return self.to_batch(self.gather(chunks, block_table), chunks)

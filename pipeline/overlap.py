@@ -43,6 +43,14 @@ class InFlightStep:
     positions: list[int]  # the index in each one's token_ids of its placeholder
     needs_host_tokens: bool  # a request's next step needs these token values on the host: read before scheduling
 
+    def wait_and_drop(self) -> None:
+        """A step failed, so this one (launched on tokens never sampled, or the failed one) is never read: wait for
+        it to end, so the execution stream is free, ignoring what it raises."""
+        try:
+            self.future.result()
+        except BaseException:  # noqa: BLE001 - the earlier step's failure is the one raised
+            pass
+
 
 def needs_host_tokens(seq: Sequence) -> bool:
     """Whether ``seq``'s next step reads its output token values on the host: repetition, frequency and

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from kernels import cpu_native, load_kernels
 from kernels.cpu_paged_attention import describe_prompt_route
@@ -28,7 +29,33 @@ def test_auto_on_cpu_is_the_cpu_set_with_every_kernel():
     kernels = load_kernels("auto", "cpu")
     assert kernels.name.startswith("cpu")
     assert cpu_native.describe() in kernels.name
-    assert kernels.name.endswith(describe_prompt_route())
+    if cpu_native.ops is not None:
+        assert kernels.name.endswith(describe_prompt_route())
+
+
+def test_the_name_says_what_a_model_of_each_dtype_runs():
+    """A float16 model (the native kernels and packed GEMMs take fp32 and bf16) and DeepSeek's latent attention run
+    torch's references: the start-up line must not call them native."""
+    half = load_kernels("cpu", "cpu", torch.float16).name
+    assert half.startswith("cpu: torch reference (float16: the native kernels and packed GEMMs take float32 and "
+                           "bfloat16; --dtype bfloat16 runs them)") and "native (" not in half
+    assert "prompt attention" not in half
+    if cpu_native.ops is None:
+        pytest.skip("kernels._cpu_ops is not built")
+    bf16 = load_kernels("cpu", "cpu", torch.bfloat16).name
+    assert bf16 == load_kernels("cpu", "cpu").name and bf16.startswith(f"cpu: {cpu_native.describe()}")
+    latent = load_kernels("cpu", "cpu", torch.bfloat16, latent_attention=True).name
+    assert "latent attention torch reference" in latent and "prompt attention" not in latent
+
+
+def test_a_switch_value_neither_on_nor_off_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu_native, "_switch", "maybe")
+    monkeypatch.setenv(cpu_native.SWITCH_ENV, "maybe")
+    with pytest.raises(ValueError, match="TANDEM_NATIVE_KERNELS='maybe': use 1 .* or 0"):
+        load_kernels("cpu", "cpu")
+    for value in ("1", "on", "0", "off"):
+        monkeypatch.setattr(cpu_native, "_switch", value)
+        load_kernels("cpu", "cpu")
 
 
 def test_unknown_isa_is_refused():

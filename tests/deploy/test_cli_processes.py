@@ -133,12 +133,24 @@ def test_one_process_per_role_over_tcp(tiny_checkpoint, tmp_path):
         (["up", "--kv-cache-page-size", "0"], "kv_cache.page_size"),
         (["up", "--model", "/nonexistent/dir"], "checkpoint directory /nonexistent/dir does not exist"),
         (["up", "--max-restarts", "-1"], "--max-restarts: must be >= 0 (got -1)"),
+        (["up", "--watchdog-timeout", "-1"], "--watchdog-timeout: must be >= 0 (got -1)"),
     ],
 )
 def test_bad_config_is_a_clear_error(args, message):
     result = subprocess.run([*TANDEM, *args], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_triton_backend_on_a_cpu_worker_is_refused_at_start():
+    """Compiled triton kernels need CUDA: a CPU worker told to use them would fail every request, so it does not start
+    (under TRITON_INTERPRET=1 the interpreter runs them, as the kernel tests do)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([*TANDEM, "generate", "--kernel-backend", "triton", "--max-tokens", "2", "hi"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "kernel_backend: 'triton' runs compiled kernels on a CUDA device, and this device is cpu" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_worker_processes_let_idle_openmp_threads_sleep(monkeypatch):

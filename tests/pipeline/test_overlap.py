@@ -154,3 +154,29 @@ def test_abort_in_flight_frees_once_and_its_token_is_dropped(engine):
     assert len(a_tokens) == 2  # the new request's two tokens, none of the aborted one's
     assert engine.kv_manager.num_free_blocks == total
     assert not engine.has_pending_outputs()
+
+
+def test_a_failed_step_leaves_no_step_in_flight_for_the_next_call(tiny_checkpoint):
+    """A step that raises (a tensor-parallel collective, a kernel) while the next step, launched on its tokens, is
+    in flight: the call fails with that error, and the next call runs clean (before, it read the stale step launched
+    on the failed one's tokens and raised a TypeError)."""
+    llm = LLM(model=tiny_checkpoint("llama"), enable_overlap_scheduler=True, kv_cache={"page_size": 4, "num_blocks": 64})
+    runner = llm.engine.runner
+    real_forward, calls = runner._forward, []
+
+    def forward_failing_third(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a collective failed")
+        return real_forward(*args)
+
+    runner._forward = forward_failing_third
+    with pytest.raises(RuntimeError, match="a collective failed"):
+        llm.generate([[5, 6, 7, 8, 9]], greedy(max_tokens=8))
+    assert not llm.engine.has_pending_outputs()
+    runner._forward = real_forward
+    off = LLM(model=tiny_checkpoint("llama"), kv_cache={"page_size": 4, "num_blocks": 64})
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    assert [o.token_ids for o in llm.generate(prompts, greedy(max_tokens=8))] == \
+        [o.token_ids for o in off.generate(prompts, greedy(max_tokens=8))]
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_total_blocks
