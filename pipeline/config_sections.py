@@ -118,6 +118,9 @@ class RouterConfig(ConfigSection):
 
     dead_after_s: float = Field(
         3.0, gt=0.0, description="a worker silent this long is dead (heartbeats come from a thread no step blocks)")
+    forget_dead_worker_after_s: float = Field(
+        300.0, gt=0.0, description="a worker dead this long leaves /ready and the per-worker metrics (scaled "
+        "down, or given up by its launcher); if it comes back it registers anew. Never less than wait_for_worker_s")
     max_queued_requests: int = Field(
         256, ge=0, description="requests that wait in the router while every worker is saturated; beyond: 429")
     queue_timeout_s: float = Field(

@@ -81,6 +81,7 @@ def create_app(
     registry = WorkerRegistry(
         heartbeat_interval_s=_or(heartbeat_interval_s, config.transfer.heartbeat_interval_s),
         dead_after_s=_or(dead_after_s, router_config.dead_after_s),
+        forget_after_s=max(router_config.forget_dead_worker_after_s, router_config.wait_for_worker_s),
     )
     metrics = RouterMetrics(registry)
     registry.on_worker_registered = metrics.per_worker.add_worker  # its series from 0: rate() sees its first requests

@@ -7,6 +7,8 @@ current step has run), so silence means a gone or frozen process, never a busy o
 ``on_worker_dead`` for each; a check that comes late (the router itself was starved of CPU, so it may
 not have read the heartbeats waiting on its socket) declares nobody dead. A dead worker that speaks again comes back to life with its old record;
 a worker that registers again with a new pid is a new incarnation: the old one is declared dead first.
+A worker dead for ``forget_after_s`` is forgotten: it leaves ``/ready`` and the per-worker metrics (a worker
+scaled down, or given up by its launcher, is not listed for ever); if it speaks again it is asked to register anew.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class WorkerRegistry:
         on_worker_dead: Callable[[WorkerInfo], None] | None = None,
         on_worker_registered: Callable[[WorkerInfo], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        forget_after_s: float | None = None,
     ) -> None:
         if heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s: must be > 0 (got {heartbeat_interval_s})")
@@ -101,8 +104,11 @@ class WorkerRegistry:
             raise ValueError(
                 f"dead_after_s: must be > heartbeat_interval_s ({heartbeat_interval_s}) (got {dead_after_s})"
             )
+        if forget_after_s is not None and forget_after_s <= 0:
+            raise ValueError(f"forget_after_s: must be > 0 (got {forget_after_s})")
         self.heartbeat_interval_s = heartbeat_interval_s
         self.dead_after_s = dead_after_s
+        self.forget_after_s = forget_after_s
         self.on_worker_dead = on_worker_dead
         self.on_worker_registered = on_worker_registered
         self._clock = clock
@@ -199,7 +205,16 @@ class WorkerRegistry:
                 logger.warning("worker %s missed heartbeats for %.1f s: declared dead", info.worker_id,
                                now - info.last_seen)
             self._declare_dead(info)
+        self._forget_long_dead(now)
         return newly_dead
+
+    def _forget_long_dead(self, now: float) -> None:
+        if self.forget_after_s is None:
+            return
+        for info in [w for w in self._workers.values() if not w.is_alive and now - w.last_seen > self.forget_after_s]:
+            logger.info("worker %s: dead for %.0f s, forgotten (it registers anew if it comes back)", info.worker_id,
+                        now - info.last_seen)
+            del self._workers[info.worker_id]
 
     def _declare_dead(self, info: WorkerInfo) -> None:
         info.is_alive = False

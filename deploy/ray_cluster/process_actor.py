@@ -15,7 +15,9 @@
 When Ray restarts the actor itself (its process or node died; ``was_current_actor_reconstructed``) it
 starts its process again at once: on the cores this deployment planned for it when it is back on the same node
 (as a tensor-parallel worker's actor is, in its placement group, while the node lives), else unbound (a core
-plan made for another node means nothing here). The plan is kept in ``{log_dir}/{name}.cores.json``.
+plan made for another node means nothing here). The plan is kept in ``{log_dir}/{name}.cores.json``, with the
+count of restarts, which goes on across the actor's own restarts on one node (the process's restart with its
+actor counts as one).
 
 Every fork happens on one thread that lives as long as the actor (the kernel ties the parent-death
 signal to the forking thread), and that thread alone touches the process; actor methods ask it.
@@ -89,7 +91,10 @@ class ProcessSupervisor:
         self._thread = threading.Thread(target=self._supervise, name=f"tandem-{spec.name}", daemon=True)
         self._thread.start()
         if context.was_current_actor_reconstructed:
-            self._cores = self._planned_cores()
+            plan = self._our_plan()
+            self._cores = plan.get("cores")
+            self._num_restarts = plan.get("restarts", 0) + 1  # the process restarts with its actor (a new node: from 1)
+            self._write_plan()
             self._note("Ray restarted this supervisor (its process or node died); starting the process again, " + (
                 f"on cores {format_core_list(self._cores)}, planned for this node" if self._cores else
                 "not bound to cores (the core plan was made for the node it ran on before)"))
@@ -109,7 +114,7 @@ class ProcessSupervisor:
             if self._start_request.is_set():
                 raise RuntimeError(f"{self.spec.name} was already started")
             self._cores = cores
-            self._plan_path.write_text(json.dumps({"up_id": self.spec.up_id, "node_id": self.node_id, "cores": cores}))
+            self._write_plan()
             self._start_request.set()
         if not self._started.wait(timeout_s):
             raise TimeoutError(f"{self.spec.name}: the process did not start within {timeout_s:g} s")
@@ -189,14 +194,19 @@ class ProcessSupervisor:
     def _plan_path(self) -> Path:
         return self.log_dir / f"{self.spec.name}.cores.json"
 
-    def _planned_cores(self) -> list[int] | None:
-        """The cores ``start`` was given, if this deployment gave them on this node (else None)."""
+    def _our_plan(self) -> dict:
+        """What this deployment recorded for this process on this node (else {}): the cores ``start`` was given and
+        the restarts so far, so that an actor Ray restarts goes on with both."""
         try:
             plan = json.loads(self._plan_path.read_text())
         except (OSError, ValueError):
-            return None
+            return {}
         is_ours = self.spec.up_id and plan.get("up_id") == self.spec.up_id and plan.get("node_id") == self.node_id
-        return plan.get("cores") if is_ours else None
+        return plan if is_ours else {}
+
+    def _write_plan(self) -> None:
+        plan = {"up_id": self.spec.up_id, "node_id": self.node_id, "cores": self._cores, "restarts": self._num_restarts}
+        self._plan_path.write_text(json.dumps(plan))
 
     # ------------------------------------------------------- supervision
     def _supervise(self) -> None:
@@ -228,6 +238,7 @@ class ProcessSupervisor:
                 with self._lock:
                     if event.kind == "restarted":
                         self._num_restarts += 1
+                        self._write_plan()
                     self._state = {"exited": "restarting", "restarted": "running", "given_up": "given_up"}.get(
                         event.kind, self._state)
         self._terminate(self._stop_timeout_s or WORKER_STOP_TIMEOUT_S)

@@ -140,8 +140,10 @@ def test_a_frozen_worker_is_declared_dead_and_its_streams_move_on(tiny_checkpoin
 
 
 def test_1p1d_without_a_prefill_worker_prefills_on_the_decode_worker(tiny_checkpoint, tmp_path, reference_text):
+    forgetful = {**FAST_LIVENESS, "router": {**FAST_LIVENESS["router"], "forget_dead_worker_after_s": 3.0,
+                                              "wait_for_worker_s": 3.0}}
     cluster = start_cluster(tiny_checkpoint("llama"), tmp_path, num_prefill=1, num_decode=1,
-                            config=FAST_LIVENESS, max_restarts=0)
+                            config=forgetful, max_restarts=0)
     try:
         client = client_for(cluster)
         name = client.models.list().data[0].id
@@ -162,6 +164,12 @@ def test_1p1d_without_a_prefill_worker_prefills_on_the_decode_worker(tiny_checkp
             out = client.completions.create(model=name, prompt=prompt, max_tokens=10, temperature=0)
             assert out.choices[0].text == reference_text(prompt, 10)[1]
         wait_for_idle_blocks(cluster.url, ["decode-0"], NUM_BLOCKS)
+        deadline = time.monotonic() + 10  # dead past forget_dead_worker_after_s: no longer listed anywhere
+        while "prefill-0" in workers_alive(cluster.url):
+            assert time.monotonic() < deadline, "a worker dead for good stays listed in /ready"
+            time.sleep(0.2)
+        assert worker_metric(cluster.url, "tandem_worker_up", "prefill-0") is None
+        assert worker_metric(cluster.url, "tandem_worker_up", "decode-0") == 1.0
     finally:
         cluster.stop()
 

@@ -176,6 +176,7 @@ def test_killed_supervisor_takes_its_process_down_and_ray_restarts_both(head, de
                     "Ray did not restart the prefill-0 supervisor and its worker")
     assert any("Ray restarted this supervisor" in e for e in rows["prefill-0"]["events"]), rows["prefill-0"]
     assert rows["prefill-0"]["cores"] == before["cores"]  # back on the same node: on the cores planned for it
+    assert rows["prefill-0"]["restarts"] == before["restarts"] + 1  # the count survives its actor's restart
     deployment["pids"].add(rows["prefill-0"]["pid"])
     assert_serves_exactly(deployment["url"], tokenizer, reference_text)
     wait_for_idle_blocks(deployment["url"], WORKERS, CLUSTER_CONFIG["kv_cache"]["num_blocks"])

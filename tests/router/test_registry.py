@@ -128,3 +128,22 @@ def test_bad_timing_is_rejected():
         WorkerRegistry(heartbeat_interval_s=1.0, dead_after_s=0.5)
     with pytest.raises(ValueError, match="heartbeat_interval_s"):
         WorkerRegistry(heartbeat_interval_s=0, dead_after_s=3.0)
+
+
+def test_a_worker_dead_past_forget_after_s_is_forgotten_and_must_register_anew(clock, dead):
+    registry = WorkerRegistry(heartbeat_interval_s=0.5, dead_after_s=3.0, on_worker_dead=dead.append, clock=clock,
+                              forget_after_s=60.0)
+    registry.register(reg("gone"))
+    registry.register(reg("here", pid=2))
+    registry.check_liveness()
+    for _ in range(70):
+        advance(registry, clock, 1.0)
+        registry.heartbeat(Heartbeat(worker_id="here", load=WorkerLoad()))
+    assert [w.worker_id for w in dead] == ["gone"]
+    assert [w.worker_id for w in registry.all_workers()] == ["here"]  # listed no more (/ready, metrics)
+    assert registry.heartbeat(Heartbeat(worker_id="gone", load=WorkerLoad())) is None  # the router asks it to register
+    assert registry.touch("gone") is None
+    registry.register(reg("gone", pid=3))
+    assert registry.is_alive("gone")
+    with pytest.raises(ValueError, match="forget_after_s"):
+        WorkerRegistry(heartbeat_interval_s=0.5, dead_after_s=3.0, forget_after_s=0)
