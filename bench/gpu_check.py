@@ -8,10 +8,10 @@ stage that would start with too little of the whole run's budget left is recorde
 1. ``wheels``: the carried ``.whl/`` checked against ``deploy/gpu_wheels.txt`` and installed into this
    Python (``pip install --no-index --find-links .whl``: nothing fetched, torch and triton untouched);
 2. ``environment``: device, driver, versions, every dependency importable (``bench.gpu_check_env``);
-3. ``pytest_kernels``: every test of ``tests/kernels`` with compiled kernels on the GPU
+3. ``pytest_gpu``: ``pytest -m gpu`` over the files outside ``tests/kernels`` that carry the marker
+   (``tests/gpu``: the engine on CUDA against transformers on CUDA);
+4. ``pytest_kernels``: every test of ``tests/kernels`` with compiled kernels on the GPU
    (``TRITON_INTERPRET=0``: each triton kernel against its torch reference, the ``gpu`` tests included);
-4. ``pytest_gpu``: ``pytest -m gpu`` over the other files that carry the marker (``tests/gpu``: the
-   engine on CUDA against transformers on CUDA);
 5. ``pd_cluster``: a 1 prefill + 1 decode cluster sharing the GPU, greedy completions against the
    colocated engine, KV blocks back (``bench.gpu_check_cluster``);
 6. ``kernel_numbers``, ``kv_transfer``, ``offline_throughput``: the numbers (``bench.gpu_check_numbers``).
@@ -108,10 +108,11 @@ def check_wheel_dir(wheel_dir: Path = WHEEL_DIR) -> dict:
 
 # ----------------------------------------------------------------------------- running a stage
 class Runner:
-    def __init__(self, out_dir: Path, dry_run: bool, budget_s: float, log) -> None:
+    def __init__(self, out_dir: Path, dry_run: bool, budget_s: float, log, scratch: Path) -> None:
+        """``scratch``: where stage outputs and results are written first (its owner removes it)."""
         self.out_dir, self.dry_run, self.budget_s, self.log = out_dir, dry_run, budget_s, log
         self.start = time.monotonic()
-        self.tmp = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+        self.tmp = scratch
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
 
@@ -324,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
               "python": sys.version.split()[0], "command": " ".join([Path(sys.executable).name, "-m", "bench.gpu_check",
                                                                      *(argv if argv is not None else sys.argv[1:])]),
               "budget_s": args.budget_s, "environment": {}, "stages": []}
-    with open(out_dir / LOG_NAME, "w") as log:
-        runner = Runner(out_dir, args.dry_run, args.budget_s, log)
+    with open(out_dir / LOG_NAME, "w") as log, tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
+        runner = Runner(out_dir, args.dry_run, args.budget_s, log, Path(scratch))
         cuda: bool | None = None
         for stage in STAGES:
             outcome = run_stage(runner, stage, selected, cuda)
