@@ -126,7 +126,7 @@ class TensorParallelShard:
         try:
             return super().forward(batch, kv_cache, kernels)
         except TensorParallelError:
-            self.driver.check_alive()  # a rank that died broke the collective: name it (and its exit code)
+            self.driver.name_the_dead_rank()  # a rank that died broke the collective: name it (and its exit code)
             raise
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -134,9 +134,14 @@ class TensorParallelShard:
         own rows of rank 0's ``hidden``, which they receive; the return value is meaningful on rank 0 only)."""
         if self.driver is not None:
             self.driver.send_logits(hidden.shape[0])
-        hidden = self.collectives.broadcast(hidden.contiguous())
-        local = super().compute_logits(hidden)  # [n, vocab / tp]
-        return torch.cat(self.collectives.all_gather(local), dim=-1)[:, :self.full_vocab_size]
+        try:
+            hidden = self.collectives.broadcast(hidden.contiguous())
+            local = super().compute_logits(hidden)  # [n, vocab / tp]
+            return torch.cat(self.collectives.all_gather(local), dim=-1)[:, :self.full_vocab_size]
+        except TensorParallelError:
+            if self.driver is not None:
+                self.driver.name_the_dead_rank()
+            raise
 
 
 class TensorParallelLlama(TensorParallelShard, LlamaFamilyForCausalLM):

@@ -73,6 +73,7 @@ class RankGroup:
         import torch.distributed as dist
 
         self.size = size
+        self._is_ready = False  # every child loaded its shard (wait_ready)
         self._kv_shape_sent: tuple[int, ...] | None = None
         self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S),
                                    wait_for_workers=False)
@@ -102,6 +103,7 @@ class RankGroup:
         """Block until every child loaded its shard; ``TensorParallelError`` with its traceback if one failed."""
         for rank, pipe in enumerate(self.pipes, start=1):
             self._expect_reply(rank, pipe, "ready", "failed to start")
+        self._is_ready = True
 
     def share_kv_caches(self, kv_shape: torch.Size, dtype: torch.dtype) -> list[torch.Tensor]:
         """Ranks 1..N-1's KV caches (each ``kv_shape``), mapped into this process: each rank allocates its cache in
@@ -161,10 +163,28 @@ class RankGroup:
 
     def check_alive(self) -> None:
         """``TensorParallelError`` naming every child rank that exited (and the last line of the error it sent)."""
-        dead = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}{_reported_error(pipe)}"
+        dead = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                f"{_reported_error(pipe) or self._no_report(p.exitcode)}"
                 for rank, (p, pipe) in enumerate(zip(self.processes, self.pipes), start=1) if not p.is_alive()]
         if dead:
             raise TensorParallelError("tensor-parallel " + "; ".join(dead) + ": the engine cannot continue")
+
+    def _no_report(self, exitcode: int | None) -> str:
+        """Why a rank that exited with an error before it was ready may have sent nothing: it never got to run."""
+        if self._is_ready or exitcode != 1:
+            return ""
+        return (" before it started (its traceback is on stderr; a script that creates a tensor-parallel LLM must do "
+                "so under `if __name__ == \"__main__\":`, since every rank is spawned and imports that script again)")
+
+    def name_the_dead_rank(self, within_s: float = 2.0) -> None:
+        """A collective failed, most often because a rank died: the peer's socket closes as the kernel kills it, a
+        moment before the process is seen to have exited. ``check_alive`` until one is, for up to ``within_s`` (a
+        rank that hangs instead leaves the collective's own error to be raised)."""
+        deadline = time.monotonic() + within_s
+        self.check_alive()
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            self.check_alive()
 
     def send_forward(self, batch: ForwardBatch, kv_shape: torch.Size) -> None:
         if self._kv_shape_sent != tuple(kv_shape):  # the cache is sized by rank 0's pool, after the model loads

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -269,6 +270,36 @@ def test_no_rank_outlives_a_killed_engine_process(tiny_checkpoint):
         engine.kill()  # SIGKILL: no close(), no atexit; the ranks see their pipe close
         engine.wait()
     assert wait_gone(pids) == []
+
+
+def test_a_rank_killed_mid_step_is_named_with_its_exit_code(tiny_checkpoint):
+    """The collective fails as the kernel closes the dead rank's socket, a moment before the process is seen to have
+    exited: the error names the rank and its signal all the same (it used to give only gloo's connection reset)."""
+    llm = tp_llm(tiny_checkpoint("llama"))
+    [pid] = llm.engine.model.driver.pids
+    killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+    try:
+        killer.start()
+        with pytest.raises(TensorParallelError, match=f"rank 1 \\(pid {pid}\\) exited with code -9: the engine"):
+            llm.generate([list(range(3, 40))] * 8, greedy(2000))
+    finally:
+        killer.cancel()
+        llm.close()
+    assert wait_gone([pid]) == []
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_rank_died(tmp_path):
+    """Ranks are spawned: each imports the user's script again, so an LLM created at its top level starts a rank
+    that dies in its bootstrap without a word to rank 0. The error says why."""
+    script = tmp_path / "no_guard.py"
+    script.write_text("from pipeline import LLM\nLLM(None, tensor_parallel_size=2, model_config={'dtype': 'float32'})\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 1
+    assert "exited with code 1 before it started (its traceback is on stderr; a script that creates a " \
+        "tensor-parallel LLM must do so under `if __name__ == \"__main__\":`" in done.stderr.splitlines()[-1]
 
 
 def test_hung_then_killed_rank_raise_clear_errors_and_leave_no_process(llama_tp, monkeypatch):
