@@ -7,6 +7,9 @@ whose sign of life is older than ``timeout_s`` is frozen: the launcher kills its
 tensor-parallel worker's ranks with it) and its restart policy starts it again, counted as a crash.
 
 A process that has not beaten yet (still starting) is never called frozen; its start-up has its own deadlines.
+Nor is any process right after the launcher itself did not run for a while (the host suspended or paused, the
+launcher starved or stopped): every process stood still with it, so silence counts again from that moment, as
+the router's late liveness check declares nobody dead.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pipeline.sign_of_life import WATCHDOG_DIR_ENV
 
 __all__ = ["Watchdog", "WATCHDOG_DIR_ENV"]
 
+LAUNCHER_GAP_S = 2.0  # the launcher looks every fraction of a second: a longer gap means it did not run itself
+
 
 class Watchdog:
     """Reads the signs of life that processes started with ``env()`` leave in ``directory``."""
@@ -28,6 +33,8 @@ class Watchdog:
         """``timeout_s`` <= 0 turns the watchdog off (``env()`` is empty, nothing is ever frozen)."""
         self.directory = Path(directory)
         self.timeout_s = timeout_s
+        self._last_look: float | None = None  # wall time of the last why_frozen
+        self._counting_from = float("-inf")  # silence before this (the launcher itself stood still) does not count
         if self.is_on:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
 
@@ -43,8 +50,12 @@ class Watchdog:
         """Why the running process ``pid`` counts as frozen, or None (alive, still starting, or watchdog off)."""
         if not self.is_on:
             return None
+        now = time.time()
+        if self._last_look is not None and now - self._last_look > LAUNCHER_GAP_S:
+            self._counting_from = now
+        self._last_look = now
         try:
-            silent_s = time.time() - (self.directory / str(pid)).stat().st_mtime
+            silent_s = now - max((self.directory / str(pid)).stat().st_mtime, self._counting_from)
         except FileNotFoundError:
             return None
         if silent_s <= self.timeout_s:

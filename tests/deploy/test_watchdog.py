@@ -70,3 +70,23 @@ def test_no_directory_means_no_beats(monkeypatch):
     sign = SignOfLife()
     assert sign.path is None
     sign.beat()  # nothing to do, nothing raised
+
+
+def test_after_the_launcher_itself_stood_still_silence_counts_again_from_then(tmp_path, monkeypatch):
+    """A host suspended (or the launcher stopped) for longer than the timeout: every process stood still too, and
+    must not all be killed at once when the launcher looks again."""
+    watchdog = Watchdog(tmp_path / "alive", timeout_s=30)
+    sign = SignOfLife(str(watchdog.directory))
+    sign.beat(now=1.0)
+    now = [time.time()]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    assert watchdog.why_frozen(os.getpid()) is None
+    now[0] += 0.2
+    assert watchdog.why_frozen(os.getpid()) is None
+    now[0] += 3600  # an hour suspended
+    assert watchdog.why_frozen(os.getpid()) is None
+    for _ in range(149):  # then 29.8 s of the launcher looking, the process silent
+        now[0] += 0.2
+        assert watchdog.why_frozen(os.getpid()) is None
+    now[0] += 0.6
+    assert watchdog.why_frozen(os.getpid()) == "gave no sign of life for 30 s (watchdog_timeout_s=30)"
