@@ -61,6 +61,7 @@ class LLMEngine:
         self.model_path = model_path
         self.device = config.model.resolved_device()
         self.dtype = TORCH_DTYPES[config.model.resolved_dtype()]
+        self.kernels = load_kernels(config.kernel_backend, self.device)  # a backend this device cannot run: say so now
         torch.manual_seed(config.model.seed)
 
         if config.tensor_parallel_size > 1:  # ranks 1..N-1 start here; torch.distributed only on this path
@@ -102,7 +103,6 @@ class LLMEngine:
             warmup_chunk_tokens=config.kv_cache.warmup_chunk_tokens,
             scheduling_policy=config.scheduling_policy,
         )
-        self.kernels = load_kernels(config.kernel_backend, self.device)
         if self.device == "cpu" and config.cpu_keep_freed_memory:
             keep_freed_memory()
         for model in {id(m): m for m in (self.model, self.draft.model if self.draft else None) if m}.values():
