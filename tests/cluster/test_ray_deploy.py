@@ -2,10 +2,11 @@
 
 One deployment of 1 prefill + 2 decode workers serves the official openai client with transformers'
 exact greedy text; a SIGKILLed worker is restarted by its supervisor actor, and so is a SIGSTOPped one (its
-watchdog kills it); a SIGKILLed supervisor actor takes its process down with it (no orphan) and Ray restarts it; `tandem ray down` leaves no
-Tandem process and no named actor; a deployment Ray cannot place fails and leaves nothing behind; `tandem ray restart` replaces every worker
-under a streaming load with no failed request, and `tandem ray down --process decode-1` removes one
-(a scale-down: its streams move to decode-0 with their KV, none fails).
+watchdog kills it); a SIGKILLed supervisor actor takes its process down with it (no orphan) and Ray restarts it
+(its restart count goes on); `tandem ray down` leaves no Tandem process and no named actor; a deployment Ray
+cannot place fails and leaves nothing behind; `tandem ray restart` replaces every worker under a streaming load
+with no failed request, and `tandem ray down --process decode-1` removes one (a scale-down: its streams move to
+decode-0 with their KV, none fails).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def test_up_on_a_port_another_deployment_serves_fails_instead_of_reading_its_rea
     """Its router cannot bind the port; the other deployment's router answered /ready there, and up said ready."""
     port = deployment["url"].rsplit(":", 1)[1]
     result = head.run(TANDEM, "ray", "up", "--name", "blue", "--decode", "1", "--prefill", "0", "--port", port,
-                      "--zmq-port", str(free_ports(1)[0]), "--log-dir", deployment["log_dir"], "--ready-timeout", "8",
+                      "--zmq-port", str(free_ports(1)[0]), "--log-dir", deployment["log_dir"], "--ready-timeout", "60",
                       *CONFIG_FLAGS, timeout_s=180)
     said = result.stdout + result.stderr
     assert result.returncode == 1 and "Tandem is ready" not in said, said

@@ -22,10 +22,7 @@ from pydantic import BaseModel, Field
 from tests.cluster.conftest import CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks
 from tests.tool_checkpoint import build_tool_checkpoint
 
-try:
-    import agents as openai_agents  # the OpenAI Agents SDK (test extras)
-except ImportError:
-    openai_agents = None
+openai_agents = None  # the OpenAI Agents SDK (test extras), imported by its test (3 s of every worker's collection)
 
 pytest.importorskip("llguidance")
 
@@ -316,6 +313,8 @@ def test_the_openai_agents_sdk_calls_a_strict_tool_with_an_enum_and_reads_its_re
     Responses) run a turn forced to call the tool and a second turn that reads the result."""
     agents = pytest.importorskip("agents")
     from openai import AsyncOpenAI
+
+    globals()["openai_agents"] = agents  # what get_weather's return annotation names, read by function_tool
 
     if cluster.num_prefill == 0:
         pytest.skip("the client's side is the same on every shape: run on the 1P1D cluster only (suite time)")
