@@ -1,6 +1,6 @@
 """Busy is not dead, frozen is: liveness on real processes with the router's deadline at 1 s.
 
-A worker inside one 10-second engine step keeps heartbeating (from its router link's own thread) and
+A worker inside one 6-second engine step keeps heartbeating (from its router link's own thread) and
 reports how long the step has run; it is never declared dead (nor killed as frozen by a 3 s launcher watchdog)
 and its request completes. A worker
 frozen with SIGSTOP mid-stream falls silent and is declared dead within the deadline; its streams
@@ -39,9 +39,9 @@ def workers_alive(url: str) -> dict[str, bool]:
 
 
 @pytest.mark.solo  # a 1 s liveness deadline: heartbeats on a machine shared with other tests' clusters would miss it
-def test_a_worker_inside_a_ten_second_step_is_not_declared_dead(tiny_checkpoint, tmp_path, reference_text,
+def test_a_worker_inside_a_six_second_step_is_not_declared_dead(tiny_checkpoint, tmp_path, reference_text,
                                                                 monkeypatch):
-    monkeypatch.setenv("TANDEM_TEST_SLOW_STEP_S", "10")
+    monkeypatch.setenv("TANDEM_TEST_SLOW_STEP_S", "6")  # 6x dead_after_s, 2x the watchdog's
     monkeypatch.setenv("TANDEM_TEST_SLOW_MIN_CHUNK", "200")
     monkeypatch.setenv("TANDEM_TEST_SLOW_ONCE", "1")
     cluster = start_cluster(tiny_checkpoint("llama"), tmp_path, num_prefill=0, num_decode=0, num_colocated=1,
@@ -62,11 +62,11 @@ def test_a_worker_inside_a_ten_second_step_is_not_declared_dead(tiny_checkpoint,
             busy_seen = max(busy_seen, (worker_metric(cluster.url, "tandem_worker_busy_in_step_seconds", "colocated-0") or 0.0))
             time.sleep(0.25)
         thread.join()
-        assert busy_seen > 5.0, "the heartbeat should report the long step while it runs"
+        assert busy_seen > 3.5, "the heartbeat should report the long step while it runs"
         assert outcome["out"].choices[0].text == reference_text(prompt, 8)[1]
         deadline = time.monotonic() + 5  # the heartbeat after the step carries its length
-        while (worker_metric(cluster.url, "tandem_worker_max_step_seconds", "colocated-0") or 0.0) < 10.0:
-            assert time.monotonic() < deadline, "the 10-second step should be reported"
+        while (worker_metric(cluster.url, "tandem_worker_max_step_seconds", "colocated-0") or 0.0) < 6.0:
+            assert time.monotonic() < deadline, "the 6-second step should be reported"
             time.sleep(0.1)
         assert "declared dead" not in cluster.log_tail("router", 10_000)
         assert cluster.pids["colocated-0"] == pid and "frozen" not in (tmp_path / "launcher.log").read_text()
