@@ -21,7 +21,7 @@ import pytest
 from tests.cluster.conftest import migrations, start_cluster, wait_for_idle_blocks, worker_metric
 
 NUM_BLOCKS = 1024
-STREAM_TOKENS = 300
+STREAM_TOKENS = 200  # 4 s at 20 ms a step: every stream is under way when the worker freezes
 FAST_LIVENESS = {
     "kv_cache": {"page_size": 4, "num_blocks": NUM_BLOCKS},
     "max_batch_input_tokens": 512,

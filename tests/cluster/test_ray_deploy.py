@@ -128,6 +128,7 @@ def test_up_refuses_a_second_deployment_of_the_same_name(head, deployment):
     assert result.returncode == 1 and "already running" in result.stderr, result.stderr
 
 
+@pytest.mark.slow  # a second ray up on the shared head: 20 s of the default suite
 def test_up_on_a_port_another_deployment_serves_fails_instead_of_reading_its_readiness(head, deployment):
     """Its router cannot bind the port; the other deployment's router answered /ready there, and up said ready."""
     port = deployment["url"].rsplit(":", 1)[1]

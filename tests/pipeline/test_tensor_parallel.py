@@ -288,6 +288,7 @@ def test_a_rank_killed_mid_step_is_named_with_its_exit_code(tiny_checkpoint):
     assert wait_gone([pid]) == []
 
 
+@pytest.mark.slow  # two interpreters importing torch: 11-21 s of the default suite for one message
 def test_a_script_without_a_main_guard_is_told_why_its_rank_died(tmp_path):
     """Ranks are spawned: each imports the user's script again, so an LLM created at its top level starts a rank
     that dies in its bootstrap without a word to rank 0. The error says why."""
