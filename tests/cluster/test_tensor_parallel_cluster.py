@@ -126,6 +126,9 @@ def test_a_killed_rank_takes_its_worker_down_and_no_stream_fails(cluster):
     assert migrations(cluster.url) >= 1
     wait_restarted(cluster, before)  # rank 0 went with its rank: nothing orphaned, both back
     assert "exited with code 1" in Path(cluster.log_dir, "launcher.log").read_text()  # it exited itself, whole
+    # mid-step or between steps, the worker says which rank died and how (not only gloo's connection reset)
+    rank1 = before["rank_pids"][0]
+    assert f"tensor-parallel rank 1 (pid {rank1}) exited with code -9" in cluster.log_tail(TP_WORKER, 10_000)
     wait_for_idle_blocks(cluster.url, cluster.worker_names, CLUSTER_CONFIG["kv_cache"]["num_blocks"], timeout_s=20)
 
 
