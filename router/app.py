@@ -85,6 +85,7 @@ def create_app(
     )
     metrics = RouterMetrics(registry)
     registry.on_worker_registered = metrics.per_worker.add_worker  # its series from 0: rate() sees its first requests
+    registry.on_worker_forgotten = metrics.per_worker.remove_worker
     dispatcher = Dispatcher(
         config.zmq_endpoint_base, registry, metrics, model.checkpoint_name, max_attempts=max_attempts,
         max_queued_requests=_or(max_queued_requests, router_config.max_queued_requests),

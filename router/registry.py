@@ -97,6 +97,7 @@ class WorkerRegistry:
         on_worker_registered: Callable[[WorkerInfo], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         forget_after_s: float | None = None,
+        on_worker_forgotten: Callable[[str], None] | None = None,
     ) -> None:
         if heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s: must be > 0 (got {heartbeat_interval_s})")
@@ -109,6 +110,7 @@ class WorkerRegistry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.dead_after_s = dead_after_s
         self.forget_after_s = forget_after_s
+        self.on_worker_forgotten = on_worker_forgotten
         self.on_worker_dead = on_worker_dead
         self.on_worker_registered = on_worker_registered
         self._clock = clock
@@ -215,6 +217,8 @@ class WorkerRegistry:
             logger.info("worker %s: dead for %.0f s, forgotten (it registers anew if it comes back)", info.worker_id,
                         now - info.last_seen)
             del self._workers[info.worker_id]
+            if self.on_worker_forgotten is not None:
+                self.on_worker_forgotten(info.worker_id)
 
     def _declare_dead(self, info: WorkerInfo) -> None:
         info.is_alive = False

@@ -51,6 +51,14 @@ class WorkerRequestMetrics:
         if worker.can_decode:
             self.tpot_seconds.labels(worker.worker_id)
 
+    def remove_worker(self, worker_id: str) -> None:
+        """A worker the router forgot (dead for good): its series go, as a gone target's do."""
+        for metric in (self.ttft_seconds, self.tpot_seconds, self.routed_prompt_tokens, self.routed_cached_tokens):
+            try:
+                metric.remove(worker_id)
+            except KeyError:  # never labelled (a prefill worker has no TPOT series)
+                pass
+
     def note_route(self, worker_id: str, num_prompt_tokens: int, num_cached_prompt_tokens: int) -> None:
         self.routed_prompt_tokens.labels(worker_id).inc(num_prompt_tokens)
         self.routed_cached_tokens.labels(worker_id).inc(num_cached_prompt_tokens)

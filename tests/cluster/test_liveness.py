@@ -169,6 +169,8 @@ def test_1p1d_without_a_prefill_worker_prefills_on_the_decode_worker(tiny_checkp
             assert time.monotonic() < deadline, "a worker dead for good stays listed in /ready"
             time.sleep(0.2)
         assert worker_metric(cluster.url, "tandem_worker_up", "prefill-0") is None
+        assert worker_metric(cluster.url, "tandem_worker_routed_prompt_tokens_total", "prefill-0") is None
+        assert worker_metric(cluster.url, "tandem_worker_routed_prompt_tokens_total", "decode-0") is not None
         assert worker_metric(cluster.url, "tandem_worker_up", "decode-0") == 1.0
     finally:
         cluster.stop()

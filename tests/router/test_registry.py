@@ -131,8 +131,9 @@ def test_bad_timing_is_rejected():
 
 
 def test_a_worker_dead_past_forget_after_s_is_forgotten_and_must_register_anew(clock, dead):
+    forgotten = []
     registry = WorkerRegistry(heartbeat_interval_s=0.5, dead_after_s=3.0, on_worker_dead=dead.append, clock=clock,
-                              forget_after_s=60.0)
+                              forget_after_s=60.0, on_worker_forgotten=forgotten.append)
     registry.register(reg("gone"))
     registry.register(reg("here", pid=2))
     registry.check_liveness()
@@ -141,6 +142,7 @@ def test_a_worker_dead_past_forget_after_s_is_forgotten_and_must_register_anew(c
         registry.heartbeat(Heartbeat(worker_id="here", load=WorkerLoad()))
     assert [w.worker_id for w in dead] == ["gone"]
     assert [w.worker_id for w in registry.all_workers()] == ["here"]  # listed no more (/ready, metrics)
+    assert forgotten == ["gone"]  # the router drops its per-worker request series
     assert registry.heartbeat(Heartbeat(worker_id="gone", load=WorkerLoad())) is None  # the router asks it to register
     assert registry.touch("gone") is None
     registry.register(reg("gone", pid=3))
