@@ -19,6 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
+from kv_transfer.process_identity import process_state
 from pipeline.sign_of_life import WATCHDOG_DIR_ENV
 
 __all__ = ["Watchdog", "WATCHDOG_DIR_ENV"]
@@ -60,7 +61,7 @@ class Watchdog:
             return None
         if silent_s <= self.timeout_s:
             return None
-        state = " (it is stopped: SIGSTOP or a debugger)" if _is_stopped(pid) else ""
+        state = " (it is stopped: SIGSTOP or a debugger)" if process_state(pid) in ("T", "t") else ""
         return f"gave no sign of life for {silent_s:.0f} s{state} (watchdog_timeout_s={self.timeout_s:g})"
 
     def forget(self, pid: int) -> None:
@@ -70,12 +71,3 @@ class Watchdog:
     def remove(self) -> None:
         with contextlib.suppress(OSError):
             shutil.rmtree(self.directory)
-
-
-def _is_stopped(pid: int) -> bool:
-    """Whether ``pid`` is in the stopped or traced state (``/proc/<pid>/stat`` field 3 is T or t)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return text[text.rfind(")") + 2:][:1] in ("T", "t")

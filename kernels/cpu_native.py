@@ -2,8 +2,8 @@
 
 ``ops`` is None where it could not be built (no C compiler) or ``TANDEM_NATIVE_KERNELS=0`` (false, off, no)
 turns it off; the CPU kernel set then runs the torch references, with the same results. Any other value than
-those and 1 (true, on, yes) is refused when a kernel set is loaded (``check_switch``), not taken for either. torch is imported
-first on purpose: the module's OpenMP runtime is the ``libgomp.so.1`` torch has already loaded.
+those and 1 (true, on, yes) is refused when a kernel set is loaded (``check_switch``), not taken for either.
+torch is imported first on purpose: the module's OpenMP runtime is the ``libgomp.so.1`` torch has already loaded.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def describe(dtype: torch.dtype | None = None) -> str:
     or the per-expert oneDNN loop where the CPU has no AVX512-BF16); or why the references run (for a model of
     ``dtype``, when given)."""
     if ops is None:
-        return f"torch reference (native kernels {'turned off: ' + SWITCH_ENV + '=0' if is_turned_off else 'not built'})"
+        why = f"turned off: {SWITCH_ENV}=0" if is_turned_off else "not built"
+        return f"torch reference (native kernels {why})"
     if dtype is not None and dtype not in NATIVE_DTYPES:
         return (f"torch reference ({str(dtype).removeprefix('torch.')}: the native kernels and packed GEMMs take "
                 "float32 and bfloat16; --dtype bfloat16 runs them)")

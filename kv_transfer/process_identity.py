@@ -41,6 +41,15 @@ def has_exited(identity: str) -> bool:
     return fields[0] in ("Z", "X") or fields[19] != start_time
 
 
+def process_state(pid: int) -> str | None:
+    """``pid``'s state letter (``R``, ``S``, ``T`` stopped, ``t`` traced, ``Z`` zombie, ...), None where it is gone
+    or /proc cannot say."""
+    try:
+        return _stat_fields(str(int(pid)))[0]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _stat_fields(pid: str) -> list[str]:
     """``/proc/<pid>/stat`` after the command's closing parenthesis: field 3 (state) is [0], field 22 (start
     time) [19]."""

@@ -64,6 +64,7 @@ def load_tensor_parallel_model(config, model_path: str, dtype: torch.dtype, devi
     try:
         collectives = group.join_group(
             lambda: Collectives(group.store, 0, size, rank_device(device, 0), timeout_s, STARTUP_TIMEOUT_S))
+        collectives.on_failure = group.name_the_dead_rank
         model = load_shard(hf_config, model_path, dtype, rank_device(device, 0), collectives, driver=group,
                            quantization=config.model.quantization)
         group.wait_ready()

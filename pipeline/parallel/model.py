@@ -15,6 +15,7 @@ builds its shard through it. The experts are stacked at load and packed by the k
 from __future__ import annotations
 
 import datetime
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,9 @@ class Collectives:
         else:
             self.group = dist.ProcessGroupGloo(store, rank, size, setup_timeout)
         self.rank, self.size = rank, size
+        # rank 0: called when a collective fails, before its error is raised (``RankGroup.name_the_dead_rank``: a
+        # rank that died broke it, and the error names that rank and its exit code instead of gloo's reset)
+        self.on_failure: Callable[[], None] | None = None
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place."""
@@ -71,6 +75,8 @@ class Collectives:
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:  # a peer that died (connection closed) or a collective past its timeout
+            if self.on_failure is not None:
+                self.on_failure()
             raise TensorParallelError(f"tensor-parallel collective failed on rank {self.rank}: {exc}") from exc
 
 
@@ -123,25 +129,16 @@ class TensorParallelShard:
         if self.driver is None:
             return super().forward(batch, kv_cache, kernels)
         self.driver.send_forward(batch, kv_cache.shape)
-        try:
-            return super().forward(batch, kv_cache, kernels)
-        except TensorParallelError:
-            self.driver.name_the_dead_rank()  # a rank that died broke the collective: name it (and its exit code)
-            raise
+        return super().forward(batch, kv_cache, kernels)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` on rank 0 -> fp32 logits ``[n, vocab]`` from every rank's vocabulary rows (other ranks: their
         own rows of rank 0's ``hidden``, which they receive; the return value is meaningful on rank 0 only)."""
         if self.driver is not None:
             self.driver.send_logits(hidden.shape[0])
-        try:
-            hidden = self.collectives.broadcast(hidden.contiguous())
-            local = super().compute_logits(hidden)  # [n, vocab / tp]
-            return torch.cat(self.collectives.all_gather(local), dim=-1)[:, :self.full_vocab_size]
-        except TensorParallelError:
-            if self.driver is not None:
-                self.driver.name_the_dead_rank()
-            raise
+        hidden = self.collectives.broadcast(hidden.contiguous())
+        local = super().compute_logits(hidden)  # [n, vocab / tp]
+        return torch.cat(self.collectives.all_gather(local), dim=-1)[:, :self.full_vocab_size]
 
 
 class TensorParallelLlama(TensorParallelShard, LlamaFamilyForCausalLM):

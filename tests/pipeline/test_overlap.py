@@ -160,7 +160,8 @@ def test_a_failed_step_leaves_no_step_in_flight_for_the_next_call(tiny_checkpoin
     """A step that raises (a tensor-parallel collective, a kernel) while the next step, launched on its tokens, is
     in flight: the call fails with that error, and the next call runs clean (before, it read the stale step launched
     on the failed one's tokens and raised a TypeError)."""
-    llm = LLM(model=tiny_checkpoint("llama"), enable_overlap_scheduler=True, kv_cache={"page_size": 4, "num_blocks": 64})
+    llm = LLM(model=tiny_checkpoint("llama"), enable_overlap_scheduler=True,
+              kv_cache={"page_size": 4, "num_blocks": 64})
     runner = llm.engine.runner
     real_forward, calls = runner._forward, []
 
