@@ -78,7 +78,8 @@ class PrefillWorker(WorkerBase):
         return [self.link.socket, self.source.socket.socket]
 
     def transfer_counters(self) -> dict:
-        return transfer_counters(self.source.stats(), self.link.num_bad_frames + self.source.num_bad_frames)
+        return {**transfer_counters(self.source.stats(), self.link.num_bad_frames + self.source.num_bad_frames),
+                "num_early_prefills_unclaimed": self.source.num_holds_expired}
 
     # ------------------------------------------------------------------ loop
     def run_once(self) -> None:

@@ -20,6 +20,8 @@ reported. Per-worker TTFT, TPOT and prefix hits: ``router.worker_request_metrics
   ``tandem_worker_handshakes_refused_total`` {worker, role}.
 * ``tandem_worker_busy_in_step_seconds`` (how long the current step has run: busy, not dead),
   ``tandem_worker_max_step_seconds``, ``tandem_worker_steps_total`` and ``tandem_worker_draining``.
+* Prefill workers: ``tandem_worker_early_prefills_unclaimed_total``, early prefills no decode worker claimed
+  within the hold (a later claim recomputes the prompt's last block: decode workers ask late).
 * Speculating workers: ``tandem_spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
   ``..._num_accepted_tokens_total`` and ``..._num_accepted_tokens_per_pos_total{position}`` (vLLM's
   names): acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts.
@@ -33,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pipeline.config import PipelineRole
 from router.priority_metrics import PriorityMetrics
 from router.worker_request_metrics import WorkerRequestMetrics
 
@@ -211,6 +214,11 @@ class WorkerCollector(Collector):
             "warmup_computed": CounterMetricFamily(
                 "tandem_worker_warmup_tokens_computed", "Tokens the worker's prefix warm-ups ran through the model in "
                 "idle steps (a finished turn's answer, for the conversation's next turn)", labels=labels),
+            "early_unclaimed": CounterMetricFamily(
+                "tandem_worker_early_prefills_unclaimed", "Early prefills (started as the request was routed) no "
+                "decode worker claimed within the hold (prefill_worker.worker.EARLY_PREFILL_HOLD_S): a later claim "
+                "recomputed the prompt's last block from the prefix cache. Rising: decode workers ask late (busy)",
+                labels=labels),
             "kv_index": GaugeMetricFamily(
                 "tandem_kv_index_blocks", "Prefix-cache blocks the router's KV index holds for the worker",
                 labels=labels),
@@ -250,6 +258,8 @@ class WorkerCollector(Collector):
             families["steps"].add_metric(values, load.num_steps)
             families["prompt_computed"].add_metric(values, load.num_prompt_tokens_computed)
             families["warmup_computed"].add_metric(values, load.num_warmup_tokens_computed)
+            if w.role is PipelineRole.PrefillOnly:
+                families["early_unclaimed"].add_metric(values, load.num_early_prefills_unclaimed)
             families["draining"].add_metric(values, 1.0 if load.is_draining else 0.0)
             families["kv_index"].add_metric(values, self._workers.kv_index.num_blocks(w.worker_id))
             if load.spec_accepted_per_position:  # a speculating worker

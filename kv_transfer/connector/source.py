@@ -94,6 +94,7 @@ class KVSource:
         self.engine = engine
         self.transfers: dict[str, SourceTransfer] = {}  # by request id here
         self._by_transfer_id: dict[str, str] = {}  # the sink's request id -> request id here
+        self.num_holds_expired = 0  # held requests no sink claimed in time (cumulative: the load report's)
 
     # ------------------------------------------------------------ queries
     def get(self, request_id: str) -> SourceTransfer | None:
@@ -246,6 +247,7 @@ class KVSource:
         now = time.monotonic() if now is None else now
         for transfer in list(self.transfers.values()):
             if now > transfer.deadline and transfer.status is not SourceStatus.DROPPING:
+                self.num_holds_expired += transfer.status is SourceStatus.UNCLAIMED
                 self.drop(transfer.request_id, "no decode worker claimed it in time"
                           if transfer.status is SourceStatus.UNCLAIMED
                           else "TTL passed before the decode worker acknowledged the KV")

@@ -150,6 +150,9 @@ class WorkerLoad(msgspec.Struct, **_HOT):
     num_warmup_tokens_computed: int = 0  # tokens prefix warm-ups ran through the model since start (WarmPrefix)
     num_handshakes_refused: int = 0  # CURVE handshakes refused on this worker's own sockets (pipeline.security)
     transfer_busy_seconds: float = 0.0  # of transfer_seconds, the time spent moving bytes (the transport's own)
+    # prefill worker: early prefills (StartPrefill) no decode worker claimed within the hold; a claim that came
+    # later ran as a new prompt, its KV from the prefix cache but the last (partial) block computed again
+    num_early_prefills_unclaimed: int = 0
 
 
 class Heartbeat(msgspec.Struct, tag=True, **_HOT):

@@ -25,11 +25,44 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# every cluster start_cluster started in this process: a failing test's report shows the warnings of those
+# still running and of those it started itself
+STARTED_CLUSTERS: list[LocalCluster] = []
+_FIRST_OWN_CLUSTER = pytest.StashKey[int]()
+
+
 def start_cluster(model_path: str, log_dir, **kwargs) -> LocalCluster:
     config = dict(CLUSTER_CONFIG)
     config.update(kwargs.pop("config", {}))
     cluster = LocalCluster(model_path=model_path, port=free_port(), config=config, log_dir=log_dir, **kwargs)
+    STARTED_CLUSTERS.append(cluster)
     return cluster.start(timeout_s=240)
+
+
+def cluster_warnings(clusters: list[LocalCluster], max_lines: int = 60) -> str:
+    """The WARNING and ERROR lines of ``clusters``' logs (every process's), the last ``max_lines`` in time
+    order: a worker declared dead, a transfer that failed, a restart."""
+    lines = []
+    for cluster in clusters:
+        for path in sorted(cluster.log_dir.glob("*.log")):
+            lines += [f"{path.stem}: {line}" for line in path.read_text(errors="replace").splitlines()
+                      if " WARNING " in line or " ERROR " in line or " CRITICAL " in line]
+    lines.sort(key=lambda line: line.split(": ", 1)[1])  # by time (each line begins with its timestamp)
+    return "\n".join(lines[-max_lines:])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    if call.when == "setup":
+        item.stash[_FIRST_OWN_CLUSTER] = len(STARTED_CLUSTERS)  # module fixtures started before this count
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and STARTED_CLUSTERS:
+        first_own = item.stash.get(_FIRST_OWN_CLUSTER, len(STARTED_CLUSTERS))
+        clusters = [c for i, c in enumerate(STARTED_CLUSTERS) if i >= first_own or c.pids]
+        warnings = cluster_warnings(clusters)
+        if warnings:
+            report.sections.append(("cluster warnings (their logs)", warnings))
 
 
 @contextlib.contextmanager
@@ -128,14 +161,19 @@ def reference_text(tiny_checkpoint, hf_reference):
     return get
 
 
+def worker_metrics(url: str, worker: str) -> dict[str, float]:
+    """The router's per-worker metrics for ``worker`` (one scrape: one load report), by name."""
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        match = re.match(r'(\w+)\{(.*)\} ([0-9.e+-]+)$', line)
+        if match and dict(re.findall(r'(\w+)="([^"]*)"', match.group(2))).get("worker") == worker:
+            values.setdefault(match.group(1), float(match.group(3)))
+    return values
+
+
 def worker_metric(url: str, metric: str, worker: str) -> float | None:
     """The router's per-worker ``metric`` (e.g. tandem_kv_transfer_bytes_total) for ``worker``; None if absent."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    for line in text.splitlines():
-        match = re.match(rf'{metric}\{{(.*)\}} ([0-9.e+-]+)$', line)
-        if match and dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))).get("worker") == worker:
-            return float(match.group(2))
-    return None
+    return worker_metrics(url, worker).get(metric)
 
 
 def migrations(url: str) -> float:
@@ -211,6 +249,34 @@ def sent_kv_bytes_after(url: str, worker: str, before: float, want: float) -> fl
 
 
 PROMPT_TOKENS_COMPUTED = "tandem_worker_prompt_tokens_computed_total"
+EARLY_PREFILLS_UNCLAIMED = "tandem_worker_early_prefills_unclaimed_total"
+# What a late claim may compute again: an early prefill that no decode worker claimed within its hold (a loaded
+# machine) is dropped, its published blocks stay cached, and the claim runs as a new prompt: the last partial
+# block again, or, if the hold ended mid-prompt, the chunk then running and the partial block before it.
+LATE_CLAIM_MAX_RECOMPUTED = CLUSTER_CONFIG["max_batch_input_tokens"] + CLUSTER_CONFIG["kv_cache"]["page_size"]
+
+
+def prompt_tokens_computed(url: str, worker: str) -> tuple[float, float]:
+    """(prompt tokens computed, early prefills unclaimed) of ``worker``, from one load report."""
+    values = worker_metrics(url, worker)
+    return values.get(PROMPT_TOKENS_COMPUTED, 0.0), values.get(EARLY_PREFILLS_UNCLAIMED, 0.0)
+
+
+def check_prompt_tokens_computed(url: str, worker: str, want: int, before: tuple[float, float] = (0.0, 0.0),
+                                 timeout_s: float = 5.0) -> None:
+    """``worker`` ran exactly ``want`` prompt tokens through the model since ``before`` (``prompt_tokens_computed``),
+    plus what late claims of its early prefills computed again (``LATE_CLAIM_MAX_RECOMPUTED`` each, at most).
+    Waits ``timeout_s`` for the count (reports lag a heartbeat)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        computed, unclaimed = prompt_tokens_computed(url, worker)
+        computed, late = computed - before[0], unclaimed - before[1]
+        if want <= computed <= want + late * LATE_CLAIM_MAX_RECOMPUTED:
+            return
+        assert computed <= want and time.monotonic() < deadline, (
+            f"{worker} computed {computed:g} prompt tokens, {want} expected "
+            f"({late:g} early prefills unclaimed in their hold)")
+        time.sleep(0.1)
 
 
 def check_greedy_against_transformers(cluster, model, tokenizer, prompt_ids: list[list[int]], num_new_tokens: int,

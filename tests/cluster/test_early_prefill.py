@@ -3,6 +3,7 @@ request to the decode worker: workers in this process, the test playing the rout
 
 from __future__ import annotations
 
+import threading
 import time
 
 from pipeline.protocol import SamplingParams
@@ -18,6 +19,7 @@ from tests.cluster.test_worker_deadlines import (  # noqa: F401 (base: a fixture
 )
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+PROMPT = list(range(3, 40))  # 37 tokens: 9 full pages of 4 and 1 token
 
 
 def _tokens(router: FakeRouter, request_id: str, sender: str = "d0") -> list[int]:
@@ -29,19 +31,26 @@ def _finished(router: FakeRouter, request_id: str) -> bool:
     return any(d.request_id == request_id and d.finish_reason is not None for d in router.deltas)
 
 
-def test_the_decode_workers_request_claims_the_prefill_started_before_it_asked(tiny_checkpoint, base, monkeypatch):
-    """The decode worker is in a slow step when the request comes, so it asks only after that step; by then
-    the prefill worker has run the prompt it got from the router. The claim ships it at once: the prompt is
-    computed once, and the tokens are those of the decode worker prefilling the same prompt itself."""
+def _claimed_after_a_stall(model_path: str, base: str, monkeypatch, stall_s: float) -> dict:
+    """Prefill "p0" and decode "d0" in this process; d0 runs a stream and, when the request "new" comes (to
+    d0, and early to p0), is in a step ``stall_s`` long, so it asks p0 only after it. "local" (the same
+    prompt, prefilled by d0 itself) is the reference. What happened, once every block of p0 is back."""
     router = FakeRouter(base)
-    prefill, decode = pd_pair_with_slow_decode(tiny_checkpoint("llama"), base, monkeypatch)
-    claims = []
-    claim = prefill._claim
+    prefill, decode = pd_pair_with_slow_decode(model_path, base, monkeypatch, delay_s=0.0)
+    stall_once, step, claim, claims = threading.Event(), decode.engine.step, prefill._claim, []
+
+    def step_then_stall():
+        outputs = step()
+        if stall_once.is_set():
+            stall_once.clear()
+            time.sleep(stall_s)
+        return outputs
+
+    monkeypatch.setattr(decode.engine, "step", step_then_stall)
     monkeypatch.setattr(prefill, "_claim", lambda job, *args: (claims.append(job.early_output is not None),
                                                                claim(job, *args)))
     free_at_start = prefill.engine.kv_manager.num_free_blocks
     threads = [run_in_thread(prefill), run_in_thread(decode)]
-    prompt = list(range(3, 40))
     try:
         router.pump(0.5)
         router.send("d0", GenerateRequest(request_id="busy", prompt_token_ids=list(range(3, 12)),
@@ -49,26 +58,49 @@ def test_the_decode_workers_request_claims_the_prefill_started_before_it_asked(t
                                                                          ignore_eos=True)))
         while not _tokens(router, "busy"):
             router.pump(0.05)
-        router.send("d0", GenerateRequest(request_id="new", prompt_token_ids=prompt, sampling_params=GREEDY,
+        stall_once.set()
+        router.send("d0", GenerateRequest(request_id="new", prompt_token_ids=PROMPT, sampling_params=GREEDY,
                                           prefill_worker_id="p0", prefill_endpoint=prefill.endpoint))
-        router.send("p0", StartPrefill(request_id="new", prompt_token_ids=prompt, sampling_params=GREEDY))
-        router.send("d0", GenerateRequest(request_id="local", prompt_token_ids=prompt, sampling_params=GREEDY))
+        router.send("p0", StartPrefill(request_id="new", prompt_token_ids=PROMPT, sampling_params=GREEDY))
+        router.send("d0", GenerateRequest(request_id="local", prompt_token_ids=PROMPT, sampling_params=GREEDY))
         deadline = time.monotonic() + 30
         while not (_finished(router, "new") and _finished(router, "local")):
             assert time.monotonic() < deadline, "no answer"
             router.pump(0.1)
-        assert claims == [True]  # claimed once, after the prefill was done
-        assert _tokens(router, "new") == _tokens(router, "local") and len(_tokens(router, "new")) == 4
-        assert _tokens(router, "new", sender="p0") == _tokens(router, "local")[:1]  # the first, streamed early
-        assert prefill.engine.num_prompt_tokens_computed == len(prompt)  # once: the claim ran nothing again
         while prefill.jobs or prefill.engine.kv_manager.num_free_blocks != free_at_start:
             assert time.monotonic() < deadline, "the prefill worker still holds blocks"
             router.pump(0.1)
+        return {"claims": claims, "new": _tokens(router, "new"), "local": _tokens(router, "local"),
+                "first_from_p0": _tokens(router, "new", sender="p0"),
+                "computed": prefill.engine.num_prompt_tokens_computed,
+                "unclaimed": prefill._load_report().num_early_prefills_unclaimed}
     finally:
         for stop, thread in threads:
             stop.set()
             join_worker(thread)
         router.close()
+
+
+def test_the_decode_workers_request_claims_the_prefill_started_before_it_asked(tiny_checkpoint, base, monkeypatch):
+    """The decode worker is in a slow step when the request comes, so it asks only after that step; by then
+    the prefill worker has run the prompt it got from the router. The claim ships it at once: the prompt is
+    computed once, and the tokens are those of the decode worker prefilling the same prompt itself."""
+    seen = _claimed_after_a_stall(tiny_checkpoint("llama"), base, monkeypatch, stall_s=0.5)
+    assert seen["claims"] == [True]  # claimed once, after the prefill was done
+    assert seen["new"] == seen["local"] and len(seen["new"]) == 4
+    assert seen["first_from_p0"] == seen["local"][:1]  # the first, streamed early
+    assert seen["computed"] == len(PROMPT) and seen["unclaimed"] == 0  # once: the claim ran nothing again
+
+
+def test_a_claim_after_the_hold_finds_the_prompt_cached_and_computes_only_its_last_block(tiny_checkpoint, base,
+                                                                                         monkeypatch):
+    """The decode worker's step outlasts the hold (a loaded machine): the early prefill ends unclaimed, its KV
+    stays in the prefix cache, and the late claim runs as a new prompt that computes only the last partial
+    block. The tokens are still the decode worker's own (and every block is back)."""
+    seen = _claimed_after_a_stall(tiny_checkpoint("llama"), base, monkeypatch, stall_s=EARLY_PREFILL_HOLD_S + 0.5)
+    assert seen["claims"] == [] and seen["unclaimed"] == 1  # tandem_worker_early_prefills_unclaimed_total
+    assert seen["new"] == seen["local"] and len(seen["new"]) == 4
+    assert seen["computed"] == len(PROMPT) + 1  # 9 full pages of 4 from the cache, the last token again
 
 
 def test_an_early_prefill_nobody_claims_ends_after_its_hold_and_leaves_its_kv_cached(tiny_checkpoint, base):
@@ -90,6 +122,7 @@ def test_an_early_prefill_nobody_claims_ends_after_its_hold_and_leaves_its_kv_ca
             assert time.monotonic() < sent + EARLY_PREFILL_HOLD_S + 10, "the hold never ended"
             router.pump(0.1)
         assert time.monotonic() - sent >= EARLY_PREFILL_HOLD_S
+        assert prefill._load_report().num_early_prefills_unclaimed == 1  # tandem_worker_early_prefills_unclaimed
         assert len(kv.find_cached_prefix(prompt)) == len(prompt) // kv.page_size  # a later request reuses it
         assert not router.deltas  # nothing was streamed for it
     finally:

@@ -11,12 +11,12 @@ import time
 import httpx
 import pytest
 
-from tests.cluster.conftest import (CLUSTER_CONFIG, openai_client, running_cluster, wait_for_idle_blocks,
+from tests.cluster.conftest import (CLUSTER_CONFIG, PROMPT_TOKENS_COMPUTED, check_prompt_tokens_computed,
+                                    openai_client, prompt_tokens_computed, running_cluster, wait_for_idle_blocks,
                                     wait_for_restart, worker_metric)
 
 NUM_BLOCKS = CLUSTER_CONFIG["kv_cache"]["num_blocks"]
 PAGE = CLUSTER_CONFIG["kv_cache"]["page_size"]
-COMPUTED = "tandem_worker_prompt_tokens_computed_total"
 WARMUP = "tandem_worker_warmup_tokens_computed_total"
 
 
@@ -177,7 +177,7 @@ def test_a_turn_under_pd_moves_only_the_blocks_its_decode_worker_lacks(tiny_chec
             prompt = prompt + message
             before, bytes_before = routed(cluster.url), worker_metric(cluster.url, "tandem_kv_transfer_bytes_total",
                                                                       "prefill-0") or 0.0
-            computed_before = worker_metric(cluster.url, COMPUTED, "prefill-0") or 0.0
+            computed_before = prompt_tokens_computed(cluster.url, "prefill-0")
             warmup_before = worker_metric(cluster.url, WARMUP, "prefill-0") or 0.0
             out = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
             worker = routed_to(cluster.url, before)
@@ -195,8 +195,7 @@ def test_a_turn_under_pd_moves_only_the_blocks_its_decode_worker_lacks(tiny_chec
             # the same report: the prefill worker computed only what its own cache lacked: the whole prompt
             # on the first turn, later only the new message (the last answer, which the decode worker
             # produced, was warmed into its cache after that turn), never the conversation again
-            computed = worker_metric(cluster.url, COMPUTED, "prefill-0") - computed_before
-            assert computed == len(prompt) - warmed
+            check_prompt_tokens_computed(cluster.url, "prefill-0", len(prompt) - warmed, before=computed_before)
             wait_indexed(cluster.url, first)
             warmed = wait_for_warmup(cluster.url, "prefill-0", warmup_before, len(prompt), prompt + ids)
             prompt = prompt + ids
@@ -204,5 +203,6 @@ def test_a_turn_under_pd_moves_only_the_blocks_its_decode_worker_lacks(tiny_chec
         for num_bytes, num_blocks in moved:  # each turn: exactly the blocks the decode worker did not hold
             assert num_bytes == pytest.approx(per_block * num_blocks)
         assert moved[2][1] < -(-len(prompt) // PAGE) // 2  # the last turn moved under half its prompt
-        assert not any(worker_metric(cluster.url, COMPUTED, d) for d in ("decode-0", "decode-1"))  # all received
+        # every prompt's KV was received
+        assert not any(worker_metric(cluster.url, PROMPT_TOKENS_COMPUTED, d) for d in ("decode-0", "decode-1"))
         wait_for_idle_blocks(cluster.url, cluster.worker_names, NUM_BLOCKS)
