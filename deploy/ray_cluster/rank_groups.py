@@ -2,7 +2,7 @@
 (pure: no Ray import; ``deploy.ray_cluster.placement_groups`` makes the groups).
 
 A worker with ``tensor_parallel_size`` N is N processes on one host: rank 0, the process its supervisor
-actor starts, spawns ranks 1..N-1 as its children (``pipeline.parallel.ranks``). So the worker reserves
+actor starts, starts ranks 1..N-1 on the same host (``pipeline.parallel.ranks``). So the worker reserves
 what its ranks use as one placement group of **one bundle** (``STRICT_PACK``) holding N CPUs (and N x
 ``--gpus-per-worker`` GPUs, its role's custom resources), and its supervisor actor runs in that bundle and
 holds all of it. One bundle rather than N bundles of one CPU: a bundle never spans nodes, an actor sits in

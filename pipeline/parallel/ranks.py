@@ -1,10 +1,12 @@
-"""The rank processes of a tensor-parallel engine: rank 0 is the calling process, ranks 1..N-1 are children.
+"""The rank processes of a tensor-parallel engine: rank 0 is the calling process, ranks 1..N-1 are forked from
+the process's multiprocessing fork server (``rank_context``; preloaded, so a later group starts in a fraction of
+a second).
 
 Each step's inputs travel from rank 0 over a pipe per child (a pickled tuple of numpy arrays: a few
 small arrays per step, with ordering, end-of-file when rank 0 dies, and no timeout while rank 0 idles
 between calls); the activations travel over ``torch.distributed`` collectives (``model.Collectives``),
 which time out (``timeout_s``) if a rank stops answering. A child leaves when rank 0 says stop, when
-its pipe closes (rank 0 exited or was killed; the kernel also kills it then, ``PR_SET_PDEATHSIG``), or when a
+its pipe closes (rank 0 exited or was killed; the kernel also kills it then: ``_die_with``), or when a
 collective fails; it ignores SIGTERM and SIGINT (rank 0 decides). ``RankGroup.close`` (also run when the group
 is garbage-collected and at interpreter exit) asks every child to stop, then kills it.
 """
@@ -31,13 +33,19 @@ from pipeline.parallel.shard_spec import TensorParallelError
 
 
 T = TypeVar("T")
-STARTUP_TIMEOUT_S = 300.0  # spawning a child, importing torch and loading its shard
+STARTUP_TIMEOUT_S = 300.0  # starting a child (the first: its fork server importing torch) and loading its shard
+# Ranks are forked from multiprocessing's fork server, started once per process (with the first group) with these
+# imported: every later rank starts without importing torch, gloo and transformers' config machinery again (3 s a
+# rank on a 2-core Zen 4; an offline process that builds engines in turn, a TP=8 worker). The server is a clean
+# single-threaded process, never one with torch's threads running, and never touches CUDA.
+RANK_PRELOAD = ["torch", "torch.distributed", "safetensors.torch", "transformers.utils.type_validators",
+                "transformers.models.auto.configuration_auto"]
 STOP_GRACE_S = 5.0  # ranks asked to stop have this long to leave before they are killed
 
 
 @dataclass(frozen=True)
 class RankArgs:
-    """What a child rank needs to build its shard (picklable: it crosses the spawn)."""
+    """What a child rank needs to build its shard (picklable: it crosses to the child)."""
 
     rank: int
     size: int
@@ -53,6 +61,15 @@ class RankArgs:
     parent_pid: int = 0  # rank 0: the child gets SIGKILL when it goes (Linux), however it goes
     keep_freed_memory: bool = True  # on the CPU: pipeline/host_memory.py, as rank 0's engine does
     quantization: str | None = None  # model.quantization ("int8": W8A8 at load), as rank 0's
+    environ: dict[str, str] = dataclasses.field(default_factory=dict)  # rank 0's now (the fork server has its own)
+
+
+def rank_context():
+    """The multiprocessing context child ranks start from: this process's fork server, preloaded (``RANK_PRELOAD``;
+    the list is read when the server starts, with the first group)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(RANK_PRELOAD)
+    return context
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -78,14 +95,14 @@ class RankGroup:
         self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S),
                                    wait_for_workers=False)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        context = multiprocessing.get_context("spawn")  # no fork of a process with torch's threads running
+        context = rank_context()
         self.processes: list[multiprocessing.Process] = []
         self.pipes = []
         placements = placements or [(None, max(1, cores // size))] * (size - 1)
         for rank, (rank_cores, num_threads) in enumerate(placements, start=1):
             args = RankArgs(rank, size, self.store.port, model_path, dtype, device, kernel_backend,
                             cpu_weight_prepack, num_threads, timeout_s, rank_cores, os.getpid(), keep_freed_memory,
-                            quantization)
+                            quantization, dict(os.environ))
             ours, theirs = context.Pipe()
             process = context.Process(target=run_rank, args=(args, theirs), name=f"tandem-tp-rank{rank}", daemon=True)
             process.start()
@@ -174,7 +191,7 @@ class RankGroup:
         if self._is_ready or exitcode != 1:
             return ""
         return (" before it started (its traceback is on stderr; a script that creates a tensor-parallel LLM must do "
-                "so under `if __name__ == \"__main__\":`, since every rank is spawned and imports that script again)")
+                "so under `if __name__ == \"__main__\":`, since every rank imports that script again)")
 
     def name_the_dead_rank(self, within_s: float = 2.0) -> None:
         """A collective failed, most often because a rank died: the peer's socket closes as the kernel kills it, a
@@ -246,6 +263,8 @@ def run_rank(args: RankArgs, pipe) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     _die_with(args.parent_pid)
+    os.environ.clear()  # rank 0's environment now, not the fork server's (for settings read from here on)
+    os.environ.update(args.environ)
     if args.cores is not None:
         from pipeline.cpu_placement import bind_to_cores
 
@@ -264,9 +283,9 @@ def run_rank(args: RankArgs, pipe) -> None:
             try:
                 kind, payload = pipe.recv()
             except (EOFError, OSError):  # rank 0 is gone
-                return
+                _leave()
             if kind == "stop":
-                return
+                _leave()
             if kind == "kv_cache":
                 kv_cache = torch.zeros(payload, dtype=args.dtype, device=device)
             elif kind == "shared_kv_cache":
@@ -276,6 +295,15 @@ def run_rank(args: RankArgs, pipe) -> None:
                 model(batch, kv_cache, kernels)
             elif kind == "logits":
                 model.compute_logits(torch.empty(payload, hidden_size, dtype=args.dtype, device=device))
+
+
+def _leave() -> None:
+    """Exit at once: a rank holds nothing to clean up (its KV file is unlinked once mapped, the store and the
+    collectives are sockets), and the interpreter's own shutdown (torch's, gloo's) would keep rank 0's ``close``
+    waiting most of a second."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _share_kv_cache(args: RankArgs, shape: tuple[int, ...], pipe) -> torch.Tensor:
@@ -294,15 +322,26 @@ def _share_kv_cache(args: RankArgs, shape: tuple[int, ...], pipe) -> torch.Tenso
 
 
 def _die_with(parent_pid: int) -> None:
-    """SIGKILL when rank 0 goes (``prctl(PR_SET_PDEATHSIG)``; exit now if it already went), so no rank is left
-    orphaned even when rank 0 is killed while this rank computes (the pipe's end-of-file covers the rest)."""
+    """SIGKILL when rank 0 goes, however it goes, so no rank is left orphaned even when rank 0 is killed while
+    this rank computes (the pipe's end-of-file covers the rest). The parent is the fork server, which exits
+    as soon as rank 0 does (its end of a pipe closes): ``prctl(PR_SET_PDEATHSIG)`` on it; exit now if rank 0
+    or the server went already."""
     if not parent_pid or not sys.platform.startswith("linux"):
         return
     import ctypes
 
+    server_pid = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
+    if os.getppid() != server_pid or not _is_running(parent_pid):
         os._exit(1)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:  # gone (or someone else's process took the pid)
+        return False
+    return True
 
 
 def _load_rank(args: RankArgs):

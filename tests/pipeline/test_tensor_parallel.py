@@ -176,7 +176,7 @@ def test_speculation_the_ranks_cannot_run_is_refused_by_name(tiny_checkpoint, dr
     from pipeline.config import PipelineConfig
     from pipeline.parallel import load_tensor_parallel_model
 
-    children_before = set(_children())
+    children_before = set(_descendants())
     with pytest.raises(TensorParallelError, match="needs a draft checkpoint"):  # the target drafting for itself
         tp_llm(tiny_checkpoint("llama"), speculative={"num_speculative_tokens": 3})
     config = PipelineConfig.load(overrides={
@@ -184,7 +184,7 @@ def test_speculation_the_ranks_cannot_run_is_refused_by_name(tiny_checkpoint, dr
         "draft_model": {"model_path": drafts("llama", "small")}, "speculative": {"num_speculative_tokens": 3}})
     with pytest.raises(TensorParallelError, match="colocated workers only: a DecodeOnly worker ships the draft's KV"):
         load_tensor_parallel_model(config, tiny_checkpoint("llama"), torch.float32, "cpu")
-    assert set(_children()) <= children_before  # refused before any rank was started
+    assert set(_descendants()) <= children_before  # refused before any rank was started
 
 
 @pytest.mark.parametrize("case, expected", [
@@ -193,49 +193,49 @@ def test_speculation_the_ranks_cannot_run_is_refused_by_name(tiny_checkpoint, dr
 def test_unsupported_setups_are_refused_by_name(case, expected, tiny_checkpoint):
     """(An architecture with no shard: tests/pipeline/test_tensor_parallel_moe.py; block scales a rank would cut:
     tests/pipeline/test_tensor_parallel_quantized.py.)"""
-    children_before = set(_children())
+    children_before = set(_descendants())
     path, overrides = tiny_checkpoint("llama"), {}
     if case == "three_ranks":
         overrides["tensor_parallel_size"] = 3
     with pytest.raises(TensorParallelError, match=expected):
         tp_llm(path, **overrides)
-    assert set(_children()) <= children_before  # refused before any rank was started
+    assert set(_descendants()) <= children_before  # refused before any rank was started
 
 
 def test_a_rank_that_fails_to_load_is_reported_and_stopped(tiny_checkpoint, tmp_path, monkeypatch):
     import dataclasses
-    import multiprocessing
+    from multiprocessing import forkserver
 
-    spawn = multiprocessing.get_context("spawn")
+    from pipeline.parallel import ranks
+
+    context = ranks.rank_context()
 
     class BrokenChildren:  # rank 1 is told to read a directory with no checkpoint in it; rank 0 reads the real one
-        Pipe = spawn.Pipe
+        Pipe = context.Pipe
 
         def Process(self, target, args, **kwargs):
             rank_args, pipe = args
-            return spawn.Process(target=target, args=(dataclasses.replace(rank_args, model_path=str(tmp_path)), pipe),
-                                 **kwargs)
+            return context.Process(target=target, args=(dataclasses.replace(rank_args, model_path=str(tmp_path)),
+                                                        pipe), **kwargs)
 
-    # the spawn context's resource tracker lives as long as this process: started here, it is not counted as a rank
-    # left behind (alone, this test used to start it itself and then fail on it)
-    from multiprocessing import resource_tracker
-
-    resource_tracker.ensure_running()
-    children_before = set(_children())
-    monkeypatch.setattr(multiprocessing, "get_context", lambda method: BrokenChildren())
+    # the fork server (and its resource tracker) live as long as this process: started here, they are not counted
+    # as ranks left behind
+    forkserver.ensure_running()
+    children_before = set(_descendants())
+    monkeypatch.setattr(ranks, "rank_context", lambda: BrokenChildren())
     with pytest.raises(TensorParallelError, match="rank 1 .*(failed to start|exited).*config"):
         tp_llm(tiny_checkpoint("llama"))
-    assert wait_gone(list(set(_children()) - children_before)) == []
+    assert wait_gone(list(set(_descendants()) - children_before)) == []
 
 
 def test_size_one_is_the_single_process_engine(tiny_checkpoint):
     from pipeline.models.llama import LlamaFamilyForCausalLM
 
-    children_before = set(_children())
+    children_before = set(_descendants())
     with LLM(tiny_checkpoint("llama"), **ENGINE) as llm:  # tensor_parallel_size defaults to 1
         assert type(llm.engine.model) is LlamaFamilyForCausalLM
         assert llm.engine.kv_cache.shape[-2] == 2  # every KV head here
-        assert set(_children()) <= children_before
+        assert set(_descendants()) <= children_before
 
 
 @pytest.mark.parametrize("role", ["PrefillOnly", "DecodeOnly"])
@@ -290,8 +290,8 @@ def test_a_rank_killed_mid_step_is_named_with_its_exit_code(tiny_checkpoint):
 
 @pytest.mark.slow  # two interpreters importing torch: 11-21 s of the default suite for one message
 def test_a_script_without_a_main_guard_is_told_why_its_rank_died(tmp_path):
-    """Ranks are spawned: each imports the user's script again, so an LLM created at its top level starts a rank
-    that dies in its bootstrap without a word to rank 0. The error says why."""
+    """Each rank imports the user's script again (multiprocessing's fork server does), so an LLM created at its
+    top level starts a rank that dies in its bootstrap without a word to rank 0. The error says why."""
     script = tmp_path / "no_guard.py"
     script.write_text("from pipeline import LLM\nLLM(None, tensor_parallel_size=2, model_config={'dtype': 'float32'})\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
@@ -325,15 +325,19 @@ def test_hung_then_killed_rank_raise_clear_errors_and_leave_no_process(llama_tp,
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_total_blocks  # the failed requests let go
 
 
-def _children() -> list[int]:
-    """Pids of this process's live children (Linux)."""
-    me = os.getpid()
-    found = []
+def _descendants() -> list[int]:
+    """Pids of this process's live descendants (Linux): ranks are the fork server's children, not this process's."""
+    parents = {}
     for status in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = status.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == me and fields[0] != "Z":
-            found.append(int(status.parent.name))
+        if fields[0] != "Z":
+            parents[int(status.parent.name)] = int(fields[1])
+    found, frontier = [], {os.getpid()}
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = set(children)
     return found

@@ -15,7 +15,7 @@ from tests.conftest import check_greedy_and_logprobs
 from tests.gpt_oss_checkpoints import gpt_oss_checkpoint  # noqa: F401 (a fixture)
 from tests.moe_checkpoints import SPARSE_LAYERS, moe_checkpoint  # noqa: F401 (a fixture)
 from tests.mxfp4_checkpoints import write_mxfp4
-from tests.pipeline.test_tensor_parallel import PROMPTS, _children, tp_llm, wait_gone
+from tests.pipeline.test_tensor_parallel import PROMPTS, _descendants, tp_llm, wait_gone
 
 
 def check_tp_moe(path: str, hf_model, num_new_tokens: int = 10, **overrides) -> None:
@@ -102,10 +102,10 @@ def test_mxfp4_gpt_oss_is_read_in_whole_blocks_per_rank(mxfp4_gpt_oss, hf_refere
 
 def test_mxfp4_cuts_inside_a_block_are_refused_by_name(gpt_oss_checkpoint, tmp_path):  # noqa: F811
     """The tiny gpt-oss's intermediate size of 32 would leave each rank half a block of 32 inputs."""
-    children_before = set(_children())
+    children_before = set(_descendants())
     with pytest.raises(TensorParallelError, match="not whole 32-value blocks"):
         tp_llm(str(write_mxfp4(gpt_oss_checkpoint("gpt_oss"), tmp_path / "mxfp4")))
-    assert set(_children()) <= children_before  # refused before any rank was started
+    assert set(_descendants()) <= children_before  # refused before any rank was started
 
 
 def test_an_architecture_with_no_shard_is_refused_by_name():

@@ -19,7 +19,7 @@ from pipeline.quantization.int8_experts import Int8StackedExperts
 from tests.conftest import check_greedy_and_logprobs
 from tests.moe_checkpoints import moe_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_quantization import BOUNDS, MOE_INT8_BOUNDS, teacher_forced_errors, sequences
-from tests.pipeline.test_tensor_parallel import PROMPTS, _children, tp_llm, wait_gone
+from tests.pipeline.test_tensor_parallel import PROMPTS, _descendants, tp_llm, wait_gone
 from tests.quantized_checkpoints import quantized_checkpoint  # noqa: F401 (a fixture)
 
 
@@ -83,11 +83,11 @@ def test_int8_moe_experts_are_sliced_and_run_int8(moe_checkpoint, quantized_chec
 
 def test_blocks_a_rank_would_cut_are_refused_before_any_rank_starts(tiny_checkpoint, quantized_checkpoint):
     """48-row blocks over q_proj's 64 rows: rank 0 would hold 32 rows, two thirds of a block."""
-    children_before = set(_children())
+    children_before = set(_descendants())
     quantized, _ = quantized_checkpoint("fp8_block", tiny_checkpoint("llama"))
     with pytest.raises(TensorParallelError, match=r"q_proj.*not on the checkpoint's 48-wide quantization blocks"):
         tp_llm(quantized)
-    assert set(_children()) <= children_before
+    assert set(_descendants()) <= children_before
 
 
 def test_each_scale_is_cut_with_its_weight():
