@@ -176,6 +176,14 @@ def worker_metric(url: str, metric: str, worker: str) -> float | None:
     return worker_metrics(url, worker).get(metric)
 
 
+def routing_summary(url: str) -> str:
+    """Each worker's routed requests, running requests and free KV blocks, from /metrics (for a failure's message:
+    where the router sent a test's requests)."""
+    wanted = ("tandem_routed_requests_total{", "tandem_worker_running_requests{", "tandem_kv_blocks_free{")
+    return "; ".join(line for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+                     if line.startswith(wanted))
+
+
 def migrations(url: str) -> float:
     """Streams the router moved to another worker after their first token (tandem_migrations_total, every cause)."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines()

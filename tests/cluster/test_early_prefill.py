@@ -31,19 +31,24 @@ def _finished(router: FakeRouter, request_id: str) -> bool:
     return any(d.request_id == request_id and d.finish_reason is not None for d in router.deltas)
 
 
-def _claimed_after_a_stall(model_path: str, base: str, monkeypatch, stall_s: float) -> dict:
+def _claimed_after_a_stall(model_path: str, base: str, monkeypatch, stall_until) -> dict:
     """Prefill "p0" and decode "d0" in this process; d0 runs a stream and, when the request "new" comes (to
-    d0, and early to p0), is in a step ``stall_s`` long, so it asks p0 only after it. "local" (the same
-    prompt, prefilled by d0 itself) is the reference. What happened, once every block of p0 is back."""
+    d0, and early to p0), is in a step that lasts until ``stall_until(p0)`` holds, so it asks p0 only after
+    that. "local" (the same prompt, prefilled by d0 itself) is the reference. What happened, once every block
+    of p0 is back."""
     router = FakeRouter(base)
     prefill, decode = pd_pair_with_slow_decode(model_path, base, monkeypatch, delay_s=0.0)
-    stall_once, step, claim, claims = threading.Event(), decode.engine.step, prefill._claim, []
+    stall_once, stalling, step, claim, claims = threading.Event(), threading.Event(), decode.engine.step, \
+        prefill._claim, []
 
     def step_then_stall():
         outputs = step()
         if stall_once.is_set():
             stall_once.clear()
-            time.sleep(stall_s)
+            stalling.set()
+            deadline = time.monotonic() + 30
+            while not stall_until(prefill) and time.monotonic() < deadline:
+                time.sleep(0.01)
         return outputs
 
     monkeypatch.setattr(decode.engine, "step", step_then_stall)
@@ -59,6 +64,7 @@ def _claimed_after_a_stall(model_path: str, base: str, monkeypatch, stall_s: flo
         while not _tokens(router, "busy"):
             router.pump(0.05)
         stall_once.set()
+        assert stalling.wait(10), "the decode worker never stalled"
         router.send("d0", GenerateRequest(request_id="new", prompt_token_ids=PROMPT, sampling_params=GREEDY,
                                           prefill_worker_id="p0", prefill_endpoint=prefill.endpoint))
         router.send("p0", StartPrefill(request_id="new", prompt_token_ids=PROMPT, sampling_params=GREEDY))
@@ -85,7 +91,8 @@ def test_the_decode_workers_request_claims_the_prefill_started_before_it_asked(t
     """The decode worker is in a slow step when the request comes, so it asks only after that step; by then
     the prefill worker has run the prompt it got from the router. The claim ships it at once: the prompt is
     computed once, and the tokens are those of the decode worker prefilling the same prompt itself."""
-    seen = _claimed_after_a_stall(tiny_checkpoint("llama"), base, monkeypatch, stall_s=0.5)
+    seen = _claimed_after_a_stall(tiny_checkpoint("llama"), base, monkeypatch, stall_until=lambda prefill: (
+        "new" in prefill.jobs and prefill.jobs["new"].early_output is not None))  # asks once the prefill is done
     assert seen["claims"] == [True]  # claimed once, after the prefill was done
     assert seen["new"] == seen["local"] and len(seen["new"]) == 4
     assert seen["first_from_p0"] == seen["local"][:1]  # the first, streamed early
@@ -97,7 +104,8 @@ def test_a_claim_after_the_hold_finds_the_prompt_cached_and_computes_only_its_la
     """The decode worker's step outlasts the hold (a loaded machine): the early prefill ends unclaimed, its KV
     stays in the prefix cache, and the late claim runs as a new prompt that computes only the last partial
     block. The tokens are still the decode worker's own (and every block is back)."""
-    seen = _claimed_after_a_stall(tiny_checkpoint("llama"), base, monkeypatch, stall_s=EARLY_PREFILL_HOLD_S + 0.5)
+    seen = _claimed_after_a_stall(tiny_checkpoint("llama"), base, monkeypatch, stall_until=lambda prefill: (
+        prefill.source.num_holds_expired == 1))  # asks once the hold has ended
     assert seen["claims"] == [] and seen["unclaimed"] == 1  # tandem_worker_early_prefills_unclaimed_total
     assert seen["new"] == seen["local"] and len(seen["new"]) == 4
     assert seen["computed"] == len(PROMPT) + 1  # 9 full pages of 4 from the cache, the last token again

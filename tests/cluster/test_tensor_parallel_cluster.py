@@ -19,8 +19,8 @@ import pytest
 from deploy.cpu_plan import plan_cores
 from pipeline.cpu_placement import rank_cores
 from tests.cluster.conftest import (CLUSTER_CONFIG, PROMPT_TOKENS_COMPUTED, check_concurrent_greedy_streams, migrations,
-                                    openai_client, running_cluster, wait_for_idle_blocks, wait_for_incarnation,
-                                    wait_for_metric)
+                                    openai_client, routing_summary, running_cluster, wait_for_idle_blocks,
+                                    wait_for_incarnation, wait_for_metric)
 from tests.pipeline.test_tensor_parallel import is_running, wait_gone
 
 TP_WORKER = "colocated-0"
@@ -94,7 +94,8 @@ def streams_across(cluster, worker: str, act, prompts=STREAM_PROMPTS, num_tokens
         thread.start()
     for _ in threads:
         assert started.acquire(timeout=60), f"a stream did not start: {results}"
-    assert wait_for_metric(cluster.url, "tandem_worker_running_requests", worker, above=0)
+    assert wait_for_metric(cluster.url, "tandem_worker_running_requests", worker, above=0), (
+        f"{worker} runs none of the streams: {routing_summary(cluster.url)}")
     act()
     for thread in threads:
         thread.join(timeout=120)
