@@ -23,6 +23,7 @@ load: each of those wakes the queue.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -163,9 +164,15 @@ class Dispatcher:
         # would, instead of a 503 for the seconds until it registers
         replacement_due = self.wait_for_worker_s > 0 and self.registry.expects_a_decode_worker_back(
             self.model_name, self.wait_for_worker_s)
+        enqueue = functools.partial(self.admission.enqueue, handle, priority=priority, counted=counted)
         try:
-            handle.admission = self.admission.enqueue(handle, timeout_s=timeout_s, priority=priority, counted=counted,
-                                                      waits_for_a_route=replacement_due)
+            try:
+                handle.admission = enqueue(timeout_s=timeout_s, waits_for_a_route=replacement_due)
+            except NoRoute:  # as this router (restarted) has its workers register again, it waits those seconds
+                registration_due_s = self.registry.registration_due_s() if self.wait_for_worker_s > 0 else 0.0
+                if registration_due_s <= 0:
+                    raise
+                handle.admission = enqueue(timeout_s=min(timeout_s, registration_due_s), waits_for_a_route=True)
         except Overloaded as exc:
             exc.retry_after_s = self.retry_after_s()
             self._finish(handle, "failed (429)", str(exc))

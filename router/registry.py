@@ -14,6 +14,7 @@ scaled down, or given up by its launcher, is not listed for ever); if it speaks 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -116,6 +117,8 @@ class WorkerRegistry:
         self._clock = clock
         self._workers: dict[str, WorkerInfo] = {}
         self._last_check: float | None = None
+        self._started_at = clock()
+        self._last_stranger_heartbeat = -math.inf  # a worker this router does not know (yet) heartbeated
         self.kv_index = KVIndex()  # the prefix-cache blocks each live worker holds
 
     # -------------------------------------------------------------- updates from messages
@@ -160,7 +163,17 @@ class WorkerRegistry:
         info = self.touch(msg.worker_id)
         if info is not None:
             info.load = msg.load
+        else:
+            self._last_stranger_heartbeat = self._clock()
         return info
+
+    def registration_due_s(self) -> float:
+        """How long a request no live worker can serve may wait for a worker to register now (0: none is due):
+        through this router's first ``dead_after_s`` (restarted, it has a cluster's workers back within a
+        heartbeat or two: they register again on their own), and for ``dead_after_s`` after a worker it does not
+        know heartbeated (one asked to register again)."""
+        due = max(self._started_at, self._last_stranger_heartbeat) + self.dead_after_s
+        return max(0.0, due - self._clock())
 
     def kv_events(self, msg: KVEvents) -> bool:
         """Apply a worker's prefix-cache changes to the index; False: it must send a snapshot (register again)."""

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -147,6 +148,14 @@ def start_long_streams(cluster, client) -> tuple[list[threading.Thread], dict, d
         time.sleep(0.05)
 
 
+def listens(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=1)
+    except httpx.TransportError:
+        return False
+    return True
+
+
 def route_a_batch(client, tokenizer, reference_text, tag: str, num_requests: int = 8) -> None:
     """Concurrent greedy requests (enough that every worker gets some), each exactly transformers' text."""
     name = model_name(client)
@@ -233,12 +242,20 @@ def test_killed_prefill_worker_is_restarted_and_serves_again(cluster, client, hf
 
 def test_killed_router_is_restarted_and_every_worker_registers_again(cluster, client, hf, reference_text):
     _, tokenizer = hf
-    old_pid = cluster.pids["router"]
+    name, old_pid = model_name(client), cluster.pids["router"]
     cluster.kill("router", signal.SIGKILL)
     killed_at = time.monotonic()
     while cluster.pids["router"] == old_pid:
         assert time.monotonic() - killed_at < 10, "the router was not restarted"
         time.sleep(0.1)
+    # a request sent the moment the new router listens, before its workers registered again, waits for them (it
+    # got a 503 "no live workers" then)
+    while not listens(cluster.url):
+        assert time.monotonic() - killed_at < 30, "the restarted router does not listen"
+        time.sleep(0.02)
+    first = httpx.post(f"{cluster.url}/v1/completions", timeout=30, json={
+        "model": name, "prompt": "the first request after a router restart", "max_tokens": 4})
+    assert first.status_code == 200, first.text
     for name, pid in cluster.pids.items():  # workers re-register by themselves, as the same processes
         if name != "router":
             wait_for_incarnation(cluster.url, name, pid, timeout_s=30 - (time.monotonic() - killed_at))

@@ -149,3 +149,15 @@ def test_a_worker_dead_past_forget_after_s_is_forgotten_and_must_register_anew(c
     assert registry.is_alive("gone")
     with pytest.raises(ValueError, match="forget_after_s"):
         WorkerRegistry(heartbeat_interval_s=0.5, dead_after_s=3.0, forget_after_s=0)
+
+
+def test_a_registration_is_due_in_a_new_routers_first_seconds_and_after_a_strangers_heartbeat(registry, clock):
+    """A restarted router has its cluster's workers register again within a heartbeat or two: a request that
+    nobody can serve meanwhile waits that long (``Dispatcher.submit``) instead of a 503."""
+    assert registry.registration_due_s() == 3.0  # dead_after_s from the router's start
+    clock.now += 3.5
+    assert registry.registration_due_s() == 0.0  # a router started alone: no worker is coming
+    assert registry.heartbeat(Heartbeat(worker_id="stranger", load=WorkerLoad())) is None  # asked to register
+    assert registry.registration_due_s() == 3.0
+    clock.now += 1.0
+    assert registry.registration_due_s() == 2.0
