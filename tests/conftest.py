@@ -60,19 +60,18 @@ CLUSTER_LANE = ("tests/cluster/", "tests/deploy/test_cli_processes.py", "tests/d
 # first and the short ones fill in around them: the longest-first rule, which evens the workers' ends (by
 # default pytest-xdist hands out the files with the most tests first, which left one worker ~15 s behind).
 LONGEST_FILES = {
-    "tests/cluster/test_ray_deploy.py": 156, "tests/pipeline/test_tensor_parallel.py": 102,
-    "tests/cluster/test_tensor_parallel_pd.py": 95, "tests/deploy/test_up_supervision.py": 87,
-    "tests/cluster/test_scoring.py": 70, "tests/bench/test_serve_bench_live.py": 52,
-    "tests/cluster/test_load.py": 48, "tests/deploy/test_cli_processes.py": 39,
-    "tests/cluster/test_structured_output.py": 46, "tests/pipeline/test_tensor_parallel_quantized.py": 42,
-    "tests/cluster/test_speculative.py": 41, "tests/cluster/test_tensor_parallel_cluster.py": 41,
-    "tests/deploy/test_gpu_check.py": 36, "tests/cluster/test_live_migration.py": 35,
-    "tests/cluster/test_tools.py": 35, "tests/pipeline/test_tensor_parallel_moe.py": 32,
-    "tests/cluster/test_restarts.py": 31, "tests/cluster/test_serving.py": 28,
-    "tests/router/test_http_faults.py": 24, "tests/cpu_kernels/test_native_fallback.py": 24,
-    "tests/cluster/test_tensor_parallel_quantized_pd.py": 22, "tests/pipeline/test_speculative.py": 20,
-    "tests/cluster/test_moe_cluster.py": 20, "tests/cluster/test_tensor_parallel_gemma3_pd.py": 19,
-    "tests/cluster/test_migration.py": 18, "tests/observability/test_dashboard_prometheus.py": 18,
+    "tests/cluster/test_ray_deploy.py": 122, "tests/cluster/test_tensor_parallel_pd.py": 82,
+    "tests/deploy/test_up_supervision.py": 62, "tests/cluster/test_scoring.py": 57,
+    "tests/bench/test_serve_bench_live.py": 50, "tests/cluster/test_structured_output.py": 49,
+    "tests/cluster/test_speculative.py": 46, "tests/cluster/test_load.py": 44, "tests/cluster/test_tools.py": 41,
+    "tests/cluster/test_tensor_parallel_cluster.py": 39, "tests/deploy/test_cli_processes.py": 39,
+    "tests/cluster/test_live_migration.py": 37, "tests/pipeline/test_tensor_parallel.py": 35,
+    "tests/cluster/test_serving.py": 34, "tests/cluster/test_restarts.py": 34, "tests/deploy/test_gpu_check.py": 31,
+    "tests/router/test_http_faults.py": 29, "tests/pipeline/test_speculative.py": 25,
+    "tests/cpu_kernels/test_native_fallback.py": 23, "tests/observability/test_dashboard_prometheus.py": 20,
+    "tests/cpu_kernels/test_cpu_paged_attention.py": 19, "tests/cluster/test_faults.py": 18,
+    "tests/cluster/test_tensor_parallel_latent_pd.py": 18, "tests/deploy/test_generate_cmd.py": 17,
+    "tests/security/test_multi_host_netns.py": 17, "tests/cluster/test_gemma3_cluster.py": 16,
 }
 
 
