@@ -160,6 +160,10 @@ class RouterConfig(ConfigSection):
         True, description="a disaggregated request's prompt goes to its prefill worker at once, beside the request "
         "to its decode worker, so the prefill starts before the decode worker has reserved blocks and asked for it "
         "(the decode worker's request then claims it; docs/kv-routing.md); false = the prefill starts when asked")
+    early_prefill_hold_s: float = Field(
+        2.0, gt=0.0, description="how long a prefill worker keeps an early prefill's blocks for its decode worker's "
+        "claim; a later claim finds the prompt in the prefix cache and computes its last block again "
+        "(tandem_worker_early_prefills_unclaimed_total counts them: raise this where decode workers ask late)")
     wait_for_worker_s: float = Field(
         30.0, ge=0.0, description="a request whose worker died while no other can serve it (the one decode worker "
         "of a 1P1D cluster) waits this long for one to register (tandem up restarts a crashed worker) and then "

@@ -9,7 +9,7 @@ decides what to accept and claim and builds ``PrefillDone``):
    (it stops after the first token and keeps its blocks). A full queue answers ``PrefillRejected``
    (retryable). Usually the router's ``StartPrefill`` came first, as it sent the request to D: the
    prompt is then under way (or done) already, and D's request claims it. An early prefill nobody
-   claims ends ``EARLY_PREFILL_HOLD_S`` after it arrived, leaving its KV in the prefix cache.
+   claims ends ``router.early_prefill_hold_s`` (2 s) after it arrived, leaving its KV in the prefix cache.
 2. Batched chunked prefill under ``max_batch_input_tokens``; this worker's own prefix cache skips
    compute for prompts it has seen (and for answers it was asked to warm up: ``WarmPrefix`` from the
    router as a request ends, computed in idle steps, ``pipeline/prefix_warmup.py``).
@@ -46,14 +46,12 @@ from pipeline.worker_base import WorkerBase, logprobs_to_wire, transfer_counters
 
 logger = logging.getLogger(__name__)
 
-# How long an early prefill (``StartPrefill``) waits for its decode worker's claim. The claim normally
-# follows within a decode step; one that comes later (D's batch was full) finds the KV in the prefix cache.
-EARLY_PREFILL_HOLD_S = 2.0
-
-
 class PrefillWorker(WorkerBase):
     def __init__(self, config: PipelineConfig, worker_id: str) -> None:
         super().__init__(config, worker_id)
+        # how long an early prefill (``StartPrefill``) waits for its decode worker's claim: the claim normally
+        # follows within a decode step; one that comes later (D was in a long step) finds the KV in the prefix cache
+        self.early_prefill_hold_s = config.router.early_prefill_hold_s
         setup = ConnectorSetup.build(worker_id, self.engine.kv.cache_for_transfer(), self.model_fingerprint,
                                      config.transfer.transport, config.kernel_backend,
                                      self.engine.kv.layer_windows())
@@ -120,7 +118,7 @@ class PrefillWorker(WorkerBase):
                                     priority=start.priority)
         except (QueueFullError, RequestError, ValueError):
             return  # the decode worker's own request gets the answer
-        self.source.hold(start.request_id, EARLY_PREFILL_HOLD_S, early=start)
+        self.source.hold(start.request_id, self.early_prefill_hold_s, early=start)
         self._trace_arrival(start.request_id, start.trace_context, len(start.prompt_token_ids), is_early=True)
 
     def _accept(self, identity: bytes, request: PrefillRequest) -> None:

@@ -216,7 +216,7 @@ class WorkerCollector(Collector):
                 "idle steps (a finished turn's answer, for the conversation's next turn)", labels=labels),
             "early_unclaimed": CounterMetricFamily(
                 "tandem_worker_early_prefills_unclaimed", "Early prefills (started as the request was routed) no "
-                "decode worker claimed within the hold (prefill_worker.worker.EARLY_PREFILL_HOLD_S): a later claim "
+                "decode worker claimed within the hold (router.early_prefill_hold_s): a later claim "
                 "recomputed the prompt's last block from the prefix cache. Rising: decode workers ask late (busy)",
                 labels=labels),
             "kv_index": GaugeMetricFamily(

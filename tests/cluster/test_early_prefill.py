@@ -8,7 +8,7 @@ import time
 
 from pipeline.protocol import SamplingParams
 from pipeline.protocol.cluster import GenerateRequest, StartPrefill
-from prefill_worker.worker import EARLY_PREFILL_HOLD_S, PrefillWorker
+from prefill_worker.worker import PrefillWorker
 from tests.cluster.test_worker_deadlines import (  # noqa: F401 (base: a fixture)
     FakeRouter,
     base,
@@ -112,8 +112,10 @@ def test_a_claim_after_the_hold_finds_the_prompt_cached_and_computes_only_its_la
 
 
 def test_an_early_prefill_nobody_claims_ends_after_its_hold_and_leaves_its_kv_cached(tiny_checkpoint, base):
+    """``router.early_prefill_hold_s`` (0.5 s here, 2 by default) after it arrived, its blocks are free again."""
     router = FakeRouter(base)
-    prefill = PrefillWorker(config(tiny_checkpoint("llama"), base, "PrefillOnly", transfer={"transport": "zmq"}), "p0")
+    prefill = PrefillWorker(config(tiny_checkpoint("llama"), base, "PrefillOnly", transfer={"transport": "zmq"},
+                                   router={"early_prefill_hold_s": 0.5}), "p0")
     kv = prefill.engine.kv_manager
     free_at_start = kv.num_free_blocks
     stop, thread = run_in_thread(prefill)
@@ -125,11 +127,12 @@ def test_an_early_prefill_nobody_claims_ends_after_its_hold_and_leaves_its_kv_ca
         while not (prefill.jobs and prefill.jobs["orphan"].early_output is not None):
             assert time.monotonic() < sent + 10, "the early prefill never ran"
             router.pump(0.02)
+        assert prefill.jobs["orphan"].deadline <= time.monotonic() + 0.5  # held for the claim that long at most
         assert kv.num_free_blocks < free_at_start  # held for the decode worker's claim
         while prefill.jobs or kv.num_free_blocks != free_at_start:
-            assert time.monotonic() < sent + EARLY_PREFILL_HOLD_S + 10, "the hold never ended"
+            assert time.monotonic() < sent + 10, "the hold never ended"
             router.pump(0.1)
-        assert time.monotonic() - sent >= EARLY_PREFILL_HOLD_S
+        assert time.monotonic() - sent >= 0.5
         assert prefill._load_report().num_early_prefills_unclaimed == 1  # tandem_worker_early_prefills_unclaimed
         assert len(kv.find_cached_prefix(prompt)) == len(prompt) // kv.page_size  # a later request reuses it
         assert not router.deltas  # nothing was streamed for it
