@@ -88,6 +88,10 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
 
     configure_cluster_security(config)  # a tcp:// cluster with no key stops here, before anything binds
     worker_id = args.worker_id or f"{config.pipeline_role.value}-{socket.gethostname()}-{os.getpid()}"
+    if config.tensor_parallel_size > 1:  # one thread, torch not run yet (as in the zygote): ranks 1..N-1 fork here
+        from pipeline.parallel.rank_start import prefork_ranks
+
+        prefork_ranks(config.tensor_parallel_size - 1)
     cores, num_threads = apply_cpu_placement(config)  # before any thread starts (and before torch's pool)
     ranks = f" (rank 0 of {config.tensor_parallel_size})" if config.tensor_parallel_size > 1 else ""
     logger.warning("worker %s placement%s: %s", worker_id, ranks, describe_placement(cores, num_threads))

@@ -1,6 +1,5 @@
-"""The rank processes of a tensor-parallel engine: rank 0 is the calling process, ranks 1..N-1 are forked from
-the process's multiprocessing fork server (``rank_context``; preloaded, so a later group starts in a fraction of
-a second).
+"""The rank processes of a tensor-parallel engine: rank 0 is the calling process, ranks 1..N-1 are its children,
+forked at a worker's start or from the process's preloaded fork server (``rank_start``).
 
 Each step's inputs travel from rank 0 over a pipe per child (a pickled tuple of numpy arrays: a few
 small arrays per step, with ordering, end-of-file when rank 0 dies, and no timeout while rank 0 idles
@@ -29,17 +28,12 @@ from typing import Callable, TypeVar
 import torch
 
 from pipeline.forward_batch import ForwardBatch
+from pipeline.parallel.rank_start import start_rank
 from pipeline.parallel.shard_spec import TensorParallelError
 
 
 T = TypeVar("T")
-STARTUP_TIMEOUT_S = 300.0  # starting a child (the first: its fork server importing torch) and loading its shard
-# Ranks are forked from multiprocessing's fork server, started once per process (with the first group) with these
-# imported: every later rank starts without importing torch, gloo and transformers' config machinery again (3 s a
-# rank on a 2-core Zen 4; an offline process that builds engines in turn, a TP=8 worker). The server is a clean
-# single-threaded process, never one with torch's threads running, and never touches CUDA.
-RANK_PRELOAD = ["torch", "torch.distributed", "safetensors.torch", "transformers.utils.type_validators",
-                "transformers.models.auto.configuration_auto"]
+STARTUP_TIMEOUT_S = 300.0  # starting a child (the first from the fork server: its imports) and loading its shard
 STOP_GRACE_S = 5.0  # ranks asked to stop have this long to leave before they are killed
 
 
@@ -62,14 +56,6 @@ class RankArgs:
     keep_freed_memory: bool = True  # on the CPU: pipeline/host_memory.py, as rank 0's engine does
     quantization: str | None = None  # model.quantization ("int8": W8A8 at load), as rank 0's
     environ: dict[str, str] = dataclasses.field(default_factory=dict)  # rank 0's now (the fork server has its own)
-
-
-def rank_context():
-    """The multiprocessing context child ranks start from: this process's fork server, preloaded (``RANK_PRELOAD``;
-    the list is read when the server starts, with the first group)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(RANK_PRELOAD)
-    return context
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -95,7 +81,6 @@ class RankGroup:
         self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S),
                                    wait_for_workers=False)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        context = rank_context()
         self.processes: list[multiprocessing.Process] = []
         self.pipes = []
         placements = placements or [(None, max(1, cores // size))] * (size - 1)
@@ -103,10 +88,7 @@ class RankGroup:
             args = RankArgs(rank, size, self.store.port, model_path, dtype, device, kernel_backend,
                             cpu_weight_prepack, num_threads, timeout_s, rank_cores, os.getpid(), keep_freed_memory,
                             quantization, dict(os.environ))
-            ours, theirs = context.Pipe()
-            process = context.Process(target=run_rank, args=(args, theirs), name=f"tandem-tp-rank{rank}", daemon=True)
-            process.start()
-            theirs.close()
+            process, ours = start_rank(args, f"tandem-tp-rank{rank}")
             self.processes.append(process)
             self.pipes.append(ours)
         self._grace_s = [STOP_GRACE_S]  # close(grace_s) changes it for the finalizer, which holds this list
@@ -323,9 +305,9 @@ def _share_kv_cache(args: RankArgs, shape: tuple[int, ...], pipe) -> torch.Tenso
 
 def _die_with(parent_pid: int) -> None:
     """SIGKILL when rank 0 goes, however it goes, so no rank is left orphaned even when rank 0 is killed while
-    this rank computes (the pipe's end-of-file covers the rest). The parent is the fork server, which exits
-    as soon as rank 0 does (its end of a pipe closes): ``prctl(PR_SET_PDEATHSIG)`` on it; exit now if rank 0
-    or the server went already."""
+    this rank computes (the pipe's end-of-file covers the rest): ``prctl(PR_SET_PDEATHSIG)`` on the parent, rank 0
+    itself or the fork server, which exits as soon as rank 0 does (its end of a pipe closes); exit now if rank 0 or
+    the server went already."""
     if not parent_pid or not sys.platform.startswith("linux"):
         return
     import ctypes

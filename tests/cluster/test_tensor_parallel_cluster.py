@@ -49,10 +49,17 @@ def allowed_cores(pid: int) -> list[int]:
     return sorted(os.sched_getaffinity(pid))
 
 
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
 def test_streams_are_transformers_greedy_text_and_the_tp_worker_serves(cluster, reference_text):
     check_concurrent_greedy_streams(cluster.url, reference_text, num_requests=10, seed=3)
     assert wait_for_metric(cluster.url, PROMPT_TOKENS_COMPUTED, TP_WORKER, above=0)  # the 2-rank worker took some
-    assert len(worker_entry(cluster.url, TP_WORKER)["rank_pids"]) == 1
+    entry = worker_entry(cluster.url, TP_WORKER)
+    [rank1] = entry["rank_pids"]
+    assert parent_pid(rank1) == entry["pid"]  # forked by rank 0 as it started (rank_start.prefork_ranks), warm
     assert worker_entry(cluster.url, "colocated-1")["rank_pids"] == []
 
 

@@ -206,9 +206,9 @@ def test_a_rank_that_fails_to_load_is_reported_and_stopped(tiny_checkpoint, tmp_
     import dataclasses
     from multiprocessing import forkserver
 
-    from pipeline.parallel import ranks
+    from pipeline.parallel import rank_start
 
-    context = ranks.rank_context()
+    context = rank_start.rank_context()
 
     class BrokenChildren:  # rank 1 is told to read a directory with no checkpoint in it; rank 0 reads the real one
         Pipe = context.Pipe
@@ -222,7 +222,7 @@ def test_a_rank_that_fails_to_load_is_reported_and_stopped(tiny_checkpoint, tmp_
     # as ranks left behind
     forkserver.ensure_running()
     children_before = set(_descendants())
-    monkeypatch.setattr(ranks, "rank_context", lambda: BrokenChildren())
+    monkeypatch.setattr(rank_start, "rank_context", lambda: BrokenChildren())
     with pytest.raises(TensorParallelError, match="rank 1 .*(failed to start|exited).*config"):
         tp_llm(tiny_checkpoint("llama"))
     assert wait_gone(list(set(_descendants()) - children_before)) == []
