@@ -56,22 +56,23 @@ CLUSTER_LANE = ("tests/cluster/", "tests/deploy/test_cli_processes.py", "tests/d
 
 
 # The longest files of the suite, longest first (seconds in `make test`'s three workers, quiet 2-core Zen 4,
-# 2026-11-29). `make test` hands files to its workers in collection order (`--no-loadscope-reorder`), so these go
-# first and the short ones fill in around them: the longest-first rule, which evens the workers' ends (by
+# 2026-11-29, ranks preforked). `make test` hands files to its workers in collection order
+# (`--no-loadscope-reorder`), so these go first and the short ones fill in around them: the longest-first rule, which evens the workers' ends (by
 # default pytest-xdist hands out the files with the most tests first, which left one worker ~15 s behind).
 LONGEST_FILES = {
-    "tests/cluster/test_ray_deploy.py": 122, "tests/cluster/test_tensor_parallel_pd.py": 82,
-    "tests/deploy/test_up_supervision.py": 62, "tests/cluster/test_scoring.py": 57,
-    "tests/bench/test_serve_bench_live.py": 50, "tests/cluster/test_structured_output.py": 49,
-    "tests/cluster/test_speculative.py": 46, "tests/cluster/test_load.py": 44, "tests/cluster/test_tools.py": 41,
-    "tests/cluster/test_tensor_parallel_cluster.py": 39, "tests/deploy/test_cli_processes.py": 39,
-    "tests/cluster/test_live_migration.py": 37, "tests/pipeline/test_tensor_parallel.py": 35,
-    "tests/cluster/test_serving.py": 34, "tests/cluster/test_restarts.py": 34, "tests/deploy/test_gpu_check.py": 31,
-    "tests/router/test_http_faults.py": 29, "tests/pipeline/test_speculative.py": 25,
-    "tests/cpu_kernels/test_native_fallback.py": 23, "tests/observability/test_dashboard_prometheus.py": 20,
-    "tests/cpu_kernels/test_cpu_paged_attention.py": 19, "tests/cluster/test_faults.py": 18,
-    "tests/cluster/test_tensor_parallel_latent_pd.py": 18, "tests/deploy/test_generate_cmd.py": 17,
-    "tests/security/test_multi_host_netns.py": 17, "tests/cluster/test_gemma3_cluster.py": 16,
+    "tests/cluster/test_ray_deploy.py": 104, "tests/deploy/test_up_supervision.py": 53,
+    "tests/cluster/test_tensor_parallel_pd.py": 51, "tests/cluster/test_scoring.py": 48,
+    "tests/bench/test_serve_bench_live.py": 45, "tests/cluster/test_speculative.py": 44,
+    "tests/cluster/test_structured_output.py": 43, "tests/cluster/test_load.py": 43,
+    "tests/cluster/test_live_migration.py": 36, "tests/cluster/test_tools.py": 30,
+    "tests/router/test_http_faults.py": 27, "tests/deploy/test_cli_processes.py": 26,
+    "tests/cluster/test_restarts.py": 25, "tests/pipeline/test_tensor_parallel.py": 24,
+    "tests/cluster/test_tensor_parallel_cluster.py": 21, "tests/cluster/test_serving.py": 21,
+    "tests/cpu_kernels/test_native_fallback.py": 20, "tests/deploy/test_gpu_check.py": 19,
+    "tests/pipeline/test_speculative.py": 18, "tests/observability/test_dashboard_prometheus.py": 18,
+    "tests/cluster/test_faults.py": 16, "tests/security/test_multi_host_netns.py": 16,
+    "tests/deploy/test_generate_cmd.py": 15, "tests/cluster/test_moe_cluster.py": 15,
+    "tests/cluster/test_liveness.py": 15, "tests/cluster/test_kv_routing.py": 14,
 }
 
 
