@@ -57,8 +57,9 @@ CLUSTER_LANE = ("tests/cluster/", "tests/deploy/test_cli_processes.py", "tests/d
 
 # The longest files of the suite, longest first (seconds in `make test`'s three workers, quiet 2-core Zen 4,
 # 2026-11-29, ranks preforked). `make test` hands files to its workers in collection order
-# (`--no-loadscope-reorder`), so these go first and the short ones fill in around them: the longest-first rule, which evens the workers' ends (by
-# default pytest-xdist hands out the files with the most tests first, which left one worker ~15 s behind).
+# (`--no-loadscope-reorder`), so these go first and the short ones fill in around them: the longest-first rule,
+# which evens the workers' ends (by default pytest-xdist hands out the files with the most tests first, which left
+# one worker ~15 s behind).
 LONGEST_FILES = {
     "tests/cluster/test_ray_deploy.py": 104, "tests/deploy/test_up_supervision.py": 53,
     "tests/cluster/test_tensor_parallel_pd.py": 51, "tests/cluster/test_scoring.py": 48,
