@@ -73,9 +73,10 @@ def test_each_rank_runs_on_its_own_cores(cluster):
 
 
 def streams_across(cluster, worker: str, act, prompts=STREAM_PROMPTS, num_tokens: int = STREAM_TOKENS) -> None:
-    """Greedy streams of ``prompts`` at once; once each has 10 tokens and ``worker`` runs some of them, ``act()``;
+    """Greedy streams of ``prompts`` at once; once one has 10 tokens and ``worker`` runs some of them, ``act()``;
     then every stream must complete with transformers' text (the uninterrupted one: 0 failed, nothing repeated
-    or missing)."""
+    or missing). Not once every stream has 10 tokens: on a loaded machine the last to start may come after the
+    first ones ended (120 tokens at 20 ms a step), and ``worker`` would run none by then."""
     want = [reference_greedy_text(cluster.model_path, p, num_tokens) for p in prompts]
     client = openai_client(cluster)
     name = client.models.list().data[0].id
@@ -99,9 +100,8 @@ def streams_across(cluster, worker: str, act, prompts=STREAM_PROMPTS, num_tokens
     threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
-    for _ in threads:
-        assert started.acquire(timeout=60), f"a stream did not start: {results}"
-    assert wait_for_metric(cluster.url, "tandem_worker_running_requests", worker, above=0), (
+    assert started.acquire(timeout=60), f"no stream started: {results}"
+    assert wait_for_metric(cluster.url, "tandem_worker_running_requests", worker, above=0, timeout_s=10), (
         f"{worker} runs none of the streams: {routing_summary(cluster.url)}")
     act()
     for thread in threads:
