@@ -31,13 +31,14 @@ def _finished(router: FakeRouter, request_id: str) -> bool:
     return any(d.request_id == request_id and d.finish_reason is not None for d in router.deltas)
 
 
-def _claimed_after_a_stall(model_path: str, base: str, monkeypatch, stall_until) -> dict:
+def _claimed_after_a_stall(model_path: str, base: str, monkeypatch, stall_until, hold_s: float = 2.0) -> dict:
     """Prefill "p0" and decode "d0" in this process; d0 runs a stream and, when the request "new" comes (to
     d0, and early to p0), is in a step that lasts until ``stall_until(p0)`` holds, so it asks p0 only after
-    that. "local" (the same prompt, prefilled by d0 itself) is the reference. What happened, once every block
-    of p0 is back."""
+    that. "local" (the same prompt, prefilled by d0 itself) is the reference. ``hold_s``: p0's
+    ``router.early_prefill_hold_s``. What happened, once every block of p0 is back."""
     router = FakeRouter(base)
     prefill, decode = pd_pair_with_slow_decode(model_path, base, monkeypatch, delay_s=0.0)
+    prefill.early_prefill_hold_s = hold_s
     stall_once, stalling, step, claim, claims = threading.Event(), threading.Event(), decode.engine.step, \
         prefill._claim, []
 
@@ -92,7 +93,8 @@ def test_the_decode_workers_request_claims_the_prefill_started_before_it_asked(t
     the prefill worker has run the prompt it got from the router. The claim ships it at once: the prompt is
     computed once, and the tokens are those of the decode worker prefilling the same prompt itself."""
     seen = _claimed_after_a_stall(tiny_checkpoint("llama"), base, monkeypatch, stall_until=lambda prefill: (
-        "new" in prefill.jobs and prefill.jobs["new"].early_output is not None))  # asks once the prefill is done
+        "new" in prefill.jobs and prefill.jobs["new"].early_output is not None),  # asks once the prefill is done
+        hold_s=30.0)  # (however slow the machine, the claim comes within the hold)
     assert seen["claims"] == [True]  # claimed once, after the prefill was done
     assert seen["new"] == seen["local"] and len(seen["new"]) == 4
     assert seen["first_from_p0"] == seen["local"][:1]  # the first, streamed early
