@@ -312,18 +312,12 @@ def _die_with(parent_pid: int) -> None:
         return
     import ctypes
 
+    from kv_transfer.shm_files import is_running
+
     server_pid = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() != server_pid or not _is_running(parent_pid):
+    if os.getppid() != server_pid or not is_running(parent_pid):
         os._exit(1)
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:  # gone (or someone else's process took the pid)
-        return False
-    return True
 
 
 def _load_rank(args: RankArgs):
