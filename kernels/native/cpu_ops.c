@@ -2,7 +2,8 @@
  * the contract of its torch reference in the kernels/ *_ref.py modules, the oracle it is tested against:
  *   paged_attention  causal attention of a flat batch of queries (prefill chunks, decodes, short verify
  *                    queries, mixed) over each sequence's K/V read in place from the paged cache: GQA,
- *                    sliding windows (paged_attention_isa.h)
+ *                    sliding windows (paged_attention_isa.h; on a bf16 cache in bf16 pair dot products where
+ *                    the CPU has AVX512-BF16: paged_attention_pairs_isa.h)
  *   rms_norm         RMSNorm, the residual add fused (elementwise_isa.h)
  *   rotary           rotate-half rotary embedding of q and k, in place
  *   store_kv         new K/V rows into their cache slots
@@ -20,7 +21,8 @@
  *                    AVX512-BF16, or the portable one the tests force)
  *
  * Each body is compiled once per instruction set and the best one the CPU runs is chosen once, at
- * import: AVX-512, AVX2 + FMA, 16-byte vectors (SSE2 / NEON), and plain scalar; a row length the chosen
+ * import: AVX-512 with AVX512-BF16 (avx512's body, attention in bf16 pairs), AVX-512, AVX2 + FMA, 16-byte vectors
+ * (SSE2 / NEON), and plain scalar; a row length the chosen
  * width does not divide takes the widest one that does. Work (attention items: sequence x KV head x
  * query tile; elementwise ops: token rows) is spread over OpenMP threads. The module is linked
  * against libgomp.so.1, which torch loads first (it ships one under that name), so these threads are
@@ -47,7 +49,9 @@
 #define DOT_CHUNK 256     /* ... of a decode (fewer rows: the bookkeeping is amortised over more keys) */
 #define DECODE_KEYS 16    /* keys a decode visits across every head before the next ones */
 /* Keys ahead a decode prefetches its K/V rows. Measured on Zen 5 (one core, bf16 cache, 4 KV heads of 64, decodes of
- * 310 tokens read from memory): 16 and 64 were 10-25 % slower than 32. */
+ * 310 tokens read from memory): 16 and 64 were 10-25 % slower than 32; on Zen 4 with the L2 prefetch
+ * (paged_attention_isa.h's prefetch_row), 16 was as fast in bf16 pairs and 15 % slower widening, 64-128 15-30 %
+ * slower. */
 #ifndef AHEAD_KEYS
 #define AHEAD_KEYS 32
 #endif
@@ -72,9 +76,13 @@ typedef struct {
     int64_t cost; /* rows x keys: heavy items are handed out first */
 } work_item;
 
+/* bf16 pairs: a decode chunk's bf16 probabilities per row, padded (a prefill chunk's take less: its pairs) */
+#define PROBS_STRIDE (DOT_CHUNK + 32)
+
 typedef struct {
     float *q, *qt, *acc, *scores, *k_rows, *v_rows, *row_max, *row_sum;
     int32_t *lo, *hi;
+    uint16_t *probs; /* [MAX_ROWS][PROBS_STRIDE] */
 } scratch;
 
 static inline uint16_t float_to_bf16(float x)
@@ -172,6 +180,16 @@ typedef struct {
 #include "int8_isa.h"
 #include "isa_undef.h"
 
+/* The same in portable vectors with bf16 pairs in attention (test only, as vec512: the avx512_bf16 logic on any CPU) */
+#define BF16_PAIRS 1
+#define ISA(name) name##_vec512_bf16
+#define VEC_BYTES 64
+#include "vec_isa.h"
+#include "bf16_pairs_isa.h"
+#include "paged_attention_isa.h"
+#include "isa_undef.h"
+#undef BF16_PAIRS
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -195,6 +213,23 @@ typedef struct {
 #include "isa_undef.h"
 #pragma GCC pop_options
 #define HAS_X86_VARIANTS 1
+
+/* AVX-512 with AVX512-BF16: attention on a bf16 cache in vdpbf16ps (paged_attention_pairs_isa.h); the elementwise
+ * ops are avx512's */
+#if __GNUC__ >= 10
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+#define BF16_PAIRS 1
+#define ISA(name) name##_avx512_bf16
+#define VEC_BYTES 64
+#include "vec_isa.h"
+#include "bf16_pairs_isa.h"
+#include "paged_attention_isa.h"
+#include "isa_undef.h"
+#undef BF16_PAIRS
+#pragma GCC pop_options
+#define HAS_AVX512_BF16_PAIRS 1
+#endif
 #endif
 
 typedef struct {
@@ -211,13 +246,19 @@ typedef struct {
 } isa_entry;
 
 #define ISA_ENTRY(isa, width, test_only) {#isa, width, test_only, attend_item_##isa, rms_norm_rows_##isa, rotary_rows_##isa, silu_and_mul_rows_##isa, moe_combine_rows_##isa, quantize_rows_##isa, rescale_rows_##isa}
+/* an attention body with bf16 pairs beside another body's elementwise ops */
+#define PAIRS_ENTRY(isa, elementwise, test_only) {#isa, 16, test_only, attend_item_##isa, rms_norm_rows_##elementwise, rotary_rows_##elementwise, silu_and_mul_rows_##elementwise, moe_combine_rows_##elementwise, quantize_rows_##elementwise, rescale_rows_##elementwise}
 static const isa_entry ISAS[] = {
+#ifdef HAS_AVX512_BF16_PAIRS
+    PAIRS_ENTRY(avx512_bf16, avx512, 0),
+#endif
 #ifdef HAS_X86_VARIANTS
     ISA_ENTRY(avx512, 16, 0),
     ISA_ENTRY(avx2, 8, 0),
 #endif
     /* widest first, so that isa_for falls back to a narrower body; vec512 after the x86 bodies, so a
      * row avx2 cannot take (not a multiple of 8) is not one vec512 can */
+    PAIRS_ENTRY(vec512_bf16, vec512, 1),
     ISA_ENTRY(vec512, 16, 1),
     ISA_ENTRY(vec128, 4, 0),
     ISA_ENTRY(scalar, 1, 0),
@@ -238,6 +279,8 @@ static int isa_supported(const isa_entry *isa)
     __builtin_cpu_init();
     if (strcmp(isa->name, "avx512") == 0)
         return CPU_HAS_AVX512_AND("fma");
+    if (strcmp(isa->name, "avx512_bf16") == 0)
+        return CPU_HAS_AVX512_AND("fma") && __builtin_cpu_supports("avx512bf16");
     if (strcmp(isa->name, "avx2") == 0)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
@@ -302,7 +345,8 @@ static int scratch_alloc(scratch *s, int head_dim)
                         ? (size_t)COLUMN_CHUNK * MAX_ROWS_PADDED : (size_t)MAX_ROWS * DOT_CHUNK; /* decodes: every head's rows */
     size_t converted = (size_t)COLUMN_CHUNK * head_dim, rows = MAX_ROWS + 16 * (MAX_ROWS / 2);
     size_t floats = rows_x_dim + padded_x_dim + rows_x_dim + scores + 2 * converted + 2 * rows;
-    float *base = aligned_alloc(64, ((floats * sizeof(float) + 2 * rows * sizeof(int32_t)) + 63) / 64 * 64);
+    size_t bytes = (floats * sizeof(float) + 2 * rows * sizeof(int32_t) + 63) / 64 * 64;
+    float *base = aligned_alloc(64, bytes + (size_t)MAX_ROWS * PROBS_STRIDE * sizeof(uint16_t));
     if (!base)
         return -1;
     s->q = base;
@@ -315,6 +359,7 @@ static int scratch_alloc(scratch *s, int head_dim)
     s->row_sum = s->row_max + rows;
     s->lo = (int32_t *)(s->row_sum + rows);
     s->hi = s->lo + rows;
+    s->probs = (uint16_t *)((char *)base + bytes);
     return 0;
 }
 

@@ -9,3 +9,4 @@
 #undef vh
 #undef ROUNDED
 #undef X86_REGISTER
+#undef vb

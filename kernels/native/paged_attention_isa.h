@@ -12,7 +12,8 @@
  *     chunk's scores computed transposed, [keys][rows], as register-blocked outer products straight
  *     from the cache (each key element serves a vector of rows), and the online softmax vectorized
  *     across rows.
- * Row-layout scores are [rows][stride]; column-layout scores [keys][rows_pad].
+ * Row-layout scores are [rows][stride]; column-layout scores [keys][rows_pad]. Bodies compiled with BF16_PAIRS
+ * run both shapes on a bf16 cache in bf16 pair dot products instead (paged_attention_pairs_isa.h).
  */
 
 /* W values of a cache row from element d, in the cache's dtype (a constant where inlined). */
@@ -21,12 +22,15 @@ static inline __attribute__((always_inline)) vf ISA(load_row)(const void *row, i
     return is_bf16 ? ISA(load_bf16)((const uint16_t *)row + d) : ISA(load)((const float *)row + d);
 }
 
-/* Prefetch one head row (row_bytes) of the cache, if there is one. */
+/* Prefetch one head row (row_bytes) of the cache, if there is one, into L2 (prefetcht1), not L1: measured on Zen 4
+ * (one core, decodes of 310 tokens over 8 layers' caches, read from memory), an L1 prefetch (t0) read 6-7 GB/s
+ * and this one 11-12 (21-25 against 37-45 ns per key and KV head, bf16 and fp32 alike; 2 threads 13.5 against
+ * 19-23): an L1 prefetch holds one of the core's few L1 miss buffers for the whole trip to memory. */
 static inline __attribute__((always_inline)) void ISA(prefetch_row)(const char *row, size_t row_bytes)
 {
     if (row)
         for (size_t offset = 0; offset < row_bytes; offset += 64)
-            __builtin_prefetch(row + offset, 0, 3);
+            __builtin_prefetch(row + offset, 0, 2);
 }
 
 /* scores[r][j] = q[r] . keys[j] for the chunk's nk key rows, read in place from the cache, two rows and
@@ -323,6 +327,12 @@ static void ISA(chunk_rows)(const attn_args *a, const int32_t *table, int32_t st
     }
 }
 
+#ifdef BF16_PAIRS
+#include "paged_attention_pairs_isa.h"
+#else
+static inline int ISA(uses_pairs)(const attn_args *a) { (void)a; return 0; }
+#endif
+
 /* The few-rows path (decodes) over one chunk of nk keys, whose token rows (every head) are k_tokens /
  * v_tokens, listed up to `listed` (past nk: the next chunk's, for the prefetch). Rows are read in place
  * in the cache's dtype, token-major: DECODE_KEYS keys at a time across every head, then the next keys,
@@ -334,7 +344,8 @@ static void ISA(decode_chunk)(const attn_args *a, const work_item *item, scratch
                               const char *const *v_tokens, int nk, int listed, int chunk)
 {
     const int head_dim = a->head_dim, group = a->num_q_heads / a->num_kv_heads, is_bf16 = a->dtype == DTYPE_BF16;
-    const int rows_per_head = item->num_tokens * group;
+    const int rows_per_head = item->num_tokens * group, pairs = ISA(uses_pairs)(a);
+    (void)pairs;
     const size_t row_bytes = (size_t)head_dim * (is_bf16 ? 2 : 4);
     const void *rows[DECODE_KEYS];
     const char *ahead[DECODE_KEYS];
@@ -356,6 +367,16 @@ static void ISA(decode_chunk)(const attn_args *a, const work_item *item, scratch
                 }
                 size_t first_row = (size_t)h * rows_per_head;
                 float *scores = s->scores + first_row * chunk + first;
+#ifdef BF16_PAIRS
+                if (pairs && pass == 0)
+                    ISA(scores_pairs)((const uint16_t *)s->q + first_row * head_dim, rows_per_head, head_dim, rows, n,
+                                      scores, chunk, ahead, row_bytes, a->scale);
+                else if (pairs)
+                    ISA(accumulate_pairs)(s->acc + first_row * head_dim, rows_per_head, head_dim,
+                                          s->probs + first_row * PROBS_STRIDE + first, PROBS_STRIDE, 2, rows, n,
+                                          ahead, row_bytes);
+                else
+#endif
                 if (pass == 0)
                     ISA(scores_dot)(s->q + first_row * head_dim, rows_per_head, head_dim, rows, n, scores, chunk, ahead,
                                     row_bytes, is_bf16);
@@ -370,6 +391,11 @@ static void ISA(decode_chunk)(const attn_args *a, const work_item *item, scratch
                 ISA(softmax_chunk)(s->scores + first_row * chunk, rows_per_head, group, chunk, nk, head_dim, s->lo,
                                    s->hi, s->row_max + first_row, s->row_sum + first_row,
                                    s->acc + first_row * head_dim);
+#ifdef BF16_PAIRS
+                if (pairs)
+                    ISA(probs_to_pairs)(s->scores + first_row * chunk, rows_per_head, chunk, nk,
+                                        s->probs + first_row * PROBS_STRIDE);
+#endif
             }
     }
 }
@@ -390,13 +416,20 @@ static void ISA(attend_item)(const attn_args *a, const work_item *item, scratch 
     /* many rows per head: the column layout (queries transposed once, scores [keys][rows]) */
     const int is_columns = rows_per_head > PACKED_MIN_ROWS;
     const int rows_pad = (rows_per_head + W - 1) / W * W;
+    /* a bf16 cache, where the body has bf16 pairs: queries, keys, probabilities and values stay bf16 */
+    const int pairs = ISA(uses_pairs)(a);
 
     for (int h = 0; h < num_heads; h++) {
         for (int i = 0; i < num_tokens; i++) {
             size_t token = (size_t)(q_first + item->first_token + i);
             for (int g = 0; g < group; g++) {
                 size_t offset = token * a->q_token_stride + (size_t)((item->kv_head + h) * group + g) * head_dim;
-                float *row = s->q + (size_t)(h * rows_per_head + i * group + g) * head_dim;
+                size_t r = (size_t)(h * rows_per_head + i * group + g);
+                float *row = s->q + r * head_dim;
+                if (pairs) {  /* bf16 as it came, the scale applied to the scores */
+                    memcpy((uint16_t *)s->q + r * head_dim, (const uint16_t *)a->query + offset, head_dim * 2);
+                    continue;
+                }
                 if (is_bf16)
                     ISA(bf16_to_float)(row, (const uint16_t *)a->query + offset, head_dim);
                 else
@@ -406,6 +439,12 @@ static void ISA(attend_item)(const attn_args *a, const work_item *item, scratch 
                     row[d] *= a->scale;
             }
         }
+#ifdef BF16_PAIRS
+        if (is_columns && pairs)
+            ISA(transpose_pairs)((const uint16_t *)s->q + (size_t)h * rows_per_head * head_dim, rows_per_head,
+                                 rows_pad, head_dim, (uint32_t *)s->qt + (size_t)h * rows_pad * head_dim / 2);
+        else
+#endif
         if (is_columns)
             ISA(transpose_rows)(s->q + (size_t)h * rows_per_head * head_dim, rows_per_head, rows_pad, head_dim,
                                 s->qt + (size_t)h * rows_pad * head_dim);
@@ -422,7 +461,8 @@ static void ISA(attend_item)(const attn_args *a, const work_item *item, scratch 
     if (a->sliding_window > 0 && first_pos - a->sliding_window + 1 > 0)
         key_begin = first_pos - a->sliding_window + 1;
     /* Few rows (decodes): decode_chunk, reading K/V in place. Many rows (prefill tiles): bf16 rows are
-     * widened once per chunk and head into k_rows / v_rows, which every row then reads. */
+     * widened once per chunk and head into k_rows / v_rows, which every row then reads (in bf16 pairs: read
+     * in place, column_chunk_pairs). */
     const int chunk = is_columns ? COLUMN_CHUNK : DOT_CHUNK;
     const char *k_tokens[DOT_CHUNK + AHEAD_KEYS], *v_tokens[DOT_CHUNK + AHEAD_KEYS]; /* token rows (all heads) */
     const float *keys[COLUMN_CHUNK], *values[COLUMN_CHUNK];  /* the column layout's fp32 rows */
@@ -457,6 +497,12 @@ static void ISA(attend_item)(const attn_args *a, const work_item *item, scratch 
         for (int r = rows_per_head; r < rows_pad; r++)  /* padding rows see nothing */
             s->lo[r] = s->hi[r] = 0;
         for (int h = 0; h < num_heads; h++) {
+#ifdef BF16_PAIRS
+            if (pairs) {
+                ISA(column_chunk_pairs)(a, item, s, h, rows_per_head, rows_pad, k_tokens, v_tokens, nk);
+                continue;
+            }
+#endif
             size_t head_offset = (size_t)(item->kv_head + h) * head_dim * element;
             for (int j = 0; j < nk; j++) {
                 if (is_bf16) {
@@ -489,7 +535,13 @@ static void ISA(attend_item)(const attn_args *a, const work_item *item, scratch 
                 float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
                 const float *o = s->acc + (size_t)r * head_dim;
                 size_t offset = token * a->out_token_stride + (size_t)((item->kv_head + h) * group + g) * head_dim;
-                if (is_bf16) {
+                if (pairs) {
+#ifdef BF16_PAIRS
+                    uint16_t *dst = (uint16_t *)a->out + offset;
+                    for (int d = 0; d < head_dim; d++)
+                        dst[d] = float_to_bf16(ISA(pairs_value)(o, d) * inv);
+#endif
+                } else if (is_bf16) {
                     uint16_t *dst = (uint16_t *)a->out + offset;
                     for (int d = 0; d < head_dim; d++)
                         dst[d] = float_to_bf16(o[d] * inv);

@@ -1,12 +1,14 @@
 """Native paged attention against ``paged_attention_ref``: decodes, prefill over cached prefixes, chunked
 prefill, mixed batches, short (verify) queries, GQA ratios 1-8, head dims 32-128, page sizes 1-32,
-sliding windows, fp32 and bf16, one and two threads, every instruction set."""
+sliding windows, fp32 and bf16 (decodes in bf16 pairs where the body has them), one and two threads, every
+instruction set."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels import cpu_native
 from kernels.cpu_paged_attention import native_applies, paged_attention_cpu
 from kernels.paged_attention_ref import paged_attention_ref
 from tests.paged_batches import make_batch, route_prompts_to_flash
@@ -58,6 +60,47 @@ def test_bf16(isa, threads):
     batch = make_batch([1, 50, 1, 4], [300, 80, 9, 12], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
                        dtype=torch.bfloat16)
     check(batch, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("q_lens, context_lens, num_q_heads, num_kv_heads, head_dim, page_size", CASES)
+def test_bf16_matches_reference(isa, q_lens, context_lens, num_q_heads, num_kv_heads, head_dim, page_size):
+    """Every shape on a bf16 cache: the decodes and short queries of the *_bf16 bodies run in bf16 pairs (head dims
+    of a multiple of 32), the others widen to fp32."""
+    torch.manual_seed(3)
+    check(make_batch(q_lens, context_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     page_size=page_size, dtype=torch.bfloat16), dtype=torch.bfloat16)
+
+
+PAIRED_BODIES = [("avx512_bf16", "avx512"), ("vec512_bf16", "vec512")]
+
+
+@pytest.mark.parametrize("pairs, widening", PAIRED_BODIES, ids=[p for p, _ in PAIRED_BODIES])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(8, 4, 64), (32, 4, 64), (16, 2, 128), (4, 4, 32)])
+@pytest.mark.parametrize("sliding_window", [None, 40])
+def test_bf16_pairs_follow_the_widening_body(pairs, widening, num_q_heads, num_kv_heads, head_dim, sliding_window):
+    """Decodes, short queries and prefill tiles in bf16 pairs (AVX512-BF16's vdpbf16ps, or its portable twin)
+    against the same body widening to fp32: they differ only by each chunk's probabilities rounded to bf16 before
+    P.V (relative 2^-9 each) and the order of fp32 sums, so the outputs stay within two bf16 steps of each other;
+    odd key counts (the last key paired with a zero weight) and keys across many chunks included."""
+    if pairs not in cpu_native.ops.supported_isas():
+        pytest.skip(f"this CPU has no {pairs.removesuffix('_bf16')} with AVX512-BF16")
+    torch.manual_seed(4)
+    batch = make_batch([1, 1, 37, 3, 130, 2], [1, 17, 37, 300, 601, 45], num_q_heads=num_q_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=16, dtype=torch.bfloat16)
+    query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables = batch
+    outputs = {}
+    before = cpu_native.ops.isa()
+    try:
+        for body in (pairs, widening):
+            cpu_native.ops.set_isa(body)
+            outputs[body] = paged_attention_cpu(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+                                                head_dim ** -0.5, sliding_window).float()
+    finally:
+        cpu_native.ops.set_isa(before)
+    torch.testing.assert_close(outputs[pairs], outputs[widening], atol=1e-2, rtol=2 ** -7)
+    expected = paged_attention_ref(query.float(), k_cache.float(), v_cache.float(), cu_seqlens_q, context_lens,
+                                   block_tables, head_dim ** -0.5, sliding_window)
+    assert (outputs[pairs] - expected).abs().max() <= 2 * (outputs[widening] - expected).abs().max() + 1e-2
 
 
 def test_layouts_it_does_not_take_run_the_reference():

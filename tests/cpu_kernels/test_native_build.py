@@ -23,6 +23,23 @@ def test_native_module_is_built_where_a_compiler_is():
     # the portable 16-lane body runs the avx512 logic in every machine's tests, never in serving
     assert "vec512" in cpu_native.ops.supported_isas()
     assert cpu_native.ops.isa() != "vec512"
+    # and its twin with attention in bf16 pairs, the avx512_bf16 logic, likewise
+    assert "vec512_bf16" in cpu_native.ops.supported_isas()
+    assert cpu_native.ops.isa() != "vec512_bf16"
+
+
+@pytest.mark.skipif(NATIVE_OFF, reason="TANDEM_NATIVE_KERNELS=0 turns the native kernels off")
+def test_a_cpu_with_avx512_bf16_runs_attention_in_bf16_pairs():
+    """The body chosen at import follows the CPU's flags: AVX512-BF16 (Zen 4 and 5, Cooper Lake, Sapphire Rapids
+    on) runs attention's bf16 products in vdpbf16ps, other AVX-512 CPUs the widening body."""
+    if cpu_native.ops is None:
+        pytest.skip("kernels._cpu_ops is not built")
+    flags = cpu_native.cpu_flags()
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
+        pytest.skip("this CPU has no AVX-512")
+    expected = "avx512_bf16" if "avx512_bf16" in flags else "avx512"
+    assert cpu_native.ops.isa() == expected
+    assert (expected == "avx512_bf16") == ("avx512_bf16" in cpu_native.ops.supported_isas())
 
 
 def test_auto_on_cpu_is_the_cpu_set_with_every_kernel():
