@@ -247,7 +247,10 @@ typedef struct {
 
 #define ISA_ENTRY(isa, width, test_only) {#isa, width, test_only, attend_item_##isa, rms_norm_rows_##isa, rotary_rows_##isa, silu_and_mul_rows_##isa, moe_combine_rows_##isa, quantize_rows_##isa, rescale_rows_##isa}
 /* an attention body with bf16 pairs beside another body's elementwise ops */
-#define PAIRS_ENTRY(isa, elementwise, test_only) {#isa, 16, test_only, attend_item_##isa, rms_norm_rows_##elementwise, rotary_rows_##elementwise, silu_and_mul_rows_##elementwise, moe_combine_rows_##elementwise, quantize_rows_##elementwise, rescale_rows_##elementwise}
+#define PAIRS_ENTRY(isa, elementwise, test_only)                                                               \
+    {#isa, 16, test_only, attend_item_##isa, rms_norm_rows_##elementwise, rotary_rows_##elementwise,              \
+     silu_and_mul_rows_##elementwise, moe_combine_rows_##elementwise, quantize_rows_##elementwise,                \
+     rescale_rows_##elementwise}
 static const isa_entry ISAS[] = {
 #ifdef HAS_AVX512_BF16_PAIRS
     PAIRS_ENTRY(avx512_bf16, avx512, 0),

@@ -104,8 +104,9 @@ static inline __attribute__((always_inline)) void ISA(pv_pairs_rows)(float *acc,
 {
     float *o = acc + (size_t)r * head_dim;
     const uint16_t *p = probs + (size_t)r * r_stride;
-#define PV_PAIRS(blocks) \
-    ISA(pv_pairs_block)(o, head_dim, p, r_stride, pair_stride, values, nk, d, d == 0 ? ahead : NULL, row_bytes, RB, blocks)
+#define PV_PAIRS(blocks)                                                                                 \
+    ISA(pv_pairs_block)(o, head_dim, p, r_stride, pair_stride, values, nk, d, d == 0 ? ahead : NULL, row_bytes, \
+                        RB, blocks)
     int d = 0;
     for (; d + DB * 2 * W <= head_dim; d += DB * 2 * W)
         PV_PAIRS(DB);
