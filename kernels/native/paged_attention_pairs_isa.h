@@ -9,7 +9,7 @@
  * head_dim / 2W instructions for the scores and as many for the values, where widening and fp32 FMAs take about
  * four times that. */
 
-/* Whether a decode item on this cache runs in pairs. */
+/* Whether attention on this cache runs in pairs (both layouts; other head dims widen). */
 static inline int ISA(uses_pairs)(const attn_args *a) { return a->dtype == DTYPE_BF16 && a->head_dim % (2 * W) == 0; }
 
 /* scores[r][j] = scale * (q[r] . keys[j]), q bf16 rows of head_dim, two rows and four keys at a time; ahead as
