@@ -85,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         except TypeError as exc:
             raise ValueError(f"request {i}: unknown sampling field ({exc})") from None
     prompts = [item.get("prompt_token_ids") or item["prompt"] for item in requests]
+    if config.tensor_parallel_size > 1:  # torch not run yet here: ranks 1..N-1 fork now, warm (rank_start.py)
+        from pipeline.parallel.rank_start import prefork_warm_ranks
+
+        prefork_warm_ranks(config.tensor_parallel_size - 1)
 
     from tqdm import tqdm
 

@@ -2,7 +2,8 @@
 
 1. **Preforked** (``prefork_ranks``): a cluster worker forks its ranks 1..N-1 first thing, before its CPU
    placement, in the state the launcher's zygote forks workers in: one thread, torch imported (by the zygote) but
-   never run, not even ``set_num_threads``. (A fork after torch ran a parallel region hangs the child's first one:
+   never run, not even ``set_num_threads``; ``tandem generate`` likewise, once it has imported ``RANK_PRELOAD``
+   itself (``prefork_warm_ranks``). (A fork after torch ran a parallel region hangs the child's first one:
    GNU OpenMP's pool does not survive a fork; measured.) Each child waits for its ``RankArgs`` on its pipe; the
    engine's group hands them over once it knows them (the store's port, the checkpoint, each rank's cores and
    threads). A TP 2 worker of the tiny model then serves 0.14 s after its placement instead of 3.6 s (2-core Zen
@@ -17,6 +18,7 @@ Either way a child runs ``ranks.run_rank`` and dies with rank 0 (``ranks._die_wi
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing
 import os
@@ -55,7 +57,16 @@ def prefork_ranks(num_ranks: int) -> int:
         process.start()
         theirs.close()
         _preforked.append((process, ours))
+    logger.info("%d rank process(es) forked, waiting for their group", num_ranks)
     return num_ranks
+
+
+def prefork_warm_ranks(num_ranks: int) -> int:
+    """``prefork_ranks`` in a process that has not imported what a rank needs (``tandem generate``): import
+    ``RANK_PRELOAD`` here first (rank 0 imports it anyway), so that the children start with it loaded."""
+    for name in RANK_PRELOAD:
+        importlib.import_module(name)
+    return prefork_ranks(num_ranks)
 
 
 def start_rank(args, name: str) -> tuple:
@@ -70,6 +81,7 @@ def start_rank(args, name: str) -> tuple:
             pipe.close()
     from pipeline.parallel.ranks import run_rank
 
+    logger.info("%s starts from the fork server", name)
     context = rank_context()
     ours, theirs = context.Pipe()
     process = context.Process(target=run_rank, args=(args, theirs), name=name, daemon=True)

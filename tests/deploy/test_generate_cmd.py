@@ -1,5 +1,5 @@
-"""``tandem generate`` as a user runs it (a process of its own): JSONL in and out, speculation from the
-command line, and bad input as one clear line."""
+"""``tandem generate`` as a user runs it (a process of its own): JSONL in and out, speculation and tensor
+parallelism from the command line, and bad input as one clear line."""
 
 from __future__ import annotations
 
@@ -43,6 +43,20 @@ def test_cli_generate_with_a_draft_model_reports_acceptance(tmp_path, tiny_check
     model, tokenizer = hf_reference(tiny_checkpoint("llama"))  # transformers' greedy tokens on the same weights
     assert json.loads(speculative.stdout)["token_ids"] == hf_greedy(model, tokenizer("Hello").input_ids, 12)
     assert "draft tokens accepted (100%)" in speculative.stderr
+
+
+def test_cli_generate_tensor_parallel_forks_its_ranks_warm(tiny_checkpoint, hf_reference):
+    """With --tensor-parallel-size 2, rank 1 is forked from the generate process once it has imported what a rank
+    needs, before torch runs anything there (not started from the fork server, which pays an interpreter's imports
+    first); the tokens are transformers' own."""
+    result = run_cli("--log-level", "INFO", "generate", "--model", tiny_checkpoint("llama"), "Hello",
+                     "--max-tokens", "8", "--temperature", "0", "--ignore-eos", "--kv-cache-num-blocks", "64",
+                     "--no-progress", "--tensor-parallel-size", "2")
+    assert result.returncode == 0, result.stderr
+    model, tokenizer = hf_reference(tiny_checkpoint("llama"))
+    assert json.loads(result.stdout)["token_ids"] == hf_greedy(model, tokenizer("Hello").input_ids, 8)
+    assert "1 rank process(es) forked, waiting for their group" in result.stderr
+    assert "starts from the fork server" not in result.stderr
 
 
 @pytest.mark.parametrize(
