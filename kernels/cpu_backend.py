@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from kernels import cpu_int8, cpu_int8_route, cpu_moe, cpu_native, cpu_prompt_route
-from kernels.cpu_gemm import PACKED_MAX_ROWS, CpuLinear
+from kernels.cpu_gemm import PACKED_MAX_ROWS, CpuLinear, describe_bf16_route
 from kernels.cpu_elementwise import apply_rotary_cpu, rms_norm_cpu, silu_and_mul_cpu, store_kv_cpu
 from kernels.cpu_paged_attention import describe_prompt_route, paged_attention_cpu
 
@@ -27,7 +27,8 @@ def cpu_kernels(torch_kernels, model_dtype: torch.dtype | None = None, latent_at
     latent attention, DeepSeek's MLA, whose attention has no native kernel) when given."""
     cpu_native.check_switch()
     runs_native = cpu_native.ops is not None and model_dtype in (None, *cpu_native.NATIVE_DTYPES)
-    routes = [("latent attention torch reference" if latent_attention else describe_prompt_route()),
+    routes = [describe_bf16_route() if model_dtype in (None, torch.bfloat16) else None,
+              ("latent attention torch reference" if latent_attention else describe_prompt_route()),
               cpu_int8.describe_amx_route()] if runs_native else []
     return replace(
         torch_kernels, name=", ".join([f"cpu: {cpu_native.describe(model_dtype)}", *(r for r in routes if r)]),

@@ -99,3 +99,62 @@ def test_the_checkpoint_layout_is_kept_only_where_a_call_reads_it(monkeypatch, r
         out = layer(x)
         assert out.shape == (*x.shape[:-1], 40)
         torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+
+
+@pytest.fixture
+def panels(monkeypatch):
+    """TANDEM_CPU_BF16_GEMM=panels, with the portable body of the panel GEMM where this CPU has no AVX512-BF16."""
+    from kernels import cpu_gemm, cpu_native
+
+    if cpu_native.ops is None:
+        pytest.skip("kernels._cpu_ops is not built")
+    before = cpu_native.ops.moe_gemm_isa()
+    if before is None:
+        cpu_native.ops.set_moe_gemm_isa("portable")
+    monkeypatch.setenv(cpu_gemm.BF16_GEMM_ENV, "panels")
+    yield
+    cpu_native.ops.set_moe_gemm_isa(before)
+
+
+@pytest.mark.parametrize("shape", [(1, 256), (3, 256), (17, 256), (300, 256), (2, 5, 256)])
+def test_panel_route_is_a_bf16_gemm_with_fp32_accumulation(panels, threads, shape):
+    """bf16 linears on the native panel GEMM: the weight held once (no oneDNN copy, no checkpoint layout), any row
+    count and leading shape, fp32 sums rounded once, as oneDNN's bf16 GEMM computes them."""
+    torch.manual_seed(4)
+    weight, x = torch.randn(100, 256).bfloat16(), torch.randn(*shape).bfloat16()
+    layer = CpuLinear(weight, None)
+    assert layer.panels is not None and layer.packed is None and layer.weight is None and not layer.holds(weight)
+    out = layer(x)
+    expected = (x.double() @ weight.double().T).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (*shape[:-1], 100)
+    torch.testing.assert_close(out, expected, atol=0, rtol=1e-2)
+    assert (out != expected).float().mean() < 0.05
+
+
+def test_panel_route_leaves_biased_and_fp32_layers_on_onednn(panels):
+    torch.manual_seed(5)
+    biased = CpuLinear(torch.randn(32, 64).bfloat16(), torch.randn(32).bfloat16())
+    full = CpuLinear(torch.randn(32, 64), None)
+    assert biased.panels is None and full.panels is None
+    if onednn_available():
+        assert biased.packed is not None and full.packed is not None
+
+
+def test_the_bf16_gemm_setting_is_checked_and_named(monkeypatch):
+    from kernels import cpu_gemm, cpu_moe, load_kernels
+
+    monkeypatch.setenv(cpu_gemm.BF16_GEMM_ENV, "fastest")
+    with pytest.raises(ValueError, match="TANDEM_CPU_BF16_GEMM='fastest': use auto, onednn or panels"):
+        load_kernels("cpu", "cpu")
+    monkeypatch.setenv(cpu_gemm.BF16_GEMM_ENV, "panels")
+    monkeypatch.setattr(cpu_moe, "native_available", lambda: False)
+    with pytest.raises(ValueError, match="panels: this CPU has no AVX512-BF16"):
+        CpuLinear(torch.randn(8, 8).bfloat16(), None)
+    monkeypatch.setattr(cpu_moe, "native_available", lambda: True)
+    if load_kernels("cpu", "cpu").name.startswith("cpu: native"):
+        assert "bf16 linears native panels" in load_kernels("cpu", "cpu", torch.bfloat16).name
+        assert "bf16 linears" not in load_kernels("cpu", "cpu", torch.float32).name
+    for value in ("auto", "onednn"):
+        monkeypatch.setenv(cpu_gemm.BF16_GEMM_ENV, value)
+        assert "bf16 linears" not in load_kernels("cpu", "cpu").name
+        assert CpuLinear(torch.randn(8, 8).bfloat16(), None).panels is None
