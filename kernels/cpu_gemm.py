@@ -8,6 +8,8 @@ weight wins at every row count (MKL runs its AVX2 code on a non-Intel CPU). So `
 picks by the CPU, the number of rows and the dtype. Where the packed copy serves every call (an AVX-512 CPU),
 the checkpoint-layout copy is dropped once packed (``needs_plain_weight``), so the weights are held once;
 elsewhere both are kept (twice the weights' memory), and ``model.cpu_weight_prepack`` turns the packed copy off.
+On a CPU with AVX512-BF16 and no AMX, bias-free bf16 layers take the native panel GEMM instead of oneDNN
+(``bf16_panels_preferred``: decode steps up to 1.6x faster), its copy the only one.
 
 bf16 weights on a CPU whose oneDNN has no bf16 GEMM (no AVX-512 BW/VL/DQ nor AVX-NE-CONVERT, e.g. AMD Zen
 3) would run torch's reference bf16 matmul at a few GFLOP/s. There the weights are widened to fp32 once
@@ -41,16 +43,20 @@ BF16_GEMM_ENV = "TANDEM_CPU_BF16_GEMM"
 def bf16_panels_preferred() -> bool:
     """Whether bias-free bf16 linears run the native panel GEMM (``kernels/native/moe_gemm.h`` with one expert: the
     weight packed once, instead of oneDNN's copy, in 32-column panels of K pairs for AVX512-BF16's ``vdpbf16ps``)
-    rather than oneDNN: ``TANDEM_CPU_BF16_GEMM=panels`` (``onednn`` and ``auto``, the default, keep oneDNN). A
-    trade measured on Zen 4, 2 threads, the 1.1B shape: decode steps 1.6x faster at batch 1 (74-81 against 124-127
-    ms a step; it streams the weights at 27-28 GB/s where oneDNN reads 17-21) and 1.1-1.2x at batch 12, the same
-    GFLOP/s as oneDNN (+-5 %) for 64-1847 rows in isolation, but the prefill-heavy offline workload 0-8 % slower
-    as a whole; so not the default. On an AMX CPU oneDNN runs AMX tiles, which this kernel does not."""
+    rather than oneDNN. ``auto`` (the default) chooses it on a CPU with AVX512-BF16 and no AMX. Measured on Zen 4, 2
+    threads, the 1.1B shape: decode steps 1.6x faster at batch 1 (74-81 against 124-127 ms a step; it streams the
+    weights at 27-28 GB/s where oneDNN reads 17-21) and 1.1-1.2x at batch 12, within +-5 % of oneDNN's GFLOP/s for
+    64-1847 rows, and the prefill-heavy offline workload the same (medians of 12 runs, 12.85 against 13.0 s). On an
+    AMX CPU oneDNN runs AMX tiles, which this kernel does not. ``TANDEM_CPU_BF16_GEMM`` (``auto`` / ``onednn`` /
+    ``panels``) sets it instead."""
     raw = os.environ.get(BF16_GEMM_ENV, "auto").strip().lower()
     if raw not in ("auto", "onednn", "panels"):
         raise ValueError(f"{BF16_GEMM_ENV}={raw!r}: use auto, onednn or panels")
     if raw == "panels" and not cpu_moe.native_available():
         raise ValueError(f"{BF16_GEMM_ENV}=panels: this CPU has no AVX512-BF16 for the native panel GEMM")
+    if raw == "auto":
+        flags = cpu_native.cpu_flags()
+        return cpu_moe.native_available() and "avx512_bf16" in flags and "amx_bf16" not in flags
     return raw == "panels"
 
 

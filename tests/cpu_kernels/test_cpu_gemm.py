@@ -141,7 +141,7 @@ def test_panel_route_leaves_biased_and_fp32_layers_on_onednn(panels):
 
 
 def test_the_bf16_gemm_setting_is_checked_and_named(monkeypatch):
-    from kernels import cpu_gemm, cpu_moe, load_kernels
+    from kernels import cpu_gemm, cpu_moe, cpu_native, load_kernels
 
     monkeypatch.setenv(cpu_gemm.BF16_GEMM_ENV, "fastest")
     with pytest.raises(ValueError, match="TANDEM_CPU_BF16_GEMM='fastest': use auto, onednn or panels"):
@@ -154,7 +154,12 @@ def test_the_bf16_gemm_setting_is_checked_and_named(monkeypatch):
     if load_kernels("cpu", "cpu").name.startswith("cpu: native"):
         assert "bf16 linears native panels" in load_kernels("cpu", "cpu", torch.bfloat16).name
         assert "bf16 linears" not in load_kernels("cpu", "cpu", torch.float32).name
-    for value in ("auto", "onednn"):
-        monkeypatch.setenv(cpu_gemm.BF16_GEMM_ENV, value)
-        assert "bf16 linears" not in load_kernels("cpu", "cpu").name
-        assert CpuLinear(torch.randn(8, 8).bfloat16(), None).panels is None
+    monkeypatch.setenv(cpu_gemm.BF16_GEMM_ENV, "onednn")
+    assert "bf16 linears" not in load_kernels("cpu", "cpu").name
+    assert CpuLinear(torch.randn(8, 8).bfloat16(), None).panels is None
+    # auto: the panels on a CPU with AVX512-BF16 and no AMX (where oneDNN's AMX tiles would win)
+    monkeypatch.setenv(cpu_gemm.BF16_GEMM_ENV, "auto")
+    for flags, expected in ((["avx512_bf16"], True), (["avx512_bf16", "amx_bf16"], False), (["avx2"], False)):
+        monkeypatch.setattr(cpu_native, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert cpu_gemm.bf16_panels_preferred() is expected
+        assert (CpuLinear(torch.randn(8, 8).bfloat16(), None).panels is not None) is expected
