@@ -33,12 +33,19 @@ static inline __attribute__((always_inline)) void ISA(prefetch_row)(const char *
             __builtin_prefetch(row + offset, 0, 2);
 }
 
-/* scores[r][j] = q[r] . keys[j] for the chunk's nk key rows, read in place from the cache, two rows and
- * four keys at a time; ahead[j], the row this pass reads AHEAD_KEYS keys later, prefetched at key j. */
-static inline __attribute__((always_inline)) void ISA(scores_dot_rows)(const float *q, int num_rows, int head_dim,
+#ifndef KEYS_F32
+#define KEYS_F32 0   /* scores_dot's kinds: fp32 query rows and cache */
+#define KEYS_BF16 1  /* fp32 query rows, a bf16 cache widened in registers */
+#define KEYS_PAIRS 2 /* bf16 query rows and cache in bf16 pair dot products (BF16_PAIRS bodies) */
+#endif
+
+/* scores[r][j] = scale * (q[r] . keys[j]) for the chunk's nk key rows, read in place from the cache, two rows and
+ * four keys at a time (q: fp32 rows, or bf16 ones for KEYS_PAIRS); ahead[j], the row this pass reads AHEAD_KEYS
+ * keys later, prefetched at key j. */
+static inline __attribute__((always_inline)) void ISA(scores_dot_rows)(const void *q, int num_rows, int head_dim,
                                                                        const void *const *keys, int nk, float *scores,
                                                                        int stride, const char *const *ahead,
-                                                                       size_t row_bytes, const int is_bf16)
+                                                                       size_t row_bytes, float scale, const int kind)
 {
     for (int j = 0; j < nk; j += 4) {
         const void *k0 = keys[j], *k1 = keys[j + 1 < nk ? j + 1 : j], *k2 = keys[j + 2 < nk ? j + 2 : j],
@@ -46,35 +53,62 @@ static inline __attribute__((always_inline)) void ISA(scores_dot_rows)(const flo
         for (int t = 0; t < 4 && j + t < nk; t++)
             ISA(prefetch_row)(ahead[j + t], row_bytes);
         for (int r = 0; r < num_rows; r += 2) {
-            const float *q0 = q + (size_t)r * head_dim;
-            const float *q1 = r + 1 < num_rows ? q0 + head_dim : q0;
             vf a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
+#ifdef BF16_PAIRS
+            if (kind == KEYS_PAIRS) {
+                const uint16_t *q0 = (const uint16_t *)q + (size_t)r * head_dim;
+                const uint16_t *q1 = r + 1 < num_rows ? q0 + head_dim : q0;
 #pragma GCC unroll 4
-            for (int d = 0; d < head_dim; d += W) {
-                vf x0 = ISA(load)(q0 + d), x1 = ISA(load)(q1 + d);
-                vf y0 = ISA(load_row)(k0, d, is_bf16), y1 = ISA(load_row)(k1, d, is_bf16);
-                vf y2 = ISA(load_row)(k2, d, is_bf16), y3 = ISA(load_row)(k3, d, is_bf16);
-                a00 += x0 * y0; a01 += x0 * y1; a02 += x0 * y2; a03 += x0 * y3;
-                a10 += x1 * y0; a11 += x1 * y1; a12 += x1 * y2; a13 += x1 * y3;
+                for (int d = 0; d < head_dim; d += 2 * W) {
+                    vb x0 = ISA(pairs_load)(q0 + d), x1 = ISA(pairs_load)(q1 + d);
+                    vb y0 = ISA(pairs_load)((const uint16_t *)k0 + d), y1 = ISA(pairs_load)((const uint16_t *)k1 + d);
+                    vb y2 = ISA(pairs_load)((const uint16_t *)k2 + d), y3 = ISA(pairs_load)((const uint16_t *)k3 + d);
+                    a00 = ISA(pairs_dot)(a00, x0, y0); a01 = ISA(pairs_dot)(a01, x0, y1);
+                    a02 = ISA(pairs_dot)(a02, x0, y2); a03 = ISA(pairs_dot)(a03, x0, y3);
+                    a10 = ISA(pairs_dot)(a10, x1, y0); a11 = ISA(pairs_dot)(a11, x1, y1);
+                    a12 = ISA(pairs_dot)(a12, x1, y2); a13 = ISA(pairs_dot)(a13, x1, y3);
+                }
+            } else
+#endif
+            {
+                const int is_bf16 = kind == KEYS_BF16;
+                const float *q0 = (const float *)q + (size_t)r * head_dim;
+                const float *q1 = r + 1 < num_rows ? q0 + head_dim : q0;
+#pragma GCC unroll 4
+                for (int d = 0; d < head_dim; d += W) {
+                    vf x0 = ISA(load)(q0 + d), x1 = ISA(load)(q1 + d);
+                    vf y0 = ISA(load_row)(k0, d, is_bf16), y1 = ISA(load_row)(k1, d, is_bf16);
+                    vf y2 = ISA(load_row)(k2, d, is_bf16), y3 = ISA(load_row)(k3, d, is_bf16);
+                    a00 += x0 * y0; a01 += x0 * y1; a02 += x0 * y2; a03 += x0 * y3;
+                    a10 += x1 * y0; a11 += x1 * y1; a12 += x1 * y2; a13 += x1 * y3;
+                }
             }
             float *s0 = scores + (size_t)r * stride + j, sums[8];
             ISA(hsum8)(a00, a01, a02, a03, a10, a11, a12, a13, sums);
             for (int t = 0; t < 4 && j + t < nk; t++) {
-                s0[t] = sums[t];
+                s0[t] = sums[t] * scale;
                 if (r + 1 < num_rows)
-                    s0[stride + t] = sums[4 + t];
+                    s0[stride + t] = sums[4 + t] * scale;
             }
         }
     }
 }
 
-static void ISA(scores_dot)(const float *q, int num_rows, int head_dim, const void *const *keys, int nk, float *scores,
-                            int stride, const char *const *ahead, size_t row_bytes, int is_bf16)
+/* scores_dot_rows for a kind known only at run time (each kind compiled on its own); the widening kinds' queries
+ * are scaled already (scale 1, exact). */
+static void ISA(scores_dot)(const void *q, int num_rows, int head_dim, const void *const *keys, int nk, float *scores,
+                            int stride, const char *const *ahead, size_t row_bytes, float scale, int kind)
 {
-    if (is_bf16)
-        ISA(scores_dot_rows)(q, num_rows, head_dim, keys, nk, scores, stride, ahead, row_bytes, 1);
+#ifdef BF16_PAIRS
+    if (kind == KEYS_PAIRS) {
+        ISA(scores_dot_rows)(q, num_rows, head_dim, keys, nk, scores, stride, ahead, row_bytes, scale, KEYS_PAIRS);
+        return;
+    }
+#endif
+    if (kind == KEYS_BF16)
+        ISA(scores_dot_rows)(q, num_rows, head_dim, keys, nk, scores, stride, ahead, row_bytes, scale, KEYS_BF16);
     else
-        ISA(scores_dot_rows)(q, num_rows, head_dim, keys, nk, scores, stride, ahead, row_bytes, 0);
+        ISA(scores_dot_rows)(q, num_rows, head_dim, keys, nk, scores, stride, ahead, row_bytes, scale, KEYS_F32);
 }
 
 /* qt[d][r] = q[r][d] for rows [0, num_rows), zero for the padding rows up to rows_pad. */
@@ -89,47 +123,81 @@ static void ISA(transpose_rows)(const float *q, int num_rows, int rows_pad, int 
     }
 }
 
-/* st[j][r : r + RV * W] = keys[j] . q[r ...] for KB keys from j: KB x RV accumulators in registers,
- * each key element broadcast once per RV row vectors (callers pass constants, so the loops unroll). */
-static inline __attribute__((always_inline)) void ISA(column_block)(const float *qt, int rows_pad, int head_dim,
-                                                                    const float *const *keys, int nk, int j, int r,
-                                                                    float *st, const int KB, const int RV)
+/* st[j][r : r + RV * W] = scale * (keys[j] . q[r ...]) for KB keys from j: KB x RV accumulators in registers,
+ * each key element (KEYS_PAIRS: bf16 pair, straight from the cache, onto qt's 32-bit pairs of rows) broadcast once
+ * per RV row vectors (callers pass constants, so the loops unroll). */
+static inline __attribute__((always_inline)) void ISA(column_block)(const void *qt, int rows_pad, int head_dim,
+                                                                    const void *const *keys, int nk, int j, int r,
+                                                                    float *st, float scale, const int KB, const int RV,
+                                                                    const int kind)
 {
-    const float *key[4];
+    const void *key[4];
     for (int t = 0; t < KB; t++)
         key[t] = keys[j + t < nk ? j + t : j];  /* past the chunk: computed, never stored */
     vf acc[4][4];
     for (int t = 0; t < KB; t++)
         for (int v = 0; v < RV; v++)
             acc[t][v] = (vf){0};
-    const float *column = qt + r;
-#pragma GCC unroll 4
-    for (int d = 0; d < head_dim; d++, column += rows_pad) {
-        vf q[4];
-        for (int v = 0; v < RV; v++)
-            q[v] = ISA(load)(column + v * W);
-        for (int t = 0; t < KB; t++) {
-            vf k = ISA(splat)(key[t][d]);
+#ifdef BF16_PAIRS
+    if (kind == KEYS_PAIRS) {
+        const uint32_t *column = (const uint32_t *)qt + r;
+#pragma GCC unroll 2
+        for (int dp = 0; dp < head_dim / 2; dp++, column += rows_pad) {
+            vb q[4];
             for (int v = 0; v < RV; v++)
-                acc[t][v] += k * q[v];
+                q[v] = ISA(pairs_load)((const uint16_t *)(column + v * W));
+            for (int t = 0; t < KB; t++) {
+                vb k = ISA(pairs_splat)((const uint16_t *)key[t] + 2 * dp);
+                for (int v = 0; v < RV; v++)
+                    acc[t][v] = ISA(pairs_dot)(acc[t][v], q[v], k);
+            }
+        }
+    } else
+#endif
+    {
+        const float *column = (const float *)qt + r;
+#pragma GCC unroll 4
+        for (int d = 0; d < head_dim; d++, column += rows_pad) {
+            vf q[4];
+            for (int v = 0; v < RV; v++)
+                q[v] = ISA(load)(column + v * W);
+            for (int t = 0; t < KB; t++) {
+                vf k = ISA(splat)(((const float *)key[t])[d]);
+                for (int v = 0; v < RV; v++)
+                    acc[t][v] += k * q[v];
+            }
         }
     }
     for (int t = 0; t < KB && j + t < nk; t++)
         for (int v = 0; v < RV; v++)
-            ISA(store)(st + (size_t)(j + t) * rows_pad + r + v * W, acc[t][v]);
+            ISA(store)(st + (size_t)(j + t) * rows_pad + r + v * W, acc[t][v] * scale);
 }
 
-/* st[j][r] = keys[j] . q[r] from qt [head_dim][rows_pad] (a multiple of W): four keys by two row
- * vectors at a time (8 accumulators: with the loads, what AVX2's 16 registers hold without spilling). */
-static void ISA(scores_columns)(const float *qt, int rows_pad, int head_dim, const float *const *keys, int nk,
-                                float *st)
+/* st[j][r] = scale * (keys[j] . q[r]) from qt (a multiple of W rows): fp32 ([head_dim][rows_pad], keys fp32), four
+ * keys by two row vectors at a time (8 accumulators: with the loads, what AVX2's 16 registers hold without
+ * spilling); KEYS_PAIRS (transpose_pairs' [head_dim / 2][rows_pad] pairs, keys bf16 in the cache), four keys by up
+ * to four row vectors (AVX-512's 32 registers). */
+static void ISA(scores_columns)(const void *qt, int rows_pad, int head_dim, const void *const *keys, int nk,
+                                float *st, float scale, int kind)
 {
     for (int j = 0; j < nk; j += 4) {
         int r = 0;
+#ifdef BF16_PAIRS
+        if (kind == KEYS_PAIRS) {
+            for (; r + 4 * W <= rows_pad; r += 4 * W)
+                ISA(column_block)(qt, rows_pad, head_dim, keys, nk, j, r, st, scale, 4, 4, KEYS_PAIRS);
+            for (; r + 2 * W <= rows_pad; r += 2 * W)
+                ISA(column_block)(qt, rows_pad, head_dim, keys, nk, j, r, st, scale, 4, 2, KEYS_PAIRS);
+            for (; r < rows_pad; r += W)
+                ISA(column_block)(qt, rows_pad, head_dim, keys, nk, j, r, st, scale, 4, 1, KEYS_PAIRS);
+            continue;
+        }
+#endif
+        (void)kind;
         for (; r + 2 * W <= rows_pad; r += 2 * W)
-            ISA(column_block)(qt, rows_pad, head_dim, keys, nk, j, r, st, 4, 2);
+            ISA(column_block)(qt, rows_pad, head_dim, keys, nk, j, r, st, scale, 4, 2, KEYS_F32);
         for (; r < rows_pad; r += W)
-            ISA(column_block)(qt, rows_pad, head_dim, keys, nk, j, r, st, 4, 1);
+            ISA(column_block)(qt, rows_pad, head_dim, keys, nk, j, r, st, scale, 4, 1, KEYS_F32);
     }
 }
 
@@ -345,7 +413,6 @@ static void ISA(decode_chunk)(const attn_args *a, const work_item *item, scratch
 {
     const int head_dim = a->head_dim, group = a->num_q_heads / a->num_kv_heads, is_bf16 = a->dtype == DTYPE_BF16;
     const int rows_per_head = item->num_tokens * group, pairs = ISA(uses_pairs)(a);
-    (void)pairs;
     const size_t row_bytes = (size_t)head_dim * (is_bf16 ? 2 : 4);
     const void *rows[DECODE_KEYS];
     const char *ahead[DECODE_KEYS];
@@ -367,19 +434,18 @@ static void ISA(decode_chunk)(const attn_args *a, const work_item *item, scratch
                 }
                 size_t first_row = (size_t)h * rows_per_head;
                 float *scores = s->scores + first_row * chunk + first;
+                if (pass == 0) {
+                    const void *q = pairs ? (const void *)((const uint16_t *)s->q + first_row * head_dim)
+                                          : (const void *)(s->q + first_row * head_dim);
+                    ISA(scores_dot)(q, rows_per_head, head_dim, rows, n, scores, chunk, ahead, row_bytes,
+                                    pairs ? a->scale : 1.0f, pairs ? KEYS_PAIRS : is_bf16 ? KEYS_BF16 : KEYS_F32);
+                }
 #ifdef BF16_PAIRS
-                if (pairs && pass == 0)
-                    ISA(scores_pairs)((const uint16_t *)s->q + first_row * head_dim, rows_per_head, head_dim, rows, n,
-                                      scores, chunk, ahead, row_bytes, a->scale);
                 else if (pairs)
                     ISA(accumulate_pairs)(s->acc + first_row * head_dim, rows_per_head, head_dim,
                                           s->probs + first_row * PROBS_STRIDE + first, PROBS_STRIDE, 2, rows, n,
                                           ahead, row_bytes);
-                else
 #endif
-                if (pass == 0)
-                    ISA(scores_dot)(s->q + first_row * head_dim, rows_per_head, head_dim, rows, n, scores, chunk, ahead,
-                                    row_bytes, is_bf16);
                 else
                     ISA(accumulate_values)(s->acc + first_row * head_dim, rows_per_head, head_dim, scores, chunk, 1,
                                            rows, n, ahead, row_bytes, is_bf16);
@@ -518,7 +584,8 @@ static void ISA(attend_item)(const attn_args *a, const work_item *item, scratch 
             }
             size_t first_row = (size_t)h * rows_pad;
             float *acc = s->acc + (size_t)h * rows_per_head * head_dim;
-            ISA(scores_columns)(s->qt + first_row * head_dim, rows_pad, head_dim, keys, nk, s->scores);
+            ISA(scores_columns)(s->qt + first_row * head_dim, rows_pad, head_dim, (const void *const *)keys, nk,
+                                s->scores, 1.0f, KEYS_F32);
             ISA(softmax_columns)(s->scores, rows_per_head, rows_pad, nk, s->lo, s->hi, s->row_max + first_row,
                                  s->row_sum + first_row, acc, head_dim);
             ISA(accumulate_values)(acc, rows_per_head, head_dim, s->scores, 1, rows_pad, (const void *const *)values,

@@ -1,6 +1,7 @@
 /* Paged attention on a bf16 cache in bf16 pair dot products (bf16_pairs_isa.h), both layouts of
  * paged_attention_isa.h (decodes; prefill tiles), included by it in the bodies that define BF16_PAIRS, for head
- * dims of a multiple of 2W.
+ * dims of a multiple of 2W (the scores are paged_attention_isa.h's scores_dot and scores_columns, kind
+ * KEYS_PAIRS).
  * Nothing is widened: the query rows stay bf16 (as they arrive), each score is q . k in pairs_dot (the scale
  * applied to the sum), the chunk's probabilities are rounded to bf16 once after the softmax (as torch's CPU flash
  * attention rounds them for its bf16 P.V product), and the value rows of two keys are interleaved into the pairs
@@ -11,41 +12,6 @@
 
 /* Whether attention on this cache runs in pairs (both layouts; other head dims widen). */
 static inline int ISA(uses_pairs)(const attn_args *a) { return a->dtype == DTYPE_BF16 && a->head_dim % (2 * W) == 0; }
-
-/* scores[r][j] = scale * (q[r] . keys[j]), q bf16 rows of head_dim, two rows and four keys at a time; ahead as
- * scores_dot_rows'. */
-static void ISA(scores_pairs)(const uint16_t *q, int num_rows, int head_dim, const void *const *keys, int nk,
-                              float *scores, int stride, const char *const *ahead, size_t row_bytes, float scale)
-{
-    for (int j = 0; j < nk; j += 4) {
-        const uint16_t *k0 = keys[j], *k1 = keys[j + 1 < nk ? j + 1 : j], *k2 = keys[j + 2 < nk ? j + 2 : j],
-                       *k3 = keys[j + 3 < nk ? j + 3 : j];
-        for (int t = 0; t < 4 && j + t < nk; t++)
-            ISA(prefetch_row)(ahead[j + t], row_bytes);
-        for (int r = 0; r < num_rows; r += 2) {
-            const uint16_t *q0 = q + (size_t)r * head_dim;
-            const uint16_t *q1 = r + 1 < num_rows ? q0 + head_dim : q0;
-            vf a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
-#pragma GCC unroll 4
-            for (int d = 0; d < head_dim; d += 2 * W) {
-                vb x0 = ISA(pairs_load)(q0 + d), x1 = ISA(pairs_load)(q1 + d);
-                vb y0 = ISA(pairs_load)(k0 + d), y1 = ISA(pairs_load)(k1 + d);
-                vb y2 = ISA(pairs_load)(k2 + d), y3 = ISA(pairs_load)(k3 + d);
-                a00 = ISA(pairs_dot)(a00, x0, y0); a01 = ISA(pairs_dot)(a01, x0, y1);
-                a02 = ISA(pairs_dot)(a02, x0, y2); a03 = ISA(pairs_dot)(a03, x0, y3);
-                a10 = ISA(pairs_dot)(a10, x1, y0); a11 = ISA(pairs_dot)(a11, x1, y1);
-                a12 = ISA(pairs_dot)(a12, x1, y2); a13 = ISA(pairs_dot)(a13, x1, y3);
-            }
-            float *s0 = scores + (size_t)r * stride + j, sums[8];
-            ISA(hsum8)(a00, a01, a02, a03, a10, a11, a12, a13, sums);
-            for (int t = 0; t < 4 && j + t < nk; t++) {
-                s0[t] = sums[t] * scale;
-                if (r + 1 < num_rows)
-                    s0[stride + t] = sums[4 + t] * scale;
-            }
-        }
-    }
-}
 
 /* The chunk's probabilities of each row (fp32, softmax_chunk's: zero past the visible keys, up to a whole
  * vector) rounded to bf16, through key nk rounded up to a pair. */
@@ -149,52 +115,6 @@ static void ISA(transpose_pairs)(const uint16_t *q, int num_rows, int rows_pad, 
     }
 }
 
-/* st[j][r : r + RV * W] = scale * (keys[j] . q[r ...]) for KB keys from j, the keys' bf16 pairs broadcast
- * straight from the cache onto RV vectors of W rows' pairs (constants at each call). */
-static inline __attribute__((always_inline)) void ISA(column_pairs_block)(const uint32_t *qt, int rows_pad,
-                                                                         int head_dim, const void *const *keys,
-                                                                         int nk, int j, int r, float *st, float scale,
-                                                                         const int KB, const int RV)
-{
-    const uint16_t *key[4];
-    for (int t = 0; t < KB; t++)
-        key[t] = keys[j + t < nk ? j + t : j];  /* past the chunk: computed, never stored */
-    vf acc[4][4];
-    for (int t = 0; t < KB; t++)
-        for (int v = 0; v < RV; v++)
-            acc[t][v] = (vf){0};
-    const uint32_t *column = qt + r;
-#pragma GCC unroll 2
-    for (int dp = 0; dp < head_dim / 2; dp++, column += rows_pad) {
-        vb q[4];
-        for (int v = 0; v < RV; v++)
-            q[v] = ISA(pairs_load)((const uint16_t *)(column + v * W));
-        for (int t = 0; t < KB; t++) {
-            vb k = ISA(pairs_splat)(key[t] + 2 * dp);
-            for (int v = 0; v < RV; v++)
-                acc[t][v] = ISA(pairs_dot)(acc[t][v], q[v], k);
-        }
-    }
-    for (int t = 0; t < KB && j + t < nk; t++)
-        for (int v = 0; v < RV; v++)
-            ISA(store)(st + (size_t)(j + t) * rows_pad + r + v * W, acc[t][v] * scale);
-}
-
-/* st[j][r] = scale * (keys[j] . q[r]) from qt (transpose_pairs'): four keys by four, two or one row vectors. */
-static void ISA(scores_column_pairs)(const uint32_t *qt, int rows_pad, int head_dim, const void *const *keys, int nk,
-                                     float *st, float scale)
-{
-    for (int j = 0; j < nk; j += 4) {
-        int r = 0;
-        for (; r + 4 * W <= rows_pad; r += 4 * W)
-            ISA(column_pairs_block)(qt, rows_pad, head_dim, keys, nk, j, r, st, scale, 4, 4);
-        for (; r + 2 * W <= rows_pad; r += 2 * W)
-            ISA(column_pairs_block)(qt, rows_pad, head_dim, keys, nk, j, r, st, scale, 4, 2);
-        for (; r < rows_pad; r += W)
-            ISA(column_pairs_block)(qt, rows_pad, head_dim, keys, nk, j, r, st, scale, 4, 1);
-    }
-}
-
 /* The column layout's probabilities (st [nk][rows_pad], fp32) as bf16 pairs: pairs[j / 2][r] = (p[j][r], p[j + 1][r])
  * (zero past key nk), W rows at a time. */
 static void ISA(probs_column_pairs)(const float *st, int rows_pad, int nk, uint32_t *pairs)
@@ -224,8 +144,8 @@ static void ISA(column_chunk_pairs)(const attn_args *a, const work_item *item, s
     }
     size_t first_row = (size_t)h * rows_pad;
     float *acc = s->acc + (size_t)h * rows_per_head * head_dim;
-    ISA(scores_column_pairs)((const uint32_t *)s->qt + first_row * head_dim / 2, rows_pad, head_dim, keys, nk,
-                             s->scores, a->scale);
+    ISA(scores_columns)((const uint32_t *)s->qt + first_row * head_dim / 2, rows_pad, head_dim, keys, nk, s->scores,
+                        a->scale, KEYS_PAIRS);
     ISA(softmax_columns)(s->scores, rows_per_head, rows_pad, nk, s->lo, s->hi, s->row_max + first_row,
                          s->row_sum + first_row, acc, head_dim);
     ISA(probs_column_pairs)(s->scores, rows_pad, nk, (uint32_t *)s->probs);
