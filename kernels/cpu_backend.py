@@ -27,7 +27,8 @@ def cpu_kernels(torch_kernels, model_dtype: torch.dtype | None = None, latent_at
     latent attention, DeepSeek's MLA, whose attention has no native kernel) when given."""
     cpu_native.check_switch()
     runs_native = cpu_native.ops is not None and model_dtype in (None, *cpu_native.NATIVE_DTYPES)
-    routes = [describe_bf16_route() if model_dtype in (None, torch.bfloat16) else None,
+    bf16_route = describe_bf16_route() if runs_native else None  # checks TANDEM_CPU_BF16_GEMM for every model
+    routes = [bf16_route if model_dtype in (None, torch.bfloat16) else None,
               ("latent attention torch reference" if latent_attention else describe_prompt_route()),
               cpu_int8.describe_amx_route()] if runs_native else []
     return replace(

@@ -121,11 +121,9 @@ static void ISA(probs_column_pairs)(const float *st, int rows_pad, int nk, uint3
 {
     for (int j = 0; j < nk; j += 2)
         for (int r = 0; r < rows_pad; r += W) {
-            vu lo = (vu)ISA(load)(st + (size_t)j * rows_pad + r), hi = {0};
+            vu lo = (vu)ISA(round_bf16)(ISA(load)(st + (size_t)j * rows_pad + r)) >> 16, hi = {0};
             if (j + 1 < nk)
-                hi = (vu)ISA(load)(st + (size_t)(j + 1) * rows_pad + r);
-            lo = (lo + 0x7fffu + ((lo >> 16) & 1u)) >> 16;  /* round to nearest even, as store_bf16 */
-            hi = (hi + 0x7fffu + ((hi >> 16) & 1u)) & 0xffff0000u;
+                hi = (vu)ISA(round_bf16)(ISA(load)(st + (size_t)(j + 1) * rows_pad + r));
             *(ISA(vpair) *)(pairs + (size_t)(j / 2) * rows_pad + r) = hi | lo;
         }
 }

@@ -49,7 +49,7 @@ def prefork_ranks(num_ranks: int) -> int:
                     threading.active_count())
         return 0
     context = multiprocessing.get_context("fork")
-    for index in range(num_ranks):
+    for _ in range(num_ranks):
         ours, theirs = context.Pipe()
         inherited = [pipe for _, pipe in _preforked] + [ours]  # rank 0's ends: the child closes its copies
         process = context.Process(target=_await_rank_args, args=(theirs, inherited),

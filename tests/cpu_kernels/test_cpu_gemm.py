@@ -146,6 +146,9 @@ def test_the_bf16_gemm_setting_is_checked_and_named(monkeypatch):
     monkeypatch.setenv(cpu_gemm.BF16_GEMM_ENV, "fastest")
     with pytest.raises(ValueError, match="TANDEM_CPU_BF16_GEMM='fastest': use auto, onednn or panels"):
         load_kernels("cpu", "cpu")
+    if cpu_native.ops is not None:  # an fp32 model's start checks it too (no bf16 layer would)
+        with pytest.raises(ValueError, match="TANDEM_CPU_BF16_GEMM='fastest'"):
+            load_kernels("cpu", "cpu", torch.float32)
     monkeypatch.setenv(cpu_gemm.BF16_GEMM_ENV, "panels")
     monkeypatch.setattr(cpu_moe, "native_available", lambda: False)
     with pytest.raises(ValueError, match="panels: this CPU has no AVX512-BF16"):
