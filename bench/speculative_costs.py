@@ -18,7 +18,7 @@ def ordinary_tokens(llm) -> list[int]:
 
 def _forward(model, kv_cache, kernels, batch) -> torch.Tensor:
     hidden = model(batch, kv_cache, kernels)  # [num_tokens, hidden]
-    return model.compute_logits(hidden[batch.logits_indices]).float()  # [rows, vocab]
+    return model.compute_logits(batch.sampled_rows(hidden)).float()  # [rows, vocab]
 
 
 @torch.inference_mode()

@@ -16,7 +16,7 @@ from kernels import Kernels
 from pipeline import prompt_logprobs
 from pipeline.cuda_graphs import DecodeGraphs
 from pipeline.execution_stream import ExecutionStream
-from pipeline.forward_batch import ForwardBatch
+from pipeline.forward_batch import ForwardBatch, with_final_layer_rows
 from pipeline.models.mla import is_latent_attention, latent_dim
 from pipeline.sampler import Sampler, SamplerOutput
 from pipeline.scheduler import ScheduledChunk
@@ -87,6 +87,8 @@ class ModelRunner:
         # structured output: grammar masks are filled on this thread while the forward runs (made on first use)
         self._mask_filler: ThreadPoolExecutor | None = None
         self.graphs: DecodeGraphs | None = None  # CUDA: decode batches replay captured graphs (pipeline/cuda_graphs.py)
+        # the last decoder layer runs only the rows a step samples (pipeline/forward_batch.py); False: every row
+        self.final_layer_sampled_rows_only = True
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], block_table: Callable[[str], list[int]]) -> SamplerOutput | None:
@@ -101,11 +103,11 @@ class ModelRunner:
         the way; a decode batch replays a captured CUDA graph where there is one."""
         if self.graphs is not None and not prompt_spans and self.graphs.fits(batch):
             return self.graphs.logits(batch)
-        hidden = self.model(batch, self.kv_cache, self.kernels)  # [num_tokens, hidden]
+        hidden = self.model(batch, self.kv_cache, self.kernels)  # [num_tokens or, with a final_layer, num_sampled, hidden]
         prompt_logprobs.score(self.model, hidden, prompt_spans)
         if batch.logits_indices.numel() == 0:
             return None
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model.compute_logits(batch.sampled_rows(hidden))
 
     def _sampling_plan(self, chunks: list[ScheduledChunk], masks_after: Future | None = None):
         """(the sampling chunks, their SamplingPlan): dense parameters from the persistent batch's rows."""
@@ -183,7 +185,7 @@ class ModelRunner:
             host = torch.from_numpy(array)  # every gathered array is a fresh, contiguous copy
             return host if device.type == "cpu" else host.to(device)
 
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=tensor(gathered.input_ids),
             positions=tensor(gathered.positions),
             cu_seqlens_q=tensor(gathered.cu_seqlens),
@@ -192,6 +194,10 @@ class ModelRunner:
             block_tables=tensor(gathered.block_tables),
             logits_indices=tensor(logits_indices),
         )
+        if not self.final_layer_sampled_rows_only or prompt_logprobs.asked(chunks):
+            return batch  # prompt logprobs read every prompt row's final hidden state
+        return with_final_layer_rows(batch, gathered.cu_seqlens, gathered.context_lens, gathered.block_tables,
+                                     logits_indices, tensor)
 
     def forget(self, request_id: str) -> None:
         """A request left the batch (finished, aborted or preempted): free its row of the persistent batch."""

@@ -26,11 +26,16 @@ class _Span:
     num_rows: int  # positions start .. start + num_rows - 1 score prompt tokens start + 1 .. start + num_rows
 
 
+def asked(chunks) -> bool:
+    """Whether some chunk's request asks for prompt logprobs (one pass over the step's chunks)."""
+    return any(chunk.seq.prompt_logprobs is not None for chunk in chunks)
+
+
 def spans(chunks, chunk_offsets) -> list[_Span]:
     """Which rows of a step's flat batch score prompt tokens: one span per chunk that asks for them.
     ``chunk_offsets[i]``: the flat row of chunk i's first token (a list, an array or cu_seqlens), read
     only when some chunk asks: a step without prompt logprobs costs one pass over its chunks."""
-    if all(chunk.seq.prompt_logprobs is None for chunk in chunks):
+    if not asked(chunks):
         return []
     out = []
     for chunk, offset in zip(chunks, chunk_offsets):

@@ -47,7 +47,7 @@ class DeepseekV3DecoderLayer(nn.Module):
     def forward(self, hidden, residual, batch, latent_cache, cos_sin_cache, kernels):
         hidden, residual = self.input_layernorm.add_and_norm(hidden, kernels, residual)
         hidden = self.self_attn(hidden, batch, latent_cache, cos_sin_cache, kernels)
-        hidden, residual = self.post_attention_layernorm(hidden, kernels, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, kernels, batch.kept_rows(residual))
         return self.mlp(hidden, kernels), residual
 
 
@@ -87,7 +87,8 @@ class DeepseekV3ForCausalLM(LlamaFamilyForCausalLM):
         hidden = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         residual = None
         for index, layer in enumerate(self.model.layers):
-            hidden, residual = layer(hidden, residual, batch, kv_cache[index, 0], self.cos_sin_cache, kernels)
+            hidden, residual = layer(hidden, residual, batch.of_layer(index, self.num_layers), kv_cache[index, 0],
+                                     self.cos_sin_cache, kernels)
         hidden, _ = self.model.norm(hidden, kernels, residual)
         return hidden
 

@@ -56,7 +56,7 @@ class Gemma3DecoderLayer(nn.Module):
         hidden, residual = self.input_layernorm.add_and_norm(hidden, kernels, residual)
         hidden = self.self_attn(hidden, batch, k_cache, v_cache, cos_sin_cache, kernels)
         hidden = self.post_attention_layernorm(hidden, kernels)
-        hidden, residual = self.pre_feedforward_layernorm(hidden, kernels, residual)
+        hidden, residual = self.pre_feedforward_layernorm(hidden, kernels, batch.kept_rows(residual))
         hidden = self.post_feedforward_layernorm(self.mlp(hidden, kernels), kernels)
         return hidden, residual
 

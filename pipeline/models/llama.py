@@ -103,7 +103,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
         cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]
         kernels: Kernels,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_query_rows, hidden] (num_tokens but in a final layer's batch)
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]
         q, k, v = qkv.split(self.qkv_proj.shard_sizes, dim=-1)
@@ -115,11 +115,12 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim), kernels).view_as(k)
         q, k = kernels.apply_rotary(q, k, batch.positions, cos_sin_cache)
         kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        q = batch.kept_rows(q)  # [num_query_rows, num_q_heads, head_dim]: every row but in a final layer's batch
         out = kernels.paged_attention(
             q, k_cache, v_cache, batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
             self.scale, self.sliding_window, sinks=self.sinks,
-        )  # [num_tokens, num_q_heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.num_q_heads * self.head_dim))
+        )  # [num_query_rows, num_q_heads, head_dim]
+        return self.o_proj(out.reshape(q.shape[0], self.num_q_heads * self.head_dim))
 
 
 # The gated MLP's activations transformers names in a config's hidden_act / hidden_activation, and the
@@ -167,7 +168,7 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden, residual, batch, k_cache, v_cache, cos_sin_cache, kernels):
         hidden, residual = self.input_layernorm.add_and_norm(hidden, kernels, residual)
         hidden = self.self_attn(hidden, batch, k_cache, v_cache, cos_sin_cache, kernels)
-        hidden, residual = self.post_attention_layernorm(hidden, kernels, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, kernels, batch.kept_rows(residual))
         return self.mlp(hidden, kernels), residual
 
 
@@ -215,16 +216,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         return MLP(hf_config, dtype, device)
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        """Run every token of ``batch``, writing its K/V into ``kv_cache``; returns ``[num_tokens, hidden]`` after the final norm.
+        """Run every token of ``batch``, writing its K/V into ``kv_cache``; returns ``[num_tokens, hidden]`` after the final
+        norm (``[num_sampled, hidden]``, the sampled rows, where the batch has a ``final_layer``).
 
         ``kv_cache``: ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``.
         """
         hidden = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         residual = None
         for index, layer in enumerate(self.model.layers):
-            hidden, residual = layer(
-                hidden, residual, batch, kv_cache[index, 0], kv_cache[index, 1], self.cos_sin_cache_of(index), kernels
-            )
+            hidden, residual = layer(hidden, residual, batch.of_layer(index, self.num_layers), kv_cache[index, 0],
+                                     kv_cache[index, 1], self.cos_sin_cache_of(index), kernels)
         hidden, _ = self.model.norm(hidden, kernels, residual)
         return hidden
 

@@ -95,7 +95,7 @@ class LatentAttention(nn.Module):
         latent_cache: torch.Tensor,  # [num_blocks, page_size, 1, kv_lora_rank + qk_rope_head_dim]
         cos_sin_cache: torch.Tensor,  # [max_positions, qk_rope_head_dim]
         kernels: Kernels,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_rows, hidden]: num_tokens but in a final layer's batch (ForwardBatch.query_rows)
         num_tokens = hidden.shape[0]
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
@@ -110,14 +110,16 @@ class LatentAttention(nn.Module):
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         q_rope, k_rope = kernels.apply_rotary(q_rope.contiguous(), k_rope.contiguous(), batch.positions, cos_sin_cache)
         kernels.store_latent(torch.cat((latent, k_rope.view(num_tokens, -1)), dim=-1), latent_cache, batch.slot_mapping)
+        q_nope, q_rope = batch.kept_rows(q_nope), batch.kept_rows(q_rope)  # every row but in a final layer's batch
+        num_rows = q_nope.shape[0]
 
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w_kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # [num_heads, nope or v, kv_lora_rank]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [num_tokens, num_heads, kv_lora_rank]
-        query = torch.cat((q_latent, q_rope), dim=-1)  # [num_tokens, num_heads, kv_lora_rank + qk_rope_head_dim]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [num_rows, num_heads, kv_lora_rank]
+        query = torch.cat((q_latent, q_rope), dim=-1)  # [num_rows, num_heads, kv_lora_rank + qk_rope_head_dim]
         out_latent = kernels.mla_attention(
             query, latent_cache, batch.cu_seqlens_q, batch.context_lens, batch.block_tables, self.scale,
             self.kv_lora_rank,
-        )  # [num_tokens, num_heads, kv_lora_rank]
-        out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [num_heads, num_tokens, v_head_dim]
-        return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.v_head_dim))
+        )  # [num_rows, num_heads, kv_lora_rank]
+        out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [num_heads, num_rows, v_head_dim]
+        return self.o_proj(out.transpose(0, 1).reshape(num_rows, self.num_heads * self.v_head_dim))

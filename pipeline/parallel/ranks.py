@@ -189,8 +189,7 @@ class RankGroup:
         if self._kv_shape_sent != tuple(kv_shape):  # the cache is sized by rank 0's pool, after the model loads
             self._send(("kv_cache", tuple(kv_shape)))
             self._kv_shape_sent = tuple(kv_shape)
-        arrays = {f.name: getattr(batch, f.name).cpu().numpy() for f in dataclasses.fields(batch)}
-        self._send(("forward", arrays))
+        self._send(("forward", batch.to_arrays()))
 
     def send_logits(self, num_rows: int) -> None:
         self._send(("logits", num_rows))
@@ -273,7 +272,7 @@ def run_rank(args: RankArgs, pipe) -> None:
             elif kind == "shared_kv_cache":
                 kv_cache = _share_kv_cache(args, payload, pipe)
             elif kind == "forward":
-                batch = ForwardBatch(**{name: torch.from_numpy(array).to(device) for name, array in payload.items()})
+                batch = ForwardBatch.from_arrays(payload, device)
                 model(batch, kv_cache, kernels)
             elif kind == "logits":
                 model.compute_logits(torch.empty(payload, hidden_size, dtype=args.dtype, device=device))

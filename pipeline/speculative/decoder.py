@@ -103,8 +103,9 @@ class SpeculativeDecoder:
             runs.append(TokenRun(tokens, chunk.start, block_table(seq.request_id)))
             num_tokens += len(tokens)
         runner = self.runner
-        batch = build_forward_batch(runs, logits_rows, runner.page_size, runner.device)
-        hidden = runner.model(batch, runner.kv_cache, runner.kernels)  # [num_tokens, hidden]
+        batch = build_forward_batch(runs, logits_rows, runner.page_size, runner.device,
+                                    sampled_rows_only=not prompt_logprobs.asked(chunks))
+        hidden = runner.model(batch, runner.kv_cache, runner.kernels)  # [num_tokens (or rows: final_layer), hidden]
         prompt_logprobs.score(runner.model, hidden, prompt_logprobs.spans(chunks, offsets))
-        logits = runner.model.compute_logits(hidden[batch.logits_indices]).float()  # [rows, vocab]
+        logits = runner.model.compute_logits(batch.sampled_rows(hidden)).float()  # [rows, vocab]
         return logits, plain_rows, verify_rows

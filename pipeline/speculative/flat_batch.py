@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.forward_batch import ForwardBatch, flat_token_layout
+from pipeline.forward_batch import ForwardBatch, flat_token_layout, with_final_layer_rows
 
 
 @dataclass
@@ -20,9 +20,10 @@ class TokenRun:
     block_table: list[int]
 
 
-def build_forward_batch(runs: list[TokenRun], logits_rows: list[int], page_size: int,
-                        device: torch.device) -> ForwardBatch:
-    """One flat batch over ``runs`` (each non-empty); ``logits_rows``: flat token indices whose logits are needed."""
+def build_forward_batch(runs: list[TokenRun], logits_rows: list[int], page_size: int, device: torch.device,
+                        sampled_rows_only: bool = True) -> ForwardBatch:
+    """One flat batch over ``runs`` (each non-empty); ``logits_rows``: flat token indices whose logits are needed,
+    the only rows that leave the last layer unless ``sampled_rows_only`` is False (``ForwardBatch.final_layer``)."""
     lengths = np.array([len(run.token_ids) for run in runs], dtype=np.int64)  # [num_runs]
     starts = np.array([run.start for run in runs], dtype=np.int64)  # [num_runs]
     run_of_token, positions, cu_seqlens, context_lens = flat_token_layout(starts, lengths)
@@ -36,12 +37,16 @@ def build_forward_batch(runs: list[TokenRun], logits_rows: list[int], page_size:
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
-    return ForwardBatch(
+    rows = np.asarray(logits_rows, dtype=np.int64)
+    batch = ForwardBatch(
         input_ids=tensor(input_ids),
         positions=tensor(positions),
         cu_seqlens_q=tensor(cu_seqlens),
         context_lens=tensor(context_lens),
         slot_mapping=tensor(block_of_token * page_size + positions % page_size),
         block_tables=tensor(block_tables),
-        logits_indices=tensor(np.asarray(logits_rows, dtype=np.int64)),
+        logits_indices=tensor(rows),
     )
+    if not sampled_rows_only:
+        return batch
+    return with_final_layer_rows(batch, cu_seqlens, context_lens, block_tables, rows, tensor)

@@ -131,8 +131,8 @@ class DraftProposer:
         # the target may emit ids past a smaller draft vocabulary (its padded tail): the draft reads id 0
         # there (only its guesses suffer: the target checks every draft)
         batch.input_ids.masked_fill_(batch.input_ids >= self.draft.vocab_size, 0)
-        hidden = self.draft.model(batch, self.kv_cache, self.kernels)  # [num_tokens, hidden]
-        logits = self.draft.model.compute_logits(hidden[batch.logits_indices]).float()  # [rows, draft vocab]
+        hidden = self.draft.model(batch, self.kv_cache, self.kernels)  # [rows, hidden]: only they leave the last layer
+        logits = self.draft.model.compute_logits(batch.sampled_rows(hidden)).float()  # [rows, draft vocab]
         return _to_vocab(logits, self.sampler.vocab_size)
 
     def _draw(self, logits: torch.Tensor, speculating: list[ScheduledChunk], active: list[int],
