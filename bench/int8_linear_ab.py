@@ -170,6 +170,9 @@ def main() -> None:
     parser.add_argument("--skip-layers", action="store_true", help="only --offline")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    # the torch code reads the [in, out] int8 layout, which the layers drop where the packed GEMM takes every
+    # batch (no AMX): keep it, as an AMX CPU does (the packed path is unchanged, only the memory held grows)
+    cpu_int8.packed_gemm_takes_every_batch = lambda: False
     rows = tuple(int(r) for r in args.rows.split(","))
     threads = tuple(int(t) for t in args.threads.split(","))
     report = {"cpu": cpu_description(), "native": cpu_native.describe(),
