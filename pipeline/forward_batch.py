@@ -8,9 +8,9 @@ Only the rows whose logits are sampled leave the last decoder layer: every layer
 every row (their K/V feed the cache), but the last one's attention output, MLP and the final norm
 are needed for the sampled rows alone. Where a step reads no other row (no prompt logprobs), its
 batch carries ``final_layer`` (``with_final_layer_rows``): the last layer's batch, whose attention
-takes only those rows' queries (``query_rows``), and the model returns ``[len(rows), hidden]``.
-In a prefill-heavy step that is most of one layer's work skipped, with the same values on the
-rows that are kept.
+takes only those rows' queries (``query_rows``), and the model returns ``[len(rows), hidden]`` (one
+stand-in row where a step samples none: a long prompt's first chunks). In a prefill-heavy step that
+is most of one layer's work skipped, with the same values on the rows that are kept.
 """
 
 from __future__ import annotations
@@ -54,8 +54,11 @@ class ForwardBatch:
         return x if self.query_rows is None else x.index_select(0, self.query_rows)
 
     def sampled_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's output at the rows whose logits are needed (all of it when only those left the last layer)."""
-        return hidden if self.final_layer is not None else hidden[self.logits_indices]
+        """The model's output at the rows whose logits are needed: its first rows where only those (or, in a step that
+        samples none, one stand-in row) left the last layer."""
+        if self.final_layer is not None:
+            return hidden[: self.logits_indices.numel()]
+        return hidden[self.logits_indices]
 
     def to_arrays(self) -> dict:
         """Every tensor as a host array (``final_layer`` as a nested dict), for ``from_arrays`` in another process."""
@@ -75,11 +78,15 @@ class ForwardBatch:
 def with_final_layer_rows(batch: ForwardBatch, cu_seqlens: np.ndarray, context_lens: np.ndarray,
                           block_tables: np.ndarray, logits_rows: np.ndarray, tensor) -> ForwardBatch:
     """``batch`` with a ``final_layer`` that runs only ``logits_rows`` (sorted flat rows, host arrays beside
-    ``batch``'s own; ``tensor`` puts an array where ``batch`` lives). Unchanged where that would save nothing
-    (every row is sampled) or cannot be expressed (some sequence's sampled rows are not its last rows)."""
+    ``batch``'s own; ``tensor`` puts an array where ``batch`` lives; none: the first sequence's last row stands
+    in). Unchanged where that would save nothing (every row is sampled) or cannot be expressed (some sequence's
+    sampled rows are not its last rows)."""
     num_sampled = len(logits_rows)
-    if num_sampled == 0 or num_sampled == int(cu_seqlens[-1]):
-        return batch  # nothing to sample (the last layer runs for the cache alone), or every row is sampled
+    if num_sampled == int(cu_seqlens[-1]):
+        return batch  # every row is sampled
+    if num_sampled == 0:  # the step only fills the cache (a prompt's first chunks): one row stands in, so that no
+        logits_rows = cu_seqlens[1:2].astype(np.int64) - 1  # kernel of the last layer sees an empty batch
+        num_sampled = 1
     seq_of_row = np.searchsorted(cu_seqlens, logits_rows, side="right") - 1  # [num_sampled]
     seqs, counts = np.unique(seq_of_row, return_counts=True)
     first_kept = cu_seqlens[seqs + 1].astype(np.int64) - counts  # each sequence's last `count` rows start here

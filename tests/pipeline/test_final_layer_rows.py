@@ -51,8 +51,11 @@ def test_the_final_layer_batch_keeps_each_sequences_last_rows():
     assert final.context_lens.tolist() == [5, 8, 20]
     assert final.block_tables.tolist() == [[0, 1], [2, 3], [6, 7]]
     assert final.input_ids is batch.input_ids and final.slot_mapping is batch.slot_mapping  # K/V of every row
-    for rows in ([3, 5], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [], [5, 4]):  # not a suffix; all; none; unsorted
+    for rows in ([3, 5], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [5, 4]):  # not a suffix; all; unsorted
         assert trimmed(batch, rows).final_layer is None
+    cache_only = trimmed(batch, [])  # a step that samples nothing: the first sequence's last row stands in
+    assert cache_only.final_layer.query_rows.tolist() == [4] and cache_only.final_layer.cu_seqlens_q.tolist() == [0, 1]
+    assert cache_only.sampled_rows(torch.ones(1, 8)).shape == (0, 8)
     arrays = trimmed(batch, [4, 5, 11, 12]).to_arrays()  # how a tensor-parallel step travels to the other ranks
     again = ForwardBatch.from_arrays(arrays, "cpu")
     assert again.final_layer.query_rows.tolist() == [4, 5, 11, 12] and again.final_layer.final_layer is None
@@ -81,22 +84,25 @@ def test_the_sampled_rows_and_the_cache_match_the_full_forward(name, backend, mo
     vocab = model.hf_config.vocab_size
     full_paged = PagedSequences(model, num_seqs=4, max_len=40, seed=3)
     trim_paged = copy.deepcopy(full_paged)
-    steps = [  # prompts (the last one's first chunk samples nothing), then chunks beside decodes past the windows
-        ([random_tokens(vocab, n, seed=n) for n in (9, 1, 6, 12)], "last rows but the fourth"),
-        ([random_tokens(vocab, n, seed=20 + n) for n in (1, 3, 1, 14)], "last rows, three of the second"),
+    # the rows each step samples, by the flat offsets where its sequences end
+    steps = [  # first chunks sampling nothing; prompts (the fourth's chunk samples nothing); chunks beside decodes
+        ([random_tokens(vocab, n, seed=n) for n in (4, 0, 0, 5)], lambda ends: []),
+        ([random_tokens(vocab, n, seed=10 + n) for n in (5, 1, 6, 7)], lambda ends: [e - 1 for e in ends[:3]]),
+        ([random_tokens(vocab, n, seed=20 + n) for n in (1, 3, 1, 14)],  # three of the second: a verify's rows
+         lambda ends: [ends[0] - 1, ends[1] - 3, ends[1] - 2, ends[1] - 1, ends[2] - 1, ends[3] - 1]),
     ]
-    for new_tokens, _ in steps:
+    for new_tokens, sampled in steps:
         full_batch, trim_batch = full_paged.step(new_tokens), trim_paged.step(new_tokens)
-        ends = full_batch.cu_seqlens_q.tolist()[1:]
-        rows = [ends[0] - 1, ends[1] - 1, ends[2] - 1] if new_tokens is steps[0][0] else \
-            [ends[0] - 1, ends[1] - 3, ends[1] - 2, ends[1] - 1, ends[2] - 1, ends[3] - 1]
+        rows = sampled(full_batch.cu_seqlens_q.tolist()[1:])
         trim_batch = trimmed(trim_batch, rows)
-        assert trim_batch.final_layer is not None
+        kept_rows = trim_batch.final_layer.query_rows.tolist()
+        assert kept_rows == (rows or [full_batch.cu_seqlens_q.tolist()[1] - 1])  # a stand-in where none is sampled
         with torch.inference_mode():
             full = model(full_batch, full_paged.kv_cache, KERNELS[backend])  # [num_tokens, hidden]
-            kept = model(trim_batch, trim_paged.kv_cache, KERNELS[backend])  # [len(rows), hidden]
-        assert kept.shape == (len(rows), full.shape[1])
-        torch.testing.assert_close(kept, full[rows], atol=2e-5, rtol=1e-5)
+            kept = model(trim_batch, trim_paged.kv_cache, KERNELS[backend])  # [len(kept_rows), hidden]
+        assert kept.shape == (len(kept_rows), full.shape[1])
+        torch.testing.assert_close(kept, full[kept_rows], atol=2e-5, rtol=1e-5)
+        assert torch.equal(trim_batch.sampled_rows(kept), kept[:len(rows)])
         assert torch.equal(trim_paged.kv_cache, full_paged.kv_cache)  # every row's K/V, in every layer
 
 
@@ -117,6 +123,12 @@ def test_the_runner_trims_steps_that_read_only_their_sampled_rows(tiny_checkpoin
     prompt = random_tokens(300, 12, seed=1)
     llm.generate([prompt], [SamplingParams(max_tokens=3, temperature=0.0)])
     assert seen == [True, False, False]  # the prompt's step; decodes sample every row
+    seen.clear()
+    chunked = LLM(model=path, model_config={"dtype": "float32", "device": "cpu"}, max_batch_input_tokens=5)
+    assert chunked.generate([prompt], [SamplingParams(max_tokens=2, temperature=0.0)])[0].token_ids == \
+        llm.generate([prompt], [SamplingParams(max_tokens=2, temperature=0.0)])[0].token_ids
+    assert seen[:4] == [True, True, True, False]  # chunks of 5, 5 (sampling nothing) and 2 rows; a decode
+    seen.clear()
     seen.clear()
     out = llm.generate([prompt], [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)])[0]
     assert seen == [False]
