@@ -87,8 +87,6 @@ class ModelRunner:
         # structured output: grammar masks are filled on this thread while the forward runs (made on first use)
         self._mask_filler: ThreadPoolExecutor | None = None
         self.graphs: DecodeGraphs | None = None  # CUDA: decode batches replay captured graphs (pipeline/cuda_graphs.py)
-        # the last decoder layer runs only the rows a step samples (pipeline/forward_batch.py); False: every row
-        self.final_layer_sampled_rows_only = True
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], block_table: Callable[[str], list[int]]) -> SamplerOutput | None:
@@ -194,8 +192,9 @@ class ModelRunner:
             block_tables=tensor(gathered.block_tables),
             logits_indices=tensor(logits_indices),
         )
-        if not self.final_layer_sampled_rows_only or prompt_logprobs.asked(chunks):
+        if prompt_logprobs.asked(chunks):
             return batch  # prompt logprobs read every prompt row's final hidden state
+        # only the sampled rows leave the last decoder layer (pipeline/forward_batch.py)
         return with_final_layer_rows(batch, gathered.cu_seqlens, gathered.context_lens, gathered.block_tables,
                                      logits_indices, tensor)
 
