@@ -101,7 +101,7 @@ class ModelRunner:
         the way; a decode batch replays a captured CUDA graph where there is one."""
         if self.graphs is not None and not prompt_spans and self.graphs.fits(batch):
             return self.graphs.logits(batch)
-        hidden = self.model(batch, self.kv_cache, self.kernels)  # [num_tokens or, with a final_layer, num_sampled, hidden]
+        hidden = self.model(batch, self.kv_cache, self.kernels)  # [num_tokens (final_layer: its rows), hidden]
         prompt_logprobs.score(self.model, hidden, prompt_spans)
         if batch.logits_indices.numel() == 0:
             return None

@@ -216,8 +216,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         return MLP(hf_config, dtype, device)
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        """Run every token of ``batch``, writing its K/V into ``kv_cache``; returns ``[num_tokens, hidden]`` after the final
-        norm (``[num_sampled, hidden]``, the sampled rows, where the batch has a ``final_layer``).
+        """Run every token of ``batch``, writing its K/V into ``kv_cache``; returns ``[num_tokens, hidden]`` after the
+        final norm (only the final layer's rows, ``[rows, hidden]``, where the batch has a ``final_layer``).
 
         ``kv_cache``: ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``.
         """
