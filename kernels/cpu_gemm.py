@@ -119,7 +119,7 @@ class CpuLinear:
         if rows == 0:
             return x.new_empty((*lead, self.out_features), dtype=self.dtype)
         if self.panels is not None:  # one group of every row
-            out = cpu_moe.grouped_gemm(x.reshape(rows, x.shape[-1]), torch.tensor([0, rows]), self.panels)
+            out = cpu_moe.grouped_gemm(x.reshape(rows, x.shape[-1]), cpu_moe.one_group(rows), self.panels)
             return out.view(*lead, self.out_features)
         use_packed = self.packed is not None and (
             (PACKED_MIN_ROWS <= rows and (PACKED_MAX_ROWS is None or rows <= PACKED_MAX_ROWS))
