@@ -33,6 +33,12 @@ static inline __attribute__((always_inline)) void ISA(prefetch_row)(const char *
             __builtin_prefetch(row + offset, 0, 2);
 }
 
+#ifndef PV_VECTORS
+/* Value vectors per row that pv_block holds in registers with four rows: AVX-512's 32 registers take a 64-wide
+ * head's four (16 accumulators), narrower ones two. */
+#define PV_VECTORS (VEC_BYTES == 64 ? 4 : 2)
+#endif
+
 #ifndef KEYS_F32
 #define KEYS_F32 0   /* scores_dot's kinds: fp32 query rows and cache */
 #define KEYS_BF16 1  /* fp32 query rows, a bf16 cache widened in registers */
@@ -194,6 +200,10 @@ static void ISA(scores_columns)(const void *qt, int rows_pad, int head_dim, cons
         }
 #endif
         (void)kind;
+#if VEC_BYTES == 64
+        for (; r + 4 * W <= rows_pad; r += 4 * W)
+            ISA(column_block)(qt, rows_pad, head_dim, keys, nk, j, r, st, scale, 4, 4, KEYS_F32);
+#endif
         for (; r + 2 * W <= rows_pad; r += 2 * W)
             ISA(column_block)(qt, rows_pad, head_dim, keys, nk, j, r, st, scale, 4, 2, KEYS_F32);
         for (; r < rows_pad; r += W)
@@ -209,19 +219,24 @@ static void ISA(softmax_columns)(float *st, int num_rows, int rows_pad, int nk, 
     const vf minus_inf = ISA(splat)(-INFINITY);
     for (int r = 0; r < rows_pad; r += W) {
         vi first = *(const vi *)(lo + r), end = *(const vi *)(hi + r);
+        int all_visible = 1;  /* every row of the vector sees the whole chunk (a prefix's chunks): nothing to mask */
+        for (int i = 0; i < W; i++)
+            all_visible &= first[i] == 0 && end[i] == nk;
         vf vmax = minus_inf;
-        for (int j = 0; j < nk; j++) {
-            float *x = st + (size_t)j * rows_pad + r;
-            vi index = (vi){0} + j;
-            vi is_visible = (index >= first) & (index < end);
-            vf v = (vf)(((vi)ISA(load)(x) & is_visible) | ((vi)minus_inf & ~is_visible));
-            ISA(store)(x, v);
-            vi is_greater = v > vmax;
-            vmax = (vf)(((vi)v & is_greater) | ((vi)vmax & ~is_greater));
-        }
+        if (all_visible)
+            for (int j = 0; j < nk; j++)
+                vmax = ISA(larger)(ISA(load)(st + (size_t)j * rows_pad + r), vmax);
+        else
+            for (int j = 0; j < nk; j++) {
+                float *x = st + (size_t)j * rows_pad + r;
+                vi index = (vi){0} + j;
+                vi is_visible = (index >= first) & (index < end);
+                vf v = (vf)(((vi)ISA(load)(x) & is_visible) | ((vi)minus_inf & ~is_visible));
+                ISA(store)(x, v);
+                vmax = ISA(larger)(v, vmax);
+            }
         vf old_max = ISA(load)(row_max + r);
-        vi is_greater = vmax > old_max;
-        vf new_max = (vf)(((vi)vmax & is_greater) | ((vi)old_max & ~is_greater));
+        vf new_max = ISA(larger)(vmax, old_max);
         vi has_seen = new_max != minus_inf;
         vf shift = (vf)((vi)new_max & has_seen);  /* rows that saw nothing yet: 0, their exps are masked anyway */
         vf sum = {0};
@@ -306,7 +321,7 @@ static inline __attribute__((always_inline)) void ISA(accumulate_rows)(float *ac
 {
     int r = 0;
     for (; r + 4 <= num_rows; r += 4, ahead = NULL)
-        ISA(pv_rows)(acc, head_dim, probs, r_stride, j_stride, values, nk, r, ahead, row_bytes, 4, 2, is_bf16);
+        ISA(pv_rows)(acc, head_dim, probs, r_stride, j_stride, values, nk, r, ahead, row_bytes, 4, PV_VECTORS, is_bf16);
     for (; r + 2 <= num_rows; r += 2, ahead = NULL)
         ISA(pv_rows)(acc, head_dim, probs, r_stride, j_stride, values, nk, r, ahead, row_bytes, 2, 4, is_bf16);
     for (; r < num_rows; r++, ahead = NULL)
@@ -345,8 +360,7 @@ static void ISA(softmax_chunk)(float *scores, int num_rows, int group, int strid
         vf vmax = ISA(load)(s);
         for (int v = 1; v < nv; v++) {
             vf x = ISA(load)(s + v * W);
-            vi is_greater = x > vmax;
-            vmax = (vf)(((vi)x & is_greater) | ((vi)vmax & ~is_greater));
+            vmax = ISA(larger)(x, vmax);
         }
         float chunk_max = vmax[0];
         for (int i = 1; i < W; i++)

@@ -98,9 +98,29 @@ static inline void ISA(hsum8)(vf a0, vf a1, vf a2, vf a3, vf a4, vf a5, vf a6, v
 #endif
 }
 
+/* The larger of a and b per lane, b where a is NaN or the two compare equal (-0 / +0): one instruction on AVX-512,
+ * a compare and a select elsewhere. */
+static inline vf ISA(larger)(vf a, vf b)
+{
+#if X86_REGISTER && VEC_BYTES == 64
+    return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#else
+    vi is_greater = a > b;
+    return (vf)(((vi)a & is_greater) | ((vi)b & ~is_greater));
+#endif
+}
+
 /* exp(x), Cephes' polynomial: within 2 ulp of expf on [-87, 88]; clamped outside (no inf, no denormals). */
 static inline vf ISA(vexp)(vf x)
 {
+#if X86_REGISTER && VEC_BYTES == 64
+    /* The same steps in fewer AVX-512 instructions, bit for bit the same result: a min / max clamp (a NaN x, the
+     * second operand, passes through as the selects below let it) and floor in one rounding instruction. */
+    x = (vf)_mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), (__m512)x));
+    vf fx = x * 1.44269504088896341f + 0.5f;
+    vf floored = (vf)_mm512_roundscale_ps((__m512)fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    vi whole = __builtin_convertvector(floored, vi);
+#else
     vi is_low = x < -87.0f, is_high = x > 88.0f;  /* lanes of -1 where true: bitwise selects (C has no vector ?:) */
     x = (vf)(((vi)x & ~is_low) | ((vi)ISA(splat)(-87.0f) & is_low));
     x = (vf)(((vi)x & ~is_high) | ((vi)ISA(splat)(88.0f) & is_high));
@@ -110,6 +130,7 @@ static inline vf ISA(vexp)(vf x)
     vi is_above = floored > fx;  /* -1 where truncation rounded up */
     floored += __builtin_convertvector(is_above, vf);
     whole += is_above;
+#endif
     x -= floored * 0.693359375f;
     x -= floored * -2.12194440e-4f;
     vf y = ISA(splat)(1.9875691500e-4f);

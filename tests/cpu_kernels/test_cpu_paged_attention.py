@@ -20,6 +20,8 @@ CASES = [
     pytest.param([1, 1, 1], [600, 257, 511], 4, 4, 64, 32, id="decode-mha-long-contexts-p32"),
     pytest.param([37, 130], [37, 130], 4, 2, 64, 16, id="prefill-fresh-ragged"),
     pytest.param([64, 3], [200, 40], 16, 4, 128, 8, id="chunked-prefill-over-prefix-gqa4-d128"),
+    # chunks of keys every row of a tile sees (no mask: softmax_columns' all-visible path) beside the diagonal's
+    pytest.param([32, 100], [300, 420], 8, 4, 64, 16, id="prefill-tiles-over-long-prefixes"),
     pytest.param([9, 2], [9, 35], 4, 2, 32, 1, id="page-size-1-d32"),
     pytest.param([1, 9, 1, 70, 4], [20, 30, 65, 90, 4], 8, 2, 64, 4, id="mixed-decodes-chunks-short-queries"),
     pytest.param([4, 4, 4, 4], [9, 30, 4, 100], 8, 4, 64, 16, id="verify-rows"),
