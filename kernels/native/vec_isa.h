@@ -114,8 +114,8 @@ static inline vf ISA(larger)(vf a, vf b)
 static inline vf ISA(vexp)(vf x)
 {
 #if X86_REGISTER && VEC_BYTES == 64
-    /* The same steps in fewer AVX-512 instructions, bit for bit the same result: a min / max clamp (a NaN x, the
-     * second operand, passes through as the selects below let it) and floor in one rounding instruction. */
+    /* The same steps in fewer AVX-512 instructions, bit for bit the same result for every number (and NaN for a
+     * NaN, which min / max pass through as their second operand): the clamp, and floor in one rounding instruction. */
     x = (vf)_mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), (__m512)x));
     vf fx = x * 1.44269504088896341f + 0.5f;
     vf floored = (vf)_mm512_roundscale_ps((__m512)fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
