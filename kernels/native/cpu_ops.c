@@ -45,7 +45,7 @@
 
 
 
-#define COLUMN_CHUNK 64   /* keys per online-softmax step of a prefill tile (32: 5-8 % slower on Zen 4, 128: 1-4 % faster) */
+#define COLUMN_CHUNK 64   /* keys per online-softmax step of a prefill tile (Zen 4: 32 5-8 % slower, 128 1-4 % faster)*/
 #define DOT_CHUNK 256     /* ... of a decode (fewer rows: the bookkeeping is amortised over more keys) */
 #define DECODE_KEYS 16    /* keys a decode visits across every head before the next ones */
 /* Keys ahead a decode prefetches its K/V rows. Measured on Zen 5 (one core, bf16 cache, 4 KV heads of 64, decodes of
