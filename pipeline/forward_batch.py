@@ -60,19 +60,25 @@ class ForwardBatch:
             return hidden[: self.logits_indices.numel()]
         return hidden[self.logits_indices]
 
-    def to_arrays(self) -> dict:
-        """Every tensor as a host array (``final_layer`` as a nested dict), for ``from_arrays`` in another process."""
+    def to_arrays(self, base: ForwardBatch | None = None) -> dict:
+        """Every tensor as a host array, for ``from_arrays`` in another process; ``final_layer`` as a nested dict of
+        only the tensors it does not share with this batch (its token ids, positions and slots are this batch's)."""
         arrays = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if value is not None:
-                arrays[field.name] = value.to_arrays() if isinstance(value, ForwardBatch) else value.cpu().numpy()
+            if value is None or (base is not None and value is getattr(base, field.name)):
+                continue
+            arrays[field.name] = value.to_arrays(base=self) if isinstance(value, ForwardBatch) else value.cpu().numpy()
         return arrays
 
     @classmethod
-    def from_arrays(cls, arrays: dict, device) -> ForwardBatch:
-        return cls(**{name: cls.from_arrays(value, device) if isinstance(value, dict)
-                      else torch.from_numpy(value).to(device) for name, value in arrays.items()})
+    def from_arrays(cls, arrays: dict, device, base: ForwardBatch | None = None) -> ForwardBatch:
+        tensors = {name: torch.from_numpy(value).to(device) for name, value in arrays.items()
+                   if not isinstance(value, dict)}
+        batch = cls(**tensors) if base is None else dataclasses.replace(base, **tensors)
+        if "final_layer" in arrays:  # shares this batch's tensors again
+            batch = dataclasses.replace(batch, final_layer=cls.from_arrays(arrays["final_layer"], device, base=batch))
+        return batch
 
 
 def with_final_layer_rows(batch: ForwardBatch, cu_seqlens: np.ndarray, context_lens: np.ndarray,

@@ -60,6 +60,8 @@ def test_the_final_layer_batch_keeps_each_sequences_last_rows():
     again = ForwardBatch.from_arrays(arrays, "cpu")
     assert again.final_layer.query_rows.tolist() == [4, 5, 11, 12] and again.final_layer.final_layer is None
     assert again.cu_seqlens_q.tolist() == cu.tolist() and again.query_rows is None
+    assert set(arrays["final_layer"]) == {"cu_seqlens_q", "context_lens", "block_tables", "query_rows"}  # sent once
+    assert again.final_layer.input_ids is again.input_ids and again.final_layer.slot_mapping is again.slot_mapping
 
 
 @pytest.fixture(scope="module")
