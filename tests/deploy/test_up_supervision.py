@@ -133,7 +133,11 @@ def test_a_killed_launcher_takes_every_process_down(tiny_checkpoint, tmp_path):
         up.wait_ready()
         os.kill(up.pids["decode-0"], signal.SIGKILL)
         up.wait_for(r"^decode-0 restarted as pid (\d+)", 30)  # forked after start, by the supervision
-        children = cluster_processes(up.proc.pid)
+        # the fork server reports the pid as it forks; the child takes its own command line a moment later
+        deadline = time.monotonic() + 10
+        while (up.pids["decode-0"] not in (children := cluster_processes(up.proc.pid))
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
         assert up.pids["decode-0"] in children and len(children) == 3
         up.proc.kill()
         up.proc.wait(10)
