@@ -7,8 +7,9 @@ oneDNN with packed weights (``kernels/cpu_gemm.py``). A mixture-of-experts MLP's
 one native call each instead wherever no expert has more rows than ``kernels/cpu_moe.py`` takes (decode, and on a
 CPU without AMX prefill too). On an AMX CPU a bf16 model's prompt chunks from a row count measured at load run
 torch's flash attention (``kernels/cpu_prompt_route.py``), and int8 batches from a measured row count take
-oneDNN's AMX kernels (``kernels/cpu_int8_route.py``). Gemma's offset RMSNorm and GELU-tanh gated activation
-run their torch references too (no native kernel yet)."""
+oneDNN's AMX kernels (``kernels/cpu_int8_route.py``); bf16 linears keep the native panel copy beside oneDNN's for
+the decode batches it measures faster on (``kernels/cpu_bf16_route.py``). Gemma's offset RMSNorm and GELU-tanh
+gated activation run their torch references too (no native kernel yet)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from kernels import cpu_int8, cpu_int8_route, cpu_moe, cpu_native, cpu_prompt_route
+from kernels import cpu_bf16_route, cpu_int8, cpu_int8_route, cpu_moe, cpu_native, cpu_prompt_route
 from kernels.cpu_gemm import PACKED_MAX_ROWS, CpuLinear, describe_bf16_route
 from kernels.cpu_elementwise import apply_rotary_cpu, rms_norm_cpu, silu_and_mul_cpu, store_kv_cpu
 from kernels.cpu_paged_attention import describe_prompt_route, paged_attention_cpu
@@ -51,12 +52,14 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
         return
     read_directly = {id(getattr(parent, leaf)) for parent in model.modules()
                      for leaf in getattr(parent, "weights_read_directly", ())}
+    # on an AMX CPU, bf16 linears may also keep the native panel copy for decode batches (measured below)
+    panels_beside = prepack_weights and cpu_bf16_route.panels_fit(model)
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if (hasattr(module, "gemm") and weight is not None and weight.device.type == "cpu"
                 and id(module) not in read_directly):
             module.gemm = CpuLinear(weight.detach(), None if module.bias is None else module.bias.detach(),
-                                    prepack=prepack_weights)
+                                    prepack=prepack_weights, panels_beside_onednn=panels_beside)
             if not module.gemm.holds(weight):
                 _let_go(module, "weight")
         elif hasattr(module, "expert_gemms") and module.gate_up_proj.device.type == "cpu":
@@ -85,12 +88,13 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
     if hasattr(model, "logits_gemm") and hasattr(model, "output_weight"):
         lm_head = getattr(model, "lm_head", None)
         model.logits_gemm = lm_head.gemm if lm_head is not None and lm_head.gemm is not None else CpuLinear(
-            model.output_weight().detach(), None, prepack=prepack_weights)
+            model.output_weight().detach(), None, prepack=prepack_weights, panels_beside_onednn=panels_beside)
     model.is_prepared_for_cpu = True
-    # on an AMX CPU, measured once: from how many rows bf16 prompt attention goes to torch's flash path, and int8
-    # batches to torch._int_mm
+    # on an AMX CPU, measured once: from how many rows bf16 prompt attention goes to torch's flash path, int8
+    # batches to torch._int_mm, and bf16 linears' batches from the panel GEMM to oneDNN
     cpu_prompt_route.calibrate_for_model(model)
     cpu_int8_route.calibrate_for_model(model)
+    cpu_bf16_route.calibrate_for_model(model)
 
 
 def _let_go(module: torch.nn.Module, name: str) -> None:
