@@ -68,8 +68,9 @@ def bf16_panels_beside_onednn() -> bool:
     """Whether bias-free bf16 linears may keep the panel copy beside oneDNN's for decode batches: ``auto`` on a CPU
     with AMX and AVX512-BF16 (memory permitting: ``kernels/cpu_backend.py`` asks ``cpu_bf16_route``)."""
     flags = cpu_native.cpu_flags()
-    return (_bf16_gemm_setting() == "auto" and cpu_moe.native_available() and "avx512_bf16" in flags
-            and "amx_bf16" in flags)
+    if "amx_bf16" not in flags or "avx512_bf16" not in flags:
+        return False  # the setting is read (and checked) only where it can matter: no other CPU's models change
+    return _bf16_gemm_setting() == "auto" and cpu_moe.native_available()
 
 
 def bf16_panels_preferred() -> bool:
