@@ -96,10 +96,12 @@ def test_an_amx_cpu_routes_decode_batches_to_the_panels_up_to_the_measured_rows(
     assert "bf16 batches up to 4 rows on native panels, the rest on oneDNN (AMX) (calibrated)" in caplog.text
     assert all(g.panels is not None and g.packed is not None for g in gemms_of(model))  # both copies read
     taken = []
-    for name in ("panel_product", "onednn_product"):
+
+    def spied(name):
         original = getattr(cpu_gemm.CpuLinear, name)
-        monkeypatch.setattr(cpu_gemm.CpuLinear, name,
-                            lambda self, flat, _o=original, _n=name: taken.append((_n, flat.shape[0])) or _o(self, flat))
+        return lambda self, flat: taken.append((name, flat.shape[0])) or original(self, flat)
+    for name in ("panel_product", "onednn_product"):
+        monkeypatch.setattr(cpu_gemm.CpuLinear, name, spied(name))
     for rows in (1, 4, 5, 40):
         taken.clear()
         check_products(model, rows)
