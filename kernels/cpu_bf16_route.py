@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from kernels import cpu_gemm
+from kernels.route_timing import best_of_alternating, measure_rows, native_max_rows
 
 logger = logging.getLogger(__name__)
 
@@ -96,37 +97,12 @@ def time_products(gemms: list, rows: int, repeats: int = CALIBRATION_REPEATS) ->
     def onednn() -> None:
         for g, x in zip(gemms, inputs):
             g.onednn_product(x)
-
-    best = {panels: float("inf"), onednn: float("inf")}
-    for repeat in range(repeats + 1):  # the first round warms both up and is not kept
-        for product in (panels, onednn):
-            started = time.perf_counter()
-            product()
-            elapsed = time.perf_counter() - started
-            if repeat > 0:
-                best[product] = min(best[product], elapsed)
-    return best[panels], best[onednn]
-
-
-def panels_max_rows(timings: list[tuple[int, float, float]]) -> int | None:
-    """From (rows, panels s, oneDNN s) in row order: the most rows up to which the panel GEMM won every count (0: it
-    lost from the fewest); None where it won every count timed (it then takes every batch)."""
-    won = 0
-    for rows, panels_s, onednn_s in timings:
-        if panels_s > onednn_s:
-            return won
-        won = rows
-    return None
+    return best_of_alternating(panels, onednn, repeats)
 
 
 def measure(gemms: list, rows=CANDIDATE_ROWS) -> list[tuple[int, float, float]]:
     """(rows, panels s, oneDNN s) from the fewest rows up, stopping after the first count oneDNN wins."""
-    timings = []
-    for num_rows in sorted(rows):
-        timings.append((num_rows, *time_products(gemms, num_rows)))
-        if timings[-1][1] > timings[-1][2]:
-            break
-    return timings
+    return measure_rows(lambda num_rows: time_products(gemms, num_rows), rows)
 
 
 _calibrated = False
@@ -143,7 +119,7 @@ def calibrate_for_model(model: torch.nn.Module,
     if not _calibrated:
         started = time.perf_counter()
         timings = (measure_timings or measure)(gemms)
-        cpu_gemm.set_amx_panels_max_rows(panels_max_rows(timings))
+        cpu_gemm.set_amx_panels_max_rows(native_max_rows(timings))
         _calibrated = True
         logger.info("bf16 linears on this AMX CPU: %s (measured in %.2f s on the first layer's %d matrices, %d threads;"
                     " rows: panels / oneDNN ms %s)", cpu_gemm.describe_bf16_route(), time.perf_counter() - started,

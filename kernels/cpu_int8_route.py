@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from kernels import cpu_int8
+from kernels.route_timing import best_of_alternating, measure_rows, native_max_rows
 
 logger = logging.getLogger(__name__)
 
@@ -56,37 +57,12 @@ def time_products(matrices: list, rows: int, dtype: torch.dtype, repeats: int = 
     def unpacked() -> None:
         for m, x in zip(matrices, inputs):
             cpu_int8.unpacked_product(x, m.weight_t, m.scale_row, m.bias_fp32, m.act_scale, dtype)
-
-    best = {packed: float("inf"), unpacked: float("inf")}
-    for _ in range(repeats + 1):  # the first round warms both up and is not kept
-        for product in (packed, unpacked):
-            started = time.perf_counter()
-            product()
-            elapsed = time.perf_counter() - started
-            if _ > 0:
-                best[product] = min(best[product], elapsed)
-    return best[packed], best[unpacked]
-
-
-def packed_max_rows(timings: list[tuple[int, float, float]]) -> int | None:
-    """From (rows, packed s, AMX s) in row order: the most rows up to which the packed GEMM won every count (0: it
-    lost from the fewest); None where it won every count timed (it then takes every batch)."""
-    won = 0
-    for rows, packed_s, amx_s in timings:
-        if packed_s > amx_s:
-            return won
-        won = rows
-    return None
+    return best_of_alternating(packed, unpacked, repeats)
 
 
 def measure(matrices: list, dtype: torch.dtype, rows=CANDIDATE_ROWS) -> list[tuple[int, float, float]]:
     """(rows, packed s, AMX s) from the fewest rows up, stopping after the first count the AMX path wins."""
-    timings = []
-    for num_rows in sorted(rows):
-        timings.append((num_rows, *time_products(matrices, num_rows, dtype)))
-        if timings[-1][1] > timings[-1][2]:
-            break
-    return timings
+    return measure_rows(lambda num_rows: time_products(matrices, num_rows, dtype), rows)
 
 
 _calibrated = False
@@ -105,7 +81,7 @@ def calibrate_for_model(model: torch.nn.Module,
         return
     started = time.perf_counter()
     timings = (measure_timings or measure)(matrices, dtype)
-    cpu_int8.set_amx_packed_max_rows(packed_max_rows(timings))
+    cpu_int8.set_amx_packed_max_rows(native_max_rows(timings))
     _calibrated = True
     logger.info("int8 GEMMs on this AMX CPU: %s (measured in %.2f s on the first layer's %d matrices, %d threads; "
                 "rows: packed / AMX ms %s)", cpu_int8.describe_amx_route(), time.perf_counter() - started,

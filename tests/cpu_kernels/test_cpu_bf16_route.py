@@ -13,7 +13,7 @@ import torch
 
 from kernels import cpu_bf16_route, cpu_gemm, cpu_native
 from kernels.cpu_backend import prepare_model_cpu
-from kernels.cpu_bf16_route import calibration_gemms, panels_max_rows
+from kernels.cpu_bf16_route import calibration_gemms
 from pipeline.models.layers import Linear
 
 SHAPES = {"qkv": (64, [64, 32, 32]), "o": (64, [64]), "gate_up": (64, [128, 128]), "down": (128, [64])}
@@ -52,12 +52,6 @@ def amx(monkeypatch):
         cpu_native.ops.set_moe_gemm_isa("portable")
     yield
     cpu_native.ops.set_moe_gemm_isa(before)
-
-
-def test_the_row_count_is_the_last_the_panel_gemm_won_from_the_fewest_up():
-    assert panels_max_rows([(1, 1.0, 2.0), (4, 1.0, 2.0), (8, 3.0, 2.0)]) == 4
-    assert panels_max_rows([(1, 3.0, 2.0)]) == 0  # oneDNN from one row
-    assert panels_max_rows([(1, 1.0, 2.0), (128, 1.0, 2.0)]) is None  # the panels for every batch
 
 
 def prepared(timings, seed: int = 0, asked: list | None = None, monkeypatch=None) -> TinyBf16Model:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import cpu_int8, cpu_int8_route
-from kernels.cpu_int8_route import calibration_matrices, packed_max_rows
+from kernels.cpu_int8_route import calibration_matrices
 from tests.cpu_kernels.test_int8_native import activations, int8_linear, torch_path
 
 
@@ -37,12 +37,6 @@ def amx(monkeypatch):
     monkeypatch.setattr(cpu_int8, "AMX_ROUTE_SOURCE", "default")
     monkeypatch.setattr(cpu_int8_route, "_calibrated", False)
     return cpu_int8
-
-
-def test_the_row_count_is_the_last_the_packed_gemm_won_from_the_fewest_up():
-    assert packed_max_rows([(16, 1.0, 2.0), (32, 1.0, 2.0), (64, 3.0, 2.0)]) == 32
-    assert packed_max_rows([(16, 3.0, 2.0)]) == 0  # torch._int_mm from one row
-    assert packed_max_rows([(16, 1.0, 2.0), (256, 1.0, 2.0)]) is None  # the packed GEMM for every batch
 
 
 def test_the_first_layers_matrices_are_timed_one_per_shape(amx):
