@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from kernels import cpu_gemm
-from kernels.route_timing import best_of_alternating, measure_rows, native_max_rows
+from kernels.route_timing import best_of_alternating, measure_rows, native_max_rows, timings_text
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +123,7 @@ def calibrate_for_model(model: torch.nn.Module,
         _calibrated = True
         logger.info("bf16 linears on this AMX CPU: %s (measured in %.2f s on the first layer's %d matrices, %d threads;"
                     " rows: panels / oneDNN ms %s)", cpu_gemm.describe_bf16_route(), time.perf_counter() - started,
-                    len(gemms), torch.get_num_threads(),
-                    ", ".join(f"{rows}: {p * 1e3:.2f} / {o * 1e3:.2f}" for rows, p, o in timings))
+                    len(gemms), torch.get_num_threads(), timings_text(timings))
     holders = {id(g): g for m in model.modules() for g in (getattr(m, "gemm", None), getattr(m, "logits_gemm", None))
                if isinstance(g, cpu_gemm.CpuLinear)}
     released = sum(g.release_unread_copy() for g in holders.values())

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from kernels import cpu_int8
-from kernels.route_timing import best_of_alternating, measure_rows, native_max_rows
+from kernels.route_timing import best_of_alternating, measure_rows, native_max_rows, timings_text
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +85,7 @@ def calibrate_for_model(model: torch.nn.Module,
     _calibrated = True
     logger.info("int8 GEMMs on this AMX CPU: %s (measured in %.2f s on the first layer's %d matrices, %d threads; "
                 "rows: packed / AMX ms %s)", cpu_int8.describe_amx_route(), time.perf_counter() - started,
-                len(matrices), torch.get_num_threads(),
-                ", ".join(f"{rows}: {p * 1e3:.2f} / {a * 1e3:.2f}" for rows, p, a in timings))
+                len(matrices), torch.get_num_threads(), timings_text(timings))
 
 
 def _activation_dtype(model: torch.nn.Module) -> torch.dtype | None:

@@ -41,3 +41,8 @@ def native_max_rows(timings: list[tuple[int, float, float]]) -> int | None:
             return won
         won = rows
     return None
+
+
+def timings_text(timings: list[tuple[int, float, float]]) -> str:
+    """``rows: native / oneDNN ms`` per count, for the routes' log lines."""
+    return ", ".join(f"{rows}: {native_s * 1e3:.2f} / {onednn_s * 1e3:.2f}" for rows, native_s, onednn_s in timings)

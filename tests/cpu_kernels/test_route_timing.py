@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernels.route_timing import best_of_alternating, measure_rows, native_max_rows
+from kernels.route_timing import best_of_alternating, measure_rows, native_max_rows, timings_text
 
 
 def test_the_row_count_is_the_last_the_native_gemm_won_from_the_fewest_up():
@@ -26,3 +26,7 @@ def test_the_two_products_alternate_after_a_round_not_kept():
     calls = []
     first, second = best_of_alternating(lambda: calls.append("a"), lambda: calls.append("b"), repeats=2)
     assert calls == ["a", "b"] * 3 and 0 <= first < 1 and 0 <= second < 1
+
+
+def test_the_timings_are_logged_in_milliseconds():
+    assert timings_text([(1, 0.00274, 0.00402), (128, 0.02585, 0.02671)]) == "1: 2.74 / 4.02, 128: 25.85 / 26.71"
