@@ -117,13 +117,18 @@ def calibrate_for_model(model: torch.nn.Module,
     if not gemms:
         return
     if not _calibrated:
-        started = time.perf_counter()
-        timings = (measure_timings or measure)(gemms)
-        cpu_gemm.set_amx_panels_max_rows(native_max_rows(timings))
         _calibrated = True
-        logger.info("bf16 linears on this AMX CPU: %s (measured in %.2f s on the first layer's %d matrices, %d threads;"
-                    " rows: panels / oneDNN ms %s)", cpu_gemm.describe_bf16_route(), time.perf_counter() - started,
-                    len(gemms), torch.get_num_threads(), timings_text(timings))
+        started = time.perf_counter()
+        try:
+            timings = (measure_timings or measure)(gemms)
+        except Exception:  # noqa: BLE001 - a measurement must not stop the model from loading: oneDNN, as before
+            logger.exception("bf16 linears on this AMX CPU: measuring the panel GEMM failed; oneDNN for every batch")
+            cpu_gemm.set_amx_panels_max_rows(0, "measurement failed")
+        else:
+            cpu_gemm.set_amx_panels_max_rows(native_max_rows(timings))
+            logger.info("bf16 linears on this AMX CPU: %s (measured in %.2f s on the first layer's %d matrices, %d "
+                        "threads; rows: panels / oneDNN ms %s)", cpu_gemm.describe_bf16_route(),
+                        time.perf_counter() - started, len(gemms), torch.get_num_threads(), timings_text(timings))
     holders = {id(g): g for m in model.modules() for g in (getattr(m, "gemm", None), getattr(m, "logits_gemm", None))
                if isinstance(g, cpu_gemm.CpuLinear)}
     released = sum(g.release_unread_copy() for g in holders.values())

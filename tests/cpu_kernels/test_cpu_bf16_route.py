@@ -158,3 +158,16 @@ def test_the_real_measurement_stops_at_the_first_count_onednn_wins(amx, monkeypa
     assert [rows for rows, _, _ in timings] in ([2], [2, 8])
     assert all(p > 0 and o > 0 for _, p, o in timings)
     assert len(timings) == 2 or timings[0][1] > timings[0][2]
+
+
+def test_a_measurement_that_fails_leaves_every_batch_on_onednn(amx, monkeypatch, caplog):
+    def failing(gemms):
+        raise RuntimeError("no tiles today")
+    monkeypatch.setattr(cpu_bf16_route, "measure", failing)
+    model = TinyBf16Model()
+    with caplog.at_level(logging.INFO, logger="kernels.cpu_bf16_route"):
+        prepare_model_cpu(model)
+    assert "measuring the panel GEMM failed" in caplog.text and "no tiles today" in caplog.text
+    assert cpu_gemm.AMX_PANELS_MAX_ROWS == 0 and cpu_gemm.describe_bf16_route().endswith("(measurement failed)")
+    assert all(g.panels is None and g.packed is not None for g in gemms_of(model))
+    check_products(model, 3)
