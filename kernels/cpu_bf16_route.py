@@ -4,7 +4,7 @@ On a CPU with AVX512-BF16 and no AMX, bias-free bf16 linears run the native pane
 (``kernels/cpu_gemm.py``). On an AMX CPU oneDNN runs AMX tiles, many times the panel GEMM's arithmetic a cycle:
 prefill wants them. A decode batch is another matter: a few rows read every weight once, the step is bound by how
 fast the weights stream, and where this was measured oneDNN streams them slower than the panel GEMM (Zen 4, the
-1.1B shape: 1.25-1.4x slower for 1-8 rows; no AMX CPU has been available to this project). So on an AMX CPU, with
+1.1B shape: 1.15-1.5x slower for 1-8 rows; no AMX CPU has been available to this project). So on an AMX CPU, with
 ``TANDEM_CPU_BF16_GEMM=auto``, such linears keep the panel copy beside oneDNN's when the extra copy fits in memory
 (``panels_fit``), and ``calibrate_for_model`` times both products on the first layer's matrices (their sum, as a
 step runs them) at ``CANDIDATE_ROWS``, from the fewest rows up, alternating. ``cpu_gemm.AMX_PANELS_MAX_ROWS`` becomes

@@ -43,7 +43,7 @@ BF16_GEMM_ENV = "TANDEM_CPU_BF16_GEMM"
 # On an AMX CPU, bf16 batches of up to this many rows take the native panel GEMM where a layer holds its copy
 # beside oneDNN's (``bf16_panels_beside_onednn``; 0: none do, None: every batch). oneDNN runs AMX tiles, which
 # prefill wants; a decode batch reads each weight once for a few rows, which the panel GEMM streams faster on the
-# CPUs measured (Zen 4: 1.25-1.4x for 1-8 rows, docs/cpu-kernels.md). 0 until a model is measured at load
+# CPUs measured (Zen 4: 1.15-1.5x for 1-8 rows, docs/cpu-kernels.md). 0 until a model is measured at load
 # (kernels/cpu_bf16_route.py), which sets it and lets go of the copy its route never reads.
 AMX_PANELS_MAX_ROWS: int | None = 0
 AMX_PANELS_SOURCE = "default"
