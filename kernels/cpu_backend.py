@@ -94,7 +94,8 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
     # batches to torch._int_mm, and bf16 linears' batches from the panel GEMM to oneDNN
     cpu_prompt_route.calibrate_for_model(model)
     cpu_int8_route.calibrate_for_model(model)
-    cpu_bf16_route.calibrate_for_model(model)
+    if panels_beside:  # only then does a layer hold both copies to route between
+        cpu_bf16_route.calibrate_for_model(model)
 
 
 def _let_go(module: torch.nn.Module, name: str) -> None:
