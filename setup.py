@@ -32,7 +32,7 @@ setup(
     ext_modules=[
         Extension("kv_transfer._copysum", ["kv_transfer/_copysum.c"], extra_compile_args=["-O3"], optional=True),
         Extension(
-            "kernels._cpu_ops", ["kernels/native/cpu_ops.c"], depends=[f"kernels/native/{name}" for name in ("vec_isa.h", "bf16_pairs_isa.h", "paged_attention_isa.h", "paged_attention_pairs_isa.h", "elementwise_isa.h", "int8_isa.h", "int8_gemm.h", "moe_gemm.h", "isa_undef.h")],
+            "kernels._cpu_ops", ["kernels/native/cpu_ops.c"], depends=[f"kernels/native/{name}" for name in ("vec_isa.h", "bf16_pairs_isa.h", "paged_attention_isa.h", "paged_attention_pairs_isa.h", "elementwise_isa.h", "int8_isa.h", "int8_gemm.h", "moe_gemm.h", "decoder_stack.h", "isa_undef.h")],
             extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=fast", "-Wno-psabi", *OPENMP_FLAGS],
             extra_link_args=OPENMP_FLAGS, optional=True,
         ),

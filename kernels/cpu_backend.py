@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from kernels import cpu_bf16_route, cpu_int8, cpu_int8_route, cpu_moe, cpu_native, cpu_prompt_route
+from kernels import cpu_bf16_route, cpu_decoder_stack, cpu_int8, cpu_int8_route, cpu_moe, cpu_native, cpu_prompt_route
 from kernels.cpu_gemm import PACKED_MAX_ROWS, CpuLinear, describe_bf16_route
 from kernels.cpu_elementwise import apply_rotary_cpu, rms_norm_cpu, silu_and_mul_cpu, store_kv_cpu
 from kernels.cpu_paged_attention import describe_prompt_route, paged_attention_cpu
@@ -96,6 +96,8 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
     cpu_int8_route.calibrate_for_model(model)
     if panels_beside:  # only then does a layer hold both copies to route between
         cpu_bf16_route.calibrate_for_model(model)
+    if hasattr(model, "native_decoder_stack"):  # once the routes are set and every unread copy let go
+        model.native_decoder_stack = cpu_decoder_stack.for_model(model)
 
 
 def _let_go(module: torch.nn.Module, name: str) -> None:

@@ -156,8 +156,7 @@ class CpuLinear:
         lead, rows = x.shape[:-1], x.numel() // x.shape[-1]
         if rows == 0:
             return x.new_empty((*lead, self.out_features), dtype=self.dtype)
-        if self.panels is not None and (self.packed is None or AMX_PANELS_MAX_ROWS is None
-                                        or rows <= AMX_PANELS_MAX_ROWS):
+        if self.takes_panels(rows):
             return self.panel_product(x.reshape(rows, x.shape[-1])).view(*lead, self.out_features)
         use_packed = self.packed is not None and (
             (PACKED_MIN_ROWS <= rows and (PACKED_MAX_ROWS is None or rows <= PACKED_MAX_ROWS))
@@ -167,6 +166,11 @@ class CpuLinear:
         else:
             out = F.linear(x, self.weight, self.bias)
         return out if out.dtype == self.dtype else out.to(self.dtype)
+
+    def takes_panels(self, rows: int) -> bool:
+        """Whether a bf16 batch of ``rows`` rows runs the native panel GEMM (else oneDNN or ``F.linear``)."""
+        return self.panels is not None and (self.packed is None or AMX_PANELS_MAX_ROWS is None
+                                            or rows <= AMX_PANELS_MAX_ROWS)
 
     def panel_product(self, flat: torch.Tensor) -> torch.Tensor:  # [rows, in] bf16 -> [rows, out]
         """The native panel GEMM over the panel copy: one group of every row."""

@@ -123,10 +123,16 @@ def paged_attention_cpu(
     return out
 
 
+def may_route_to_flash(num_rows: int, dtype: torch.dtype) -> bool:
+    """Whether a batch of ``num_rows`` query rows in ``dtype`` may send a sequence to torch's flash attention (else
+    every sequence runs the native kernel)."""
+    return FLASH_MIN_QUERY_ROWS is not None and dtype in FLASH_DTYPES and num_rows >= FLASH_MIN_QUERY_ROWS
+
+
 def _flash_sequences(query: torch.Tensor, cu_seqlens_q: torch.Tensor) -> tuple[list[int], list[int]]:
     """(the batch's query offsets, the sequences that go to torch's flash attention: ``FLASH_MIN_QUERY_ROWS``);
     without a route, or with too few rows in all, ([], []) and the offsets are not read."""
-    if FLASH_MIN_QUERY_ROWS is None or query.dtype not in FLASH_DTYPES or query.shape[0] < FLASH_MIN_QUERY_ROWS:
+    if not may_route_to_flash(query.shape[0], query.dtype):
         return [], []
     starts = cu_seqlens_q.tolist()
     return starts, [i for i, (start, end) in enumerate(zip(starts, starts[1:])) if end - start >= FLASH_MIN_QUERY_ROWS]

@@ -19,6 +19,9 @@
  * (kernels/cpu_moe.py wraps it):
  *   moe_gemm         each expert's rows x its weight packed once (moe_gemm.h; its own choice of body:
  *                    AVX512-BF16, or the portable one the tests force)
+ * and, chaining those, a bf16 Llama-family model's decoder layers for one step in one call
+ * (kernels/cpu_decoder_stack.py wraps it):
+ *   decoder_stack    norms, q/k/v, rotary, the KV store, attention, o, gate/up, SiLU, down (decoder_stack.h)
  *
  * Each body is compiled once per instruction set and the best one the CPU runs is chosen once, at
  * import: AVX-512 with AVX512-BF16 (avx512's body, attention in bf16 pairs), AVX-512, AVX2 + FMA, 16-byte vectors
@@ -879,6 +882,8 @@ static PyObject *py_set_isa(PyObject *self, PyObject *args)
     return select_variant(&ISA_TABLE, name, &selected_isa);
 }
 
+#include "decoder_stack.h"
+
 static PyMethodDef METHODS[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS,
      "paged_attention(query, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables (addresses), "
@@ -927,6 +932,12 @@ static PyMethodDef METHODS[] = {
     {"supported_moe_gemm_isas", py_supported_moe_gemm_isas, METH_NOARGS, "Every MoE GEMM body this CPU runs."},
     {"set_moe_gemm_isa", py_set_moe_gemm_isa, METH_VARARGS,
      "Run moe_gemm with this body (None: none, as without AVX512-BF16); tests compare them."},
+    {"decoder_stack", py_decoder_stack, METH_VARARGS,
+     "decoder_stack(plan (int64), floats (float64), embedded, delta, residual, scratch (addresses), scratch_elements, "
+     "positions (int64), slot_mapping (int64), cu_seqlens_q, context_lens, block_tables (int32) (addresses), "
+     "block_table_stride, num_rows, num_seqs, num_threads): a bf16 Llama-family decoder stack's step (decoder_stack.h)"},
+    {"decoder_stack_scratch", py_decoder_stack_scratch, METH_VARARGS,
+     "decoder_stack_scratch(plan (address)): the scratch elements decoder_stack needs per token row"},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels run (the widest this CPU has, unless set_isa chose)."},
     {"supported_isas", py_supported_isas, METH_NOARGS, "Every instruction set this CPU runs, widest first."},
     {"set_isa", py_set_isa, METH_VARARGS, "Run the kernels with this instruction set (tests compare them)."},

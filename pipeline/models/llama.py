@@ -205,6 +205,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         # tanh softcapping of the logits, where the config sets it (Gemma)
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
         self.logits_gemm = None  # the output projection's GEMM when a kernel set prepared one (see Linear.gemm)
+        # the decoder layers' step as one call, where a kernel set's prepare_model made one (the CPU set's:
+        # kernels/cpu_decoder_stack.py, over plain_decoder_layers); it says which batches it takes
+        self.native_decoder_stack = None
 
     def build_model(self, hf_config, dtype: torch.dtype, device) -> nn.Module:
         """The decoder (``model.``: embeddings, layers, final norm); other families with these weights' names override it."""
@@ -222,12 +225,32 @@ class LlamaFamilyForCausalLM(nn.Module):
         ``kv_cache``: ``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``.
         """
         hidden = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
-        residual = None
-        for index, layer in enumerate(self.model.layers):
-            hidden, residual = layer(hidden, residual, batch.of_layer(index, self.num_layers), kv_cache[index, 0],
-                                     kv_cache[index, 1], self.cos_sin_cache_of(index), kernels)
+        stack = self.native_decoder_stack
+        if stack is not None and stack.takes(batch):
+            hidden, residual = stack(hidden, batch, kv_cache)
+        else:
+            residual = None
+            for index, layer in enumerate(self.model.layers):
+                hidden, residual = layer(hidden, residual, batch.of_layer(index, self.num_layers), kv_cache[index, 0],
+                                         kv_cache[index, 1], self.cos_sin_cache_of(index), kernels)
         hidden, _ = self.model.norm(hidden, kernels, residual)
         return hidden
+
+    def plain_decoder_layers(self) -> list[DecoderLayer] | None:
+        """Every decoder layer, where each is exactly Llama's (``RMSNorm``s, ``Attention`` without q/k norms or sinks,
+        the dense ``MLP`` with SiLU, nothing hooked on them, such as tensor parallelism's all-reduces): what a kernel
+        set may run in one call; None where any layer is another kind."""
+        layers = list(self.model.layers)
+        for layer in layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            is_plain = (type(layer) is DecoderLayer and type(attention) is Attention and type(mlp) is MLP
+                        and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+                        and not attention.has_qk_norm and attention.sinks is None
+                        and mlp.activation == "silu_and_mul"
+                        and not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()))
+            if not is_plain:
+                return None
+        return layers
 
     def cos_sin_cache_of(self, layer_index: int) -> torch.Tensor:
         """``[max_positions, head_dim]``: the RoPE cos/sin cache layer ``layer_index`` rotates with (one for all here)."""

@@ -1,0 +1,160 @@
+"""A bf16 Llama-family model's decoder layers in one native call per step (``kernels/native/decoder_stack.h``).
+
+Layer by layer, a step calls about a dozen kernels per layer from Python (norm, q/k/v GEMM, rotary, KV store,
+attention, o GEMM, norm, gate/up GEMM, SiLU, down GEMM), each wrapper checking its tensors, allocating its output
+and crossing into C. In a small step that host work is a large share: on Zen 4, bf16, the 512x8 model, one thread,
+~1.1 of a batch-1 decode step's 4.2 ms, and more of it on a CPU whose GEMMs are faster (AMX). Where every layer is
+exactly Llama's (``LlamaFamilyForCausalLM.plain_decoder_layers``: RMSNorms, attention without q/k norms or sinks,
+the dense SiLU MLP, no hooks such as tensor parallelism's all-reduces) and each of its linears runs the native
+panel GEMM for the step's row count, the step's layers run in one call instead: the same kernels with the same
+arguments and thread counts, so the same bits (the tests compare them), with the host's part once per step.
+
+The plan (the weights' and caches' addresses, the shapes) is built once per KV cache; each step passes its
+batch's tensors. ``TANDEM_CPU_DECODER_STACK=0`` turns it off (the layer-by-layer path, for A/B runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kernels import cpu_moe, cpu_native
+from kernels.cpu_gemm import CpuLinear
+from kernels.cpu_paged_attention import NATIVE_MAX_GROUP, NATIVE_MAX_HEAD_DIM, may_route_to_flash
+
+logger = logging.getLogger(__name__)
+
+SWITCH_ENV = "TANDEM_CPU_DECODER_STACK"
+# decoder_stack.h's plan: header fields, then per layer its int64 fields and its doubles
+HEADER_FIELDS = ("hidden", "q_heads", "kv_heads", "head_dim", "intermediate", "page_size", "k_block_stride",
+                 "k_token_stride", "v_block_stride", "v_token_stride", "num_layers")
+LAYER_FIELDS = 10
+
+
+def is_turned_on() -> bool:
+    raw = os.environ.get(SWITCH_ENV, "1").strip().lower()
+    if raw not in ("0", "1", "false", "true", "off", "on", "no", "yes"):
+        raise ValueError(f"{SWITCH_ENV}={raw!r}: use 1 (one native call per step where it applies) or 0")
+    return raw in ("1", "true", "on", "yes")
+
+
+class NativeDecoderStack:
+    """One step of a model's decoder layers in one native call: ``(embedded, batch, kv_cache) -> (delta,
+    residual)``, what the layer-by-layer loop leaves for the final norm. Build it with ``for_model``."""
+
+    def __init__(self, model: torch.nn.Module, layers: list, gemms: list[list[CpuLinear]]):
+        attention = layers[0].self_attn
+        self.num_layers = len(layers)
+        self.shape = dict(hidden=gemms[0][0].panels.in_features, q_heads=attention.num_q_heads,
+                          kv_heads=attention.num_kv_heads, head_dim=attention.head_dim,
+                          intermediate=gemms[0][3].panels.in_features)
+        self.gemms = [gemm for layer in gemms for gemm in layer]
+        # every tensor the plan points at, held here so that none is freed while the plan lives
+        self._held = [tensor for index, layer in enumerate(layers) for tensor in (
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, model.cos_sin_cache_of(index),
+            *(gemm.panels.packed for gemm in gemms[index]))]
+        self._weights = [[layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                          *(gemm.panels.packed.data_ptr() for gemm in gemms[index]),
+                          model.cos_sin_cache_of(index).data_ptr()] for index, layer in enumerate(layers)]
+        self._windows = [layer.self_attn.sliding_window or 0 for layer in layers]
+        self.floats = torch.tensor([[layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
+                                     layer.self_attn.scale] for layer in layers], dtype=torch.float64)
+        self._plan: torch.Tensor | None = None
+        self._plan_key: tuple | None = None
+        self.scratch_per_row = 0
+
+    def takes(self, batch) -> bool:
+        """Whether this step may run in one call: every row leaves the last layer (no ``final_layer``), each linear
+        runs the panel GEMM for this many rows, no sequence goes to torch's flash attention, and the batch's
+        tensors are laid out as the native kernels read them."""
+        rows = batch.num_tokens
+        return (rows > 0 and batch.final_layer is None and batch.query_rows is None
+                and not may_route_to_flash(rows, torch.bfloat16)
+                and all(gemm.takes_panels(rows) for gemm in self.gemms)
+                and _is_flat(batch.positions, torch.int64) and _is_flat(batch.slot_mapping, torch.int64)
+                and _is_flat(batch.cu_seqlens_q, torch.int32) and _is_flat(batch.context_lens, torch.int32)
+                and batch.block_tables.dtype == torch.int32 and batch.block_tables.dim() == 2
+                and batch.block_tables.stride(-1) == 1)
+
+    def __call__(self, embedded: torch.Tensor, batch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``embedded`` ``[rows, hidden]`` bf16 through every layer, each writing its K/V into ``kv_cache``
+        (``[num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim]``): (the last layer's output, the running
+        sum before it)."""
+        plan = self._plan_for(kv_cache)
+        embedded = embedded if embedded.is_contiguous() else embedded.contiguous()
+        rows = embedded.shape[0]
+        delta, residual = torch.empty_like(embedded), torch.empty_like(embedded)
+        scratch = torch.empty(rows * self.scratch_per_row, dtype=torch.bfloat16)
+        cpu_native.ops.decoder_stack(
+            plan.data_ptr(), self.floats.data_ptr(), embedded.data_ptr(), delta.data_ptr(), residual.data_ptr(),
+            scratch.data_ptr(), scratch.numel(), batch.positions.data_ptr(), batch.slot_mapping.data_ptr(),
+            batch.cu_seqlens_q.data_ptr(), batch.context_lens.data_ptr(), batch.block_tables.data_ptr(),
+            batch.block_tables.stride(0), rows, batch.context_lens.numel(), torch.get_num_threads())
+        return delta, residual
+
+    def _plan_for(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride())
+        if key != self._plan_key:
+            self._plan, self._plan_key = self._build_plan(kv_cache), key
+            self.scratch_per_row = cpu_native.ops.decoder_stack_scratch(self._plan.data_ptr())
+        return self._plan
+
+    def _build_plan(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        shape = self.shape
+        expected = (self.num_layers, 2, shape["kv_heads"], shape["head_dim"])
+        if (kv_cache.dtype != torch.bfloat16 or kv_cache.dim() != 6 or kv_cache.shape[0] < self.num_layers
+                or (kv_cache.shape[1], *kv_cache.shape[-2:]) != expected[1:] or kv_cache.stride(-1) != 1
+                or kv_cache.stride(-2) != shape["head_dim"]):
+            raise ValueError(f"decoder stack: a KV cache of shape {tuple(kv_cache.shape)} and strides "
+                             f"{kv_cache.stride()} is not laid out as this model's layers write it")
+        layer_stride, half_stride, block_stride, token_stride = kv_cache.stride()[:4]
+        header = [shape["hidden"], shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["intermediate"],
+                  kv_cache.shape[3], block_stride, token_stride, block_stride, token_stride, self.num_layers]
+        base, size = kv_cache.data_ptr(), kv_cache.element_size()
+        layers = [[*weights, base + index * layer_stride * size, base + (index * layer_stride + half_stride) * size,
+                   window] for index, (weights, window) in enumerate(zip(self._weights, self._windows))]
+        return torch.tensor(header + [field for layer in layers for field in layer], dtype=torch.int64)
+
+
+def _is_flat(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    return tensor.dtype == dtype and tensor.is_contiguous()
+
+
+def for_model(model: torch.nn.Module) -> NativeDecoderStack | None:
+    """The model's decoder layers as one native call, where they are all Llama's plain ones in bf16 with every
+    linear on the panel GEMM (its native body available here) and shapes the kernels take; else None."""
+    if not is_turned_on() or cpu_native.ops is None or not cpu_moe.native_available():
+        return None
+    plain = getattr(model, "plain_decoder_layers", None)
+    layers = plain() if plain is not None else None
+    if not layers or getattr(model, "dtype", None) != torch.bfloat16:
+        return None
+    gemms = [[getattr(linear, "gemm", None) for linear in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        for layer in layers]
+    if not all(isinstance(gemm, CpuLinear) and gemm.panels is not None and gemm.bias is None
+               for layer in gemms for gemm in layer):
+        return None
+    attention = layers[0].self_attn
+    q_heads, kv_heads, head_dim = attention.num_q_heads, attention.num_kv_heads, attention.head_dim
+    hidden, intermediate = gemms[0][0].panels.in_features, gemms[0][3].panels.in_features
+    widths = (hidden, (q_heads + 2 * kv_heads) * head_dim, q_heads * head_dim, hidden, hidden, 2 * intermediate,
+              intermediate, hidden)  # (in, out) of q/k/v, o, gate/up, down
+    same_shapes = all(
+        (layer.self_attn.num_q_heads, layer.self_attn.num_kv_heads, layer.self_attn.head_dim) == (
+            q_heads, kv_heads, head_dim)
+        and tuple(w for gemm in layer_gemms for w in (gemm.panels.in_features, gemm.out_features)) == widths
+        for layer, layer_gemms in zip(layers, gemms))
+    cos_sin_ok = all(model.cos_sin_cache_of(index).dtype == torch.float32
+                     and model.cos_sin_cache_of(index).is_contiguous()
+                     and model.cos_sin_cache_of(index).shape[-1] == head_dim for index in range(len(layers)))
+    norms_ok = all(norm.weight.dtype == torch.bfloat16 and norm.weight.is_contiguous() and norm.weight.device.type
+                   == "cpu" for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm))
+    kernels_take = (kv_heads > 0 and q_heads % kv_heads == 0 and q_heads // kv_heads <= NATIVE_MAX_GROUP
+                    and head_dim <= NATIVE_MAX_HEAD_DIM and head_dim % 2 == 0)
+    if not (same_shapes and cos_sin_ok and norms_ok and kernels_take):
+        return None
+    logger.info("decoder layers: one native call per step for batches on the panel GEMM (%d layers)", len(layers))
+    return NativeDecoderStack(model, layers, gemms)

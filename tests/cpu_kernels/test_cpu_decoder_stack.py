@@ -1,0 +1,155 @@
+"""``kernels/cpu_decoder_stack.py``: a bf16 Llama-family model's decoder layers in one native call per step give the
+same bits as the layer-by-layer path (tokens and logprobs through the real engine, decode and mixed steps, GQA,
+sliding windows, one and two threads), only where every layer is plain Llama on the panel GEMM, and only for the
+batches it takes. Where this CPU has no AVX512-BF16 the panel GEMM's portable body runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import cpu_decoder_stack, cpu_gemm, cpu_native
+from pipeline import LLM, SamplingParams
+from pipeline.builtin_model import build_checkpoint
+from pipeline.forward_batch import ForwardBatch
+from tests.conftest import TINY_CONFIGS
+
+
+@pytest.fixture
+def panels(monkeypatch):
+    """bf16 linears on the panel GEMM (its portable body where this CPU has no AVX512-BF16), the stack switched on."""
+    if cpu_native.ops is None:
+        pytest.skip("kernels._cpu_ops is not built")
+    before = cpu_native.ops.moe_gemm_isa()
+    if before is None:
+        cpu_native.ops.set_moe_gemm_isa("portable")
+    monkeypatch.setenv(cpu_gemm.BF16_GEMM_ENV, "panels")
+    monkeypatch.delenv(cpu_decoder_stack.SWITCH_ENV, raising=False)
+    yield
+    cpu_native.ops.set_moe_gemm_isa(before)
+
+
+@pytest.fixture(scope="module")
+def windowed_checkpoint(tmp_path_factory) -> str:
+    """Mistral with a 6-token window on every layer, 4 query heads per KV head: windows and GQA in the stack."""
+    path = tmp_path_factory.mktemp("windowed")
+    return str(build_checkpoint(path, "mistral", **{**TINY_CONFIGS["mistral"], "sliding_window": 6}))
+
+
+def bf16_llm(path: str) -> LLM:
+    return LLM(model=path, model_config={"dtype": "bfloat16", "device": "cpu"}, max_batch_size=8,
+               max_batch_input_tokens=64, max_length=128, kv_cache={"cpu_kv_cache_gib": 0.05})
+
+
+class CountingStack:
+    """The model's stack, counting the steps it ran."""
+
+    def __init__(self, stack):
+        self.stack, self.steps = stack, 0
+
+    def takes(self, batch) -> bool:
+        return self.stack.takes(batch)
+
+    def __call__(self, *args):
+        self.steps += 1
+        return self.stack(*args)
+
+
+def generate(llm: LLM, prompts: list[list[int]], max_tokens: int):
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=3) for _ in prompts]
+    return [(out.token_ids, out.logprobs) for out in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "windowed"])
+def test_one_call_per_step_gives_the_layer_by_layer_bits(panels, tiny_checkpoint, windowed_checkpoint, arch,
+                                                         threads):
+    path = windowed_checkpoint if arch == "windowed" else tiny_checkpoint("llama")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        llm = bf16_llm(path)
+        model = llm.engine.runner.model
+        assert isinstance(model.native_decoder_stack, cpu_decoder_stack.NativeDecoderStack)
+        counting = model.native_decoder_stack = CountingStack(model.native_decoder_stack)
+        # prompts of different lengths, longer than the window, chunked (64 tokens a step): prefill, mixed and
+        # decode steps, sequences joining and leaving
+        prompts = [[3 + (7 * i + 5 * j) % 250 for j in range(length)] for i, length in enumerate((5, 40, 17, 90, 1))]
+        fused = generate(llm, prompts, 12)
+        model.native_decoder_stack = None
+        llm.engine.kv_manager.reset_prefix_cache()
+        layer_by_layer = generate(llm, prompts, 12)
+    finally:
+        torch.set_num_threads(before)
+    assert counting.steps >= 10  # the decode steps at least
+    assert fused == layer_by_layer  # tokens and every logprob, bit for bit
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_layers_that_are_not_plain_llama_keep_the_layer_by_layer_path(panels, tiny_checkpoint, arch):
+    """Qwen2's q/k/v carry biases (no panel copy), Qwen3's heads are normed before rotary: no stack, same model."""
+    llm = bf16_llm(tiny_checkpoint(arch))
+    assert llm.engine.runner.model.native_decoder_stack is None
+    assert len(generate(llm, [[5, 6, 7]], 3)[0][0]) == 3
+
+
+def test_no_stack_for_fp32_hooked_layers_or_when_switched_off(panels, tiny_checkpoint, monkeypatch):
+    from kernels.cpu_backend import prepare_model_cpu
+    from pipeline.weights import load_model
+
+    path = tiny_checkpoint("llama")
+    fp32, _ = load_model(path, torch.float32, "cpu")
+    prepare_model_cpu(fp32)
+    assert fp32.native_decoder_stack is None
+    hooked, _ = load_model(path, torch.bfloat16, "cpu")  # as tensor parallelism's all-reduce after each MLP
+    hooked.model.layers[1].mlp.register_forward_hook(lambda module, inputs, output: output)
+    assert hooked.plain_decoder_layers() is None
+    prepare_model_cpu(hooked)
+    assert hooked.native_decoder_stack is None
+    monkeypatch.setenv(cpu_decoder_stack.SWITCH_ENV, "0")
+    off, _ = load_model(path, torch.bfloat16, "cpu")
+    prepare_model_cpu(off)
+    assert off.native_decoder_stack is None
+    monkeypatch.setenv(cpu_decoder_stack.SWITCH_ENV, "sometimes")
+    with pytest.raises(ValueError, match="TANDEM_CPU_DECODER_STACK='sometimes'"):
+        cpu_decoder_stack.for_model(off)
+
+
+def test_it_takes_only_batches_every_linear_runs_on_panels(panels, tiny_checkpoint, monkeypatch):
+    """On an AMX CPU batches above the measured row count run oneDNN: those steps go layer by layer; so do steps
+    whose last layer keeps only the sampled rows, and batches laid out otherwise than the kernels read them."""
+    llm = bf16_llm(tiny_checkpoint("llama"))
+    stack = llm.engine.runner.model.native_decoder_stack
+    rows = 4
+    batch = ForwardBatch(
+        input_ids=torch.zeros(rows, dtype=torch.int64), positions=torch.arange(rows),
+        cu_seqlens_q=torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32),
+        context_lens=torch.tensor([1, 2, 3, 4], dtype=torch.int32), slot_mapping=torch.arange(rows),
+        block_tables=torch.zeros(4, 1, dtype=torch.int32), logits_indices=torch.arange(rows))
+    assert stack.takes(batch)
+    for gemm in stack.gemms:  # as an AMX CPU's layers hold oneDNN's copy beside the panels
+        monkeypatch.setattr(gemm, "packed", object())
+    monkeypatch.setattr(cpu_gemm, "AMX_PANELS_MAX_ROWS", 3)
+    assert not stack.takes(batch)
+    monkeypatch.setattr(cpu_gemm, "AMX_PANELS_MAX_ROWS", 4)
+    assert stack.takes(batch)
+    assert not stack.takes(dataclasses.replace(batch, final_layer=batch))
+    assert not stack.takes(dataclasses.replace(batch, context_lens=batch.context_lens.long()))
+    assert not stack.takes(dataclasses.replace(batch, positions=torch.arange(2 * rows)[::2]))
+
+
+def test_the_native_call_refuses_a_scratch_smaller_than_its_plan(panels, tiny_checkpoint):
+    llm = bf16_llm(tiny_checkpoint("llama"))
+    stack = llm.engine.runner.model.native_decoder_stack
+    plan = stack._plan_for(llm.engine.runner.kv_cache)
+    rows = 2
+    embedded = torch.zeros(rows, stack.shape["hidden"], dtype=torch.bfloat16)
+    scratch = torch.empty(rows * stack.scratch_per_row - 1, dtype=torch.bfloat16)
+    index = torch.zeros(rows, dtype=torch.int64)
+    with pytest.raises(ValueError, match="scratch smaller than the plan needs"):
+        cpu_native.ops.decoder_stack(plan.data_ptr(), stack.floats.data_ptr(), embedded.data_ptr(),
+                                     embedded.data_ptr(), embedded.data_ptr(), scratch.data_ptr(), scratch.numel(),
+                                     index.data_ptr(), index.data_ptr(), index.data_ptr(), index.data_ptr(),
+                                     index.data_ptr(), 1, rows, 1, 1)
