@@ -2,12 +2,13 @@
 
 Layer by layer, a step calls about a dozen kernels per layer from Python (norm, q/k/v GEMM, rotary, KV store,
 attention, o GEMM, norm, gate/up GEMM, SiLU, down GEMM), each wrapper checking its tensors, allocating its output
-and crossing into C. In a small step that host work is a large share: on Zen 4, bf16, the 512x8 model, one thread,
-~1.1 of a batch-1 decode step's 4.2 ms, and more of it on a CPU whose GEMMs are faster (AMX). Where every layer is
-exactly Llama's (``LlamaFamilyForCausalLM.plain_decoder_layers``: RMSNorms, attention without q/k norms or sinks,
-the dense SiLU MLP, no hooks such as tensor parallelism's all-reduces) and each of its linears runs the native
-panel GEMM for the step's row count, the step's layers run in one call instead: the same kernels with the same
-arguments and thread counts, so the same bits (the tests compare them), with the host's part once per step.
+and crossing into C. Where every layer is exactly Llama's (``LlamaFamilyForCausalLM.plain_decoder_layers``:
+RMSNorms, attention without sinks and with Qwen3's q/k RMSNorms or none, the dense SiLU MLP, no hooks such as tensor
+parallelism's all-reduces) and each of its linears runs the native panel GEMM for the step's row count, the step's
+layers run in one call instead: the same kernels with the same arguments and thread counts, so the same bits (the
+tests compare them), with the host's part once per step. Measured on Zen 4, bf16, the 512x8 model, one thread: a
+batch-1 decode step 3.78 -> 1.82 ms, batch 48 16.5 -> 15.3 ms (docs/cpu-kernels.md); on a CPU whose GEMMs are
+faster (AMX) the host's share of a step is larger still.
 
 The plan (the weights' and caches' addresses, the shapes) is built once per KV cache; each step passes its
 batch's tensors. ``TANDEM_CPU_DECODER_STACK=0`` turns it off (the layer-by-layer path, for A/B runs).
@@ -28,9 +29,6 @@ logger = logging.getLogger(__name__)
 
 SWITCH_ENV = "TANDEM_CPU_DECODER_STACK"
 # decoder_stack.h's plan: header fields, then per layer its int64 fields and its doubles
-HEADER_FIELDS = ("hidden", "q_heads", "kv_heads", "head_dim", "intermediate", "page_size", "k_block_stride",
-                 "k_token_stride", "v_block_stride", "v_token_stride", "num_layers")
-LAYER_FIELDS = 10
 
 
 def is_turned_on() -> bool:
@@ -51,16 +49,20 @@ class NativeDecoderStack:
                           kv_heads=attention.num_kv_heads, head_dim=attention.head_dim,
                           intermediate=gemms[0][3].panels.in_features)
         self.gemms = [gemm for layer in gemms for gemm in layer]
+        self.has_qk_norm = attention.has_qk_norm
+        qk_norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) if self.has_qk_norm else () for layer in layers]
         # every tensor the plan points at, held here so that none is freed while the plan lives
         self._held = [tensor for index, layer in enumerate(layers) for tensor in (
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, model.cos_sin_cache_of(index),
-            *(gemm.panels.packed for gemm in gemms[index]))]
+            *(gemm.panels.packed for gemm in gemms[index]), *(norm.weight for norm in qk_norms[index]))]
         self._weights = [[layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                           *(gemm.panels.packed.data_ptr() for gemm in gemms[index]),
                           model.cos_sin_cache_of(index).data_ptr()] for index, layer in enumerate(layers)]
         self._windows = [layer.self_attn.sliding_window or 0 for layer in layers]
+        self._qk_norm_weights = [[norm.weight.data_ptr() for norm in norms] or [0, 0] for norms in qk_norms]
         self.floats = torch.tensor([[layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
-                                     layer.self_attn.scale] for layer in layers], dtype=torch.float64)
+                                     layer.self_attn.scale, *([norm.eps for norm in norms] or [0.0, 0.0])]
+                                    for layer, norms in zip(layers, qk_norms)], dtype=torch.float64)
         self._plan: torch.Tensor | None = None
         self._plan_key: tuple | None = None
         self.scratch_per_row = 0
@@ -111,10 +113,12 @@ class NativeDecoderStack:
                              f"{kv_cache.stride()} is not laid out as this model's layers write it")
         layer_stride, half_stride, block_stride, token_stride = kv_cache.stride()[:4]
         header = [shape["hidden"], shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["intermediate"],
-                  kv_cache.shape[3], block_stride, token_stride, block_stride, token_stride, self.num_layers]
+                  kv_cache.shape[3], block_stride, token_stride, block_stride, token_stride, self.num_layers,
+                  int(self.has_qk_norm)]
         base, size = kv_cache.data_ptr(), kv_cache.element_size()
         layers = [[*weights, base + index * layer_stride * size, base + (index * layer_stride + half_stride) * size,
-                   window] for index, (weights, window) in enumerate(zip(self._weights, self._windows))]
+                   window, *qk_norms] for index, (weights, window, qk_norms) in enumerate(
+                       zip(self._weights, self._windows, self._qk_norm_weights))]
         return torch.tensor(header + [field for layer in layers for field in layer], dtype=torch.int64)
 
 
@@ -150,8 +154,15 @@ def for_model(model: torch.nn.Module) -> NativeDecoderStack | None:
     cos_sin_ok = all(model.cos_sin_cache_of(index).dtype == torch.float32
                      and model.cos_sin_cache_of(index).is_contiguous()
                      and model.cos_sin_cache_of(index).shape[-1] == head_dim for index in range(len(layers)))
-    norms_ok = all(norm.weight.dtype == torch.bfloat16 and norm.weight.is_contiguous() and norm.weight.device.type
-                   == "cpu" for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm))
+    has_qk_norm = attention.has_qk_norm
+    norms = [norm for layer in layers for norm in (
+        layer.input_layernorm, layer.post_attention_layernorm,
+        *((layer.self_attn.q_norm, layer.self_attn.k_norm) if has_qk_norm else ()))]
+    norms_ok = all(layer.self_attn.has_qk_norm == has_qk_norm for layer in layers) and all(
+        norm.weight.dtype == torch.bfloat16 and norm.weight.is_contiguous() and norm.weight.device.type == "cpu"
+        for norm in norms) and (not has_qk_norm or all(
+            layer.self_attn.q_norm.weight.numel() == head_dim == layer.self_attn.k_norm.weight.numel()
+            for layer in layers))
     kernels_take = (kv_heads > 0 and q_heads % kv_heads == 0 and q_heads // kv_heads <= NATIVE_MAX_GROUP
                     and head_dim <= NATIVE_MAX_HEAD_DIM and head_dim % 2 == 0)
     if not (same_shapes and cos_sin_ok and norms_ok and kernels_take):

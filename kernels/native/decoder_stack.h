@@ -3,6 +3,7 @@
  *
  *   per layer:  normed, residual = rms_norm(delta + residual)      (layer 0: rms_norm(embedded), residual = embedded)
  *               qkv = normed x W_qkv                                 moe_gemm's body, one expert
+ *               q, k = rms_norm per head (Qwen3's q/k norms, where the plan has them)
  *               q, k = rotary(q, k); K/V rows into their cache slots
  *               attn = paged attention(q, the layer's cache)          run_attention
  *               delta = attn x W_o
@@ -16,16 +17,17 @@
  *
  * The plan: an int64 header (STACK_*), then LAYER_FIELDS int64 per layer (addresses of the norms' weights, of the
  * four panel-packed weights (moe_gemm.h's layout, one expert), of the layer's fp32 cos/sin cache and of its K and V
- * caches; its sliding window, 0 for none), and three doubles per layer (the two norms' eps, the softmax scale).
+ * caches; its sliding window, 0 for none; its q and k norms' weights, 0 without), and LAYER_FLOATS doubles per layer
+ * (the two norms' eps, the softmax scale, the q and k norms' eps).
  * Everything is bf16 but the cos/sin cache; the scratch holds STACK_SCRATCH_PER_ROW(plan) elements per token row.
  */
 
 enum { STACK_HIDDEN, STACK_Q_HEADS, STACK_KV_HEADS, STACK_HEAD_DIM, STACK_INTERMEDIATE, STACK_PAGE_SIZE,
        STACK_K_BLOCK_STRIDE, STACK_K_TOKEN_STRIDE, STACK_V_BLOCK_STRIDE, STACK_V_TOKEN_STRIDE, STACK_NUM_LAYERS,
-       STACK_HEADER };
+       STACK_QK_NORM, STACK_HEADER };
 enum { LAYER_INPUT_NORM, LAYER_POST_NORM, LAYER_QKV, LAYER_O, LAYER_GATE_UP, LAYER_DOWN, LAYER_COS_SIN,
-       LAYER_K_CACHE, LAYER_V_CACHE, LAYER_WINDOW, LAYER_FIELDS };
-enum { LAYER_INPUT_EPS, LAYER_POST_EPS, LAYER_SCALE, LAYER_FLOATS };
+       LAYER_K_CACHE, LAYER_V_CACHE, LAYER_WINDOW, LAYER_Q_NORM, LAYER_K_NORM, LAYER_FIELDS };
+enum { LAYER_INPUT_EPS, LAYER_POST_EPS, LAYER_SCALE, LAYER_Q_EPS, LAYER_K_EPS, LAYER_FLOATS };
 
 typedef struct {
     const int64_t *plan;
@@ -44,11 +46,11 @@ static int64_t stack_qkv_width(const int64_t *h)
     return (h[STACK_Q_HEADS] + 2 * h[STACK_KV_HEADS]) * h[STACK_HEAD_DIM];
 }
 
-/* scratch elements per row: normed, qkv, rotated q and k, attention output, gate/up, activation */
+/* scratch elements per row: normed, qkv, rotated q and k, attention output, gate/up, activation, normed q and k */
 static int64_t stack_scratch_per_row(const int64_t *h)
 {
     int64_t q = h[STACK_Q_HEADS] * h[STACK_HEAD_DIM], k = h[STACK_KV_HEADS] * h[STACK_HEAD_DIM];
-    return h[STACK_HIDDEN] + stack_qkv_width(h) + q + k + q + 3 * h[STACK_INTERMEDIATE];
+    return h[STACK_HIDDEN] + stack_qkv_width(h) + q + k + q + 3 * h[STACK_INTERMEDIATE] + q + k;
 }
 
 /* out[rows][cols] = x[rows][k] x the panel-packed weight, as moe_gemm with one expert holding every row */
@@ -70,6 +72,33 @@ static void stack_norm(const uint16_t *x, const uint16_t *residual, uint16_t *re
     run_rows((rows_fn)isa_for((int)hidden)->rms_norm, &n, rows, hidden, num_threads);
 }
 
+/* Per-head RMSNorm (Qwen3's q/k norms): each token's `heads` rows of head_dim, token_stride apart in the source,
+ * into contiguous rows; the same arithmetic per row as rms_norm over the heads copied out first */
+typedef struct {
+    norm_args n;
+    int64_t token_stride;
+    int heads;
+} head_norm_args;
+
+static void stack_head_norm_tokens(const head_norm_args *a, int64_t first, int64_t last)
+{
+    const isa_entry *isa = isa_for(a->n.hidden);
+    for (int64_t t = first; t < last; t++) {
+        norm_args n = a->n;
+        n.x = (const uint16_t *)a->n.x + t * a->token_stride;
+        n.out = (uint16_t *)a->n.out + t * a->heads * a->n.hidden;
+        isa->rms_norm(&n, 0, a->heads);
+    }
+}
+
+static void stack_head_norm(const uint16_t *x, int64_t token_stride, int heads, uint16_t *out, int64_t weight,
+                            double eps, int64_t rows, int64_t head_dim, int num_threads)
+{
+    head_norm_args a = {{x, (const void *)(uintptr_t)weight, NULL, NULL, out, head_dim, 0, head_dim, (int)head_dim,
+                         DTYPE_BF16, 2, (float)eps}, token_stride, heads};
+    run_rows((rows_fn)stack_head_norm_tokens, &a, rows, heads * head_dim, num_threads);
+}
+
 static int run_decoder_stack(const stack_args *s, int num_threads)
 {
     const int64_t *h = s->plan;
@@ -77,7 +106,7 @@ static int run_decoder_stack(const stack_args *s, int num_threads)
     const int64_t inter = h[STACK_INTERMEDIATE], qkv_width = stack_qkv_width(h), rows = s->rows;
     uint16_t *normed = s->scratch, *qkv = normed + rows * hidden, *q_rot = qkv + rows * qkv_width;
     uint16_t *k_rot = q_rot + rows * nq * d, *attn = k_rot + rows * nkv * d, *gate_up = attn + rows * nq * d;
-    uint16_t *act = gate_up + rows * 2 * inter;
+    uint16_t *act = gate_up + rows * 2 * inter, *q_normed = act + rows * inter, *k_normed = q_normed + rows * nq * d;
     for (int64_t layer = 0; layer < h[STACK_NUM_LAYERS]; layer++) {
         const int64_t *l = h + STACK_HEADER + layer * LAYER_FIELDS;
         const double *f = s->floats + layer * LAYER_FLOATS;
@@ -89,8 +118,15 @@ static int run_decoder_stack(const stack_args *s, int num_threads)
             stack_norm(s->delta, running, s->residual, normed, l[LAYER_INPUT_NORM], f[LAYER_INPUT_EPS], rows, hidden,
                        num_threads);
         stack_gemm(normed, rows, hidden, l[LAYER_QKV], qkv_width, qkv, num_threads);
-        rotary_args r = {qkv, qkv + nq * d, q_rot, k_rot, s->positions, (const float *)(uintptr_t)l[LAYER_COS_SIN],
-                         qkv_width, qkv_width, (int)nq, (int)nkv, (int)d, DTYPE_BF16, 2};
+        const uint16_t *q = qkv, *k = qkv + nq * d;
+        int64_t q_stride = qkv_width, k_stride = qkv_width;
+        if (h[STACK_QK_NORM]) { /* per head, before rotary */
+            stack_head_norm(q, qkv_width, (int)nq, q_normed, l[LAYER_Q_NORM], f[LAYER_Q_EPS], rows, d, num_threads);
+            stack_head_norm(k, qkv_width, (int)nkv, k_normed, l[LAYER_K_NORM], f[LAYER_K_EPS], rows, d, num_threads);
+            q = q_normed, k = k_normed, q_stride = nq * d, k_stride = nkv * d;
+        }
+        rotary_args r = {q, k, q_rot, k_rot, s->positions, (const float *)(uintptr_t)l[LAYER_COS_SIN], q_stride,
+                         k_stride, (int)nq, (int)nkv, (int)d, DTYPE_BF16, 2};
         run_rows((rows_fn)isa_for((int)d / 2)->rotary, &r, rows, (nq + nkv) * d, num_threads);
         char *k_cache = (char *)(uintptr_t)l[LAYER_K_CACHE], *v_cache = (char *)(uintptr_t)l[LAYER_V_CACHE];
         const size_t row_bytes = (size_t)(nkv * d) * 2;

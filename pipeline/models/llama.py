@@ -237,15 +237,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         return hidden
 
     def plain_decoder_layers(self) -> list[DecoderLayer] | None:
-        """Every decoder layer, where each is exactly Llama's (``RMSNorm``s, ``Attention`` without q/k norms or sinks,
-        the dense ``MLP`` with SiLU, nothing hooked on them, such as tensor parallelism's all-reduces): what a kernel
-        set may run in one call; None where any layer is another kind."""
+        """Every decoder layer, where each is exactly Llama's (``RMSNorm``s, ``Attention`` without sinks and with
+        Qwen3's ``RMSNorm`` q/k norms or none, the dense ``MLP`` with SiLU, nothing hooked on them, such as tensor
+        parallelism's all-reduces): what a kernel set may run in one call; None where any layer is another kind."""
         layers = list(self.model.layers)
         for layer in layers:
             attention, mlp = layer.self_attn, layer.mlp
             is_plain = (type(layer) is DecoderLayer and type(attention) is Attention and type(mlp) is MLP
                         and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
-                        and not attention.has_qk_norm and attention.sinks is None
+                        and attention.sinks is None and (not attention.has_qk_norm or (
+                            type(attention.q_norm) is RMSNorm and type(attention.k_norm) is RMSNorm))
                         and mlp.activation == "silu_and_mul"
                         and not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()))
             if not is_plain:

@@ -1,7 +1,7 @@
 """``kernels/cpu_decoder_stack.py``: a bf16 Llama-family model's decoder layers in one native call per step give the
 same bits as the layer-by-layer path (tokens and logprobs through the real engine, decode and mixed steps, GQA,
-sliding windows, one and two threads), only where every layer is plain Llama on the panel GEMM, and only for the
-batches it takes. Where this CPU has no AVX512-BF16 the panel GEMM's portable body runs it."""
+sliding windows, Qwen3's q/k norms, one and two threads), only where every layer is plain Llama on the panel GEMM,
+and only for the batches it takes. Where this CPU has no AVX512-BF16 the panel GEMM's portable body runs it."""
 
 from __future__ import annotations
 
@@ -63,10 +63,10 @@ def generate(llm: LLM, prompts: list[list[int]], max_tokens: int):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("arch", ["llama", "windowed"])
+@pytest.mark.parametrize("arch", ["llama", "windowed", "qwen3"])
 def test_one_call_per_step_gives_the_layer_by_layer_bits(panels, tiny_checkpoint, windowed_checkpoint, arch,
                                                          threads):
-    path = windowed_checkpoint if arch == "windowed" else tiny_checkpoint("llama")
+    path = windowed_checkpoint if arch == "windowed" else tiny_checkpoint(arch)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -87,10 +87,9 @@ def test_one_call_per_step_gives_the_layer_by_layer_bits(panels, tiny_checkpoint
     assert fused == layer_by_layer  # tokens and every logprob, bit for bit
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_layers_that_are_not_plain_llama_keep_the_layer_by_layer_path(panels, tiny_checkpoint, arch):
-    """Qwen2's q/k/v carry biases (no panel copy), Qwen3's heads are normed before rotary: no stack, same model."""
-    llm = bf16_llm(tiny_checkpoint(arch))
+def test_layers_that_are_not_plain_llama_keep_the_layer_by_layer_path(panels, tiny_checkpoint):
+    """Qwen2's q/k/v carry biases: no panel copy there, so no stack; the model runs as before."""
+    llm = bf16_llm(tiny_checkpoint("qwen2"))
     assert llm.engine.runner.model.native_decoder_stack is None
     assert len(generate(llm, [[5, 6, 7]], 3)[0][0]) == 3
 
