@@ -71,9 +71,10 @@ class NativeDecoderStack:
         """Whether this step may run in one call: every row leaves the last layer (no ``final_layer``), each linear
         runs the panel GEMM for this many rows, no sequence goes to torch's flash attention, and the batch's
         tensors are laid out as the native kernels read them."""
-        rows = batch.num_tokens
+        rows, num_seqs = batch.num_tokens, batch.num_seqs
+        longest_possible = rows - num_seqs + 1  # query rows of one sequence, at most (a decode batch: 1)
         return (rows > 0 and batch.final_layer is None and batch.query_rows is None
-                and not may_route_to_flash(rows, torch.bfloat16)
+                and not may_route_to_flash(longest_possible, torch.bfloat16)
                 and all(gemm.takes_panels(rows) for gemm in self.gemms)
                 and _is_flat(batch.positions, torch.int64) and _is_flat(batch.slot_mapping, torch.int64)
                 and _is_flat(batch.cu_seqlens_q, torch.int32) and _is_flat(batch.context_lens, torch.int32)

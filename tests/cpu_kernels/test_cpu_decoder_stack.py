@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import cpu_decoder_stack, cpu_gemm, cpu_native
+from kernels import cpu_decoder_stack, cpu_gemm, cpu_native, cpu_paged_attention
 from pipeline import LLM, SamplingParams
 from pipeline.builtin_model import build_checkpoint
 from pipeline.forward_batch import ForwardBatch
@@ -47,19 +47,23 @@ class CountingStack:
     """The model's stack, counting the steps it ran."""
 
     def __init__(self, stack):
-        self.stack, self.steps = stack, 0
+        self.stack, self.steps, self.prompt_rows = stack, 0, 0
 
     def takes(self, batch) -> bool:
         return self.stack.takes(batch)
 
-    def __call__(self, *args):
+    def __call__(self, embedded, batch, kv_cache):
         self.steps += 1
-        return self.stack(*args)
+        self.prompt_rows += batch.num_tokens - batch.num_seqs  # rows past each sequence's first
+        return self.stack(embedded, batch, kv_cache)
 
 
 def generate(llm: LLM, prompts: list[list[int]], max_tokens: int):
-    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=3) for _ in prompts]
-    return [(out.token_ids, out.logprobs) for out in llm.generate(prompts, params)]
+    """Greedy tokens with their top-3 logprobs; every other prompt's own logprobs too (its prompt chunks then run
+    every row through the last layer: the stack takes those steps, many query rows per sequence)."""
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=3,
+                             prompt_logprobs=1 if index % 2 else None) for index in range(len(prompts))]
+    return [(out.token_ids, out.logprobs, out.prompt_logprobs) for out in llm.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -84,7 +88,8 @@ def test_one_call_per_step_gives_the_layer_by_layer_bits(panels, tiny_checkpoint
     finally:
         torch.set_num_threads(before)
     assert counting.steps >= 10  # the decode steps at least
-    assert fused == layer_by_layer  # tokens and every logprob, bit for bit
+    assert counting.prompt_rows > 0  # and prompt chunks whose logprobs are read
+    assert fused == layer_by_layer  # tokens, every logprob and the prompts' logprobs, bit for bit
 
 
 def test_layers_that_are_not_plain_llama_keep_the_layer_by_layer_path(panels, tiny_checkpoint):
@@ -135,6 +140,15 @@ def test_it_takes_only_batches_every_linear_runs_on_panels(panels, tiny_checkpoi
     monkeypatch.setattr(cpu_gemm, "AMX_PANELS_MAX_ROWS", 4)
     assert stack.takes(batch)
     assert not stack.takes(dataclasses.replace(batch, final_layer=batch))
+    # an AMX CPU's bf16 prompts of 2 rows or more going to torch's flash attention: decodes still take the stack
+    monkeypatch.setattr(cpu_paged_attention, "FLASH_MIN_QUERY_ROWS", 2)
+    assert stack.takes(batch)
+    three_rows = dataclasses.replace(batch, cu_seqlens_q=torch.tensor([0, 1, 4], dtype=torch.int32),
+                                     context_lens=torch.tensor([1, 3], dtype=torch.int32),
+                                     block_tables=torch.zeros(2, 1, dtype=torch.int32))
+    assert not stack.takes(three_rows)
+    monkeypatch.setattr(cpu_paged_attention, "FLASH_MIN_QUERY_ROWS", 4)
+    assert stack.takes(three_rows)
     assert not stack.takes(dataclasses.replace(batch, context_lens=batch.context_lens.long()))
     assert not stack.takes(dataclasses.replace(batch, positions=torch.arange(2 * rows)[::2]))
 
