@@ -28,7 +28,6 @@ from kernels.cpu_paged_attention import NATIVE_MAX_GROUP, NATIVE_MAX_HEAD_DIM, m
 logger = logging.getLogger(__name__)
 
 SWITCH_ENV = "TANDEM_CPU_DECODER_STACK"
-# decoder_stack.h's plan: header fields, then per layer its int64 fields and its doubles
 
 
 def is_turned_on() -> bool:
