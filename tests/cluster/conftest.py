@@ -264,6 +264,31 @@ EARLY_PREFILLS_UNCLAIMED = "tandem_worker_early_prefills_unclaimed_total"
 LATE_CLAIM_MAX_RECOMPUTED = CLUSTER_CONFIG["max_batch_input_tokens"] + CLUSTER_CONFIG["kv_cache"]["page_size"]
 
 
+def check_served_1p1d_matches_offline(cluster, offline, prompts: list[list[int]], num_new_tokens: int,
+                                      atol: float) -> None:
+    """Each prompt's greedy completion served by a 1P1D ``cluster`` is ``offline``'s (an ``LLM`` on the same checkpoint:
+    the same tokens, logprobs within ``atol``), every prompt was prefilled on prefill-0 and none on decode-0, and
+    afterwards every KV block is back."""
+    from pipeline import SamplingParams
+
+    want = offline.generate(prompts, SamplingParams(max_tokens=num_new_tokens, temperature=0.0, logprobs=0))
+    client = openai_client(cluster)
+    name = model_name(client)
+    for prompt, expected in zip(prompts, want):
+        out = client.completions.create(model=name, prompt=prompt, max_tokens=num_new_tokens, temperature=0,
+                                        logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+        choice = out.choices[0]
+        assert [int(token.split(":")[1]) for token in choice.logprobs.tokens] == expected.token_ids
+        want_logprobs = [entry[token] for token, entry in zip(expected.token_ids, expected.logprobs)]
+        assert max(abs(a - b) for a, b in zip(choice.logprobs.token_logprobs, want_logprobs)) < atol
+    deadline = time.monotonic() + 5  # reports lag a heartbeat
+    while (worker_metric(cluster.url, PROMPT_TOKENS_COMPUTED, "prefill-0") or 0) < sum(map(len, prompts)):
+        assert time.monotonic() < deadline, "the prefill worker did not prefill every prompt"
+        time.sleep(0.1)
+    assert not worker_metric(cluster.url, PROMPT_TOKENS_COMPUTED, "decode-0")
+    wait_for_idle_blocks(cluster.url, cluster.worker_names, CLUSTER_CONFIG["kv_cache"]["num_blocks"])
+
+
 def prompt_tokens_computed(url: str, worker: str) -> tuple[float, float]:
     """(prompt tokens computed, early prefills unclaimed) of ``worker``, from one load report."""
     values = worker_metrics(url, worker)

@@ -32,3 +32,20 @@ def threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def panels(monkeypatch):
+    """bf16 linears on the native panel GEMM (``TANDEM_CPU_BF16_GEMM=panels``), with its portable body where this CPU
+    has no AVX512-BF16, and the one-call decoder stack on (its default)."""
+    from kernels import cpu_decoder_stack, cpu_gemm
+
+    if cpu_native.ops is None:
+        pytest.skip("kernels._cpu_ops is not built")
+    before = cpu_native.ops.moe_gemm_isa()
+    if before is None:
+        cpu_native.ops.set_moe_gemm_isa("portable")
+    monkeypatch.setenv(cpu_gemm.BF16_GEMM_ENV, "panels")
+    monkeypatch.delenv(cpu_decoder_stack.SWITCH_ENV, raising=False)
+    yield
+    cpu_native.ops.set_moe_gemm_isa(before)

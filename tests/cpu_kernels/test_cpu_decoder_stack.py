@@ -17,20 +17,6 @@ from pipeline.forward_batch import ForwardBatch
 from tests.conftest import TINY_CONFIGS
 
 
-@pytest.fixture
-def panels(monkeypatch):
-    """bf16 linears on the panel GEMM (its portable body where this CPU has no AVX512-BF16), the stack switched on."""
-    if cpu_native.ops is None:
-        pytest.skip("kernels._cpu_ops is not built")
-    before = cpu_native.ops.moe_gemm_isa()
-    if before is None:
-        cpu_native.ops.set_moe_gemm_isa("portable")
-    monkeypatch.setenv(cpu_gemm.BF16_GEMM_ENV, "panels")
-    monkeypatch.delenv(cpu_decoder_stack.SWITCH_ENV, raising=False)
-    yield
-    cpu_native.ops.set_moe_gemm_isa(before)
-
-
 @pytest.fixture(scope="module")
 def windowed_checkpoint(tmp_path_factory) -> str:
     """Mistral with a 6-token window on every layer, 4 query heads per KV head: windows and GQA in the stack."""
@@ -66,27 +52,19 @@ def generate(llm: LLM, prompts: list[list[int]], max_tokens: int):
     return [(out.token_ids, out.logprobs, out.prompt_logprobs) for out in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("arch", ["llama", "windowed", "qwen3"])
-def test_one_call_per_step_gives_the_layer_by_layer_bits(panels, tiny_checkpoint, windowed_checkpoint, arch,
-                                                         threads):
-    path = windowed_checkpoint if arch == "windowed" else tiny_checkpoint(arch)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        llm = bf16_llm(path)
-        model = llm.engine.runner.model
-        assert isinstance(model.native_decoder_stack, cpu_decoder_stack.NativeDecoderStack)
-        counting = model.native_decoder_stack = CountingStack(model.native_decoder_stack)
-        # prompts of different lengths, longer than the window, chunked (64 tokens a step): prefill, mixed and
-        # decode steps, sequences joining and leaving
-        prompts = [[3 + (7 * i + 5 * j) % 250 for j in range(length)] for i, length in enumerate((5, 40, 17, 90, 1))]
-        fused = generate(llm, prompts, 12)
-        model.native_decoder_stack = None
-        llm.engine.kv_manager.reset_prefix_cache()
-        layer_by_layer = generate(llm, prompts, 12)
-    finally:
-        torch.set_num_threads(before)
+def test_one_call_per_step_gives_the_layer_by_layer_bits(panels, threads, tiny_checkpoint, windowed_checkpoint, arch):
+    llm = bf16_llm(windowed_checkpoint if arch == "windowed" else tiny_checkpoint(arch))
+    model = llm.engine.runner.model
+    assert isinstance(model.native_decoder_stack, cpu_decoder_stack.NativeDecoderStack)
+    counting = model.native_decoder_stack = CountingStack(model.native_decoder_stack)
+    # prompts of different lengths, longer than the window, chunked (64 tokens a step): prefill, mixed and decode
+    # steps, sequences joining and leaving
+    prompts = [[3 + (7 * i + 5 * j) % 250 for j in range(length)] for i, length in enumerate((5, 40, 17, 90, 1))]
+    fused = generate(llm, prompts, 12)
+    model.native_decoder_stack = None
+    llm.engine.kv_manager.reset_prefix_cache()
+    layer_by_layer = generate(llm, prompts, 12)
     assert counting.steps >= 10  # the decode steps at least
     assert counting.prompt_rows > 0  # and prompt chunks whose logprobs are read
     assert fused == layer_by_layer  # tokens, every logprob and the prompts' logprobs, bit for bit

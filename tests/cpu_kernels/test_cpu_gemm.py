@@ -101,21 +101,6 @@ def test_the_checkpoint_layout_is_kept_only_where_a_call_reads_it(monkeypatch, r
         torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
-@pytest.fixture
-def panels(monkeypatch):
-    """TANDEM_CPU_BF16_GEMM=panels, with the portable body of the panel GEMM where this CPU has no AVX512-BF16."""
-    from kernels import cpu_gemm, cpu_native
-
-    if cpu_native.ops is None:
-        pytest.skip("kernels._cpu_ops is not built")
-    before = cpu_native.ops.moe_gemm_isa()
-    if before is None:
-        cpu_native.ops.set_moe_gemm_isa("portable")
-    monkeypatch.setenv(cpu_gemm.BF16_GEMM_ENV, "panels")
-    yield
-    cpu_native.ops.set_moe_gemm_isa(before)
-
-
 @pytest.mark.parametrize("shape", [(1, 256), (3, 256), (17, 256), (300, 256), (2, 5, 256)])
 def test_panel_route_is_a_bf16_gemm_with_fp32_accumulation(panels, threads, shape):
     """bf16 linears on the native panel GEMM: the weight held once (no oneDNN copy, no checkpoint layout), any row
