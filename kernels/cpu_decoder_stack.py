@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from kernels import cpu_moe, cpu_native
+from kernels import cpu_int8, cpu_moe, cpu_native
 from kernels.cpu_gemm import CpuLinear
 from kernels.cpu_paged_attention import NATIVE_MAX_GROUP, NATIVE_MAX_HEAD_DIM, may_route_to_flash
 
@@ -37,28 +37,72 @@ def is_turned_on() -> bool:
     return raw in ("1", "true", "on", "yes")
 
 
+class StackLinear:
+    """One linear layer as the plan describes it (``LINEAR_FIELDS`` in decoder_stack.h): the bf16 panel GEMM's copy of
+    a ``CpuLinear``, or an ``Int8Linear``'s packed W8A8 weight; and the batches it takes in one call, those its own
+    call would send to the same kernel."""
+
+    def __init__(self, gemm: CpuLinear | None = None, int8=None):
+        self.gemm, self.int8 = gemm, int8  # int8: the layer's Int8Matrix (pipeline/quantization/int8.py)
+        if gemm is not None:
+            self.in_features, self.out_features = gemm.panels.in_features, gemm.out_features
+            self.held = [gemm.panels.packed]
+            self.fields = [0, gemm.panels.packed.data_ptr(), 0, 0, 0, 0, 0]
+            self.codes_per_row = 0
+        else:
+            packed, static_scale = int8.packed, int8.act_scale
+            self.in_features, self.out_features = packed.in_features, packed.out_features
+            self.held = [t for t in (packed.packed, packed.correction, packed.scale, packed.bias, static_scale)
+                         if t is not None]
+            self.fields = [1, packed.packed.data_ptr(), packed.correction.data_ptr(), packed.scale.data_ptr(),
+                           0 if packed.bias is None else packed.bias.data_ptr(), packed.packed.shape[1],
+                           0 if static_scale is None else static_scale.data_ptr()]
+            self.codes_per_row = 4 * packed.packed.shape[1]
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> StackLinear | None:
+        """The module's linear as the stack runs it; None where it runs neither kernel (oneDNN, a bias on the
+        panels' side, torch._int_mm or the torch code for int8)."""
+        gemm = getattr(module, "gemm", None)
+        if isinstance(gemm, CpuLinear):
+            return cls(gemm=gemm) if gemm.panels is not None and gemm.bias is None else None
+        matrix = getattr(module, "matrix", None)
+        is_packed_int8 = (matrix is not None and getattr(module, "dtype", None) == torch.bfloat16
+                          and getattr(matrix, "is_native", False)
+                          and isinstance(getattr(matrix, "packed", None), cpu_int8.PackedInt8Weight)
+                          and (matrix.act_scale is None or matrix.act_scale.dtype == torch.float32))
+        return cls(int8=matrix) if is_packed_int8 else None
+
+    def takes(self, rows: int) -> bool:
+        if self.gemm is not None:
+            return self.gemm.takes_panels(rows)
+        return cpu_int8.packed_gemm_preferred(rows)
+
+
 class NativeDecoderStack:
     """One step of a model's decoder layers in one native call: ``(embedded, batch, kv_cache) -> (delta,
     residual)``, what the layer-by-layer loop leaves for the final norm. Build it with ``for_model``."""
 
-    def __init__(self, model: torch.nn.Module, layers: list, gemms: list[list[CpuLinear]]):
+    def __init__(self, model: torch.nn.Module, layers: list, linears: list[list[StackLinear]]):
         attention = layers[0].self_attn
         self.num_layers = len(layers)
-        self.shape = dict(hidden=gemms[0][0].panels.in_features, q_heads=attention.num_q_heads,
+        self.shape = dict(hidden=linears[0][0].in_features, q_heads=attention.num_q_heads,
                           kv_heads=attention.num_kv_heads, head_dim=attention.head_dim,
-                          intermediate=gemms[0][3].panels.in_features)
-        self.gemms = [gemm for layer in gemms for gemm in layer]
+                          intermediate=linears[0][3].in_features)
+        self.linears = [linear for layer in linears for linear in layer]
+        self.max_codes = max(linear.codes_per_row for linear in self.linears)
         self.has_qk_norm = attention.has_qk_norm
         qk_norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) if self.has_qk_norm else () for layer in layers]
         # every tensor the plan points at, held here so that none is freed while the plan lives
         self._held = [tensor for index, layer in enumerate(layers) for tensor in (
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, model.cos_sin_cache_of(index),
-            *(gemm.panels.packed for gemm in gemms[index]), *(norm.weight for norm in qk_norms[index]))]
-        self._weights = [[layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                          *(gemm.panels.packed.data_ptr() for gemm in gemms[index]),
-                          model.cos_sin_cache_of(index).data_ptr()] for index, layer in enumerate(layers)]
+            *(norm.weight for norm in qk_norms[index]))] + [t for linear in self.linears for t in linear.held]
+        self._norms_and_rope = [[layer.input_layernorm.weight.data_ptr(),
+                                 layer.post_attention_layernorm.weight.data_ptr(),
+                                 model.cos_sin_cache_of(index).data_ptr()] for index, layer in enumerate(layers)]
         self._windows = [layer.self_attn.sliding_window or 0 for layer in layers]
         self._qk_norm_weights = [[norm.weight.data_ptr() for norm in norms] or [0, 0] for norms in qk_norms]
+        self._linear_fields = [[field for linear in layer for field in linear.fields] for layer in linears]
         self.floats = torch.tensor([[layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
                                      layer.self_attn.scale, *([norm.eps for norm in norms] or [0.0, 0.0])]
                                     for layer, norms in zip(layers, qk_norms)], dtype=torch.float64)
@@ -68,13 +112,14 @@ class NativeDecoderStack:
 
     def takes(self, batch) -> bool:
         """Whether this step may run in one call: every row leaves the last layer (no ``final_layer``), each linear
-        runs the panel GEMM for this many rows, no sequence goes to torch's flash attention, and the batch's
-        tensors are laid out as the native kernels read them."""
+        runs the kernel it would run on its own for this many rows (the panel GEMM, the packed int8 GEMM), no
+        sequence goes to torch's flash attention, and the batch's tensors are laid out as the native kernels read
+        them."""
         rows, num_seqs = batch.num_tokens, batch.num_seqs
         longest_possible = rows - num_seqs + 1  # query rows of one sequence, at most (a decode batch: 1)
         return (rows > 0 and batch.final_layer is None and batch.query_rows is None
                 and not may_route_to_flash(longest_possible, torch.bfloat16)
-                and all(gemm.takes_panels(rows) for gemm in self.gemms)
+                and all(linear.takes(rows) for linear in self.linears)
                 and _is_flat(batch.positions, torch.int64) and _is_flat(batch.slot_mapping, torch.int64)
                 and _is_flat(batch.cu_seqlens_q, torch.int32) and _is_flat(batch.context_lens, torch.int32)
                 and batch.block_tables.dtype == torch.int32 and batch.block_tables.dim() == 2
@@ -114,11 +159,12 @@ class NativeDecoderStack:
         layer_stride, half_stride, block_stride, token_stride = kv_cache.stride()[:4]
         header = [shape["hidden"], shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["intermediate"],
                   kv_cache.shape[3], block_stride, token_stride, block_stride, token_stride, self.num_layers,
-                  int(self.has_qk_norm)]
+                  int(self.has_qk_norm), self.max_codes]
         base, size = kv_cache.data_ptr(), kv_cache.element_size()
-        layers = [[*weights, base + index * layer_stride * size, base + (index * layer_stride + half_stride) * size,
-                   window, *qk_norms] for index, (weights, window, qk_norms) in enumerate(
-                       zip(self._weights, self._windows, self._qk_norm_weights))]
+        layers = [[*norms_and_rope, base + index * layer_stride * size,
+                   base + (index * layer_stride + half_stride) * size, window, *qk_norms, *linear_fields]
+                  for index, (norms_and_rope, window, qk_norms, linear_fields) in enumerate(
+                      zip(self._norms_and_rope, self._windows, self._qk_norm_weights, self._linear_fields))]
         return torch.tensor(header + [field for layer in layers for field in layer], dtype=torch.int64)
 
 
@@ -129,28 +175,29 @@ def _is_flat(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
 def for_model(model: torch.nn.Module) -> NativeDecoderStack | None:
     """The model's decoder layers as one native call, where they are all Llama's plain ones in bf16 with every
     linear on the panel GEMM (its native body available here) and shapes the kernels take; else None."""
-    if not is_turned_on() or cpu_native.ops is None or not cpu_moe.native_available():
+    if not is_turned_on() or cpu_native.ops is None:
         return None
     plain = getattr(model, "plain_decoder_layers", None)
     layers = plain() if plain is not None else None
     if not layers or getattr(model, "dtype", None) != torch.bfloat16:
         return None
-    gemms = [[getattr(linear, "gemm", None) for linear in (
+    linears = [[StackLinear.of(module) for module in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         for layer in layers]
-    if not all(isinstance(gemm, CpuLinear) and gemm.panels is not None and gemm.bias is None
-               for layer in gemms for gemm in layer):
+    uses_panels = any(linear is not None and linear.gemm is not None for layer in linears for linear in layer)
+    if any(linear is None for layer in linears for linear in layer) or (uses_panels
+                                                                        and not cpu_moe.native_available()):
         return None
     attention = layers[0].self_attn
     q_heads, kv_heads, head_dim = attention.num_q_heads, attention.num_kv_heads, attention.head_dim
-    hidden, intermediate = gemms[0][0].panels.in_features, gemms[0][3].panels.in_features
+    hidden, intermediate = linears[0][0].in_features, linears[0][3].in_features
     widths = (hidden, (q_heads + 2 * kv_heads) * head_dim, q_heads * head_dim, hidden, hidden, 2 * intermediate,
               intermediate, hidden)  # (in, out) of q/k/v, o, gate/up, down
     same_shapes = all(
         (layer.self_attn.num_q_heads, layer.self_attn.num_kv_heads, layer.self_attn.head_dim) == (
             q_heads, kv_heads, head_dim)
-        and tuple(w for gemm in layer_gemms for w in (gemm.panels.in_features, gemm.out_features)) == widths
-        for layer, layer_gemms in zip(layers, gemms))
+        and tuple(w for linear in layer_linears for w in (linear.in_features, linear.out_features)) == widths
+        for layer, layer_linears in zip(layers, linears))
     cos_sin_ok = all(model.cos_sin_cache_of(index).dtype == torch.float32
                      and model.cos_sin_cache_of(index).is_contiguous()
                      and model.cos_sin_cache_of(index).shape[-1] == head_dim for index in range(len(layers)))
@@ -167,5 +214,7 @@ def for_model(model: torch.nn.Module) -> NativeDecoderStack | None:
                     and head_dim <= NATIVE_MAX_HEAD_DIM and head_dim % 2 == 0)
     if not (same_shapes and cos_sin_ok and norms_ok and kernels_take):
         return None
-    logger.info("decoder layers: one native call per step for batches on the panel GEMM (%d layers)", len(layers))
-    return NativeDecoderStack(model, layers, gemms)
+    kinds = sorted({"int8 GEMM" if linear.int8 is not None else "panel GEMM" for layer in linears for linear in layer})
+    logger.info("decoder layers: one native call per step for batches on the %s (%d layers)", " and ".join(kinds),
+                len(layers))
+    return NativeDecoderStack(model, layers, linears)

@@ -2,7 +2,8 @@
  * the plan and decides when a step may take it), included by cpu_ops.c after the kernels it chains:
  *
  *   per layer:  normed, residual = rms_norm(delta + residual)      (layer 0: rms_norm(embedded), residual = embedded)
- *               qkv = normed x W_qkv                                 moe_gemm's body, one expert
+ *               qkv = normed x W_qkv             moe_gemm's body, one expert (bf16), or W8A8: int8 codes per token
+ *                                                  and the int8 GEMM with its scales (int8_isa.h, int8_gemm.h)
  *               q, k = rms_norm per head (Qwen3's q/k norms, where the plan has them)
  *               q, k = rotary(q, k); K/V rows into their cache slots
  *               attn = paged attention(q, the layer's cache)          run_attention
@@ -16,18 +17,24 @@
  * one thread: a batch-1 decode step 3.78 -> 1.82 ms).
  *
  * The plan: an int64 header (STACK_*), then LAYER_FIELDS int64 per layer (addresses of the norms' weights, of the
- * four panel-packed weights (moe_gemm.h's layout, one expert), of the layer's fp32 cos/sin cache and of its K and V
- * caches; its sliding window, 0 for none; its q and k norms' weights, 0 without), and LAYER_FLOATS doubles per layer
- * (the two norms' eps, the softmax scale, the q and k norms' eps).
+ * layer's fp32 cos/sin cache and of its K and V caches; its sliding window, 0 for none; its q and k norms' weights,
+ * 0 without; then its four linears, q/k/v, o, gate/up, down, LINEAR_FIELDS each: a panel-packed bf16 weight
+ * (moe_gemm.h's layout, one expert), or an int8 one packed for int8_gemm.h with its column correction, scales and
+ * fp32 bias, its K in fours and its static activation scale's address, 0 for scales per token), and LAYER_FLOATS
+ * doubles per layer (the two norms' eps, the softmax scale, the q and k norms' eps).
  * Everything is bf16 but the cos/sin cache; the scratch holds stack_scratch_per_row(plan) elements per token row
  * (decoder_stack_scratch tells the caller).
  */
 
 enum { STACK_HIDDEN, STACK_Q_HEADS, STACK_KV_HEADS, STACK_HEAD_DIM, STACK_INTERMEDIATE, STACK_PAGE_SIZE,
        STACK_K_BLOCK_STRIDE, STACK_K_TOKEN_STRIDE, STACK_V_BLOCK_STRIDE, STACK_V_TOKEN_STRIDE, STACK_NUM_LAYERS,
-       STACK_QK_NORM, STACK_HEADER };
-enum { LAYER_INPUT_NORM, LAYER_POST_NORM, LAYER_QKV, LAYER_O, LAYER_GATE_UP, LAYER_DOWN, LAYER_COS_SIN,
-       LAYER_K_CACHE, LAYER_V_CACHE, LAYER_WINDOW, LAYER_Q_NORM, LAYER_K_NORM, LAYER_FIELDS };
+       STACK_QK_NORM, STACK_MAX_CODES, STACK_HEADER }; /* STACK_MAX_CODES: an int8 linear's widest codes row, or 0 */
+enum { LINEAR_KIND, LINEAR_WEIGHT, LINEAR_CORRECTION, LINEAR_SCALES, LINEAR_BIAS, LINEAR_K4, LINEAR_STATIC_SCALE,
+       LINEAR_FIELDS };
+enum { LINEAR_PANELS = 0, LINEAR_INT8 = 1 };
+enum { LAYER_INPUT_NORM, LAYER_POST_NORM, LAYER_COS_SIN, LAYER_K_CACHE, LAYER_V_CACHE, LAYER_WINDOW, LAYER_Q_NORM,
+       LAYER_K_NORM, LAYER_QKV, LAYER_O = LAYER_QKV + LINEAR_FIELDS, LAYER_GATE_UP = LAYER_O + LINEAR_FIELDS,
+       LAYER_DOWN = LAYER_GATE_UP + LINEAR_FIELDS, LAYER_FIELDS = LAYER_DOWN + LINEAR_FIELDS };
 enum { LAYER_INPUT_EPS, LAYER_POST_EPS, LAYER_SCALE, LAYER_Q_EPS, LAYER_K_EPS, LAYER_FLOATS };
 
 typedef struct {
@@ -47,22 +54,51 @@ static int64_t stack_qkv_width(const int64_t *h)
     return (h[STACK_Q_HEADS] + 2 * h[STACK_KV_HEADS]) * h[STACK_HEAD_DIM];
 }
 
-/* scratch elements per row: normed, qkv, rotated q and k, attention output, gate/up, activation, normed q and k */
-static int64_t stack_scratch_per_row(const int64_t *h)
+/* bf16 elements per row before the int8 codes: normed, qkv, rotated q and k, attention output, gate/up, activation,
+ * normed q and k */
+static int64_t stack_bf16_per_row(const int64_t *h)
 {
     int64_t q = h[STACK_Q_HEADS] * h[STACK_HEAD_DIM], k = h[STACK_KV_HEADS] * h[STACK_HEAD_DIM];
     return h[STACK_HIDDEN] + stack_qkv_width(h) + q + k + q + 3 * h[STACK_INTERMEDIATE] + q + k;
 }
 
-/* out[rows][cols] = x[rows][k] x the panel-packed weight, as moe_gemm with one expert holding every row */
-static void stack_gemm(const uint16_t *x, int64_t rows, int64_t k, int64_t packed, int64_t cols, uint16_t *out,
-                       int num_threads)
+/* scratch elements (bf16) per row: the bf16 rows, then (int8 linears) a scale per row and the codes, with room to
+ * align them to 64 bytes */
+static int64_t stack_scratch_per_row(const int64_t *h)
 {
-    static const int32_t only_expert[1] = {0};
-    int64_t offsets[2] = {0, rows};
-    moe_args m = {x, (const uint16_t *)(uintptr_t)packed, offsets, only_expert, out, k, cols, (int)k, (int)cols,
-                  (int)((cols + MOE_PANEL - 1) / MOE_PANEL)};
-    run_rows((rows_fn)MOE_GEMMS[selected_moe_gemm].items, &m, m.panels, k * MOE_PANEL, num_threads);
+    int64_t int8_bytes = h[STACK_MAX_CODES] > 0 ? 4 + h[STACK_MAX_CODES] : 0;
+    return stack_bf16_per_row(h) + (int8_bytes + 1) / 2 + (h[STACK_MAX_CODES] > 0 ? 64 : 0);
+}
+
+typedef struct {
+    float *scales;   /* [rows]: the activations' scales per token */
+    uint8_t *codes;  /* [rows][STACK_MAX_CODES] */
+} int8_scratch;
+
+/* out[rows][cols] = x[rows][k] x the linear's weight (bf16 out): the panel GEMM as moe_gemm with one expert holding
+ * every row, or W8A8 as kernels/cpu_int8.py's packed_product (codes q + 128 per token, then the GEMM) */
+static void stack_linear(const int64_t *linear, const uint16_t *x, int64_t rows, int64_t k, int64_t cols,
+                         uint16_t *out, const int8_scratch *i8, int num_threads)
+{
+    if (linear[LINEAR_KIND] == LINEAR_PANELS) {
+        static const int32_t only_expert[1] = {0};
+        int64_t offsets[2] = {0, rows};
+        moe_args m = {x, (const uint16_t *)(uintptr_t)linear[LINEAR_WEIGHT], offsets, only_expert, out, k, cols,
+                      (int)k, (int)cols, (int)((cols + MOE_PANEL - 1) / MOE_PANEL)};
+        run_rows((rows_fn)MOE_GEMMS[selected_moe_gemm].items, &m, m.panels, k * MOE_PANEL, num_threads);
+        return;
+    }
+    const int k4 = (int)linear[LINEAR_K4];
+    const float *static_scale = (const float *)(uintptr_t)linear[LINEAR_STATIC_SCALE];
+    quant_args q = {x, i8->codes, i8->scales, k, 4 * (int64_t)k4, static_scale ? *static_scale : 0.0f, (int)k, 4 * k4,
+                    128, DTYPE_BF16, 2};
+    run_rows((rows_fn)isa_for((int)k)->quantize_rows, &q, rows, k, num_threads);
+    gemm_args g = {i8->codes, (const int8_t *)(uintptr_t)linear[LINEAR_WEIGHT],
+                   (const int32_t *)(uintptr_t)linear[LINEAR_CORRECTION], static_scale ? static_scale : i8->scales,
+                   (const float *)(uintptr_t)linear[LINEAR_SCALES], (const float *)(uintptr_t)linear[LINEAR_BIAS], out,
+                   rows, 4 * (int64_t)k4, static_scale ? 0 : 1, cols, (int)cols, k4, OUT_BF16};
+    run_rows((rows_fn)INT8_GEMMS[selected_int8_gemm].panels, &g, (cols + INT8_PANEL - 1) / INT8_PANEL,
+             rows * k4 * 16, num_threads);
 }
 
 static void stack_norm(const uint16_t *x, const uint16_t *residual, uint16_t *residual_out, uint16_t *out,
@@ -108,6 +144,9 @@ static int run_decoder_stack(const stack_args *s, int num_threads)
     uint16_t *normed = s->scratch, *qkv = normed + rows * hidden, *q_rot = qkv + rows * qkv_width;
     uint16_t *k_rot = q_rot + rows * nq * d, *attn = k_rot + rows * nkv * d, *gate_up = attn + rows * nq * d;
     uint16_t *act = gate_up + rows * 2 * inter, *q_normed = act + rows * inter, *k_normed = q_normed + rows * nq * d;
+    uintptr_t int8_area = ((uintptr_t)(s->scratch + rows * stack_bf16_per_row(h)) + 63) & ~(uintptr_t)63;
+    const uintptr_t codes_area = int8_area + (((uintptr_t)rows * 4 + 63) & ~(uintptr_t)63);
+    const int8_scratch i8 = {(float *)int8_area, (uint8_t *)codes_area};
     for (int64_t layer = 0; layer < h[STACK_NUM_LAYERS]; layer++) {
         const int64_t *l = h + STACK_HEADER + layer * LAYER_FIELDS;
         const double *f = s->floats + layer * LAYER_FLOATS;
@@ -118,7 +157,7 @@ static int run_decoder_stack(const stack_args *s, int num_threads)
         else
             stack_norm(s->delta, running, s->residual, normed, l[LAYER_INPUT_NORM], f[LAYER_INPUT_EPS], rows, hidden,
                        num_threads);
-        stack_gemm(normed, rows, hidden, l[LAYER_QKV], qkv_width, qkv, num_threads);
+        stack_linear(l + LAYER_QKV, normed, rows, hidden, qkv_width, qkv, &i8, num_threads);
         const uint16_t *q = qkv, *k = qkv + nq * d;
         int64_t q_stride = qkv_width, k_stride = qkv_width;
         if (h[STACK_QK_NORM]) { /* per head, before rotary */
@@ -146,13 +185,13 @@ static int run_decoder_stack(const stack_args *s, int num_threads)
                        h[STACK_V_TOKEN_STRIDE], s->block_table_stride, (float)f[LAYER_SCALE]};
         if (run_attention(&a, s->num_seqs, num_threads) != 0)
             return -1;
-        stack_gemm(attn, rows, nq * d, l[LAYER_O], hidden, s->delta, num_threads);
+        stack_linear(l + LAYER_O, attn, rows, nq * d, hidden, s->delta, &i8, num_threads);
         stack_norm(s->delta, running, s->residual, normed, l[LAYER_POST_NORM], f[LAYER_POST_EPS], rows, hidden,
                    num_threads);
-        stack_gemm(normed, rows, hidden, l[LAYER_GATE_UP], 2 * inter, gate_up, num_threads);
+        stack_linear(l + LAYER_GATE_UP, normed, rows, hidden, 2 * inter, gate_up, &i8, num_threads);
         silu_args g = {gate_up, act, 2 * inter, inter, (int)inter, DTYPE_BF16, 2};
         run_rows((rows_fn)isa_for((int)inter)->silu_and_mul, &g, rows, 3 * inter, num_threads);
-        stack_gemm(act, rows, inter, l[LAYER_DOWN], hidden, s->delta, num_threads);
+        stack_linear(l + LAYER_DOWN, act, rows, inter, hidden, s->delta, &i8, num_threads);
     }
     return 0;
 }
@@ -169,12 +208,17 @@ static PyObject *py_decoder_stack(PyObject *self, PyObject *args)
                           &scratch_elements, &positions, &slots, &cu_seqlens, &context_lens, &block_tables,
                           &s.block_table_stride, &s.rows, &s.num_seqs, &num_threads))
         return NULL;
-    if (selected_moe_gemm < 0) {
-        PyErr_SetString(PyExc_RuntimeError, "decoder_stack: this CPU has no panel GEMM body chosen (no AVX512-BF16)");
-        return NULL;
-    }
     s.plan = (const int64_t *)(uintptr_t)plan;
     const int64_t *h = s.plan;
+    for (int64_t layer = 0; layer < h[STACK_NUM_LAYERS]; layer++)
+        for (int i = 0; i < 4; i++) {
+            const int64_t *linear = h + STACK_HEADER + layer * LAYER_FIELDS + LAYER_QKV + i * LINEAR_FIELDS;
+            if ((linear[LINEAR_KIND] == LINEAR_PANELS ? selected_moe_gemm : selected_int8_gemm) < 0) {
+                PyErr_SetString(PyExc_RuntimeError, "decoder_stack: a linear's GEMM body is not chosen on this CPU "
+                                "(the panel GEMM needs AVX512-BF16, the int8 one VNNI)");
+                return NULL;
+            }
+        }
     if (s.rows <= 0 || s.num_seqs <= 0 || h[STACK_KV_HEADS] <= 0 || h[STACK_Q_HEADS] % h[STACK_KV_HEADS] != 0
         || h[STACK_Q_HEADS] / h[STACK_KV_HEADS] > MAX_ROWS || h[STACK_HEAD_DIM] <= 0
         || h[STACK_HEAD_DIM] > MAX_HEAD_DIM || h[STACK_HEAD_DIM] % 2 != 0 || h[STACK_PAGE_SIZE] <= 0

@@ -15,6 +15,7 @@ from pipeline import LLM, SamplingParams
 from pipeline.builtin_model import build_checkpoint
 from pipeline.forward_batch import ForwardBatch
 from tests.conftest import TINY_CONFIGS
+from tests.quantized_checkpoints import quantized_checkpoint  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,37 @@ def test_one_call_per_step_gives_the_layer_by_layer_bits(panels, threads, tiny_c
     assert fused == layer_by_layer  # tokens, every logprob and the prompts' logprobs, bit for bit
 
 
+@pytest.fixture
+def int8_packed():
+    """The int8 GEMM over packed weights, with its portable body where this CPU has no AVX-512 VNNI."""
+    if cpu_native.ops is None:
+        pytest.skip("kernels._cpu_ops is not built")
+    before = cpu_native.ops.int8_gemm_isa()
+    if before is None:
+        cpu_native.ops.set_int8_gemm_isa("portable")
+    yield
+    cpu_native.ops.set_int8_gemm_isa(before)
+
+
+@pytest.mark.parametrize("scheme", ["w8a8_int8_channel", "w8a8_int8_tensor_static"])
+def test_w8a8_layers_in_one_call_give_the_layer_by_layer_bits(int8_packed, threads, tiny_checkpoint,
+                                                              quantized_checkpoint, scheme):
+    """A compressed-tensors W8A8 checkpoint in bf16: every linear of every layer int8 (activations quantized per token,
+    or by the static scale), in the stack as in its own call."""
+    llm = bf16_llm(quantized_checkpoint(scheme, tiny_checkpoint("llama"))[0])
+    model = llm.engine.runner.model
+    stack = model.native_decoder_stack
+    assert isinstance(stack, cpu_decoder_stack.NativeDecoderStack)
+    assert all(linear.int8 is not None for linear in stack.linears) and stack.max_codes > 0
+    counting = model.native_decoder_stack = CountingStack(stack)
+    prompts = [[3 + (7 * i + 5 * j) % 250 for j in range(length)] for i, length in enumerate((5, 40, 17, 90, 1))]
+    fused = generate(llm, prompts, 12)
+    model.native_decoder_stack = None
+    llm.engine.kv_manager.reset_prefix_cache()
+    assert counting.steps >= 10 and counting.prompt_rows > 0
+    assert fused == generate(llm, prompts, 12)
+
+
 def test_layers_that_are_not_plain_llama_keep_the_layer_by_layer_path(panels, tiny_checkpoint):
     """Qwen2's q/k/v carry biases: no panel copy there, so no stack; the model runs as before."""
     llm = bf16_llm(tiny_checkpoint("qwen2"))
@@ -111,8 +143,8 @@ def test_it_takes_only_batches_every_linear_runs_on_panels(panels, tiny_checkpoi
         context_lens=torch.tensor([1, 2, 3, 4], dtype=torch.int32), slot_mapping=torch.arange(rows),
         block_tables=torch.zeros(4, 1, dtype=torch.int32), logits_indices=torch.arange(rows))
     assert stack.takes(batch)
-    for gemm in stack.gemms:  # as an AMX CPU's layers hold oneDNN's copy beside the panels
-        monkeypatch.setattr(gemm, "packed", object())
+    for linear in stack.linears:  # as an AMX CPU's layers hold oneDNN's copy beside the panels
+        monkeypatch.setattr(linear.gemm, "packed", object())
     monkeypatch.setattr(cpu_gemm, "AMX_PANELS_MAX_ROWS", 3)
     assert not stack.takes(batch)
     monkeypatch.setattr(cpu_gemm, "AMX_PANELS_MAX_ROWS", 4)
