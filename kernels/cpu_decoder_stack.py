@@ -4,11 +4,12 @@ Layer by layer, a step calls about a dozen kernels per layer from Python (norm, 
 attention, o GEMM, norm, gate/up GEMM, SiLU, down GEMM), each wrapper checking its tensors, allocating its output
 and crossing into C. Where every layer is exactly Llama's (``LlamaFamilyForCausalLM.plain_decoder_layers``:
 RMSNorms, attention without sinks and with Qwen3's q/k RMSNorms or none, the dense SiLU MLP, no hooks such as tensor
-parallelism's all-reduces) and each of its linears runs the native panel GEMM for the step's row count, the step's
-layers run in one call instead: the same kernels with the same arguments and thread counts, so the same bits (the
-tests compare them), with the host's part once per step. Measured on Zen 4, bf16, the 512x8 model, one thread: a
-batch-1 decode step 3.78 -> 1.82 ms, batch 48 16.5 -> 15.3 ms (docs/cpu-kernels.md); on a CPU whose GEMMs are
-faster (AMX) the host's share of a step is larger still.
+parallelism's all-reduces) and each of its linears runs a native GEMM for the step's row count (the bf16 panel GEMM,
+or a W8A8 layer's packed int8 GEMM after its activation codes), the step's layers run in one call instead: the
+same kernels with the same arguments and thread counts, so the same bits (the tests compare them), with the host's
+part once per step. Measured on Zen 4, bf16, the 512x8 model, one thread: a
+batch-1 decode step 3.78 -> 1.82 ms, batch 48 16.5 -> 15.3 ms; the 1.1B shape in W8A8, two threads, batch 1 40.8 ->
+25.3 ms (docs/cpu-kernels.md); on a CPU whose GEMMs are faster (AMX) the host's share of a step is larger still.
 
 The plan (the weights' and caches' addresses, the shapes) is built once per KV cache; each step passes its
 batch's tensors. ``TANDEM_CPU_DECODER_STACK=0`` turns it off (the layer-by-layer path, for A/B runs).

@@ -218,6 +218,12 @@ static PyObject *py_decoder_stack(PyObject *self, PyObject *args)
                                 "(the panel GEMM needs AVX512-BF16, the int8 one VNNI)");
                 return NULL;
             }
+            if (linear[LINEAR_KIND] == LINEAR_INT8
+                && (linear[LINEAR_K4] <= 0 || 4 * linear[LINEAR_K4] > h[STACK_MAX_CODES])) {
+                PyErr_SetString(PyExc_ValueError,
+                                "decoder_stack: an int8 linear's codes are wider than the plan's scratch");
+                return NULL;
+            }
         }
     if (s.rows <= 0 || s.num_seqs <= 0 || h[STACK_KV_HEADS] <= 0 || h[STACK_Q_HEADS] % h[STACK_KV_HEADS] != 0
         || h[STACK_Q_HEADS] / h[STACK_KV_HEADS] > MAX_ROWS || h[STACK_HEAD_DIM] <= 0
