@@ -102,6 +102,32 @@ def test_w8a8_layers_in_one_call_give_the_layer_by_layer_bits(int8_packed, threa
     assert fused == generate(llm, prompts, 12)
 
 
+@pytest.mark.parametrize("mode", ["speculative", "overlap"])
+def test_speculative_and_overlapped_steps_give_the_same_tokens_with_the_stack(panels, tiny_checkpoint, drafts,
+                                                                             monkeypatch, mode):
+    """A draft model's steps and the target's verify rows (several query rows a sequence) through the stack, and the
+    overlap pipeline's steps run on its execution thread: the layer-by-layer tokens."""
+    extra = ({"draft_model": {"model_path": drafts("llama", "small")}, "speculative": {"num_speculative_tokens": 3}}
+             if mode == "speculative" else {"enable_overlap_scheduler": True})
+
+    def run() -> tuple[list, int]:
+        llm = LLM(model=tiny_checkpoint("llama"), model_config={"dtype": "bfloat16", "device": "cpu"},
+                  kv_cache={"page_size": 4, "num_blocks": 256}, **extra)
+        model = llm.engine.runner.model
+        counting = None
+        if model.native_decoder_stack is not None:
+            counting = model.native_decoder_stack = CountingStack(model.native_decoder_stack)
+        prompts = [[3 + (7 * i + 5 * j) % 250 for j in range(n)] for i, n in enumerate((5, 30, 12))]
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        return [out.token_ids for out in outputs], 0 if counting is None else counting.steps
+
+    fused, steps = run()
+    monkeypatch.setenv(cpu_decoder_stack.SWITCH_ENV, "0")
+    layer_by_layer, no_steps = run()
+    assert steps >= 5 and no_steps == 0
+    assert fused == layer_by_layer
+
+
 def test_layers_that_are_not_plain_llama_keep_the_layer_by_layer_path(panels, tiny_checkpoint):
     """Qwen2's q/k/v carry biases: no panel copy there, so no stack; the model runs as before."""
     llm = bf16_llm(tiny_checkpoint("qwen2"))
