@@ -73,15 +73,16 @@ def run_online(args, venv: Path, checkpoint: Path, cores: list[int]) -> dict:
     for name in args.online_systems.split(","):
         started = time.monotonic()
         if name == "vllm":
-            server = VllmServe(venv, checkpoint, cores=cores, kv_cache_gib=args.kv_cache_gib,
+            server = VllmServe(venv, checkpoint, cores=cores, dtype=args.online_dtype, kv_cache_gib=args.kv_cache_gib,
                                log_path=args.log_dir / "online-vllm.log")
             with server, client_on(cores):
                 reports[name] = run(name)(server.url, server.model_name)
             commands[name] = " ".join(server.command)
         else:
-            reports[name], commands[name] = run_tandem(name, checkpoint, cores, run(name))
+            reports[name], commands[name] = run_tandem(name, checkpoint, cores, run(name), args.online_dtype)
         print(f"online {name}: done in {time.monotonic() - started:.0f} s", flush=True)
-    return {"workload": {"dataset": "mixed", "num_prompts": spec.num_prompts, "long": "30 % 1500 -> 8",
+    return {"dtype": args.online_dtype,
+            "workload": {"dataset": "mixed", "num_prompts": spec.num_prompts, "long": "30 % 1500 -> 8",
                          "short": "70 % 32 -> 96", "rates": rates, "ignore_eos": True},
             "systems": reports, "commands": commands}
 
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     online.add_argument("--online-systems", default=",".join(ONLINE_SYSTEMS))
     online.add_argument("--online-rates", default="1.5,inf", help="the lowest is the moderate rate, the highest saturation")
     online.add_argument("--online-num-prompts", type=int, default=40)
+    online.add_argument("--online-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="both servers' weights and KV cache (the checkpoint is fp32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", type=Path, default=None, help="engines' and servers' logs (default: a temp dir)")
     parser.add_argument("--no-progress", action="store_true")

@@ -69,7 +69,9 @@ def benchmark_checkpoint(size: str) -> Path:
     return path
 
 
-def run_tandem(name: str, checkpoint: Path, cores: list[int], run) -> tuple[dict, str]:
+def run_tandem(name: str, checkpoint: Path, cores: list[int], run, dtype: str | None = None) -> tuple[dict, str]:
+    """Serve ``checkpoint`` as ``name`` (TANDEM_SHAPES) on ``cores`` with ``tandem up``'s placement (in ``dtype``
+    where given) and run the client ``run`` against it: (its report, the equivalent command)."""
     from deploy.config_flags import override_flags
     from deploy.cpu_plan import describe_plan, plan_cores, router_cores
     from deploy.local_launcher import LocalCluster
@@ -78,7 +80,7 @@ def run_tandem(name: str, checkpoint: Path, cores: list[int], run) -> tuple[dict
     num_prefill, num_decode, num_colocated = TANDEM_SHAPES[name]
     plan = plan_cores(cores, num_prefill, num_decode, num_colocated)
     beside_router = router_cores(plan)
-    config = TANDEM_CONFIGS.get(name, {})
+    config = {**TANDEM_CONFIGS.get(name, {}), **({"model": {"dtype": dtype}} if dtype else {})}
     cluster = LocalCluster(num_prefill=num_prefill, num_decode=num_decode, num_colocated=num_colocated,
                            model_path=str(checkpoint), port=free_port(), cpu_plan=plan, router_cores=beside_router,
                            config=config)
