@@ -1,6 +1,6 @@
 """Which bf16 GEMM a batch of rows takes on an AMX CPU, measured on the machine at load.
 
-On a CPU with AVX512-BF16 and no AMX, bias-free bf16 linears run the native panel GEMM for every batch
+On a CPU with AVX512-BF16 and no AMX, bf16 linears run the native panel GEMM for every batch
 (``kernels/cpu_gemm.py``). On an AMX CPU oneDNN runs AMX tiles, many times the panel GEMM's arithmetic a cycle:
 prefill wants them. A decode batch is another matter: a few rows read every weight once, the step is bound by how
 fast the weights stream, and where this was measured oneDNN streams them slower than the panel GEMM (Zen 4, the
@@ -45,9 +45,8 @@ def memory_available_bytes() -> int | None:
 
 
 def panel_bytes(model: torch.nn.Module) -> int:
-    """What the panel copies of the model's bias-free bf16 linears (and its output projection) would take."""
-    weights = [m.weight for m in model.modules()
-               if hasattr(m, "gemm") and getattr(m, "weight", None) is not None and getattr(m, "bias", None) is None]
+    """What the panel copies of the model's bf16 linears (and its output projection) would take."""
+    weights = [m.weight for m in model.modules() if hasattr(m, "gemm") and getattr(m, "weight", None) is not None]
     if hasattr(model, "output_weight") and getattr(model, "lm_head", None) is None:
         weights.append(model.output_weight())  # tied: the output projection gets a GEMM of its own
     return sum(w.numel() * 2 for w in weights if w.dtype == torch.bfloat16)

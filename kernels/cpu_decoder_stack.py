@@ -47,8 +47,9 @@ class StackLinear:
         self.gemm, self.int8 = gemm, int8  # int8: the layer's Int8Matrix (pipeline/quantization/int8.py)
         if gemm is not None:
             self.in_features, self.out_features = gemm.panels.in_features, gemm.out_features
-            self.held = [gemm.panels.packed]
-            self.fields = [0, gemm.panels.packed.data_ptr(), 0, 0, 0, 0, 0]
+            self.held = [t for t in (gemm.panels.packed, gemm.panel_bias) if t is not None]
+            self.fields = [0, gemm.panels.packed.data_ptr(), 0, 0,
+                           0 if gemm.panel_bias is None else gemm.panel_bias.data_ptr(), 0, 0]
             self.codes_per_row = 0
         else:
             packed, static_scale = int8.packed, int8.act_scale
@@ -62,11 +63,11 @@ class StackLinear:
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> StackLinear | None:
-        """The module's linear as the stack runs it; None where it runs neither kernel (oneDNN, a bias on the
-        panels' side, torch._int_mm or the torch code for int8)."""
+        """The module's linear as the stack runs it; None where it runs neither kernel (oneDNN alone, torch._int_mm
+        or the torch code for int8)."""
         gemm = getattr(module, "gemm", None)
         if isinstance(gemm, CpuLinear):
-            return cls(gemm=gemm) if gemm.panels is not None and gemm.bias is None else None
+            return cls(gemm=gemm) if gemm.panels is not None else None
         matrix = getattr(module, "matrix", None)
         is_packed_int8 = (matrix is not None and getattr(module, "dtype", None) == torch.bfloat16
                           and getattr(matrix, "is_native", False)

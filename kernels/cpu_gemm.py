@@ -8,7 +8,7 @@ weight wins at every row count (MKL runs its AVX2 code on a non-Intel CPU). So `
 picks by the CPU, the number of rows and the dtype. Where the packed copy serves every call (an AVX-512 CPU),
 the checkpoint-layout copy is dropped once packed (``needs_plain_weight``), so the weights are held once;
 elsewhere both are kept (twice the weights' memory), and ``model.cpu_weight_prepack`` turns the packed copy off.
-On a CPU with AVX512-BF16 and no AMX, bias-free bf16 layers take the native panel GEMM instead of oneDNN
+On a CPU with AVX512-BF16 and no AMX, bf16 layers take the native panel GEMM instead of oneDNN
 (``bf16_panels_preferred``: decode steps up to 1.6x faster), its copy the only one. On an AMX CPU they may hold both
 copies, batches of up to a row count measured at load taking the panels (``kernels/cpu_bf16_route.py``).
 
@@ -65,7 +65,7 @@ def _bf16_gemm_setting() -> str:
 
 
 def bf16_panels_beside_onednn() -> bool:
-    """Whether bias-free bf16 linears may keep the panel copy beside oneDNN's for decode batches: ``auto`` on a CPU
+    """Whether bf16 linears may keep the panel copy beside oneDNN's for decode batches: ``auto`` on a CPU
     with AMX and AVX512-BF16 (memory permitting: ``kernels/cpu_backend.py`` asks ``cpu_bf16_route``)."""
     flags = cpu_native.cpu_flags()
     if "amx_bf16" not in flags or "avx512_bf16" not in flags:
@@ -74,7 +74,7 @@ def bf16_panels_beside_onednn() -> bool:
 
 
 def bf16_panels_preferred() -> bool:
-    """Whether bias-free bf16 linears run the native panel GEMM (``kernels/native/moe_gemm.h`` with one expert: the
+    """Whether bf16 linears run the native panel GEMM (``kernels/native/moe_gemm.h`` with one expert: the
     weight packed once, instead of oneDNN's copy, in 32-column panels of K pairs for AVX512-BF16's ``vdpbf16ps``)
     rather than oneDNN. ``auto`` (the default) chooses it on a CPU with AVX512-BF16 and no AMX. Measured on Zen 4, 2
     threads, the 1.1B shape: decode steps 1.6x faster at batch 1 (74-81 against 124-127 ms a step; it streams the
@@ -131,12 +131,15 @@ class CpuLinear:
         self.bias = bias if bias is None or not widen_bf16 else bias.float()
         self.packed = None
         self.panels: cpu_moe.PackedExperts | None = None  # the native panel GEMM's copy (bf16_panels_preferred)
-        if prepack and bias is None and self.compute_dtype == torch.bfloat16 and bf16_panels_preferred():
+        self.panel_bias: torch.Tensor | None = None  # its fp32 bias, padded to whole panels
+        if prepack and self.compute_dtype == torch.bfloat16 and bf16_panels_preferred():
             self.panels = cpu_moe.pack(weight.unsqueeze(0))
         elif prepack and onednn_available() and self.compute_dtype in (torch.float32, torch.bfloat16):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 64)
-            if panels_beside_onednn and bias is None and self.compute_dtype == torch.bfloat16:
+            if panels_beside_onednn and self.compute_dtype == torch.bfloat16:
                 self.panels = cpu_moe.pack(weight.unsqueeze(0))  # decode batches, on an AMX CPU (see above)
+        if self.panels is not None and bias is not None:
+            self.panel_bias = cpu_moe.padded_bias(bias, self.panels)
         if not self.needs_plain_weight:
             self.weight = None  # every call reads the packed copy: the checkpoint layout would only take memory
 
@@ -174,7 +177,7 @@ class CpuLinear:
 
     def panel_product(self, flat: torch.Tensor) -> torch.Tensor:  # [rows, in] bf16 -> [rows, out]
         """The native panel GEMM over the panel copy: one group of every row."""
-        return cpu_moe.grouped_gemm(flat, cpu_moe.one_group(flat.shape[0]), self.panels)
+        return cpu_moe.grouped_gemm(flat, cpu_moe.one_group(flat.shape[0]), self.panels, self.panel_bias)
 
     def onednn_product(self, flat: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         """oneDNN over its packed copy (AMX tiles on a CPU that has them)."""

@@ -67,17 +67,24 @@ def one_group(num_rows: int) -> torch.Tensor:
     return torch.tensor([0, num_rows], dtype=torch.int64)
 
 
-def grouped_gemm(rows: torch.Tensor, offsets: torch.Tensor, weights: PackedExperts) -> torch.Tensor:
+def grouped_gemm(rows: torch.Tensor, offsets: torch.Tensor, weights: PackedExperts,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 ``[num_rows, in]`` grouped by expert (expert e's rows ``offsets[e]:offsets[e + 1]``, int64) ->
-    ``[num_rows, out]``: each expert's rows times its weight, fp32 sums rounded once to bf16."""
+    ``[num_rows, out]``: each expert's rows times its weight, fp32 sums (plus ``bias``, fp32 ``[panels * 32]``, where
+    one expert takes every row: a dense linear's) rounded once to bf16."""
     out = torch.empty((rows.shape[0], weights.out_features), dtype=torch.bfloat16)
     if rows.shape[0] == 0:
         return out
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     cpu_native.ops.moe_gemm(rows.data_ptr(), weights.packed.data_ptr(), offsets.data_ptr(), out.data_ptr(),
                             weights.packed.shape[0], rows.stride(0), out.stride(0), weights.in_features,
-                            weights.out_features, torch.get_num_threads())
+                            weights.out_features, torch.get_num_threads(), 0 if bias is None else bias.data_ptr())
     return out
+
+
+def padded_bias(bias: torch.Tensor, weights: PackedExperts) -> torch.Tensor:
+    """A dense linear's bias as ``grouped_gemm`` adds it: fp32, padded with zeros to whole panels."""
+    return F.pad(bias.float(), (0, weights.packed.shape[1] * PANEL - bias.numel())).contiguous()
 
 
 class GroupedExperts:

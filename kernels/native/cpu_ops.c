@@ -716,12 +716,17 @@ static PyObject *py_int8_gemm_isa(PyObject *self, PyObject *args)
 static PyObject *py_moe_gemm(PyObject *self, PyObject *args)
 {
     (void)self;
-    unsigned long long x, packed, offsets, out;
+    unsigned long long x, packed, offsets, out, bias;
     int num_experts, num_threads;
     moe_args m;
-    if (!PyArg_ParseTuple(args, "KKKKiLLiii", &x, &packed, &offsets, &out, &num_experts, &m.x_stride, &m.out_stride,
-                          &m.k, &m.cols, &num_threads))
+    if (!PyArg_ParseTuple(args, "KKKKiLLiiiK", &x, &packed, &offsets, &out, &num_experts, &m.x_stride, &m.out_stride,
+                          &m.k, &m.cols, &num_threads, &bias))
         return NULL;
+    if (bias && num_experts != 1) {
+        PyErr_SetString(PyExc_ValueError, "moe_gemm: a bias is one expert's (a dense linear's)");
+        return NULL;
+    }
+    m.bias = (const float *)(uintptr_t)bias;
     if (selected_moe_gemm < 0) {
         PyErr_SetString(PyExc_RuntimeError, "moe_gemm: this CPU has no MoE GEMM body chosen (no AVX512-BF16)");
         return NULL;
@@ -926,7 +931,8 @@ static PyMethodDef METHODS[] = {
      "Run int8_gemm with this body (None: none, as without VNNI); tests compare them."},
     {"moe_gemm", py_moe_gemm, METH_VARARGS,
      "moe_gemm(x (bf16, rows grouped by expert), packed, offsets (int64, num_experts + 1), out (bf16) (addresses), "
-     "num_experts, x_stride, out_stride, k, cols, num_threads): each expert's rows x its packed weight (moe_gemm.h)"},
+     "num_experts, x_stride, out_stride, k, cols, num_threads, bias (fp32 [panels * 32] address, 0: none; one expert "
+     "only)): each expert's rows x its packed weight (moe_gemm.h)"},
     {"moe_gemm_isa", py_moe_gemm_isa, METH_NOARGS,
      "The MoE GEMM body in use (avx512_bf16, or portable when set), None where the CPU has no AVX512-BF16."},
     {"supported_moe_gemm_isas", py_supported_moe_gemm_isas, METH_NOARGS, "Every MoE GEMM body this CPU runs."},

@@ -2,7 +2,7 @@
  * the plan and decides when a step may take it), included by cpu_ops.c after the kernels it chains:
  *
  *   per layer:  normed, residual = rms_norm(delta + residual)      (layer 0: rms_norm(embedded), residual = embedded)
- *               qkv = normed x W_qkv             moe_gemm's body, one expert (bf16), or W8A8: int8 codes per token
+ *               qkv = normed x W_qkv (+ b)       moe_gemm's body, one expert (bf16), or W8A8: int8 codes per token
  *                                                  and the int8 GEMM with its scales (int8_isa.h, int8_gemm.h)
  *               q, k = rms_norm per head (Qwen3's q/k norms, where the plan has them)
  *               q, k = rotary(q, k); K/V rows into their cache slots
@@ -84,7 +84,8 @@ static void stack_linear(const int64_t *linear, const uint16_t *x, int64_t rows,
         static const int32_t only_expert[1] = {0};
         int64_t offsets[2] = {0, rows};
         moe_args m = {x, (const uint16_t *)(uintptr_t)linear[LINEAR_WEIGHT], offsets, only_expert, out, k, cols,
-                      (int)k, (int)cols, (int)((cols + MOE_PANEL - 1) / MOE_PANEL)};
+                      (int)k, (int)cols, (int)((cols + MOE_PANEL - 1) / MOE_PANEL),
+                      (const float *)(uintptr_t)linear[LINEAR_BIAS]};
         run_rows((rows_fn)MOE_GEMMS[selected_moe_gemm].items, &m, m.panels, k * MOE_PANEL, num_threads);
         return;
     }

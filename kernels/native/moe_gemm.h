@@ -30,6 +30,7 @@ typedef struct {
     uint16_t *out;            /* [rows][out_stride] bf16 */
     int64_t x_stride, out_stride;
     int k, cols, panels;
+    const float *bias;        /* one expert's fp32 bias [panels * 32], added before the rounding; or NULL */
 } moe_args;
 
 static inline size_t moe_panel_elements(const moe_args *m) { return (size_t)((m->k + 1) / 2) * MOE_PANEL * 2; }
@@ -61,7 +62,8 @@ static void moe_gemm_items_portable(const moe_args *m, int64_t first, int64_t la
                     acc[c] += a0 * moe_bf16_to_float(w[2 * c]) + a1 * moe_bf16_to_float(w[2 * c + 1]);
             }
             for (int c = 0; c < MOE_PANEL && p * MOE_PANEL + c < m->cols; c++)
-                m->out[(size_t)r * m->out_stride + p * MOE_PANEL + c] = float_to_bf16(acc[c]);
+                m->out[(size_t)r * m->out_stride + p * MOE_PANEL + c] =
+                    float_to_bf16(m->bias ? acc[c] + m->bias[p * MOE_PANEL + c] : acc[c]);
         }
     }
 }
@@ -106,6 +108,11 @@ static inline __attribute__((always_inline)) void moe_store_avx512(uint16_t *out
         moe_store_avx512(o, acc##r##_0, m->cols - col);                                        \
         moe_store_avx512(o + 16, acc##r##_1, m->cols - col - 16);                              \
     }
+#define MOE_ROW_BIAS(r)                                                                        \
+    if (R > r) {                                                                               \
+        acc##r##_0 = _mm512_add_ps(acc##r##_0, bias0);                                         \
+        acc##r##_1 = _mm512_add_ps(acc##r##_1, bias1);                                         \
+    }
 
 static inline __attribute__((always_inline)) void moe_tile_avx512(const moe_args *m, const uint16_t *panel,
                                                                   int64_t row, int col, const int R)
@@ -127,6 +134,11 @@ static inline __attribute__((always_inline)) void moe_tile_avx512(const moe_args
         MOE_ROW_LAST(0) MOE_ROW_LAST(1) MOE_ROW_LAST(2) MOE_ROW_LAST(3)
         MOE_ROW_LAST(4) MOE_ROW_LAST(5) MOE_ROW_LAST(6) MOE_ROW_LAST(7)
     }
+    if (m->bias) { /* fp32, added before the one rounding */
+        const __m512 bias0 = _mm512_loadu_ps(m->bias + col), bias1 = _mm512_loadu_ps(m->bias + col + 16);
+        MOE_ROW_BIAS(0) MOE_ROW_BIAS(1) MOE_ROW_BIAS(2) MOE_ROW_BIAS(3)
+        MOE_ROW_BIAS(4) MOE_ROW_BIAS(5) MOE_ROW_BIAS(6) MOE_ROW_BIAS(7)
+    }
     MOE_ROW_STORE(0) MOE_ROW_STORE(1) MOE_ROW_STORE(2) MOE_ROW_STORE(3)
     MOE_ROW_STORE(4) MOE_ROW_STORE(5) MOE_ROW_STORE(6) MOE_ROW_STORE(7)
 }
@@ -134,6 +146,7 @@ static inline __attribute__((always_inline)) void moe_tile_avx512(const moe_args
 #undef MOE_ROW_STEP
 #undef MOE_ROW_LAST
 #undef MOE_ROW_STORE
+#undef MOE_ROW_BIAS
 
 static void moe_gemm_items_avx512_bf16(const moe_args *m, int64_t first, int64_t last)
 {

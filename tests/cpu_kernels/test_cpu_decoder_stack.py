@@ -1,7 +1,8 @@
 """``kernels/cpu_decoder_stack.py``: a bf16 Llama-family model's decoder layers in one native call per step give the
 same bits as the layer-by-layer path (tokens and logprobs through the real engine, decode and mixed steps, GQA,
-sliding windows, Qwen3's q/k norms, one and two threads), only where every layer is plain Llama on the panel GEMM,
-and only for the batches it takes. Where this CPU has no AVX512-BF16 the panel GEMM's portable body runs it."""
+sliding windows, Qwen2's biased q/k/v, Qwen3's q/k norms, W8A8, one and two threads), only where every layer is
+plain Llama on the panel GEMM, and only for the batches it takes. Where this CPU has no AVX512-BF16 the panel
+GEMM's portable body runs it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pipeline import LLM, SamplingParams
 from pipeline.builtin_model import build_checkpoint
 from pipeline.forward_batch import ForwardBatch
 from tests.conftest import TINY_CONFIGS
+from tests.gemma_checkpoints import gemma3_checkpoint  # noqa: F401 (a fixture)
 from tests.quantized_checkpoints import quantized_checkpoint  # noqa: F401 (a fixture)
 
 
@@ -53,7 +55,7 @@ def generate(llm: LLM, prompts: list[list[int]], max_tokens: int):
     return [(out.token_ids, out.logprobs, out.prompt_logprobs) for out in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "windowed", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "windowed", "qwen2", "qwen3"])
 def test_one_call_per_step_gives_the_layer_by_layer_bits(panels, threads, tiny_checkpoint, windowed_checkpoint, arch):
     llm = bf16_llm(windowed_checkpoint if arch == "windowed" else tiny_checkpoint(arch))
     model = llm.engine.runner.model
@@ -128,9 +130,10 @@ def test_speculative_and_overlapped_steps_give_the_same_tokens_with_the_stack(pa
     assert fused == layer_by_layer
 
 
-def test_layers_that_are_not_plain_llama_keep_the_layer_by_layer_path(panels, tiny_checkpoint):
-    """Qwen2's q/k/v carry biases: no panel copy there, so no stack; the model runs as before."""
-    llm = bf16_llm(tiny_checkpoint("qwen2"))
+def test_layers_that_are_not_plain_llama_keep_the_layer_by_layer_path(panels, gemma3_checkpoint):
+    """Gemma 3's offset norms, extra norms and GELU-tanh MLP are not Llama's: no stack, the model runs as before."""
+    llm = bf16_llm(gemma3_checkpoint("gemma3"))
+    assert llm.engine.runner.model.plain_decoder_layers() is None
     assert llm.engine.runner.model.native_decoder_stack is None
     assert len(generate(llm, [[5, 6, 7]], 3)[0][0]) == 3
 

@@ -101,28 +101,30 @@ def test_the_checkpoint_layout_is_kept_only_where_a_call_reads_it(monkeypatch, r
         torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("has_bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("shape", [(1, 256), (3, 256), (17, 256), (300, 256), (2, 5, 256)])
-def test_panel_route_is_a_bf16_gemm_with_fp32_accumulation(panels, threads, shape):
+def test_panel_route_is_a_bf16_gemm_with_fp32_accumulation(panels, threads, shape, has_bias):
     """bf16 linears on the native panel GEMM: the weight held once (no oneDNN copy, no checkpoint layout), any row
-    count and leading shape, fp32 sums rounded once, as oneDNN's bf16 GEMM computes them."""
+    count and leading shape, fp32 sums (plus the bias, Qwen2's q/k/v) rounded once, as oneDNN's bf16 GEMM computes
+    them."""
     torch.manual_seed(4)
     weight, x = torch.randn(100, 256).bfloat16(), torch.randn(*shape).bfloat16()
-    layer = CpuLinear(weight, None)
+    bias = torch.randn(100).bfloat16() * 4 if has_bias else None
+    layer = CpuLinear(weight, bias)
     assert layer.panels is not None and layer.packed is None and layer.weight is None and not layer.holds(weight)
     out = layer(x)
-    expected = (x.double() @ weight.double().T).to(torch.bfloat16)
+    expected = (x.double() @ weight.double().T + (0 if bias is None else bias.double())).to(torch.bfloat16)
     assert out.dtype == torch.bfloat16 and out.shape == (*shape[:-1], 100)
     torch.testing.assert_close(out, expected, atol=0, rtol=1e-2)
     assert (out != expected).float().mean() < 0.05
 
 
-def test_panel_route_leaves_biased_and_fp32_layers_on_onednn(panels):
+def test_panel_route_leaves_fp32_layers_on_onednn(panels):
     torch.manual_seed(5)
-    biased = CpuLinear(torch.randn(32, 64).bfloat16(), torch.randn(32).bfloat16())
     full = CpuLinear(torch.randn(32, 64), None)
-    assert biased.panels is None and full.panels is None
+    assert full.panels is None
     if onednn_available():
-        assert biased.packed is not None and full.packed is not None
+        assert full.packed is not None
 
 
 def test_the_bf16_gemm_setting_is_checked_and_named(monkeypatch):
