@@ -189,7 +189,7 @@ class CpuLinear:
         if self.panels is None or self.packed is None:
             return 0
         if AMX_PANELS_MAX_ROWS == 0:
-            released, self.panels = self.panels.packed, None
+            released, self.panels, self.panel_bias = self.panels.packed, None, None
         elif AMX_PANELS_MAX_ROWS is None:
             released, self.packed = self.packed, None
         else:
