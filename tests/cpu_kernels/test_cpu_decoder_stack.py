@@ -83,15 +83,14 @@ def check_same_bits(llm: LLM) -> None:
     assert fused == layer_by_layer  # tokens, every logprob and the prompts' logprobs, bit for bit
 
 
-@pytest.fixture
-def int8_packed():
-    """The int8 GEMM over packed weights, with its portable body where this CPU has no AVX-512 VNNI."""
+@pytest.fixture(params=cpu_native.ops.supported_int8_gemm_isas() if cpu_native.ops is not None else ["none"])
+def int8_packed(request):
+    """The int8 GEMM over packed weights, each body this CPU runs (AVX-512 VNNI where it has it, the portable one)."""
     if cpu_native.ops is None:
         pytest.skip("kernels._cpu_ops is not built")
     before = cpu_native.ops.int8_gemm_isa()
-    if before is None:
-        cpu_native.ops.set_int8_gemm_isa("portable")
-    yield
+    cpu_native.ops.set_int8_gemm_isa(request.param)
+    yield request.param
     cpu_native.ops.set_int8_gemm_isa(before)
 
 
