@@ -49,3 +49,20 @@ def panels(monkeypatch):
     monkeypatch.delenv(cpu_decoder_stack.SWITCH_ENV, raising=False)
     yield
     cpu_native.ops.set_moe_gemm_isa(before)
+
+
+GEMM_BODIES = cpu_native.ops.supported_int8_gemm_isas() if cpu_native.ops is not None else []
+
+
+def chosen_gemm(name: str | None):
+    """The int8 GEMM body ``name`` (None: none, as without VNNI) for a fixture's duration."""
+    before = cpu_native.ops.int8_gemm_isa()
+    cpu_native.ops.set_int8_gemm_isa(name)
+    yield name
+    cpu_native.ops.set_int8_gemm_isa(before)
+
+
+@pytest.fixture(params=GEMM_BODIES)
+def gemm_body(request):
+    """Each int8 GEMM body this CPU runs (the portable one on every CPU)."""
+    yield from chosen_gemm(request.param)

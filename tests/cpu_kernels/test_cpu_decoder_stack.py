@@ -83,19 +83,8 @@ def check_same_bits(llm: LLM) -> None:
     assert fused == layer_by_layer  # tokens, every logprob and the prompts' logprobs, bit for bit
 
 
-@pytest.fixture(params=cpu_native.ops.supported_int8_gemm_isas() if cpu_native.ops is not None else ["none"])
-def int8_packed(request):
-    """The int8 GEMM over packed weights, each body this CPU runs (AVX-512 VNNI where it has it, the portable one)."""
-    if cpu_native.ops is None:
-        pytest.skip("kernels._cpu_ops is not built")
-    before = cpu_native.ops.int8_gemm_isa()
-    cpu_native.ops.set_int8_gemm_isa(request.param)
-    yield request.param
-    cpu_native.ops.set_int8_gemm_isa(before)
-
-
 @pytest.mark.parametrize("scheme", ["w8a8_int8_channel", "w8a8_int8_tensor_static"])
-def test_w8a8_layers_in_one_call_give_the_layer_by_layer_bits(int8_packed, threads, tiny_checkpoint,
+def test_w8a8_layers_in_one_call_give_the_layer_by_layer_bits(gemm_body, threads, tiny_checkpoint,
                                                               quantized_checkpoint, scheme):
     """A compressed-tensors W8A8 checkpoint in bf16: every linear of every layer int8 (activations quantized per token,
     or by the static scale), in the stack as in its own call."""

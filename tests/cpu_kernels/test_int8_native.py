@@ -11,6 +11,7 @@ import torch
 from kernels import cpu_int8, cpu_native, load_kernels
 from pipeline.quantization.int8 import Int8Linear, int8_product, quantize_per_row, quantize_with_scale
 from pipeline.quantization.int8_experts import Int8StackedExperts
+from tests.cpu_kernels.conftest import GEMM_BODIES, chosen_gemm
 
 pytestmark = pytest.mark.skipif(cpu_native.ops is None, reason="kernels._cpu_ops is not built")
 
@@ -18,22 +19,6 @@ pytestmark = pytest.mark.skipif(cpu_native.ops is None, reason="kernels._cpu_ops
 # TinyLlama-1.1B shapes' K
 ODD_SHAPES = [(1, 1, 1), (2, 3, 15), (5, 33, 17), (6, 64, 64), (7, 130, 100), (12, 2048, 80), (13, 5632, 65),
               (17, 67, 129)]
-
-
-GEMM_BODIES = cpu_native.ops.supported_int8_gemm_isas() if cpu_native.ops is not None else []
-
-
-def chosen_gemm(name: str | None):
-    before = cpu_native.ops.int8_gemm_isa()
-    cpu_native.ops.set_int8_gemm_isa(name)
-    yield name
-    cpu_native.ops.set_int8_gemm_isa(before)
-
-
-@pytest.fixture(params=GEMM_BODIES)
-def gemm_body(request):
-    """Each int8 GEMM body this CPU runs (the portable one on every CPU)."""
-    yield from chosen_gemm(request.param)
 
 
 @pytest.fixture(params=GEMM_BODIES + [None], ids=lambda name: name or "int_mm")
