@@ -11,13 +11,25 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import cpu_decoder_stack, cpu_gemm, cpu_native, cpu_paged_attention
+from kernels import cpu_decoder_stack, cpu_gemm, cpu_int8, cpu_int8_route, cpu_native, cpu_paged_attention
 from pipeline import LLM, SamplingParams
 from pipeline.builtin_model import build_checkpoint
 from pipeline.forward_batch import ForwardBatch
 from tests.conftest import TINY_CONFIGS
 from tests.gemma_checkpoints import gemma3_checkpoint  # noqa: F401 (a fixture)
 from tests.quantized_checkpoints import quantized_checkpoint  # noqa: F401 (a fixture)
+
+
+@pytest.fixture(autouse=True)
+def routes_fixed(monkeypatch):
+    """No prompt chunk to torch's flash attention and every int8 batch on the packed GEMM, as on a CPU without AMX:
+    on an AMX CPU the load-time measurements could send some of the tests' chunks layer by layer (still the same
+    bits), and the stack would see fewer of them."""
+    monkeypatch.setenv("TANDEM_CPU_FLASH_MIN_QUERY_ROWS", "off")
+    monkeypatch.setattr(cpu_paged_attention, "FLASH_MIN_QUERY_ROWS", None)
+    monkeypatch.setattr(cpu_paged_attention, "FLASH_ROUTE_SOURCE", "set")
+    monkeypatch.setattr(cpu_int8_route, "_calibrated", True)
+    monkeypatch.setattr(cpu_int8, "AMX_PACKED_MAX_ROWS", None)
 
 
 @pytest.fixture(scope="module")
