@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels import cpu_native
+from kernels import cpu_native, cpu_paged_attention
 from pipeline import LLM
 from tests.cluster.conftest import CLUSTER_CONFIG, check_served_1p1d_matches_offline, running_cluster
 
@@ -17,13 +17,27 @@ BF16 = {"model": {"dtype": "bfloat16"}}
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_checkpoint, tmp_path_factory):
+def same_routes_everywhere():
+    """Every process (the workers, this one's offline engine) takes the same kernels: on an AMX CPU each would measure
+    its own routes at load (the bf16 GEMM, the prompt attention), and two measurements may differ; fixed here as a CPU
+    without AMX runs them (the panel GEMM where the CPU has it, prompts on the native attention)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if cpu_native.ops is not None and cpu_native.ops.moe_gemm_isa() is not None:  # a CPU with AVX512-BF16
+            patch.setenv("TANDEM_CPU_BF16_GEMM", "panels")
+        patch.setenv("TANDEM_CPU_FLASH_MIN_QUERY_ROWS", "off")  # the workers read it at import; this process is set
+        patch.setattr(cpu_paged_attention, "FLASH_MIN_QUERY_ROWS", None)
+        patch.setattr(cpu_paged_attention, "FLASH_ROUTE_SOURCE", "set")
+        yield
+
+
+@pytest.fixture(scope="module")
+def cluster(same_routes_everywhere, tiny_checkpoint, tmp_path_factory):
     with running_cluster(tiny_checkpoint("llama"), tmp_path_factory.mktemp("bf16-1p1d"), num_prefill=1, num_decode=1,
                          config=BF16) as running:
         yield running
 
 
-def test_bf16_served_1p1d_matches_the_offline_bf16_engine(cluster, tiny_checkpoint):
+def test_bf16_served_1p1d_matches_the_offline_bf16_engine(same_routes_everywhere, cluster, tiny_checkpoint):
     offline = LLM(tiny_checkpoint("llama"), model_config={"dtype": "bfloat16"},
                   kv_cache={"page_size": CLUSTER_CONFIG["kv_cache"]["page_size"], "num_blocks": 64})
     check_served_1p1d_matches_offline(cluster, offline, PROMPTS, NUM_NEW_TOKENS, atol=1e-5)
