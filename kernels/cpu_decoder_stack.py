@@ -80,6 +80,11 @@ class StackLinear:
             return self.gemm.takes_panels(rows)
         return cpu_int8.packed_gemm_preferred(rows)
 
+    @property
+    def route(self) -> tuple:
+        """What ``takes`` depends on besides the row count: linears with the same route answer alike."""
+        return ("int8",) if self.gemm is None else ("panels", self.gemm.packed is None)
+
 
 class NativeDecoderStack:
     """One step of a model's decoder layers in one native call: ``(embedded, batch, kv_cache) -> (delta,
@@ -92,6 +97,8 @@ class NativeDecoderStack:
                           kv_heads=attention.num_kv_heads, head_dim=attention.head_dim,
                           intermediate=linears[0][3].in_features)
         self.linears = [linear for layer in linears for linear in layer]
+        # one linear per route asks for a step's row count (all of a model's panel linears hold the same copies)
+        self._route_askers = list({linear.route: linear for linear in self.linears}.values())
         self.max_codes = max(linear.codes_per_row for linear in self.linears)
         self.has_qk_norm = attention.has_qk_norm
         qk_norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) if self.has_qk_norm else () for layer in layers]
@@ -99,12 +106,13 @@ class NativeDecoderStack:
         self._held = [tensor for index, layer in enumerate(layers) for tensor in (
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, model.cos_sin_cache_of(index),
             *(norm.weight for norm in qk_norms[index]))] + [t for linear in self.linears for t in linear.held]
-        self._norms_and_rope = [[layer.input_layernorm.weight.data_ptr(),
-                                 layer.post_attention_layernorm.weight.data_ptr(),
-                                 model.cos_sin_cache_of(index).data_ptr()] for index, layer in enumerate(layers)]
-        self._windows = [layer.self_attn.sliding_window or 0 for layer in layers]
-        self._qk_norm_weights = [[norm.weight.data_ptr() for norm in norms] or [0, 0] for norms in qk_norms]
-        self._linear_fields = [[field for linear in layer for field in linear.fields] for layer in linears]
+        # each layer's plan fields (decoder_stack.h's LAYER_*) before and after its K and V caches' addresses
+        self._fields_around_kv = [
+            ([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+              model.cos_sin_cache_of(index).data_ptr()],
+             [layer.self_attn.sliding_window or 0, *([norm.weight.data_ptr() for norm in qk_norms[index]] or [0, 0]),
+              *(field for linear in linears[index] for field in linear.fields)])
+            for index, layer in enumerate(layers)]
         self.floats = torch.tensor([[layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
                                      layer.self_attn.scale, *([norm.eps for norm in norms] or [0.0, 0.0])]
                                     for layer, norms in zip(layers, qk_norms)], dtype=torch.float64)
@@ -121,7 +129,7 @@ class NativeDecoderStack:
         longest_possible = rows - num_seqs + 1  # query rows of one sequence, at most (a decode batch: 1)
         return (rows > 0 and batch.final_layer is None and batch.query_rows is None
                 and not may_route_to_flash(longest_possible, torch.bfloat16)
-                and all(linear.takes(rows) for linear in self.linears)
+                and all(linear.takes(rows) for linear in self._route_askers)
                 and _is_flat(batch.positions, torch.int64) and _is_flat(batch.slot_mapping, torch.int64)
                 and _is_flat(batch.cu_seqlens_q, torch.int32) and _is_flat(batch.context_lens, torch.int32)
                 and batch.block_tables.dtype == torch.int32 and batch.block_tables.dim() == 2
@@ -163,10 +171,8 @@ class NativeDecoderStack:
                   kv_cache.shape[3], block_stride, token_stride, block_stride, token_stride, self.num_layers,
                   int(self.has_qk_norm), self.max_codes]
         base, size = kv_cache.data_ptr(), kv_cache.element_size()
-        layers = [[*norms_and_rope, base + index * layer_stride * size,
-                   base + (index * layer_stride + half_stride) * size, window, *qk_norms, *linear_fields]
-                  for index, (norms_and_rope, window, qk_norms, linear_fields) in enumerate(
-                      zip(self._norms_and_rope, self._windows, self._qk_norm_weights, self._linear_fields))]
+        layers = [[*before, base + index * layer_stride * size, base + (index * layer_stride + half_stride) * size,
+                   *after] for index, (before, after) in enumerate(self._fields_around_kv)]
         return torch.tensor(header + [field for layer in layers for field in layer], dtype=torch.int64)
 
 

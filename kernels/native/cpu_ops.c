@@ -339,6 +339,60 @@ static int selected_int8_gemm = -1; /* index into INT8_GEMMS: the VNNI body the 
 
 static int selected_moe_gemm = -1; /* index into MOE_GEMMS: the AVX512-BF16 body the CPU runs, or set_moe_gemm_isa's; -1 none */
 
+/* ------------------------------------------------------------------ each kernel's launch, in one place
+ * (the bindings below and decoder_stack.h's chain call these: the same bodies, work split and thread counts) */
+typedef void (*rows_fn)(const void *, int64_t, int64_t);
+
+static void launch_rms_norm(const norm_args *a, int64_t num_rows, int num_threads)
+{
+    run_rows((rows_fn)isa_for(a->hidden)->rms_norm, a, num_rows, a->hidden, num_threads);
+}
+
+static void launch_rotary(const rotary_args *a, int64_t num_rows, int num_threads)
+{
+    run_rows((rows_fn)isa_for(a->head_dim / 2)->rotary, a, num_rows,
+             (int64_t)(a->num_q_heads + a->num_kv_heads) * a->head_dim, num_threads);
+}
+
+static void launch_silu_and_mul(const silu_args *a, int64_t num_rows, int num_threads)
+{
+    run_rows((rows_fn)isa_for(a->width)->silu_and_mul, a, num_rows, 3 * (int64_t)a->width, num_threads);
+}
+
+static void launch_quantize_int8(const quant_args *a, int64_t num_rows, int num_threads)
+{
+    run_rows((rows_fn)isa_for(a->cols)->quantize_rows, a, num_rows, a->cols, num_threads);
+}
+
+/* per panel: rows x K multiply-adds x 64 columns, counted in units run_rows weighs against its minimum */
+static void launch_int8_gemm(const gemm_args *g, int num_threads)
+{
+    run_rows((rows_fn)INT8_GEMMS[selected_int8_gemm].panels, g, (g->cols + INT8_PANEL - 1) / INT8_PANEL,
+             g->rows * g->k4 * 16, num_threads);
+}
+
+/* per item: one panel's weights, K x 32, counted in units run_rows weighs against its minimum */
+static void launch_moe_gemm(const moe_args *m, int64_t num_experts_with_rows, int num_threads)
+{
+    run_rows((rows_fn)MOE_GEMMS[selected_moe_gemm].items, m, num_experts_with_rows * m->panels,
+             (int64_t)m->k * MOE_PANEL, num_threads);
+}
+
+/* K/V rows (row_bytes each) into their slots; slot < 0 is skipped. Strides in bytes. */
+static void store_kv_rows(const char *key, const char *value, char *k_cache, char *v_cache, const int64_t *slot,
+                          int64_t num_rows, int64_t k_stride, int64_t v_stride, int64_t k_block_stride,
+                          int64_t k_slot_stride, int64_t v_block_stride, int64_t v_slot_stride, int page_size,
+                          size_t row_bytes)
+{
+    for (int64_t t = 0; t < num_rows; t++) {
+        if (slot[t] < 0)
+            continue;
+        int64_t block = slot[t] / page_size, offset = slot[t] % page_size;
+        memcpy(k_cache + block * k_block_stride + offset * k_slot_stride, key + t * k_stride, row_bytes);
+        memcpy(v_cache + block * v_block_stride + offset * v_slot_stride, value + t * v_stride, row_bytes);
+    }
+}
+
 /* ------------------------------------------------------------------ scratch and work items */
 /* Rows padded to a multiple of the widest vector, per KV head, in the column layout. */
 #define MAX_ROWS_PADDED (MAX_ROWS + 16)
@@ -506,8 +560,6 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-typedef void (*rows_fn)(const void *, int64_t, int64_t);
-
 static PyObject *py_rms_norm(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -525,7 +577,7 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args)
     a.out = (void *)(uintptr_t)out;
     a.element = a.dtype == DTYPE_BF16 ? 2 : 4;
     Py_BEGIN_ALLOW_THREADS
-    run_rows((rows_fn)isa_for(a.hidden)->rms_norm, &a, num_rows, a.hidden, num_threads);
+    launch_rms_norm(&a, num_rows, num_threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -549,8 +601,7 @@ static PyObject *py_rotary(PyObject *self, PyObject *args)
     a.cos_sin = (const float *)(uintptr_t)cos_sin;
     a.element = a.dtype == DTYPE_BF16 ? 2 : 4;
     Py_BEGIN_ALLOW_THREADS
-    run_rows((rows_fn)isa_for(a.head_dim / 2)->rotary, &a, num_rows, (int64_t)(a.num_q_heads + a.num_kv_heads) * a.head_dim,
-             num_threads);
+    launch_rotary(&a, num_rows, num_threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -569,7 +620,7 @@ static PyObject *py_silu_and_mul(PyObject *self, PyObject *args)
     a.out = (void *)(uintptr_t)out;
     a.element = a.dtype == DTYPE_BF16 ? 2 : 4;
     Py_BEGIN_ALLOW_THREADS
-    run_rows((rows_fn)isa_for(a.width)->silu_and_mul, &a, num_rows, 3 * (int64_t)a.width, num_threads);
+    launch_silu_and_mul(&a, num_rows, num_threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -611,17 +662,10 @@ static PyObject *py_store_kv(PyObject *self, PyObject *args)
                           &v_stride, &k_block_stride, &k_slot_stride, &v_block_stride, &v_slot_stride, &page_size,
                           &row_bytes))
         return NULL;
-    const int64_t *slot = (const int64_t *)(uintptr_t)slots;
     Py_BEGIN_ALLOW_THREADS
-    for (int64_t t = 0; t < num_rows; t++) {
-        if (slot[t] < 0)
-            continue;
-        int64_t block = slot[t] / page_size, offset = slot[t] % page_size;
-        memcpy((char *)(uintptr_t)k_cache + block * k_block_stride + offset * k_slot_stride,
-               (const char *)(uintptr_t)key + t * k_stride, row_bytes);
-        memcpy((char *)(uintptr_t)v_cache + block * v_block_stride + offset * v_slot_stride,
-               (const char *)(uintptr_t)value + t * v_stride, row_bytes);
-    }
+    store_kv_rows((const char *)(uintptr_t)key, (const char *)(uintptr_t)value, (char *)(uintptr_t)k_cache,
+                  (char *)(uintptr_t)v_cache, (const int64_t *)(uintptr_t)slots, num_rows, k_stride, v_stride,
+                  k_block_stride, k_slot_stride, v_block_stride, v_slot_stride, page_size, (size_t)row_bytes);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -645,7 +689,7 @@ static PyObject *py_quantize_int8(PyObject *self, PyObject *args)
     a.scales = (float *)(uintptr_t)scales;
     a.element = a.dtype == DTYPE_BF16 ? 2 : 4;
     Py_BEGIN_ALLOW_THREADS
-    run_rows((rows_fn)isa_for(a.cols)->quantize_rows, &a, num_rows, a.cols, num_threads);
+    launch_quantize_int8(&a, num_rows, num_threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -696,10 +740,8 @@ static PyObject *py_int8_gemm(PyObject *self, PyObject *args)
     g.w_scales = (const float *)(uintptr_t)w_scales;
     g.bias = (const float *)(uintptr_t)bias;
     g.out = (void *)(uintptr_t)out;
-    int64_t num_panels = (g.cols + INT8_PANEL - 1) / INT8_PANEL;
     Py_BEGIN_ALLOW_THREADS
-    /* per panel: rows x K multiply-adds x 64 columns, counted in units run_rows weighs against its minimum */
-    run_rows((rows_fn)INT8_GEMMS[selected_int8_gemm].panels, &g, num_panels, g.rows * g.k4 * 16, num_threads);
+    launch_int8_gemm(&g, num_threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -749,9 +791,7 @@ static PyObject *py_moe_gemm(PyObject *self, PyObject *args)
             experts[num_with_rows++] = e;
     m.experts = experts;
     Py_BEGIN_ALLOW_THREADS
-    /* per item: one panel's weights, K x 32, counted in units run_rows weighs against its minimum */
-    run_rows((rows_fn)MOE_GEMMS[selected_moe_gemm].items, &m, num_with_rows * m.panels, (int64_t)m.k * MOE_PANEL,
-             num_threads);
+    launch_moe_gemm(&m, num_with_rows, num_threads);
     Py_END_ALLOW_THREADS
     free(experts);
     Py_RETURN_NONE;

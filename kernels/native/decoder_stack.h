@@ -1,5 +1,6 @@
 /* A plain Llama-family model's decoder layers, one step of them, in one call (kernels/cpu_decoder_stack.py builds
- * the plan and decides when a step may take it), included by cpu_ops.c after the kernels it chains:
+ * the plan and decides when a step may take it), included by cpu_ops.c after the kernels it chains (their launch_*
+ * helpers and store_kv_rows, the ones the bindings call):
  *
  *   per layer:  normed, residual = rms_norm(delta + residual)      (layer 0: rms_norm(embedded), residual = embedded)
  *               qkv = normed x W_qkv (+ b)       moe_gemm's body, one expert (bf16), or W8A8: int8 codes per token
@@ -86,20 +87,19 @@ static void stack_linear(const int64_t *linear, const uint16_t *x, int64_t rows,
         moe_args m = {x, (const uint16_t *)(uintptr_t)linear[LINEAR_WEIGHT], offsets, only_expert, out, k, cols,
                       (int)k, (int)cols, (int)((cols + MOE_PANEL - 1) / MOE_PANEL),
                       (const float *)(uintptr_t)linear[LINEAR_BIAS]};
-        run_rows((rows_fn)MOE_GEMMS[selected_moe_gemm].items, &m, m.panels, k * MOE_PANEL, num_threads);
+        launch_moe_gemm(&m, 1, num_threads);
         return;
     }
     const int k4 = (int)linear[LINEAR_K4];
     const float *static_scale = (const float *)(uintptr_t)linear[LINEAR_STATIC_SCALE];
     quant_args q = {x, i8->codes, i8->scales, k, 4 * (int64_t)k4, static_scale ? *static_scale : 0.0f, (int)k, 4 * k4,
                     128, DTYPE_BF16, 2};
-    run_rows((rows_fn)isa_for((int)k)->quantize_rows, &q, rows, k, num_threads);
+    launch_quantize_int8(&q, rows, num_threads);
     gemm_args g = {i8->codes, (const int8_t *)(uintptr_t)linear[LINEAR_WEIGHT],
                    (const int32_t *)(uintptr_t)linear[LINEAR_CORRECTION], static_scale ? static_scale : i8->scales,
                    (const float *)(uintptr_t)linear[LINEAR_SCALES], (const float *)(uintptr_t)linear[LINEAR_BIAS], out,
                    rows, 4 * (int64_t)k4, static_scale ? 0 : 1, cols, (int)cols, k4, OUT_BF16};
-    run_rows((rows_fn)INT8_GEMMS[selected_int8_gemm].panels, &g, (cols + INT8_PANEL - 1) / INT8_PANEL,
-             rows * k4 * 16, num_threads);
+    launch_int8_gemm(&g, num_threads);
 }
 
 static void stack_norm(const uint16_t *x, const uint16_t *residual, uint16_t *residual_out, uint16_t *out,
@@ -107,7 +107,7 @@ static void stack_norm(const uint16_t *x, const uint16_t *residual, uint16_t *re
 {
     norm_args n = {x, (const void *)(uintptr_t)weight, residual, residual_out, out, hidden, hidden, hidden,
                    (int)hidden, DTYPE_BF16, 2, (float)eps};
-    run_rows((rows_fn)isa_for((int)hidden)->rms_norm, &n, rows, hidden, num_threads);
+    launch_rms_norm(&n, rows, num_threads);
 }
 
 /* Per-head RMSNorm (Qwen3's q/k norms): each token's `heads` rows of head_dim, token_stride apart in the source,
@@ -168,18 +168,12 @@ static int run_decoder_stack(const stack_args *s, int num_threads)
         }
         rotary_args r = {q, k, q_rot, k_rot, s->positions, (const float *)(uintptr_t)l[LAYER_COS_SIN], q_stride,
                          k_stride, (int)nq, (int)nkv, (int)d, DTYPE_BF16, 2};
-        run_rows((rows_fn)isa_for((int)d / 2)->rotary, &r, rows, (nq + nkv) * d, num_threads);
+        launch_rotary(&r, rows, num_threads);
         char *k_cache = (char *)(uintptr_t)l[LAYER_K_CACHE], *v_cache = (char *)(uintptr_t)l[LAYER_V_CACHE];
         const size_t row_bytes = (size_t)(nkv * d) * 2;
-        for (int64_t t = 0; t < rows; t++) { /* store_kv's loop */
-            if (s->slots[t] < 0)
-                continue;
-            int64_t block = s->slots[t] / h[STACK_PAGE_SIZE], offset = s->slots[t] % h[STACK_PAGE_SIZE];
-            memcpy(k_cache + (block * h[STACK_K_BLOCK_STRIDE] + offset * h[STACK_K_TOKEN_STRIDE]) * 2,
-                   k_rot + t * nkv * d, row_bytes);
-            memcpy(v_cache + (block * h[STACK_V_BLOCK_STRIDE] + offset * h[STACK_V_TOKEN_STRIDE]) * 2,
-                   qkv + t * qkv_width + (nq + nkv) * d, row_bytes);
-        }
+        store_kv_rows((const char *)k_rot, (const char *)(qkv + (nq + nkv) * d), k_cache, v_cache, s->slots, rows,
+                      (int64_t)row_bytes, qkv_width * 2, h[STACK_K_BLOCK_STRIDE] * 2, h[STACK_K_TOKEN_STRIDE] * 2,
+                      h[STACK_V_BLOCK_STRIDE] * 2, h[STACK_V_TOKEN_STRIDE] * 2, (int)h[STACK_PAGE_SIZE], row_bytes);
         attn_args a = {q_rot, k_cache, v_cache, attn, s->cu_seqlens_q, s->context_lens, s->block_tables, (int)nq,
                        (int)nkv, (int)d, (int)h[STACK_PAGE_SIZE], DTYPE_BF16, (int)l[LAYER_WINDOW], nq * d, nq * d,
                        h[STACK_K_BLOCK_STRIDE], h[STACK_K_TOKEN_STRIDE], h[STACK_V_BLOCK_STRIDE],
@@ -191,7 +185,7 @@ static int run_decoder_stack(const stack_args *s, int num_threads)
                    num_threads);
         stack_linear(l + LAYER_GATE_UP, normed, rows, hidden, 2 * inter, gate_up, &i8, num_threads);
         silu_args g = {gate_up, act, 2 * inter, inter, (int)inter, DTYPE_BF16, 2};
-        run_rows((rows_fn)isa_for((int)inter)->silu_and_mul, &g, rows, 3 * inter, num_threads);
+        launch_silu_and_mul(&g, rows, num_threads);
         stack_linear(l + LAYER_DOWN, act, rows, inter, hidden, s->delta, &i8, num_threads);
     }
     return 0;
