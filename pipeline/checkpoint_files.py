@@ -44,6 +44,17 @@ def max_positions(config: dict) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def stated_dtype(config: dict) -> str | None:
+    """The dtype a config.json states for the weights (``dtype``, or ``torch_dtype`` as older transformers wrote
+    it; a multimodal wrapper's in its text_config), e.g. ``"bfloat16"``; None when it states none."""
+    for section in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            value = section.get(key)
+            if isinstance(value, str):
+                return value.removeprefix("torch.")
+    return None
+
+
 def weight_files(path: str | os.PathLike) -> list[Path]:
     """The safetensors files holding the checkpoint's weights, checked to exist."""
     directory = Path(path)

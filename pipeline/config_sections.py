@@ -23,7 +23,8 @@ class ModelConfig(ConfigSection):
         None, description="the names the API serves the model under, comma-separated (the first is the one "
         "responses and /v1/models give first); None = the checkpoint folder's name")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
-        "auto", description="weights and KV cache dtype; auto = float32 on CPU, bfloat16 on GPU")
+        "auto", description="weights and KV cache dtype; auto = on CPU the checkpoint's (config.json's dtype: "
+        "bfloat16 and float16 checkpoints run in bfloat16, float32 ones or none stated in float32), bfloat16 on GPU")
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")
     seed: int = Field(0, ge=0, description="seed of the global generator (unseeded requests)")
     cpu_weight_prepack: bool = Field(
@@ -42,10 +43,15 @@ class ModelConfig(ConfigSection):
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def resolved_dtype(self) -> str:
+    def resolved_dtype(self, checkpoint_dtype: str | None = None) -> str:
+        """The dtype to run in; ``checkpoint_dtype`` is the one the checkpoint's config.json states (None: none).
+        It depends on the checkpoint and the device only, never on the CPU's flags: P/D peers on different CPUs
+        resolve the same KV dtype. float16 runs as bfloat16 on a CPU (the native kernels take fp32 and bf16)."""
         if self.dtype != "auto":
             return self.dtype
-        return "float32" if self.resolved_device() == "cpu" else "bfloat16"
+        if self.resolved_device() != "cpu":
+            return "bfloat16"
+        return "bfloat16" if checkpoint_dtype in ("bfloat16", "float16") else "float32"
 
 
 class DraftModelConfig(ConfigSection):

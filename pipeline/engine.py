@@ -20,6 +20,7 @@ import torch
 
 from kernels import load_kernels
 from pipeline.builtin_model import BUILTIN_NOTICE, builtin_model_path
+from pipeline.checkpoint_files import read_config_json, stated_dtype
 from pipeline.config import ConfigError, PipelineConfig
 from pipeline.execution_stream import ExecutionStream
 from pipeline.generation_config import generation_eos_ids, read_generation_config
@@ -60,7 +61,7 @@ class LLMEngine:
             logger.warning(BUILTIN_NOTICE)
         self.model_path = model_path
         self.device = config.model.resolved_device()
-        self.dtype = TORCH_DTYPES[config.model.resolved_dtype()]
+        self.dtype = TORCH_DTYPES[config.model.resolved_dtype(stated_dtype(read_config_json(model_path)))]
         self.kernels = load_kernels(config.kernel_backend, self.device)  # a backend this device cannot run: say so now
         torch.manual_seed(config.model.seed)
 
