@@ -141,6 +141,8 @@ def test_a_chosen_gemm_is_not_measured(amx, monkeypatch, setting):
 
 
 def test_nothing_is_measured_without_amx(monkeypatch):
+    flags = cpu_native.cpu_flags() - {"amx_bf16", "amx_tile", "amx_int8"}  # this CPU without AMX, even on an AMX one
+    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: flags)
     monkeypatch.setattr(cpu_bf16_route, "_calibrated", False)
     asked = []
     model = prepared([(1, 1.0, 2.0)], asked=asked, monkeypatch=monkeypatch)

@@ -47,7 +47,7 @@ def test_auto_on_cpu_is_the_cpu_set_with_every_kernel():
     assert kernels.name.startswith("cpu")
     assert cpu_native.describe() in kernels.name
     if cpu_native.ops is not None:
-        assert kernels.name.endswith(describe_prompt_route())
+        assert describe_prompt_route() in kernels.name  # an AMX CPU's int8 route follows it
 
 
 def test_the_name_says_what_a_model_of_each_dtype_runs():
