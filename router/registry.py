@@ -209,8 +209,8 @@ class WorkerRegistry:
         now = self._clock()
         last_check, self._last_check = self._last_check, now
         if last_check is not None and now - last_check > max(self.heartbeat_interval_s * 2, self.dead_after_s / 2):
-            logger.warning("router liveness check ran %.1f s late (the router itself was stalled): "
-                           "this round is skipped, no worker is judged on it", now - last_check)
+            logger.warning("router liveness check ran %.1f s after the previous one (the router itself was "
+                           "stalled): this round is skipped, no worker is judged on it", now - last_check)
             return []
         newly_dead = [w for w in self._workers.values() if w.is_alive and now - w.last_seen > self.dead_after_s]
         for info in newly_dead:
