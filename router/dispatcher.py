@@ -383,7 +383,9 @@ class Dispatcher:
     async def _housekeeping_loop(self) -> None:
         interval = min(0.25, self.registry.heartbeat_interval_s / 2)
         while True:
+            slept_from = time.monotonic()
             await asyncio.sleep(interval)
+            self.metrics.event_loop_lag_seconds.observe(max(0.0, time.monotonic() - slept_from - interval))
             try:
                 self.registry.check_liveness()
                 now = time.monotonic()

@@ -12,6 +12,8 @@ reported. Per-worker TTFT, TPOT and prefix hits: ``router.worker_request_metrics
 * ``tandem_worker_queue_depth``, ``tandem_worker_running_requests``, ``tandem_worker_queued_prefill_tokens``.
 * ``tandem_kv_transfer_bytes_total`` / ``tandem_kv_transfer_seconds_total`` / ``tandem_kv_transfers_total``:
   cumulative, as reported.
+* ``tandem_router_event_loop_lag_seconds``: how late the router's own housekeeping timer fires (a router that
+  is itself the bottleneck, or starved of CPU, shows here before its streams' latencies say why).
 * ``tandem_worker_bad_frames_total`` (reported), ``tandem_worker_up`` (1 alive, 0 declared dead) and
   ``tandem_worker_restarts_total`` (new processes under the worker's id, counted by the router).
 * ``tandem_cluster_handshakes_refused_total``: connections to the router's cluster socket that never
@@ -50,6 +52,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 ADMISSION_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 # rejected: a bad request (4xx); unavailable: no worker can serve it (503); overloaded: 429, every worker busy
+EVENT_LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 MIGRATION_PAUSE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0)
 OUTCOMES = ("ok", "error", "cancelled", "timeout", "rejected", "unavailable", "overloaded")
 
@@ -89,6 +92,11 @@ class RouterMetrics:
             "tandem_request_retries_total", "Requests re-dispatched after a worker failed them before any token",
             registry=self.registry,
         )
+        self.event_loop_lag_seconds = Histogram(
+            "tandem_router_event_loop_lag_seconds", "How much later than due the router's housekeeping timer ran "
+            "(every 0.25 s by default): its event loop busy, or the process not scheduled (every stream's tokens "
+            "wait as long)",
+            buckets=EVENT_LOOP_LAG_BUCKETS, registry=self.registry)
         self.bad_frames_total = Counter(
             "tandem_router_bad_frames_total", "Frames on the router socket that failed to decode (dropped)",
             registry=self.registry,

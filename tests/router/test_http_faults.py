@@ -346,3 +346,31 @@ def test_a_stream_fails_once_no_worker_came_back_in_time_and_is_no_migration(rou
     assert router.metric('tandem_requests_total{outcome="unavailable"}') == 1  # no worker: not the server's error
     assert router.metric('tandem_requests_total{outcome="error"}') == 0
     router.wait_idle()
+
+
+def loop_lags(router) -> tuple[float, float]:
+    """(timer rounds, rounds at most 1 s late) of the router's event-loop lag histogram, from one scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{router.url}/metrics").text
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "tandem_router_event_loop_lag_seconds")
+    samples = {(s.name, s.labels.get("le")): s.value for s in family.samples}
+    return samples["tandem_router_event_loop_lag_seconds_count", None], samples[
+        "tandem_router_event_loop_lag_seconds_bucket", "1.0"]
+
+
+def test_a_stalled_router_loop_shows_in_its_lag_metric_and_costs_no_worker(router, caplog):
+    """The router's own event loop blocked past dead_after_s (a long synchronous call, a descheduled process): the
+    workers' heartbeats wait on its socket, so nobody is declared dead; the stall is in the lag histogram."""
+    router.add_worker()
+    time.sleep(0.3)
+    rounds, on_time = loop_lags(router)
+    assert rounds > 0 and on_time == rounds
+    loop = router.state.dispatcher._housekeeping.get_loop()
+    with caplog.at_level("WARNING", logger="router.registry"):
+        loop.call_soon_threadsafe(time.sleep, 1.3)  # dead_after_s is 1.0
+        time.sleep(1.6)
+    assert router.state.dispatcher.registry.is_alive("w0") and router.wait_ready(True, timeout=0.1)
+    assert "this round is skipped" in caplog.text and "declared dead" not in caplog.text
+    rounds, on_time = loop_lags(router)
+    assert rounds - on_time >= 1  # the late round, in the 1-2.5 s bucket
