@@ -9,7 +9,7 @@ CPU without AMX prefill too). On an AMX CPU a bf16 model's prompt chunks from a 
 torch's flash attention (``kernels/cpu_prompt_route.py``), and int8 batches from a measured row count take
 oneDNN's AMX kernels (``kernels/cpu_int8_route.py``); bf16 linears keep the native panel copy beside oneDNN's for
 the decode batches it measures faster on (``kernels/cpu_bf16_route.py``). Gemma's offset RMSNorm and GELU-tanh
-gated activation run their torch references too (no native kernel yet)."""
+gated activation run the same native kernels as Llama's norm and SiLU, each switched to Gemma's form."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import torch
 
 from kernels import cpu_bf16_route, cpu_decoder_stack, cpu_int8, cpu_int8_route, cpu_moe, cpu_native, cpu_prompt_route
 from kernels.cpu_gemm import PACKED_MAX_ROWS, CpuLinear, describe_bf16_route
-from kernels.cpu_elementwise import apply_rotary_cpu, rms_norm_cpu, silu_and_mul_cpu, store_kv_cpu
+from kernels.cpu_elementwise import (apply_rotary_cpu, gelu_tanh_and_mul_cpu, offset_rms_norm_cpu, rms_norm_cpu,
+                                     silu_and_mul_cpu, store_kv_cpu)
 from kernels.cpu_paged_attention import describe_prompt_route, paged_attention_cpu
 
 
@@ -36,6 +37,7 @@ def cpu_kernels(torch_kernels, model_dtype: torch.dtype | None = None, latent_at
         torch_kernels, name=", ".join([f"cpu: {cpu_native.describe(model_dtype)}", *(r for r in routes if r)]),
         paged_attention=paged_attention_cpu,
         rms_norm=rms_norm_cpu, apply_rotary=apply_rotary_cpu, store_kv=store_kv_cpu, silu_and_mul=silu_and_mul_cpu,
+        offset_rms_norm=offset_rms_norm_cpu, gelu_tanh_and_mul=gelu_tanh_and_mul_cpu,
         prepare_model=prepare_model_cpu, combine_grouped_rows=cpu_moe.combine_grouped_rows_cpu,
     )
 

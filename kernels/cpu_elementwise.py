@@ -1,4 +1,5 @@
-"""RMSNorm (+ residual), rotary embedding, the KV store and SiLU * up on the CPU: the native kernels
+"""RMSNorm (+ residual; Llama's and Gemma's offset one), rotary embedding, the KV store and SiLU * up (GELU-tanh * up
+for Gemma) on the CPU: the native kernels
 (``kernels/native/elementwise_isa.h``) where they apply, else the torch references.
 
 Each native op makes one pass over its rows where the references make several (a residual add, a
@@ -13,8 +14,10 @@ import torch
 
 from kernels import cpu_native
 from kernels.activation_ref import silu_and_mul_ref
+from kernels.gelu_and_mul_ref import gelu_tanh_and_mul_ref
 from kernels.kv_store_ref import store_kv_ref
 from kernels.norm_rope_ref import apply_rotary_ref, rms_norm_ref
+from kernels.offset_rms_norm_ref import offset_rms_norm_ref
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -28,10 +31,22 @@ def _rows_ok(*tensors: torch.Tensor) -> bool:
 
 def rms_norm_cpu(x, weight, eps, residual=None):
     """``rms_norm_ref``'s contract: ``norm(x)``, or ``(norm(x + residual), x + residual)``."""
+    out = _native_rms_norm(x, weight, eps, residual, offset_weight=False)
+    return rms_norm_ref(x, weight, eps, residual) if out is None else out
+
+
+def offset_rms_norm_cpu(x, weight, eps, residual=None):
+    """``offset_rms_norm_ref``'s contract (Gemma's norm, scaled by ``1 + weight`` in fp32)."""
+    out = _native_rms_norm(x, weight, eps, residual, offset_weight=True)
+    return offset_rms_norm_ref(x, weight, eps, residual) if out is None else out
+
+
+def _native_rms_norm(x, weight, eps, residual, offset_weight: bool):
+    """The native kernel's result, or None where it does not take these inputs."""
     is_native = (x.dim() == 2 and _rows_ok(x, weight) and weight.is_contiguous()
                  and (residual is None or (_rows_ok(x, residual) and residual.shape == x.shape)))
     if not is_native:
-        return rms_norm_ref(x, weight, eps, residual)
+        return None
     num_rows, hidden = x.shape
     out = torch.empty((num_rows, hidden), dtype=x.dtype)
     summed = torch.empty((num_rows, hidden), dtype=x.dtype) if residual is not None else None
@@ -39,7 +54,7 @@ def rms_norm_cpu(x, weight, eps, residual=None):
         x.data_ptr(), weight.data_ptr(), 0 if residual is None else residual.data_ptr(),
         0 if summed is None else summed.data_ptr(), out.data_ptr(), num_rows, x.stride(0),
         0 if residual is None else residual.stride(0), out.stride(0), hidden, _DTYPE_CODES[x.dtype], float(eps),
-        torch.get_num_threads(),
+        torch.get_num_threads(), offset_weight,
     )
     return out if residual is None else (out, summed)
 
@@ -84,12 +99,26 @@ def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping):
     )
 
 
+_SILU, _GELU_TANH = 0, 1  # the native kernel's activation codes
+
+
 def silu_and_mul_cpu(x):
     """``silu_and_mul_ref``'s contract: SiLU of the first half of each row times its second half."""
+    out = _native_gated_activation(x, _SILU)
+    return silu_and_mul_ref(x) if out is None else out
+
+
+def gelu_tanh_and_mul_cpu(x):
+    """``gelu_tanh_and_mul_ref``'s contract: GELU-tanh of the first half of each row times its second half."""
+    out = _native_gated_activation(x, _GELU_TANH)
+    return gelu_tanh_and_mul_ref(x) if out is None else out
+
+
+def _native_gated_activation(x, activation: int):
     if not (x.dim() == 2 and _rows_ok(x) and x.shape[-1] % 2 == 0):
-        return silu_and_mul_ref(x)
+        return None
     num_rows, width = x.shape[0], x.shape[1] // 2
     out = torch.empty((num_rows, width), dtype=x.dtype)
     cpu_native.ops.silu_and_mul(x.data_ptr(), out.data_ptr(), num_rows, x.stride(0), out.stride(0), width,
-                                _DTYPE_CODES[x.dtype], torch.get_num_threads())
+                                _DTYPE_CODES[x.dtype], torch.get_num_threads(), activation)
     return out

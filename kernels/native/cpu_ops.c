@@ -105,6 +105,7 @@ typedef struct {
     int hidden, dtype;
     size_t element;
     float eps;
+    int offset_weight; /* 1: Gemma's norm, scaled by 1 + weight in fp32 before the one rounding; 0: Llama's */
 } norm_args;
 
 typedef struct {
@@ -123,7 +124,10 @@ typedef struct {
     int64_t x_stride, out_stride;
     int width, dtype; /* width: of gate (and of up, and of out) */
     size_t element;
+    int activation; /* of the gate: ACT_SILU, or ACT_GELU_TANH (Gemma's GELU-gated MLP) */
 } silu_args;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 typedef struct {
     const void *rows;          /* [num_rows][rows_stride] fp32 / bf16: the experts' outputs, grouped by expert */
@@ -567,8 +571,10 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args)
     long long num_rows;
     int num_threads;
     norm_args a;
-    if (!PyArg_ParseTuple(args, "KKKKKLLLLiifi", &x, &weight, &residual, &residual_out, &out, &num_rows, &a.x_stride,
-                          &a.residual_stride, &a.out_stride, &a.hidden, &a.dtype, &a.eps, &num_threads))
+    a.offset_weight = 0;
+    if (!PyArg_ParseTuple(args, "KKKKKLLLLiifi|p", &x, &weight, &residual, &residual_out, &out, &num_rows,
+                          &a.x_stride, &a.residual_stride, &a.out_stride, &a.hidden, &a.dtype, &a.eps, &num_threads,
+                          &a.offset_weight))
         return NULL;
     a.x = (const void *)(uintptr_t)x;
     a.weight = (const void *)(uintptr_t)weight;
@@ -613,9 +619,14 @@ static PyObject *py_silu_and_mul(PyObject *self, PyObject *args)
     long long num_rows;
     int num_threads;
     silu_args a;
-    if (!PyArg_ParseTuple(args, "KKLLLiii", &x, &out, &num_rows, &a.x_stride, &a.out_stride, &a.width, &a.dtype,
-                          &num_threads))
+    a.activation = ACT_SILU;
+    if (!PyArg_ParseTuple(args, "KKLLLiii|i", &x, &out, &num_rows, &a.x_stride, &a.out_stride, &a.width, &a.dtype,
+                          &num_threads, &a.activation))
         return NULL;
+    if (a.activation != ACT_SILU && a.activation != ACT_GELU_TANH) {
+        PyErr_Format(PyExc_ValueError, "activation must be 0 (SiLU) or 1 (GELU-tanh), got %d", a.activation);
+        return NULL;
+    }
     a.x = (const void *)(uintptr_t)x;
     a.out = (void *)(uintptr_t)out;
     a.element = a.dtype == DTYPE_BF16 ? 2 : 4;
@@ -937,15 +948,16 @@ static PyMethodDef METHODS[] = {
      "block_table_stride (elements), scale, num_threads)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, weight, residual (0: none), residual_out, out (addresses), num_rows, x_stride, residual_stride, "
-     "out_stride, hidden, dtype, eps, num_threads): residual_out = x + residual when given (contiguous rows); "
-     "out = RMSNorm(residual_out or x)"},
+     "out_stride, hidden, dtype, eps, num_threads, offset_weight=False): residual_out = x + residual when given "
+     "(contiguous rows); out = RMSNorm(residual_out or x), Llama's, or with offset_weight Gemma's (scaled by "
+     "1 + weight in fp32)"},
     {"rotary", py_rotary, METH_VARARGS,
      "rotary(query, key, query_out, key_out, positions (int64), cos_sin (fp32) (addresses), num_rows, q_stride, "
      "k_stride, num_q_heads, num_kv_heads, head_dim, dtype, num_threads): rotate-half rotary embedding into the "
      "(contiguous) outputs"},
     {"silu_and_mul", py_silu_and_mul, METH_VARARGS,
-     "silu_and_mul(x, out (addresses), num_rows, x_stride, out_stride, width, dtype, num_threads): "
-     "out = silu(x[:, :width]) * x[:, width:]"},
+     "silu_and_mul(x, out (addresses), num_rows, x_stride, out_stride, width, dtype, num_threads, activation=0): "
+     "out = act(x[:, :width]) * x[:, width:], act SiLU (0) or GELU's tanh approximation (1)"},
     {"moe_combine", py_moe_combine, METH_VARARGS,
      "moe_combine(rows, positions (int64), weights (fp32), out (addresses), num_tokens, rows_stride, out_stride, "
      "top_k, hidden, dtype, num_threads): each token's top_k rows times their weights, summed in fp32, into out"},

@@ -1,5 +1,6 @@
 /* The elementwise ops of a layer for one instruction set (included by cpu_ops.c after vec_isa.h):
- * RMSNorm with the residual add fused, rotary embedding, SiLU(gate) * up, and a mixture-of-experts
+ * RMSNorm with the residual add fused (Llama's, or Gemma's offset weight), rotary embedding, SiLU(gate) * up
+ * (or GELU-tanh(gate) * up), and a mixture-of-experts
  * layer's combine (the KV store is a plain copy, in cpu_ops.c). Each rounds where torch rounds (every op's result to the model dtype,
  * products not fused into sums), so fp32 results equal transformers' bit for bit except where a
  * reduction's order or exp's last bit differs (the norm's mean of squares, SiLU).
@@ -46,9 +47,14 @@ static void ISA(rms_norm_rows)(const norm_args *a, int64_t first, int64_t last)
         const void *src = res ? (const void *)sum : (const void *)x;
         for (int i = 0; i < n; i += W) {
             vf normed = ROUNDED(ISA(load_any)(src, i, is_bf16) * inv_rms);
+            vf weight = ISA(load_any)(a->weight, i, is_bf16);
+            if (a->offset_weight) { /* Gemma: fp32 normed * fp32 (1 + weight), rounded once to the dtype */
+                ISA(store_any)(out, i, ROUNDED(normed * (weight + 1.0f)), is_bf16);
+                continue;
+            }
             if (is_bf16)
                 normed = ISA(round_bf16)(normed);
-            ISA(store_any)(out, i, ISA(load_any)(a->weight, i, is_bf16) * normed, is_bf16);
+            ISA(store_any)(out, i, weight * normed, is_bf16);
         }
     }
 }
@@ -94,21 +100,35 @@ static void ISA(rotary_rows)(const rotary_args *a, int64_t first, int64_t last)
     }
 }
 
-/* out[t] = silu(gate[t]) * up[t], gate and up the two halves of row t of x. */
+/* GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in torch's order of operations
+ * (gelu(approximate="tanh")); tanh(u) = sign(u) (1 - e) / (1 + e) with e = exp(-2 |u|) <= 1, which keeps the
+ * relative error of tanh within a few ulp for every u (no 1 - 2 / (exp(2u) + 1) cancellation) and saturates. */
+static inline vf ISA(gelu_tanh)(vf x)
+{
+    vf cube = ROUNDED(ROUNDED(x * x) * x);
+    vf inner = ROUNDED(0.7978845608028654f * ROUNDED(x + ROUNDED(0.044715f * cube)));
+    vi sign = (vi)inner & (vi)ISA(splat)(-0.0f);
+    vf magnitude = (vf)((vi)inner ^ sign);
+    vf e = ISA(vexp)(-2.0f * magnitude);
+    vf tanh_inner = (vf)((vi)((1.0f - e) / (1.0f + e)) | sign);
+    return ROUNDED(ROUNDED(0.5f * x) * (1.0f + tanh_inner));
+}
+
+/* out[t] = act(gate[t]) * up[t], gate and up the two halves of row t of x; act SiLU or GELU-tanh, rounded to the
+ * dtype before the product, as torch computes an activation and then multiplies. */
 static void ISA(silu_and_mul_rows)(const silu_args *a, int64_t first, int64_t last)
 {
-    const int n = a->width, is_bf16 = a->dtype == DTYPE_BF16;
+    const int n = a->width, is_bf16 = a->dtype == DTYPE_BF16, is_gelu = a->activation == ACT_GELU_TANH;
     for (int64_t t = first; t < last; t++) {
         const char *x = (const char *)a->x + (size_t)t * a->x_stride * a->element;
         const char *up = x + (size_t)n * a->element;
         char *out = (char *)a->out + (size_t)t * a->out_stride * a->element;
         for (int i = 0; i < n; i += W) {
             vf g = ISA(load_any)(x, i, is_bf16);
-            vf e = ISA(vexp)(-g);
-            vf silu = g / (e + 1.0f);
+            vf act = is_gelu ? ISA(gelu_tanh)(g) : g / (ISA(vexp)(-g) + 1.0f);
             if (is_bf16)
-                silu = ISA(round_bf16)(silu);
-            ISA(store_any)(out, i, silu * ISA(load_any)(up, i, is_bf16), is_bf16);
+                act = ISA(round_bf16)(act);
+            ISA(store_any)(out, i, act * ISA(load_any)(up, i, is_bf16), is_bf16);
         }
     }
 }

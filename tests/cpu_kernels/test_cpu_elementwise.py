@@ -1,7 +1,9 @@
-"""Native RMSNorm (+ residual), rotary embedding, KV store and SiLU * up against their torch references.
+"""Native RMSNorm (+ residual; Llama's and Gemma's), rotary embedding, KV store and SiLU * up (GELU-tanh * up)
+against their torch references.
 
 The residual add, rotary embedding and KV store round exactly where torch rounds, so they are checked
-bit for bit; RMSNorm's mean of squares and SiLU's exp differ from torch's in the last bit only."""
+bit for bit; RMSNorm's mean of squares and SiLU's exp differ from torch's in the last bit only, GELU-tanh's tanh in
+the last few (fp32) where 1 + tanh cancels, which torch's formula shares."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import pytest
 import torch
 
 from kernels.activation_ref import silu_and_mul_ref
-from kernels.cpu_elementwise import apply_rotary_cpu, rms_norm_cpu, silu_and_mul_cpu, store_kv_cpu
+from kernels.cpu_elementwise import (apply_rotary_cpu, gelu_tanh_and_mul_cpu, offset_rms_norm_cpu, rms_norm_cpu,
+                                     silu_and_mul_cpu, store_kv_cpu)
+from kernels.gelu_and_mul_ref import gelu_tanh_and_mul_ref
 from kernels.kv_store_ref import store_kv_ref
 from kernels.norm_rope_ref import apply_rotary_ref, rms_norm_ref, rope_cos_sin_cache
+from kernels.offset_rms_norm_ref import offset_rms_norm_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -83,3 +88,55 @@ def test_silu_and_mul(isa, threads, dtype, rows, width):
     x = (torch.randn(rows, 2 * width) * 4).to(dtype)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated exp both ways, and zeros
     torch.testing.assert_close(silu_and_mul_cpu(x), silu_and_mul_ref(x), **close(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, hidden", [(1, 64), (7, 1152), (300, 96), (64, 256)])
+def test_gemma_offset_rms_norm(isa, threads, dtype, rows, hidden):
+    """Gemma's norm scales by 1 + weight in fp32 and rounds once; Llama's would round twice (bf16 differs a lot)."""
+    torch.manual_seed(5)
+    x, residual = (torch.randn(rows, hidden).to(dtype) for _ in range(2))
+    weight = (0.5 * torch.randn(hidden)).to(dtype)  # an offset from one
+    alone = offset_rms_norm_cpu(x, weight, 1e-6)
+    torch.testing.assert_close(alone, offset_rms_norm_ref(x, weight, 1e-6), **close(dtype))
+    out, summed = offset_rms_norm_cpu(x, weight, 1e-6, residual)
+    want_out, want_sum = offset_rms_norm_ref(x, weight, 1e-6, residual)
+    assert torch.equal(summed, want_sum)
+    torch.testing.assert_close(out, want_out, **close(dtype))
+    if dtype == torch.bfloat16:  # Llama's order (round, then times 1 + weight) misses a third of these bits
+        assert (out != want_out).float().mean() < 0.01
+        llama_order = rms_norm_ref(x, (1 + weight.float()).to(dtype), 1e-6, residual)[0]
+        assert (llama_order != want_out).float().mean() > 0.1
+
+
+def test_gemma_offset_rms_norm_of_per_head_rows(isa):
+    """q/k norms: rows of a head's width, views of the projection's rows reshaped."""
+    torch.manual_seed(6)
+    q = torch.randn(9, 4 * 256)
+    rows = q.reshape(-1, 256)
+    weight = 0.3 * torch.randn(256)
+    torch.testing.assert_close(offset_rms_norm_cpu(rows, weight, 1e-6), offset_rms_norm_ref(rows, weight, 1e-6),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, width", [(1, 6912), (48, 96), (513, 64)])
+def test_gelu_tanh_and_mul(isa, threads, dtype, rows, width):
+    torch.manual_seed(7)
+    x = (torch.randn(rows, 2 * width) * 4).to(dtype)
+    x[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -0.0, 12.0, -12.0])  # saturated tanh both ways, zeros
+    out, want = gelu_tanh_and_mul_cpu(x), gelu_tanh_and_mul_ref(x)
+    torch.testing.assert_close(out, want, **close(dtype))
+    assert torch.equal(out[0, :4], want[0, :4])
+    if dtype == torch.bfloat16:
+        assert (out != want).float().mean() < 0.05  # one bf16 ulp at rounding boundaries (2 % measured)
+
+
+def test_an_unknown_activation_code_is_refused():
+    from kernels import cpu_native
+
+    if cpu_native.ops is None:
+        pytest.skip("kernels._cpu_ops is not built")
+    x, out = torch.randn(2, 64), torch.empty(2, 32)
+    with pytest.raises(ValueError, match="activation"):
+        cpu_native.ops.silu_and_mul(x.data_ptr(), out.data_ptr(), 2, 64, 32, 32, 0, 1, 7)
