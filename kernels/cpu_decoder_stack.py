@@ -1,4 +1,5 @@
-"""A bf16 Llama-family model's decoder layers in one native call per step (``kernels/native/decoder_stack.h``).
+"""A bf16 Llama-family or Gemma 3 model's decoder layers in one native call per step
+(``kernels/native/decoder_stack.h``).
 
 Layer by layer, a step calls about a dozen kernels per layer from Python (norm, q/k/v GEMM, rotary, KV store,
 attention, o GEMM, norm, gate/up GEMM, SiLU, down GEMM), each wrapper checking its tensors, allocating its output
@@ -7,9 +8,11 @@ RMSNorms, attention without sinks and with Qwen3's q/k RMSNorms or none, the den
 parallelism's all-reduces) and each of its linears runs a native GEMM for the step's row count (the bf16 panel GEMM,
 or a W8A8 layer's packed int8 GEMM after its activation codes), the step's layers run in one call instead: the
 same kernels with the same arguments and thread counts, so the same bits (the tests compare them), with the host's
-part once per step. Measured on Zen 4, bf16, the 512x8 model, one thread: a
-batch-1 decode step 3.78 -> 1.82 ms, batch 48 16.5 -> 15.3 ms; the 1.1B shape in W8A8, two threads, batch 1 40.8 ->
-25.3 ms (docs/cpu-kernels.md); on a CPU whose GEMMs are faster (AMX) the host's share of a step is larger still.
+part once per step. Gemma 3's layers (``decoder_layer_form`` "gemma3": offset norms, two more of them a layer, q/k
+norms, GELU-tanh, each layer's window, RoPE cache and attention scale) run the same way. Measured on Zen 4, bf16,
+the 512x8 model, one thread: a batch-1 decode step 3.78 -> 1.82 ms, batch 48 16.5 -> 15.3 ms; the 1.1B shape in
+W8A8, two threads, batch 1 40.8 -> 25.3 ms; a Gemma-3-1B shape, batch 8, two threads, 52-58 -> 45-46 ms
+(docs/cpu-kernels.md); on a CPU whose GEMMs are faster (AMX) the host's share of a step is larger still.
 
 The plan (the weights' and caches' addresses, the shapes) is built once per KV cache; each step passes its
 batch's tensors. ``TANDEM_CPU_DECODER_STACK=0`` turns it off (the layer-by-layer path, for A/B runs).
@@ -101,21 +104,27 @@ class NativeDecoderStack:
         self._route_askers = list({linear.route: linear for linear in self.linears}.values())
         self.max_codes = max(linear.codes_per_row for linear in self.linears)
         self.has_qk_norm = attention.has_qk_norm
+        self.is_gemma = model.decoder_layer_form == "gemma3"
         qk_norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) if self.has_qk_norm else () for layer in layers]
+        ff_norms = [(layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if self.is_gemma else ()
+                    for layer in layers]  # Gemma's norms around the MLP
         # every tensor the plan points at, held here so that none is freed while the plan lives
         self._held = [tensor for index, layer in enumerate(layers) for tensor in (
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, model.cos_sin_cache_of(index),
-            *(norm.weight for norm in qk_norms[index]))] + [t for linear in self.linears for t in linear.held]
+            *(norm.weight for norm in qk_norms[index] + ff_norms[index]))] + [
+            t for linear in self.linears for t in linear.held]
         # each layer's plan fields (decoder_stack.h's LAYER_*) before and after its K and V caches' addresses
         self._fields_around_kv = [
             ([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
               model.cos_sin_cache_of(index).data_ptr()],
              [layer.self_attn.sliding_window or 0, *([norm.weight.data_ptr() for norm in qk_norms[index]] or [0, 0]),
+              *([norm.weight.data_ptr() for norm in ff_norms[index]] or [0, 0]),
               *(field for linear in linears[index] for field in linear.fields)])
             for index, layer in enumerate(layers)]
         self.floats = torch.tensor([[layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
-                                     layer.self_attn.scale, *([norm.eps for norm in norms] or [0.0, 0.0])]
-                                    for layer, norms in zip(layers, qk_norms)], dtype=torch.float64)
+                                     layer.self_attn.scale, *([norm.eps for norm in qk_norms[index]] or [0.0, 0.0]),
+                                     *([norm.eps for norm in ff_norms[index]] or [0.0, 0.0])]
+                                    for index, layer in enumerate(layers)], dtype=torch.float64)
         self._plan: torch.Tensor | None = None
         self._plan_key: tuple | None = None
         self.scratch_per_row = 0
@@ -169,7 +178,7 @@ class NativeDecoderStack:
         layer_stride, half_stride, block_stride, token_stride = kv_cache.stride()[:4]
         header = [shape["hidden"], shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["intermediate"],
                   kv_cache.shape[3], block_stride, token_stride, block_stride, token_stride, self.num_layers,
-                  int(self.has_qk_norm), self.max_codes]
+                  int(self.has_qk_norm), self.max_codes, int(self.is_gemma)]
         base, size = kv_cache.data_ptr(), kv_cache.element_size()
         layers = [[*before, base + index * layer_stride * size, base + (index * layer_stride + half_stride) * size,
                    *after] for index, (before, after) in enumerate(self._fields_around_kv)]
@@ -181,13 +190,15 @@ def _is_flat(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def for_model(model: torch.nn.Module) -> NativeDecoderStack | None:
-    """The model's decoder layers as one native call, where they are all Llama's plain ones in bf16 with every
-    linear on the panel GEMM (its native body available here) and shapes the kernels take; else None."""
+    """The model's decoder layers as one native call, where they are all Llama's (or Gemma 3's) plain ones in bf16
+    with every linear on the panel GEMM or the packed int8 one (its native body available here) and shapes the
+    kernels take; else None."""
     if not is_turned_on() or cpu_native.ops is None:
         return None
     plain = getattr(model, "plain_decoder_layers", None)
     layers = plain() if plain is not None else None
-    if not layers or getattr(model, "dtype", None) != torch.bfloat16:
+    form = getattr(model, "decoder_layer_form", None)
+    if not layers or getattr(model, "dtype", None) != torch.bfloat16 or form not in ("llama", "gemma3"):
         return None
     linears = [[StackLinear.of(module) for module in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
@@ -212,7 +223,8 @@ def for_model(model: torch.nn.Module) -> NativeDecoderStack | None:
     has_qk_norm = attention.has_qk_norm
     norms = [norm for layer in layers for norm in (
         layer.input_layernorm, layer.post_attention_layernorm,
-        *((layer.self_attn.q_norm, layer.self_attn.k_norm) if has_qk_norm else ()))]
+        *((layer.self_attn.q_norm, layer.self_attn.k_norm) if has_qk_norm else ()),
+        *((layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if form == "gemma3" else ()))]
     norms_ok = all(layer.self_attn.has_qk_norm == has_qk_norm for layer in layers) and all(
         norm.weight.dtype == torch.bfloat16 and norm.weight.is_contiguous() and norm.weight.device.type == "cpu"
         for norm in norms) and (not has_qk_norm or all(
@@ -223,6 +235,6 @@ def for_model(model: torch.nn.Module) -> NativeDecoderStack | None:
     if not (same_shapes and cos_sin_ok and norms_ok and kernels_take):
         return None
     kinds = sorted({"int8 GEMM" if linear.int8 is not None else "panel GEMM" for layer in linears for linear in layer})
-    logger.info("decoder layers: one native call per step for batches on the %s (%d layers)", " and ".join(kinds),
-                len(layers))
+    logger.info("decoder layers: one native call per step for batches on the %s (%d %s layers)", " and ".join(kinds),
+                len(layers), form)
     return NativeDecoderStack(model, layers, linears)

@@ -93,3 +93,23 @@ class Gemma3ForCausalLM(LlamaFamilyForCausalLM):
 
     def cos_sin_cache_of(self, layer_index: int) -> torch.Tensor:
         return self.local_cos_sin_cache if self.model.layers[layer_index].is_local else self.cos_sin_cache
+
+    decoder_layer_form = "gemma3"
+
+    def plain_decoder_layers(self) -> list[Gemma3DecoderLayer] | None:
+        """Every decoder layer, where each is exactly Gemma 3's (offset norms around attention and the MLP and on q and
+        k, attention without sinks, the GELU-tanh gated MLP, nothing hooked on them); None otherwise."""
+        layers = list(self.model.layers)
+        for layer in layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                     layer.post_feedforward_layernorm, *((attention.q_norm, attention.k_norm)
+                                                         if attention.has_qk_norm else ()))
+            is_plain = (type(layer) is Gemma3DecoderLayer and type(attention) is Attention and type(mlp) is MLP
+                        and attention.sinks is None and attention.has_qk_norm
+                        and all(type(norm) is OffsetRMSNorm for norm in norms)
+                        and mlp.activation == "gelu_tanh_and_mul"
+                        and not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()))
+            if not is_plain:
+                return None
+        return layers

@@ -236,6 +236,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, kernels, residual)
         return hidden
 
+    # the kind of layer plain_decoder_layers returns: "llama" here, "gemma3" for Gemma 3's (kernels/cpu_decoder_stack)
+    decoder_layer_form = "llama"
+
     def plain_decoder_layers(self) -> list[DecoderLayer] | None:
         """Every decoder layer, where each is exactly Llama's (``RMSNorm``s, ``Attention`` without sinks and with
         Qwen3's ``RMSNorm`` q/k norms or none, the dense ``MLP`` with SiLU, nothing hooked on them, such as tensor

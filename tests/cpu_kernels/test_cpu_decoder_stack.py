@@ -1,7 +1,8 @@
-"""``kernels/cpu_decoder_stack.py``: a bf16 Llama-family model's decoder layers in one native call per step give the
-same bits as the layer-by-layer path (tokens and logprobs through the real engine, decode and mixed steps, GQA,
-sliding windows, Qwen2's biased q/k/v, Qwen3's q/k norms, W8A8, one and two threads), only where every layer is
-plain Llama on the panel GEMM, and only for the batches it takes. Where this CPU has no AVX512-BF16 the panel
+"""``kernels/cpu_decoder_stack.py``: a bf16 Llama-family or Gemma 3 model's decoder layers in one native call per
+step give the same bits as the layer-by-layer path (tokens and logprobs through the real engine, decode and mixed
+steps, GQA, sliding windows, Qwen2's biased q/k/v, Qwen3's q/k norms, Gemma 3's local and global layers, W8A8, one
+and two threads), only where every layer is plain Llama or Gemma 3 on the panel GEMM, and only for the batches it
+takes. Where this CPU has no AVX512-BF16 the panel
 GEMM's portable body runs it."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pipeline.builtin_model import build_checkpoint
 from pipeline.forward_batch import ForwardBatch
 from tests.conftest import TINY_CONFIGS
 from tests.gemma_checkpoints import gemma3_checkpoint  # noqa: F401 (a fixture)
+from tests.gpt_oss_checkpoints import gpt_oss_checkpoint  # noqa: F401 (a fixture)
 from tests.quantized_checkpoints import quantized_checkpoint  # noqa: F401 (a fixture)
 
 
@@ -67,15 +69,21 @@ def generate(llm: LLM, prompts: list[list[int]], max_tokens: int):
     return [(out.token_ids, out.logprobs, out.prompt_logprobs) for out in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "windowed", "qwen2", "qwen3"])
-def test_one_call_per_step_gives_the_layer_by_layer_bits(panels, threads, tiny_checkpoint, windowed_checkpoint, arch):
-    check_same_bits(bf16_llm(windowed_checkpoint if arch == "windowed" else tiny_checkpoint(arch)))
+@pytest.mark.parametrize("arch", ["llama", "windowed", "qwen2", "qwen3", "gemma3", "gemma3_untied"])
+def test_one_call_per_step_gives_the_layer_by_layer_bits(panels, threads, tiny_checkpoint, windowed_checkpoint,
+                                                         gemma3_checkpoint, arch):
+    """gemma3: local and global layers (their own windows and RoPE caches), offset norms, GELU-tanh, softcapped
+    logits; gemma3_untied: biased projections, one KV head, global layers first."""
+    path = {"windowed": windowed_checkpoint}.get(arch) or (
+        gemma3_checkpoint(arch) if arch.startswith("gemma3") else tiny_checkpoint(arch))
+    check_same_bits(bf16_llm(path))
 
 
-def test_every_instruction_set_gives_the_layer_by_layer_bits(panels, isa, tiny_checkpoint):
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_every_instruction_set_gives_the_layer_by_layer_bits(panels, isa, tiny_checkpoint, gemma3_checkpoint, arch):
     """The elementwise and attention bodies of each instruction set this CPU runs (AVX-512 with BF16 pairs, AVX-512,
     AVX2, the portable 16-lane ones, 16-byte vectors, scalar) chained by the stack as by their own calls."""
-    check_same_bits(bf16_llm(tiny_checkpoint("qwen3")))
+    check_same_bits(bf16_llm(gemma3_checkpoint(arch) if arch == "gemma3" else tiny_checkpoint(arch)))
 
 
 def check_same_bits(llm: LLM) -> None:
@@ -134,9 +142,15 @@ def test_speculative_and_overlapped_steps_give_the_same_tokens_with_the_stack(pa
     assert fused == layer_by_layer
 
 
-def test_layers_that_are_not_plain_llama_keep_the_layer_by_layer_path(panels, gemma3_checkpoint):
-    """Gemma 3's offset norms, extra norms and GELU-tanh MLP are not Llama's: no stack, the model runs as before."""
-    llm = bf16_llm(gemma3_checkpoint("gemma3"))
+def test_layers_that_are_neither_plain_llama_nor_gemma_keep_the_layer_by_layer_path(panels, gpt_oss_checkpoint,
+                                                                                     gemma3_checkpoint):
+    """gpt-oss's attention sinks and mixture of experts are neither form: no stack, the model runs as before; nor a
+    Gemma 3 layer with a hook on it (tensor parallelism's all-reduce)."""
+    gemma = bf16_llm(gemma3_checkpoint("gemma3")).engine.runner.model
+    assert gemma.plain_decoder_layers() is not None
+    gemma.model.layers[2].mlp.register_forward_hook(lambda module, inputs, output: output)
+    assert gemma.plain_decoder_layers() is None
+    llm = bf16_llm(gpt_oss_checkpoint("gpt_oss"))
     assert llm.engine.runner.model.plain_decoder_layers() is None
     assert llm.engine.runner.model.native_decoder_stack is None
     assert len(generate(llm, [[5, 6, 7]], 3)[0][0]) == 3
