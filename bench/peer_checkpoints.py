@@ -33,13 +33,19 @@ LARGE_SHAPES: dict[str, dict] = {
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=False),
 }
-# Mixture-of-experts shapes, built with transformers' own classes (small enough to build in memory): a Qwen3-MoE
-# with 32 experts, top-8 renormalised, on every layer — the issue's "32+ experts, top-8"
-MOE_SHAPES: dict[str, tuple[str, dict]] = {
+# Other architectures' shapes, built with transformers' own classes (small enough to build in memory): a Qwen3-MoE
+# with 32 experts, top-8 renormalised, on every layer (the issue's "32+ experts, top-8"), and Gemma-3-1B's shape
+# (five sliding-window layers of 512 to each global one; a 2,048-token vocabulary instead of 262,144)
+BUILT_SHAPES: dict[str, tuple[str, dict]] = {
     "qwen3-moe": ("qwen3_moe", dict(
         tokenizer_vocab_size=2048, hidden_size=768, intermediate_size=2048, moe_intermediate_size=384,
         num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4, head_dim=64, num_experts=32,
         num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=2048, initializer_range=0.05)),
+    "gemma3-1b": ("gemma3", dict(
+        tokenizer_vocab_size=2048, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512, sliding_window_pattern=6,
+        query_pre_attn_scalar=256, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+        max_position_embeddings=4096, initializer_range=0.02)),
 }
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHARD_BYTES = 2 << 30
@@ -213,10 +219,10 @@ def weight_bytes_per_token(checkpoint: Path, dtype: torch.dtype) -> int:
 
 def peer_checkpoint(size: str, is_int8: bool = False) -> Path:
     """The benchmark's checkpoint of ``size`` (built once, cached under ``$TANDEM_HOME``): ``small`` / ``medium``
-    as ``bench/serve_compare.benchmark_checkpoint`` builds them, ``1.1b`` / ``3b`` / ``8b`` and ``qwen3-moe`` here;
+    as ``bench/serve_compare.benchmark_checkpoint`` builds them, ``1.1b`` / ``3b`` / ``8b``, ``qwen3-moe`` and ``gemma3-1b`` here;
     ``is_int8``: its W8A8 twin."""
     home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
-    if size in MOE_SHAPES:
+    if size in BUILT_SHAPES:
         float_path = home / f"bench-{size}-no-eos"
         if not (float_path / "config.json").is_file():
             from bench.peer_transformers import make_eos_unreachable
@@ -224,7 +230,7 @@ def peer_checkpoint(size: str, is_int8: bool = False) -> Path:
 
             staging = float_path.with_name(float_path.name + ".partial")
             shutil.rmtree(staging, ignore_errors=True)
-            architecture, settings = MOE_SHAPES[size]
+            architecture, settings = BUILT_SHAPES[size]
             build_checkpoint(staging, architecture, **settings)
             make_eos_unreachable(staging)
             staging.rename(float_path)

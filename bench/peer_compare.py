@@ -32,13 +32,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.peer_checkpoints import LARGE_SHAPES, MOE_SHAPES, peer_checkpoint
+from bench.peer_checkpoints import BUILT_SHAPES, LARGE_SHAPES, peer_checkpoint
 from bench.peer_offline import LARGE_WORKLOADS, parse_configs, run_offline
 from bench.peer_vllm import VLLM_VERSION, VllmServe, default_venv, installed_versions, setup_venv
 from bench.serve_compare import client_on, cpu_model, run_tandem, write_comparison
 
 ONLINE_SYSTEMS = ("vllm", "tandem-colocated", "tandem-1p1d", "tandem-1p1d-spill")
-MODEL_SIZES = ("small", "medium", *LARGE_SHAPES, *MOE_SHAPES)
+MODEL_SIZES = ("small", "medium", *LARGE_SHAPES, *BUILT_SHAPES)
 
 
 def cpu_flags() -> list[str]:
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict = {
         "benchmark": "peer_compare", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cores": cores,
-        "model_sizes": {s: LARGE_SHAPES.get(s) or MOE_SHAPES.get(s, s) for s in sorted({c[0] for c in parse_configs(args)})},
+        "model_sizes": {s: LARGE_SHAPES.get(s) or BUILT_SHAPES.get(s, s) for s in sorted({c[0] for c in parse_configs(args)})},
         "bench_command": " ".join(["python -m bench.peer_compare", *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"cpu": cpu_model(), "cores_online": os.cpu_count(), "cpu_flags": cpu_flags(),
                     "loadavg_1min_before": os.getloadavg()[0]},

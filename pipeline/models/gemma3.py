@@ -78,6 +78,8 @@ class Gemma3ForCausalLM(LlamaFamilyForCausalLM):
     Parameter names follow the checkpoint's, q/k/v and gate/up fused as in the Llama family.
     """
 
+    decoder_layer_form = "gemma3"  # what plain_decoder_layers returns (kernels/cpu_decoder_stack.py)
+
     def __init__(self, hf_config, dtype: torch.dtype, device):
         if hf_config.model_type != "gemma3_text":
             raise CheckpointError(f"Gemma3ForCausalLM needs a text-only gemma3_text config (got {hf_config.model_type!r})")
@@ -93,8 +95,6 @@ class Gemma3ForCausalLM(LlamaFamilyForCausalLM):
 
     def cos_sin_cache_of(self, layer_index: int) -> torch.Tensor:
         return self.local_cos_sin_cache if self.model.layers[layer_index].is_local else self.cos_sin_cache
-
-    decoder_layer_form = "gemma3"
 
     def plain_decoder_layers(self) -> list[Gemma3DecoderLayer] | None:
         """Every decoder layer, where each is exactly Gemma 3's (offset norms around attention and the MLP and on q and
