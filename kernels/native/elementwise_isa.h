@@ -3,7 +3,7 @@
  * (or GELU-tanh(gate) * up), and a mixture-of-experts
  * layer's combine (the KV store is a plain copy, in cpu_ops.c). Each rounds where torch rounds (every op's result to the model dtype,
  * products not fused into sums), so fp32 results equal transformers' bit for bit except where a
- * reduction's order or exp's last bit differs (the norm's mean of squares, SiLU).
+ * reduction's order or exp's last bit differs (the norm's mean of squares, SiLU; GELU-tanh's tanh by a few ulp).
  *
  * Rows are tokens; a row's elements are contiguous, rows may be strided (views of a fused projection).
  * Row lengths are multiples of W (the dispatcher picks a narrower ISA otherwise).
