@@ -116,6 +116,17 @@ def test_w8a8_layers_in_one_call_give_the_layer_by_layer_bits(gemm_body, threads
     check_same_bits(llm)
 
 
+def test_gemma_layers_quantized_at_load_in_one_call_give_the_layer_by_layer_bits(gemm_body, gemma3_checkpoint):
+    """``--quantization int8`` on Gemma 3: its W8A8 linears between Gemma's norms, in the stack as in their own calls."""
+    llm = LLM(model=gemma3_checkpoint("gemma3"), model_config={"dtype": "bfloat16", "device": "cpu",
+                                                               "quantization": "int8"},
+              max_batch_size=8, max_batch_input_tokens=64, max_length=128, kv_cache={"cpu_kv_cache_gib": 0.05})
+    stack = llm.engine.runner.model.native_decoder_stack
+    assert isinstance(stack, cpu_decoder_stack.NativeDecoderStack) and stack.is_gemma
+    assert all(linear.int8 is not None for linear in stack.linears)
+    check_same_bits(llm)
+
+
 @pytest.mark.parametrize("mode", ["speculative", "overlap"])
 def test_speculative_and_overlapped_steps_give_the_same_tokens_with_the_stack(panels, tiny_checkpoint, drafts,
                                                                              monkeypatch, mode):
