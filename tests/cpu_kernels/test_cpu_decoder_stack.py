@@ -117,7 +117,7 @@ def test_w8a8_layers_in_one_call_give_the_layer_by_layer_bits(gemm_body, threads
 
 
 def test_gemma_layers_quantized_at_load_in_one_call_give_the_layer_by_layer_bits(gemm_body, gemma3_checkpoint):
-    """``--quantization int8`` on Gemma 3: its W8A8 linears between Gemma's norms, in the stack as in their own calls."""
+    """``--quantization int8`` on Gemma 3: W8A8 linears between Gemma's norms, in the stack as in their own calls."""
     llm = LLM(model=gemma3_checkpoint("gemma3"), model_config={"dtype": "bfloat16", "device": "cpu",
                                                                "quantization": "int8"},
               max_batch_size=8, max_batch_input_tokens=64, max_length=128, kv_cache={"cpu_kv_cache_gib": 0.05})
