@@ -64,6 +64,17 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
                                     prepack=prepack_weights, panels_beside_onednn=panels_beside)
             if not module.gemm.holds(weight):
                 _let_go(module, "weight")
+        elif hasattr(module, "gate_up_proj_bias") and hasattr(module, "grouped_experts") and (
+                module.gate_up_proj.device.type == "cpu"):
+            # gpt-oss's biased experts: packed once for the one-call path where it runs (bf16); where it takes every
+            # group (no AMX) nothing reads the stacked weights, else the groups it declines run the per-expert loop
+            if (prepack_weights and module.gate_up_proj.dtype == torch.bfloat16 and cpu_moe.native_available()):
+                module.grouped_experts = cpu_moe.GroupedExperts(
+                    module.gate_up_proj.detach(), module.down_proj.detach(), module.gate_up_proj_bias.detach(),
+                    module.down_proj_bias.detach())
+                if cpu_moe.MAX_ROWS_PER_EXPERT is None:
+                    _let_go(module, "gate_up_proj")
+                    _let_go(module, "down_proj")
         elif hasattr(module, "expert_gemms") and module.gate_up_proj.device.type == "cpu":
             # a mixture-of-experts layer's stacked experts: all of them packed once for the one-call path
             # (kernels/cpu_moe.py) where it runs, and each expert's pair of GEMMs packed like a linear's for the

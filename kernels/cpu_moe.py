@@ -5,7 +5,8 @@
 gate/up GEMM in one call, the SiLU-and-mul over all rows, all experts' down GEMM in one call, wherever no expert has
 more than ``MAX_ROWS_PER_EXPERT`` rows (every step, on a CPU without AMX); larger groups keep a packed oneDNN GEMM pair
 per expert (on AMX CPUs oneDNN runs AMX for prefill-sized groups). The weights are packed once at load (``pack``) in
-the panels the kernel streams. bf16 only: fp32 models keep the oneDNN loop.
+the panels the kernel streams. bf16 only: fp32 models keep the oneDNN loop. gpt-oss's experts (``GptOssExperts``,
+pipeline/models/gpt_oss.py) take the same path with each expert's bias and their clamped SwiGLU.
 
 Why: one oneDNN call pair per expert read the experts' weights at 14-20 GB/s of the machine's 36-45 in decode
 (per-call overhead, two threads splitting each tiny GEMM); one call per layer, its threads splitting
@@ -70,37 +71,45 @@ def one_group(num_rows: int) -> torch.Tensor:
 def grouped_gemm(rows: torch.Tensor, offsets: torch.Tensor, weights: PackedExperts,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 ``[num_rows, in]`` grouped by expert (expert e's rows ``offsets[e]:offsets[e + 1]``, int64) ->
-    ``[num_rows, out]``: each expert's rows times its weight, fp32 sums (plus ``bias``, fp32 ``[panels * 32]``, where
-    one expert takes every row: a dense linear's) rounded once to bf16."""
+    ``[num_rows, out]``: each expert's rows times its weight, fp32 sums (plus ``bias``, fp32: ``[panels * 32]``, a
+    dense linear's, or ``[num_experts, panels * 32]``, each expert's) rounded once to bf16."""
     out = torch.empty((rows.shape[0], weights.out_features), dtype=torch.bfloat16)
     if rows.shape[0] == 0:
         return out
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     cpu_native.ops.moe_gemm(rows.data_ptr(), weights.packed.data_ptr(), offsets.data_ptr(), out.data_ptr(),
                             weights.packed.shape[0], rows.stride(0), out.stride(0), weights.in_features,
-                            weights.out_features, torch.get_num_threads(), 0 if bias is None else bias.data_ptr())
+                            weights.out_features, torch.get_num_threads(), 0 if bias is None else bias.data_ptr(),
+                            bias.shape[-1] if bias is not None and bias.dim() == 2 else 0)
     return out
 
 
 def padded_bias(bias: torch.Tensor, weights: PackedExperts) -> torch.Tensor:
-    """A dense linear's bias as ``grouped_gemm`` adds it: fp32, padded with zeros to whole panels."""
-    return F.pad(bias.float(), (0, weights.packed.shape[1] * PANEL - bias.numel())).contiguous()
+    """A dense linear's bias ``[out]`` (or every expert's, ``[num_experts, out]``) as ``grouped_gemm`` adds it: fp32,
+    padded with zeros to whole panels."""
+    return F.pad(bias.float(), (0, weights.packed.shape[1] * PANEL - bias.shape[-1])).contiguous()
 
 
 class GroupedExperts:
-    """A layer's experts packed for the one-call path: ``(rows grouped by expert, rows per expert, silu_and_mul)``
-    -> the experts' outputs, or None where the groups are too large for it (the caller runs its per-expert loop)."""
+    """A layer's experts packed for the one-call path: ``(rows grouped by expert, rows per expert, activation)``
+    -> the experts' outputs, or None where the groups are too large for it (the caller runs its per-expert loop).
+    ``activation`` maps the gate/up rows to the down projection's input (SiLU-and-mul; gpt-oss's clamped SwiGLU);
+    biased experts (gpt-oss's) add each expert's fp32 bias before the rounding."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):  # [E, 2 * inter, hidden], [E, hidden, inter]
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor,  # [E, 2 * inter, hidden], [E, hidden, inter]
+                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):  # [E, 2 * inter]...
         self.gate_up = pack(gate_up)
         self.down = pack(down)
+        self.gate_up_bias = None if gate_up_bias is None else padded_bias(gate_up_bias, self.gate_up)
+        self.down_bias = None if down_bias is None else padded_bias(down_bias, self.down)
 
-    def __call__(self, grouped: torch.Tensor, rows_per_expert: torch.Tensor, silu_and_mul) -> torch.Tensor | None:
+    def __call__(self, grouped: torch.Tensor, rows_per_expert: torch.Tensor, activation) -> torch.Tensor | None:
         if grouped.dtype != torch.bfloat16 or not native_available() or (
                 MAX_ROWS_PER_EXPERT is not None and int(rows_per_expert.max()) > MAX_ROWS_PER_EXPERT):
             return None
         offsets = F.pad(torch.cumsum(rows_per_expert, 0), (1, 0))  # [num_experts + 1] int64
-        return grouped_gemm(silu_and_mul(grouped_gemm(grouped, offsets, self.gate_up)), offsets, self.down)
+        projected = grouped_gemm(grouped, offsets, self.gate_up, self.gate_up_bias)
+        return grouped_gemm(activation(projected), offsets, self.down, self.down_bias)
 
 
 _COMBINE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}

@@ -35,7 +35,15 @@ def clamped_swiglu_moe_ref(
     limit: float,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     def expert(index: int, rows: torch.Tensor) -> torch.Tensor:  # [count, hidden] -> [count, hidden]
-        projected = F.linear(rows, gate_up[index], gate_up_bias[index])  # [count, 2 * intermediate]
-        return F.linear(clamped_swiglu_ref(projected, alpha, limit), down[index], down_bias[index])
+        return clamped_swiglu_expert(rows, gate_up[index], gate_up_bias[index], down[index], down_bias[index], alpha,
+                                     limit)
 
     return experts_over_grouped_rows(hidden, topk_weights, topk_ids, gate_up.shape[0], expert)
+
+
+def clamped_swiglu_expert(rows: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor,
+                          down_bias: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """One expert over its rows ``[count, hidden]`` -> ``[count, hidden]``: biased gate/up, the clamped SwiGLU,
+    biased down."""
+    projected = F.linear(rows, gate_up, gate_up_bias)  # [count, 2 * intermediate]
+    return F.linear(clamped_swiglu_ref(projected, alpha, limit), down, down_bias)

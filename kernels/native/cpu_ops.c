@@ -772,11 +772,14 @@ static PyObject *py_moe_gemm(PyObject *self, PyObject *args)
     unsigned long long x, packed, offsets, out, bias;
     int num_experts, num_threads;
     moe_args m;
-    if (!PyArg_ParseTuple(args, "KKKKiLLiiiK", &x, &packed, &offsets, &out, &num_experts, &m.x_stride, &m.out_stride,
-                          &m.k, &m.cols, &num_threads, &bias))
+    m.bias_expert_stride = 0;
+    if (!PyArg_ParseTuple(args, "KKKKiLLiiiK|L", &x, &packed, &offsets, &out, &num_experts, &m.x_stride,
+                          &m.out_stride, &m.k, &m.cols, &num_threads, &bias, &m.bias_expert_stride))
         return NULL;
-    if (bias && num_experts != 1) {
-        PyErr_SetString(PyExc_ValueError, "moe_gemm: a bias is one expert's (a dense linear's)");
+    const int64_t padded_cols = (int64_t)((m.cols + MOE_PANEL - 1) / MOE_PANEL) * MOE_PANEL;
+    if (bias && num_experts != 1 && m.bias_expert_stride < padded_cols) {
+        PyErr_SetString(PyExc_ValueError, "moe_gemm: several experts' bias needs bias_expert_stride >= the padded "
+                        "columns (one bias per expert)");
         return NULL;
     }
     m.bias = (const float *)(uintptr_t)bias;
@@ -983,8 +986,9 @@ static PyMethodDef METHODS[] = {
      "Run int8_gemm with this body (None: none, as without VNNI); tests compare them."},
     {"moe_gemm", py_moe_gemm, METH_VARARGS,
      "moe_gemm(x (bf16, rows grouped by expert), packed, offsets (int64, num_experts + 1), out (bf16) (addresses), "
-     "num_experts, x_stride, out_stride, k, cols, num_threads, bias (fp32 [panels * 32] address, 0: none; one expert "
-     "only)): each expert's rows x its packed weight (moe_gemm.h)"},
+     "num_experts, x_stride, out_stride, k, cols, num_threads, bias (fp32 [panels * 32] address, 0: none), "
+     "bias_expert_stride=0 (floats between experts' biases; 0: one bias, a dense linear's)): each expert's rows x its "
+     "packed weight (+ its bias) (moe_gemm.h)"},
     {"moe_gemm_isa", py_moe_gemm_isa, METH_NOARGS,
      "The MoE GEMM body in use (avx512_bf16, or portable when set), None where the CPU has no AVX512-BF16."},
     {"supported_moe_gemm_isas", py_supported_moe_gemm_isas, METH_NOARGS, "Every MoE GEMM body this CPU runs."},

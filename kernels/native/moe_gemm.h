@@ -30,7 +30,8 @@ typedef struct {
     uint16_t *out;            /* [rows][out_stride] bf16 */
     int64_t x_stride, out_stride;
     int k, cols, panels;
-    const float *bias;        /* one expert's fp32 bias [panels * 32], added before the rounding; or NULL */
+    const float *bias;        /* fp32 bias [panels * 32] per expert, added before the rounding; or NULL */
+    int64_t bias_expert_stride; /* floats from one expert's bias to the next's; 0: one bias for every expert */
 } moe_args;
 
 static inline size_t moe_panel_elements(const moe_args *m) { return (size_t)((m->k + 1) / 2) * MOE_PANEL * 2; }
@@ -50,6 +51,7 @@ static void moe_gemm_items_portable(const moe_args *m, int64_t first, int64_t la
     for (int64_t item = first; item < last; item++) {
         const int expert = m->experts[item / m->panels], p = (int)(item % m->panels);
         const uint16_t *panel = m->packed + ((size_t)expert * m->panels + p) * moe_panel_elements(m);
+        const float *bias = m->bias ? m->bias + expert * m->bias_expert_stride : NULL;
         for (int64_t r = m->offsets[expert]; r < m->offsets[expert + 1]; r++) {
             const uint16_t *a = m->x + (size_t)r * m->x_stride;
             for (int c = 0; c < MOE_PANEL; c++)
@@ -63,7 +65,7 @@ static void moe_gemm_items_portable(const moe_args *m, int64_t first, int64_t la
             }
             for (int c = 0; c < MOE_PANEL && p * MOE_PANEL + c < m->cols; c++)
                 m->out[(size_t)r * m->out_stride + p * MOE_PANEL + c] =
-                    float_to_bf16(m->bias ? acc[c] + m->bias[p * MOE_PANEL + c] : acc[c]);
+                    float_to_bf16(bias ? acc[c] + bias[p * MOE_PANEL + c] : acc[c]);
         }
     }
 }
@@ -115,7 +117,8 @@ static inline __attribute__((always_inline)) void moe_store_avx512(uint16_t *out
     }
 
 static inline __attribute__((always_inline)) void moe_tile_avx512(const moe_args *m, const uint16_t *panel,
-                                                                  int64_t row, int col, const int R)
+                                                                  const float *bias, int64_t row, int col,
+                                                                  const int R)
 {
     const __m512 zero = _mm512_setzero_ps();
     MOE_ROW_ACCS(0) MOE_ROW_ACCS(1) MOE_ROW_ACCS(2) MOE_ROW_ACCS(3)
@@ -134,8 +137,8 @@ static inline __attribute__((always_inline)) void moe_tile_avx512(const moe_args
         MOE_ROW_LAST(0) MOE_ROW_LAST(1) MOE_ROW_LAST(2) MOE_ROW_LAST(3)
         MOE_ROW_LAST(4) MOE_ROW_LAST(5) MOE_ROW_LAST(6) MOE_ROW_LAST(7)
     }
-    if (m->bias) { /* fp32, added before the one rounding */
-        const __m512 bias0 = _mm512_loadu_ps(m->bias + col), bias1 = _mm512_loadu_ps(m->bias + col + 16);
+    if (bias) { /* fp32, added before the one rounding */
+        const __m512 bias0 = _mm512_loadu_ps(bias + col), bias1 = _mm512_loadu_ps(bias + col + 16);
         MOE_ROW_BIAS(0) MOE_ROW_BIAS(1) MOE_ROW_BIAS(2) MOE_ROW_BIAS(3)
         MOE_ROW_BIAS(4) MOE_ROW_BIAS(5) MOE_ROW_BIAS(6) MOE_ROW_BIAS(7)
     }
@@ -153,17 +156,18 @@ static void moe_gemm_items_avx512_bf16(const moe_args *m, int64_t first, int64_t
     for (int64_t item = first; item < last; item++) {
         const int expert = m->experts[item / m->panels], p = (int)(item % m->panels);
         const uint16_t *panel = m->packed + ((size_t)expert * m->panels + p) * moe_panel_elements(m);
+        const float *bias = m->bias ? m->bias + expert * m->bias_expert_stride : NULL;
         const int64_t end = m->offsets[expert + 1];
         for (int64_t row = m->offsets[expert]; row < end; row += MOE_TILE_ROWS) {
             switch (end - row < MOE_TILE_ROWS ? (int)(end - row) : MOE_TILE_ROWS) {
-            case 1: moe_tile_avx512(m, panel, row, p * MOE_PANEL, 1); break;
-            case 2: moe_tile_avx512(m, panel, row, p * MOE_PANEL, 2); break;
-            case 3: moe_tile_avx512(m, panel, row, p * MOE_PANEL, 3); break;
-            case 4: moe_tile_avx512(m, panel, row, p * MOE_PANEL, 4); break;
-            case 5: moe_tile_avx512(m, panel, row, p * MOE_PANEL, 5); break;
-            case 6: moe_tile_avx512(m, panel, row, p * MOE_PANEL, 6); break;
-            case 7: moe_tile_avx512(m, panel, row, p * MOE_PANEL, 7); break;
-            default: moe_tile_avx512(m, panel, row, p * MOE_PANEL, 8); break;
+            case 1: moe_tile_avx512(m, panel, bias, row, p * MOE_PANEL, 1); break;
+            case 2: moe_tile_avx512(m, panel, bias, row, p * MOE_PANEL, 2); break;
+            case 3: moe_tile_avx512(m, panel, bias, row, p * MOE_PANEL, 3); break;
+            case 4: moe_tile_avx512(m, panel, bias, row, p * MOE_PANEL, 4); break;
+            case 5: moe_tile_avx512(m, panel, bias, row, p * MOE_PANEL, 5); break;
+            case 6: moe_tile_avx512(m, panel, bias, row, p * MOE_PANEL, 6); break;
+            case 7: moe_tile_avx512(m, panel, bias, row, p * MOE_PANEL, 7); break;
+            default: moe_tile_avx512(m, panel, bias, row, p * MOE_PANEL, 8); break;
             }
         }
     }

@@ -20,12 +20,14 @@ hidden]`` with the gate block first, and ``[experts, hidden, intermediate]``. MX
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from kernels import Kernels
+from kernels.gpt_oss_moe_ref import clamped_swiglu_expert, clamped_swiglu_ref
+from kernels.moe_ref import experts_over_grouped_rows
 from pipeline.checkpoint_errors import CheckpointError
 from pipeline.models.layers import Linear, empty_parameter
 from pipeline.models.llama import LlamaFamilyForCausalLM
@@ -42,6 +44,9 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = empty_parameter(num_experts, 2 * intermediate, dtype=dtype, device=device)
         self.down_proj = empty_parameter(num_experts, hidden, intermediate, dtype=dtype, device=device)
         self.down_proj_bias = empty_parameter(num_experts, hidden, dtype=dtype, device=device)
+        # all experts' GEMMs in one native call each, biases included (the CPU set in bf16, ``kernels.cpu_moe``):
+        # (grouped rows, rows per expert, activation) -> their outputs, or None where the groups are too large for it
+        self.grouped_experts: Callable | None = None
 
 
 class GptOssMoeBlock(nn.Module):
@@ -60,10 +65,24 @@ class GptOssMoeBlock(nn.Module):
         top_logits, topk_ids = torch.topk(router_logits, self.top_k, dim=-1)  # [num_tokens, top_k] each
         topk_weights = torch.softmax(top_logits, dim=-1, dtype=top_logits.dtype)
         experts = self.experts
-        return kernels.clamped_swiglu_moe(
-            x, experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj, experts.down_proj_bias,
-            topk_weights, topk_ids, self.alpha, self.limit,
-        )
+        if experts.grouped_experts is None:
+            return kernels.clamped_swiglu_moe(
+                x, experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj, experts.down_proj_bias,
+                topk_weights, topk_ids, self.alpha, self.limit,
+            )
+
+        def activation(gate_up: torch.Tensor) -> torch.Tensor:
+            return clamped_swiglu_ref(gate_up, self.alpha, self.limit)
+
+        def expert(index: int, rows: torch.Tensor) -> torch.Tensor:  # groups the one-call path declines (AMX)
+            return clamped_swiglu_expert(rows, experts.gate_up_proj[index], experts.gate_up_proj_bias[index],
+                                         experts.down_proj[index], experts.down_proj_bias[index], self.alpha,
+                                         self.limit)
+
+        return experts_over_grouped_rows(
+            x, topk_weights, topk_ids, experts.gate_up_proj.shape[0], expert,
+            lambda grouped, rows_per_expert: experts.grouped_experts(grouped, rows_per_expert, activation),
+            kernels.combine_grouped_rows)
 
 
 def _deinterleave(tensor: torch.Tensor, dim: int) -> torch.Tensor:

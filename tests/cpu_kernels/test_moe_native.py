@@ -1,7 +1,8 @@
 """The one-call MoE expert GEMM (``kernels/cpu_moe.py``, ``kernels/native/moe_gemm.h``) against a float64 torch
 product of the same grouped rows, on every body this CPU runs (AVX512-BF16 where the CPU has it, the portable one
 everywhere): within the one rounding to bf16 plus fp32 summation error, and within one bf16 step of the per-expert
-oneDNN path it replaces; ``StackedExperts`` through it against its per-expert loop."""
+oneDNN path it replaces; ``StackedExperts`` through it against its per-expert loop; gpt-oss's biased experts
+through it against the reference."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from kernels import cpu_moe, cpu_native, load_kernels
 from kernels.cpu_gemm import CpuLinear
+from tests.gpt_oss_checkpoints import gpt_oss_checkpoint  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(cpu_native.ops is None, reason="kernels._cpu_ops is not built")
 
@@ -67,6 +69,24 @@ def test_grouped_gemm_is_the_grouped_product(moe_body, threads, rows_per_expert,
     assert out.dtype == torch.bfloat16 and out.shape == (rows.shape[0], n)
     exact, magnitude = exact_products(rows, weights, offsets)
     assert_within_one_rounding(out, exact, magnitude, k)
+
+
+@pytest.mark.parametrize("rows_per_expert, k, n", [([3, 0, 2], 7, 33), ([5, 8, 9, 16, 0, 4], 129, 100)])
+def test_each_experts_bias_is_added_before_the_rounding(moe_body, threads, rows_per_expert, k, n):
+    """gpt-oss's experts: expert e's rows get bias[e] (fp32 sums, then the one rounding); a bias for several experts
+    without its stride is refused."""
+    rows, weights, offsets = grouped_case(rows_per_expert, k, n, seed=3)
+    bias = torch.randn(len(rows_per_expert), n).to(torch.bfloat16)
+    packed = cpu_moe.pack(weights)
+    out = cpu_moe.grouped_gemm(rows, offsets, packed, cpu_moe.padded_bias(bias, packed))
+    exact, magnitude = exact_products(rows, weights, offsets)
+    expert_of_row = torch.repeat_interleave(torch.arange(len(rows_per_expert)), torch.tensor(rows_per_expert))
+    exact += bias.double()[expert_of_row]
+    assert_within_one_rounding(out, exact, magnitude + bias.double().abs()[expert_of_row], k + 1)
+    with pytest.raises(ValueError, match="bias_expert_stride"):
+        cpu_native.ops.moe_gemm(rows.data_ptr(), packed.packed.data_ptr(), offsets.data_ptr(), out.data_ptr(),
+                                len(rows_per_expert), rows.stride(0), out.stride(0), k, n, 1,
+                                cpu_moe.padded_bias(bias, packed).data_ptr())
 
 
 def test_grouped_gemm_reads_strided_rows(moe_body):
@@ -197,6 +217,36 @@ def test_bf16_model_generates_as_the_per_expert_loop(tmp_path):
     finally:
         cpu_native.ops.set_moe_gemm_isa(before)
     for ours, theirs in zip(fused, looped):
+        assert ours.token_ids == theirs.token_ids
+        for step_ours, step_theirs in zip(ours.logprobs, theirs.logprobs):
+            token = next(iter(step_theirs))
+            assert abs(step_ours[token] - step_theirs[token]) < 0.05
+
+
+def test_gpt_oss_bf16_experts_in_one_call_generate_as_the_reference(gpt_oss_checkpoint, monkeypatch):
+    """gpt-oss's biased experts and clamped SwiGLU in bf16: all experts' GEMMs in one call each, every expert's bias
+    added before the rounding (the stacked weights let go where no group is declined), against the kernel set's
+    per-expert reference over the stacked weights (an engine prepared without the one call): the same greedy
+    tokens, each step's logprobs within bf16 noise."""
+    from pipeline.llm import LLM
+    from tests.conftest import greedy
+
+    if cpu_native.ops.moe_gemm_isa() is None:
+        pytest.skip("the one-call MoE GEMM does not run on this CPU")
+    monkeypatch.setattr(cpu_moe, "MAX_ROWS_PER_EXPERT", None)  # as on a CPU without AMX: every group in one call
+    path = gpt_oss_checkpoint("gpt_oss")
+    settings = dict(kernel_backend="cpu", max_batch_input_tokens=16,
+                    kv_cache={"page_size": 4, "num_blocks": 96, "enable_prefix_caching": False})
+    llm = LLM(model=path, model_config={"dtype": "bfloat16"}, **settings)
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert experts.grouped_experts is not None and experts.gate_up_proj.device.type == "meta"
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 300, (length,), generator=generator).tolist() for length in (3, 29, 8, 1, 17)]
+    fused = llm.generate(prompts, greedy(10, logprobs=1))
+    reference_llm = LLM(model=path, model_config={"dtype": "bfloat16", "cpu_weight_prepack": False}, **settings)
+    assert reference_llm.engine.runner.model.model.layers[0].mlp.experts.grouped_experts is None
+    reference = reference_llm.generate(prompts, greedy(10, logprobs=1))
+    for ours, theirs in zip(fused, reference):
         assert ours.token_ids == theirs.token_ids
         for step_ours, step_theirs in zip(ours.logprobs, theirs.logprobs):
             token = next(iter(step_theirs))
