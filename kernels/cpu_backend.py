@@ -68,7 +68,7 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
                 module.gate_up_proj.device.type == "cpu"):
             # gpt-oss's biased experts: packed once for the one-call path where it runs (bf16); where it takes every
             # group (no AMX) nothing reads the stacked weights, else the groups it declines run the per-expert loop
-            if (prepack_weights and module.gate_up_proj.dtype == torch.bfloat16 and cpu_moe.native_available()):
+            if prepack_weights and module.gate_up_proj.dtype == torch.bfloat16 and cpu_moe.native_available():
                 module.grouped_experts = cpu_moe.GroupedExperts(
                     module.gate_up_proj.detach(), module.down_proj.detach(), module.gate_up_proj_bias.detach(),
                     module.down_proj_bias.detach())
