@@ -93,7 +93,7 @@ class NativeDecoderStack:
     """One step of a model's decoder layers in one native call: ``(embedded, batch, kv_cache) -> (delta,
     residual)``, what the layer-by-layer loop leaves for the final norm. Build it with ``for_model``."""
 
-    def __init__(self, model: torch.nn.Module, layers: list, linears: list[list[StackLinear]]):
+    def __init__(self, model: torch.nn.Module, layers: list, linears: list[list[StackLinear]], form: str):
         attention = layers[0].self_attn
         self.num_layers = len(layers)
         self.shape = dict(hidden=linears[0][0].in_features, q_heads=attention.num_q_heads,
@@ -104,10 +104,9 @@ class NativeDecoderStack:
         self._route_askers = list({linear.route: linear for linear in self.linears}.values())
         self.max_codes = max(linear.codes_per_row for linear in self.linears)
         self.has_qk_norm = attention.has_qk_norm
-        self.is_gemma = model.decoder_layer_form == "gemma3"
-        qk_norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) if self.has_qk_norm else () for layer in layers]
-        ff_norms = [(layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if self.is_gemma else ()
-                    for layer in layers]  # Gemma's norms around the MLP
+        self.is_gemma = form == "gemma3"
+        qk_norms = [_qk_norms(layer) for layer in layers]
+        ff_norms = [_ff_norms(layer, form) for layer in layers]
         # every tensor the plan points at, held here so that none is freed while the plan lives
         self._held = [tensor for index, layer in enumerate(layers) for tensor in (
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, model.cos_sin_cache_of(index),
@@ -189,6 +188,17 @@ def _is_flat(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
     return tensor.dtype == dtype and tensor.is_contiguous()
 
 
+def _qk_norms(layer) -> tuple:
+    """The layer's per-head q and k norms (Qwen3's, Gemma's), or none."""
+    attention = layer.self_attn
+    return (attention.q_norm, attention.k_norm) if attention.has_qk_norm else ()
+
+
+def _ff_norms(layer, form: str) -> tuple:
+    """Gemma's norms around the MLP (before it, with the residual, and after it), or none (Llama's layers)."""
+    return (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if form == "gemma3" else ()
+
+
 def for_model(model: torch.nn.Module) -> NativeDecoderStack | None:
     """The model's decoder layers as one native call, where they are all Llama's (or Gemma 3's) plain ones in bf16
     with every linear on the panel GEMM or the packed int8 one (its native body available here) and shapes the
@@ -222,9 +232,7 @@ def for_model(model: torch.nn.Module) -> NativeDecoderStack | None:
                      and model.cos_sin_cache_of(index).shape[-1] == head_dim for index in range(len(layers)))
     has_qk_norm = attention.has_qk_norm
     norms = [norm for layer in layers for norm in (
-        layer.input_layernorm, layer.post_attention_layernorm,
-        *((layer.self_attn.q_norm, layer.self_attn.k_norm) if has_qk_norm else ()),
-        *((layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if form == "gemma3" else ()))]
+        layer.input_layernorm, layer.post_attention_layernorm, *_qk_norms(layer), *_ff_norms(layer, form))]
     norms_ok = all(layer.self_attn.has_qk_norm == has_qk_norm for layer in layers) and all(
         norm.weight.dtype == torch.bfloat16 and norm.weight.is_contiguous() and norm.weight.device.type == "cpu"
         for norm in norms) and (not has_qk_norm or all(
@@ -237,4 +245,4 @@ def for_model(model: torch.nn.Module) -> NativeDecoderStack | None:
     kinds = sorted({"int8 GEMM" if linear.int8 is not None else "panel GEMM" for layer in linears for linear in layer})
     logger.info("decoder layers: one native call per step for batches on the %s (%d %s layers)", " and ".join(kinds),
                 len(layers), form)
-    return NativeDecoderStack(model, layers, linears)
+    return NativeDecoderStack(model, layers, linears, form)

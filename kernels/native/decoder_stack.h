@@ -66,11 +66,12 @@ static int64_t stack_qkv_width(const int64_t *h)
 }
 
 /* bf16 elements per row before the int8 codes: normed, qkv, rotated q and k, attention output, gate/up, activation,
- * normed q and k, and a row of hidden for Gemma's normed outputs (o's, down's) */
+ * normed q and k, and (Gemma) a row of hidden for o's and down's outputs before their norms */
 static int64_t stack_bf16_per_row(const int64_t *h)
 {
     int64_t q = h[STACK_Q_HEADS] * h[STACK_HEAD_DIM], k = h[STACK_KV_HEADS] * h[STACK_HEAD_DIM];
-    return h[STACK_HIDDEN] + stack_qkv_width(h) + q + k + q + 3 * h[STACK_INTERMEDIATE] + q + k + h[STACK_HIDDEN];
+    return h[STACK_HIDDEN] + stack_qkv_width(h) + q + k + q + 3 * h[STACK_INTERMEDIATE] + q + k
+           + (h[STACK_GEMMA] ? h[STACK_HIDDEN] : 0);
 }
 
 /* scratch elements (bf16) per row: the bf16 rows, then (int8 linears) a scale per row and the codes, with room to

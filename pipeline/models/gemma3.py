@@ -23,7 +23,7 @@ from torch import nn
 
 from pipeline.checkpoint_errors import CheckpointError
 from pipeline.models.layers import Embedding, OffsetRMSNorm, build_rope_cache
-from pipeline.models.llama import MLP, Attention, LlamaFamilyForCausalLM
+from pipeline.models.llama import MLP, Attention, LlamaFamilyForCausalLM, is_hooked
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -108,8 +108,7 @@ class Gemma3ForCausalLM(LlamaFamilyForCausalLM):
             is_plain = (type(layer) is Gemma3DecoderLayer and type(attention) is Attention and type(mlp) is MLP
                         and attention.sinks is None and attention.has_qk_norm
                         and all(type(norm) is OffsetRMSNorm for norm in norms)
-                        and mlp.activation == "gelu_tanh_and_mul"
-                        and not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()))
+                        and mlp.activation == "gelu_tanh_and_mul" and not is_hooked(layer))
             if not is_plain:
                 return None
         return layers

@@ -182,6 +182,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype, device)
 
 
+def is_hooked(layer: nn.Module) -> bool:
+    """Whether anything is hooked on the layer or its modules (tensor parallelism's all-reduces): a kernel set that
+    runs the layer's work in one call would skip them."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())
+
+
 class LlamaFamilyForCausalLM(nn.Module):
     """Llama/Mistral/Qwen2/Qwen3 causal LM over a flat batch and a paged KV cache.
 
@@ -250,8 +256,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                         and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
                         and attention.sinks is None and (not attention.has_qk_norm or (
                             type(attention.q_norm) is RMSNorm and type(attention.k_norm) is RMSNorm))
-                        and mlp.activation == "silu_and_mul"
-                        and not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()))
+                        and mlp.activation == "silu_and_mul" and not is_hooked(layer))
             if not is_plain:
                 return None
         return layers
