@@ -3,13 +3,15 @@
 The native kernel reads K/V in place from the pages through the block table, with an online softmax
 per query row, instead of gathering each sequence's pages into a padded copy first; its contract is
 ``paged_attention_ref``'s, which stays the oracle in tests and the path for what the kernel does not
-take (a CPU build without the module, fp16, a layout that is not contiguous per token, and layers with
-attention sinks: gpt-oss's, whose softmax the native kernel does not take yet).
+take (a CPU build without the module, fp16, a layout that is not contiguous per token). Attention sinks (gpt-oss:
+one learned logit per query head that joins its softmax's denominator) run native too, added to each row's sum at
+the end, against the larger of the sink and the row's max.
 
 On a CPU with AMX, a bf16 sequence with many query rows (a prompt's chunk) goes instead to torch's flash-attention
 kernel over its gathered K/V (``paged_attention_ref.sequence_attention``): its two products are library bf16 GEMMs
 (oneDNN's brgemm, or MKL's bf16 GEMM), which run on AMX tiles there, where the native kernel's are AVX-512 FMAs.
-Decodes and short queries stay native (they read K/V in place and are bound by memory, not arithmetic). From how
+Decodes and short queries stay native (they read K/V in place and are bound by memory, not arithmetic), and so do
+layers with sinks, which torch's kernel does not take. From how
 many rows the route pays is measured on the machine when a bf16 model is prepared (``kernels/cpu_prompt_route.py``);
 until then it starts at 64. On a CPU without AMX the native kernel is the faster of the two (1.9 against 4.3 ns per
 query-key pair for a 512-row bf16 chunk over 1536 keys on a Zen 5 core), so nothing is routed there.
@@ -99,14 +101,15 @@ def paged_attention_cpu(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     scale: float,
     sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,  # [num_q_heads] attention-sink logits (gpt-oss): the reference runs them
+    sinks: torch.Tensor | None = None,  # [num_q_heads] attention-sink logits (gpt-oss)
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    if sinks is not None or not native_applies(query, k_cache, v_cache):
+    if not native_applies(query, k_cache, v_cache):
         return paged_attention_ref(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
                                    sliding_window, sinks)
-    starts, flash_seqs = _flash_sequences(query, cu_seqlens_q)
+    starts, flash_seqs = _flash_sequences(query, cu_seqlens_q) if sinks is None else ([], [])
     if not flash_seqs:
-        return _native(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window)
+        return _native(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
+                       sinks)
     kv_lens = context_lens.tolist()
     out = torch.empty_like(query)
     for i in flash_seqs:
@@ -138,7 +141,7 @@ def _flash_sequences(query: torch.Tensor, cu_seqlens_q: torch.Tensor) -> tuple[l
     return starts, [i for i, (start, end) in enumerate(zip(starts, starts[1:])) if end - start >= FLASH_MIN_QUERY_ROWS]
 
 
-def _native(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window):
+def _native(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window, sinks=None):
     cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
     block_tables = block_tables.to(torch.int32)
@@ -148,6 +151,10 @@ def _native(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, s
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype)
     if num_tokens == 0:
         return out
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+        if sinks.shape != (num_q_heads,):
+            raise ValueError(f"attention sinks of shape {tuple(sinks.shape)}: one per query head ({num_q_heads})")
     cpu_native.ops.paged_attention(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(),
@@ -155,6 +162,6 @@ def _native(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, s
         _DTYPE_CODES[query.dtype], sliding_window or 0,
         query.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0) if block_tables.dim() == 2 else 0,
-        float(scale), torch.get_num_threads(),
+        float(scale), torch.get_num_threads(), 0 if sinks is None else sinks.data_ptr(),
     )
     return out

@@ -72,6 +72,8 @@ typedef struct {
     int64_t q_token_stride, out_token_stride, k_block_stride, k_token_stride, v_block_stride, v_token_stride;
     int64_t block_table_stride;
     float scale;
+    const float *sinks; /* [num_q_heads] attention-sink logits (gpt-oss), fp32, or NULL: each joins its head's
+                         * softmax denominator and attends to nothing */
 } attn_args;
 
 typedef struct {
@@ -524,15 +526,16 @@ static int run_attention(const attn_args *a, int num_seqs, int num_threads)
 static PyObject *py_paged_attention(PyObject *self, PyObject *args)
 {
     (void)self;
-    unsigned long long query, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables;
+    unsigned long long query, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, sinks = 0;
     int num_seqs, num_threads;
     attn_args a;
     long long strides[7];
-    if (!PyArg_ParseTuple(args, "KKKKKKKiiiiiiiLLLLLLLfi", &query, &k_cache, &v_cache, &out, &cu_seqlens_q,
+    if (!PyArg_ParseTuple(args, "KKKKKKKiiiiiiiLLLLLLLfi|K", &query, &k_cache, &v_cache, &out, &cu_seqlens_q,
                           &context_lens, &block_tables, &num_seqs, &a.num_q_heads, &a.num_kv_heads, &a.head_dim,
                           &a.page_size, &a.dtype, &a.sliding_window, &strides[0], &strides[1], &strides[2],
-                          &strides[3], &strides[4], &strides[5], &strides[6], &a.scale, &num_threads))
+                          &strides[3], &strides[4], &strides[5], &strides[6], &a.scale, &num_threads, &sinks))
         return NULL;
+    a.sinks = (const float *)(uintptr_t)sinks;
     if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 || a.num_q_heads / a.num_kv_heads > MAX_ROWS) {
         PyErr_SetString(PyExc_ValueError, "paged_attention: num_q_heads must be a multiple of num_kv_heads (group <= 64)");
         return NULL;
@@ -948,7 +951,8 @@ static PyMethodDef METHODS[] = {
      "paged_attention(query, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables (addresses), "
      "num_seqs, num_q_heads, num_kv_heads, head_dim, page_size, dtype (0 fp32, 1 bf16), sliding_window (0 none), "
      "q_token_stride, out_token_stride, k_block_stride, k_token_stride, v_block_stride, v_token_stride, "
-     "block_table_stride (elements), scale, num_threads)"},
+     "block_table_stride (elements), scale, num_threads, sinks=0 (address of num_q_heads fp32 attention-sink "
+     "logits, gpt-oss's; 0: none)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, weight, residual (0: none), residual_out, out (addresses), num_rows, x_stride, residual_stride, "
      "out_stride, hidden, dtype, eps, num_threads, offset_weight=False): residual_out = x + residual when given "

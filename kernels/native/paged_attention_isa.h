@@ -480,6 +480,19 @@ static void ISA(decode_chunk)(const attn_args *a, const work_item *item, scratch
     }
 }
 
+/* What a row's fp32 accumulator is multiplied by at the end: 1 / its softmax sum (0 for a row that saw no key);
+ * with an attention sink (gpt-oss) the sink's exp(sink - max) joins the sum, taken against the larger of the two so
+ * that neither exp overflows: out = acc * exp(m - M) / (sum * exp(m - M) + exp(sink - M)), M = max(m, sink). */
+static inline float ISA(normalizer)(float row_max, float row_sum, const float *sink)
+{
+    if (!sink || row_max == -INFINITY)
+        return row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+    if (*sink <= row_max)
+        return 1.0f / (row_sum + ISA(vexp)(ISA(splat)(*sink - row_max))[0]);
+    float below = ISA(vexp)(ISA(splat)(row_max - *sink))[0];
+    return below / (row_sum * below + 1.0f);
+}
+
 /* One work item, using the calling thread's scratch. Rows are head-major: the rows of KV head
  * kv_head + h are [h * rows_per_head, (h + 1) * rows_per_head), token-major within (token i, member g). */
 static void ISA(attend_item)(const attn_args *a, const work_item *item, scratch *s)
@@ -612,8 +625,9 @@ static void ISA(attend_item)(const attn_args *a, const work_item *item, scratch 
             size_t token = (size_t)(q_first + item->first_token + i);
             for (int g = 0; g < group; g++) {
                 int r = h * rows_per_head + i * group + g;
-                float sum = s->row_sum[is_columns ? h * rows_pad + i * group + g : r];
-                float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+                int stat = is_columns ? h * rows_pad + i * group + g : r;
+                float inv = ISA(normalizer)(s->row_max[stat], s->row_sum[stat],
+                                            a->sinks ? a->sinks + (item->kv_head + h) * group + g : NULL);
                 const float *o = s->acc + (size_t)r * head_dim;
                 size_t offset = token * a->out_token_stride + (size_t)((item->kv_head + h) * group + g) * head_dim;
                 if (pairs) {
