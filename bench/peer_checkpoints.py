@@ -9,7 +9,7 @@
   preset writes it (int8 decoder linears, ``weight_scale`` ``[out, 1]`` per output channel in the model dtype,
   activations dynamic per token, ``lm_head`` ignored), which Tandem and vLLM's CPU build both load.
 - ``weight_bytes_per_token``: the bytes a batch-1 decode step must read (every weight once, the embedding
-  table one row): the numerator of the memory-bandwidth bound.
+  table one row, a mixture of experts' k of its experts): the numerator of the memory-bandwidth bound.
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ BUILT_SHAPES: dict[str, tuple[str, dict]] = {
         num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512, sliding_window_pattern=6,
         query_pre_attn_scalar=256, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
         max_position_embeddings=4096, initializer_range=0.02)),
+    # four of gpt-oss-20b's 24 layers as they are: sliding (128) and full layers alternating, 64 query / 8 KV heads
+    # of 64 with sinks, 32 biased experts of 2880 (top 4) with the clamped SwiGLU
+    "gpt-oss-20b-4l": ("gpt_oss", dict(
+        tokenizer_vocab_size=2048, hidden_size=2880, intermediate_size=2880, num_hidden_layers=4,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128, max_position_embeddings=4096, initializer_range=0.02)),
 }
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHARD_BYTES = 2 << 30
@@ -197,11 +203,14 @@ def write_w8a8(source: Path, path: Path) -> Path:
 
 def weight_bytes_per_token(checkpoint: Path, dtype: torch.dtype) -> int:
     """Bytes of weights one batch-1 decode step reads, run in ``dtype`` (int8 tensors stay one byte each):
-    every tensor once, except the input embedding table, of which one row is read (unless it is the tied head)."""
+    every tensor once, except the input embedding table, of which one row is read (unless it is the tied head),
+    and a mixture of experts' expert tensors, of which the token's ``num_experts_per_tok`` are read."""
     from safetensors import safe_open
 
     config = json.loads((checkpoint / "config.json").read_text())
     tied = config.get("tie_word_embeddings", False)
+    num_experts = config.get("num_local_experts") or config.get("num_experts")
+    expert_share = config.get("num_experts_per_tok", num_experts) / num_experts if num_experts else 1.0
     total = 0
     for file in sorted(checkpoint.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
@@ -213,14 +222,15 @@ def weight_bytes_per_token(checkpoint: Path, dtype: torch.dtype) -> int:
                 if name == "model.embed_tokens.weight" and not tied:
                     numel = info.get_shape()[1]
                 width = 1 if info.get_dtype() in ("I8", "U8") else dtype.itemsize
-                total += numel * width
+                share = expert_share if ".mlp.experts." in name else 1.0
+                total += round(numel * width * share)
     return total
 
 
 def peer_checkpoint(size: str, is_int8: bool = False) -> Path:
     """The benchmark's checkpoint of ``size`` (built once, cached under ``$TANDEM_HOME``): ``small`` / ``medium``
-    as ``bench/serve_compare.benchmark_checkpoint`` builds them, ``1.1b`` / ``3b`` / ``8b``, ``qwen3-moe`` and ``gemma3-1b`` here;
-    ``is_int8``: its W8A8 twin."""
+    as ``bench/serve_compare.benchmark_checkpoint`` builds them, ``1.1b`` / ``3b`` / ``8b``, ``qwen3-moe``, ``gemma3-1b``
+    and ``gpt-oss-20b-4l`` here; ``is_int8``: its W8A8 twin."""
     home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
     if size in BUILT_SHAPES:
         float_path = home / f"bench-{size}-no-eos"
