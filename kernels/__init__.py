@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kernels.activation_ref import silu_and_mul_ref
-from kernels.gpt_oss_moe_ref import clamped_swiglu_moe_ref
+from kernels.gpt_oss_moe_ref import clamped_swiglu_moe_ref, clamped_swiglu_ref
 from kernels.gelu_and_mul_ref import gelu_tanh_and_mul_ref
 from kernels.kv_pack_ref import pack_kv_blocks_ref, unpack_kv_blocks_ref
 from kernels.kv_store_ref import store_kv_ref
@@ -50,6 +50,9 @@ class Kernels:
     # gpt-oss's experts (biased, clamped SwiGLU) grouped by expert; the torch reference in every set so far
     # (kernels/gpt_oss_moe_ref.py)
     clamped_swiglu_moe: Callable = clamped_swiglu_moe_ref
+    # clamped_swiglu(gate_up, alpha, limit): gpt-oss's expert activation of gate/up rows, for the sets whose experts
+    # run as grouped GEMMs with the activation between them (the CPU's; kernels/gpt_oss_moe_ref.py)
+    clamped_swiglu: Callable = clamped_swiglu_ref
     # store_latent(latent, latent_cache, slot_mapping) and mla_attention(query, latent_cache, cu_seqlens_q,
     # context_lens, block_tables, scale, kv_lora_rank): multi-head latent attention's cache write and absorbed
     # attention over the latent rows (kernels/mla_attention_ref.py); the references unless a set has its own

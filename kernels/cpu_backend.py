@@ -19,8 +19,8 @@ import torch
 
 from kernels import cpu_bf16_route, cpu_decoder_stack, cpu_int8, cpu_int8_route, cpu_moe, cpu_native, cpu_prompt_route
 from kernels.cpu_gemm import PACKED_MAX_ROWS, CpuLinear, describe_bf16_route
-from kernels.cpu_elementwise import (apply_rotary_cpu, gelu_tanh_and_mul_cpu, offset_rms_norm_cpu, rms_norm_cpu,
-                                     silu_and_mul_cpu, store_kv_cpu)
+from kernels.cpu_elementwise import (apply_rotary_cpu, clamped_swiglu_cpu, gelu_tanh_and_mul_cpu, offset_rms_norm_cpu,
+                                     rms_norm_cpu, silu_and_mul_cpu, store_kv_cpu)
 from kernels.cpu_paged_attention import describe_prompt_route, paged_attention_cpu
 
 
@@ -37,7 +37,7 @@ def cpu_kernels(torch_kernels, model_dtype: torch.dtype | None = None, latent_at
         torch_kernels, name=", ".join([f"cpu: {cpu_native.describe(model_dtype)}", *(r for r in routes if r)]),
         paged_attention=paged_attention_cpu,
         rms_norm=rms_norm_cpu, apply_rotary=apply_rotary_cpu, store_kv=store_kv_cpu, silu_and_mul=silu_and_mul_cpu,
-        offset_rms_norm=offset_rms_norm_cpu, gelu_tanh_and_mul=gelu_tanh_and_mul_cpu,
+        offset_rms_norm=offset_rms_norm_cpu, gelu_tanh_and_mul=gelu_tanh_and_mul_cpu, clamped_swiglu=clamped_swiglu_cpu,
         prepare_model=prepare_model_cpu, combine_grouped_rows=cpu_moe.combine_grouped_rows_cpu,
     )
 

@@ -1,5 +1,5 @@
 """RMSNorm (+ residual; Llama's and Gemma's offset one), rotary embedding, the KV store and SiLU * up (GELU-tanh * up
-for Gemma) on the CPU: the native kernels
+for Gemma, the clamped SwiGLU for gpt-oss's experts) on the CPU: the native kernels
 (``kernels/native/elementwise_isa.h``) where they apply, else the torch references.
 
 Each native op makes one pass over its rows where the references make several (a residual add, a
@@ -15,6 +15,7 @@ import torch
 from kernels import cpu_native
 from kernels.activation_ref import silu_and_mul_ref
 from kernels.gelu_and_mul_ref import gelu_tanh_and_mul_ref
+from kernels.gpt_oss_moe_ref import clamped_swiglu_ref
 from kernels.kv_store_ref import store_kv_ref
 from kernels.norm_rope_ref import apply_rotary_ref, rms_norm_ref
 from kernels.offset_rms_norm_ref import offset_rms_norm_ref
@@ -99,7 +100,7 @@ def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping):
     )
 
 
-_SILU, _GELU_TANH = 0, 1  # the native kernel's activation codes
+_SILU, _GELU_TANH, _CLAMPED_SWIGLU = 0, 1, 2  # the native kernel's activation codes
 
 
 def silu_and_mul_cpu(x):
@@ -114,11 +115,17 @@ def gelu_tanh_and_mul_cpu(x):
     return gelu_tanh_and_mul_ref(x) if out is None else out
 
 
-def _native_gated_activation(x, activation: int):
+def clamped_swiglu_cpu(x, alpha: float, limit: float):
+    """``clamped_swiglu_ref``'s contract: gpt-oss's clamped SwiGLU of each row's gate half and up half."""
+    out = _native_gated_activation(x, _CLAMPED_SWIGLU, alpha, limit)
+    return clamped_swiglu_ref(x, alpha, limit) if out is None else out
+
+
+def _native_gated_activation(x, activation: int, alpha: float = 0.0, limit: float = 0.0):
     if not (x.dim() == 2 and _rows_ok(x) and x.shape[-1] % 2 == 0):
         return None
     num_rows, width = x.shape[0], x.shape[1] // 2
     out = torch.empty((num_rows, width), dtype=x.dtype)
     cpu_native.ops.silu_and_mul(x.data_ptr(), out.data_ptr(), num_rows, x.stride(0), out.stride(0), width,
-                                _DTYPE_CODES[x.dtype], torch.get_num_threads(), activation)
+                                _DTYPE_CODES[x.dtype], torch.get_num_threads(), activation, alpha, limit)
     return out

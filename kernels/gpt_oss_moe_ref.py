@@ -42,8 +42,9 @@ def clamped_swiglu_moe_ref(
 
 
 def clamped_swiglu_expert(rows: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor,
-                          down_bias: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """One expert over its rows ``[count, hidden]`` -> ``[count, hidden]``: biased gate/up, the clamped SwiGLU,
-    biased down."""
+                          down_bias: torch.Tensor, alpha: float, limit: float,
+                          activation=clamped_swiglu_ref) -> torch.Tensor:
+    """One expert over its rows ``[count, hidden]`` -> ``[count, hidden]``: biased gate/up, the clamped SwiGLU
+    (``activation``: ``clamped_swiglu_ref``'s contract), biased down."""
     projected = F.linear(rows, gate_up, gate_up_bias)  # [count, 2 * intermediate]
-    return F.linear(clamped_swiglu_ref(projected, alpha, limit), down, down_bias)
+    return F.linear(activation(projected, alpha, limit), down, down_bias)

@@ -126,10 +126,11 @@ typedef struct {
     int64_t x_stride, out_stride;
     int width, dtype; /* width: of gate (and of up, and of out) */
     size_t element;
-    int activation; /* of the gate: ACT_SILU, or ACT_GELU_TANH (Gemma's GELU-gated MLP) */
+    int activation; /* ACT_SILU, ACT_GELU_TANH (Gemma's GELU-gated MLP) or ACT_CLAMPED_SWIGLU (gpt-oss's experts) */
+    float alpha, limit; /* ACT_CLAMPED_SWIGLU's swiglu_alpha and swiglu_limit */
 } silu_args;
 
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_CLAMPED_SWIGLU = 2 };
 
 typedef struct {
     const void *rows;          /* [num_rows][rows_stride] fp32 / bf16: the experts' outputs, grouped by expert */
@@ -623,11 +624,13 @@ static PyObject *py_silu_and_mul(PyObject *self, PyObject *args)
     int num_threads;
     silu_args a;
     a.activation = ACT_SILU;
-    if (!PyArg_ParseTuple(args, "KKLLLiii|i", &x, &out, &num_rows, &a.x_stride, &a.out_stride, &a.width, &a.dtype,
-                          &num_threads, &a.activation))
+    a.alpha = a.limit = 0.0f;
+    if (!PyArg_ParseTuple(args, "KKLLLiii|iff", &x, &out, &num_rows, &a.x_stride, &a.out_stride, &a.width, &a.dtype,
+                          &num_threads, &a.activation, &a.alpha, &a.limit))
         return NULL;
-    if (a.activation != ACT_SILU && a.activation != ACT_GELU_TANH) {
-        PyErr_Format(PyExc_ValueError, "activation must be 0 (SiLU) or 1 (GELU-tanh), got %d", a.activation);
+    if (a.activation != ACT_SILU && a.activation != ACT_GELU_TANH && a.activation != ACT_CLAMPED_SWIGLU) {
+        PyErr_Format(PyExc_ValueError, "activation must be 0 (SiLU), 1 (GELU-tanh) or 2 (clamped SwiGLU), got %d",
+                     a.activation);
         return NULL;
     }
     a.x = (const void *)(uintptr_t)x;
@@ -963,8 +966,9 @@ static PyMethodDef METHODS[] = {
      "k_stride, num_q_heads, num_kv_heads, head_dim, dtype, num_threads): rotate-half rotary embedding into the "
      "(contiguous) outputs"},
     {"silu_and_mul", py_silu_and_mul, METH_VARARGS,
-     "silu_and_mul(x, out (addresses), num_rows, x_stride, out_stride, width, dtype, num_threads, activation=0): "
-     "out = act(x[:, :width]) * x[:, width:], act SiLU (0) or GELU's tanh approximation (1)"},
+     "silu_and_mul(x, out (addresses), num_rows, x_stride, out_stride, width, dtype, num_threads, activation=0, "
+     "alpha=0, limit=0): out = act(x[:, :width]) * x[:, width:], act SiLU (0) or GELU's tanh approximation (1); or "
+     "(2) gpt-oss's clamped SwiGLU of the two halves with swiglu_alpha and swiglu_limit"},
     {"moe_combine", py_moe_combine, METH_VARARGS,
      "moe_combine(rows, positions (int64), weights (fp32), out (addresses), num_tokens, rows_stride, out_stride, "
      "top_k, hidden, dtype, num_threads): each token's top_k rows times their weights, summed in fp32, into out"},

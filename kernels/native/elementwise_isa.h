@@ -114,17 +114,46 @@ static inline vf ISA(gelu_tanh)(vf x)
     return ROUNDED(ROUNDED(0.5f * x) * (1.0f + tanh_inner));
 }
 
+/* One elementwise op's result as torch leaves it: rounded to the dtype (bf16), or to fp32 without fusing it into the
+ * next op. */
+static inline vf ISA(op_result)(vf v, int is_bf16)
+{
+    v = ROUNDED(v);
+    return is_bf16 ? ISA(round_bf16)(v) : v;
+}
+
+/* gpt-oss's clamped SwiGLU (transformers' GptOssExperts._apply_gate), each of torch's separate ops rounded to the
+ * dtype as torch rounds it: g = min(gate, limit), u = clamp(up, -limit, limit), then (u + 1) * (g * sigmoid(g *
+ * alpha)), the sigmoid as 1 / (1 + exp(-x)). The last product is rounded by the caller's store. */
+static inline vf ISA(clamped_swiglu)(vf gate, vf up, float alpha, float limit, int is_bf16)
+{
+    const vf minus_limit = ISA(splat)(-limit);
+    vf g = -ISA(larger)(-gate, minus_limit);
+    vf u = -ISA(larger)(-ISA(larger)(up, minus_limit), minus_limit);
+    vf scaled = ISA(op_result)(g * alpha, is_bf16);
+    vf sigmoid = ISA(op_result)(1.0f / (ISA(vexp)(-scaled) + 1.0f), is_bf16);
+    vf glu = ISA(op_result)(g * sigmoid, is_bf16);
+    return ISA(op_result)(u + 1.0f, is_bf16) * glu;
+}
+
 /* out[t] = act(gate[t]) * up[t], gate and up the two halves of row t of x; act SiLU or GELU-tanh, rounded to the
- * dtype before the product, as torch computes an activation and then multiplies. */
+ * dtype before the product, as torch computes an activation and then multiplies; or gpt-oss's clamped SwiGLU of
+ * the two halves. */
 static void ISA(silu_and_mul_rows)(const silu_args *a, int64_t first, int64_t last)
 {
     const int n = a->width, is_bf16 = a->dtype == DTYPE_BF16, is_gelu = a->activation == ACT_GELU_TANH;
+    const int is_clamped = a->activation == ACT_CLAMPED_SWIGLU;
     for (int64_t t = first; t < last; t++) {
         const char *x = (const char *)a->x + (size_t)t * a->x_stride * a->element;
         const char *up = x + (size_t)n * a->element;
         char *out = (char *)a->out + (size_t)t * a->out_stride * a->element;
         for (int i = 0; i < n; i += W) {
             vf g = ISA(load_any)(x, i, is_bf16);
+            if (is_clamped) {
+                vf product = ISA(clamped_swiglu)(g, ISA(load_any)(up, i, is_bf16), a->alpha, a->limit, is_bf16);
+                ISA(store_any)(out, i, product, is_bf16);
+                continue;
+            }
             vf act = is_gelu ? ISA(gelu_tanh)(g) : g / (ISA(vexp)(-g) + 1.0f);
             if (is_bf16)
                 act = ISA(round_bf16)(act);

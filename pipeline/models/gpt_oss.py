@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from kernels import Kernels
-from kernels.gpt_oss_moe_ref import clamped_swiglu_expert, clamped_swiglu_ref
+from kernels.gpt_oss_moe_ref import clamped_swiglu_expert
 from kernels.moe_ref import experts_over_grouped_rows
 from pipeline.checkpoint_errors import CheckpointError
 from pipeline.models.layers import Linear, empty_parameter
@@ -72,12 +72,12 @@ class GptOssMoeBlock(nn.Module):
             )
 
         def activation(gate_up: torch.Tensor) -> torch.Tensor:
-            return clamped_swiglu_ref(gate_up, self.alpha, self.limit)
+            return kernels.clamped_swiglu(gate_up, self.alpha, self.limit)
 
         def expert(index: int, rows: torch.Tensor) -> torch.Tensor:  # groups the one-call path declines (AMX)
             return clamped_swiglu_expert(rows, experts.gate_up_proj[index], experts.gate_up_proj_bias[index],
                                          experts.down_proj[index], experts.down_proj_bias[index], self.alpha,
-                                         self.limit)
+                                         self.limit, kernels.clamped_swiglu)
 
         return experts_over_grouped_rows(
             x, topk_weights, topk_ids, experts.gate_up_proj.shape[0], expert,
