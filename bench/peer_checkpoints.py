@@ -52,6 +52,16 @@ BUILT_SHAPES: dict[str, tuple[str, dict]] = {
         tokenizer_vocab_size=2048, hidden_size=2880, intermediate_size=2880, num_hidden_layers=4,
         num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
         sliding_window=128, max_position_embeddings=4096, initializer_range=0.02)),
+    # DeepSeek-V2-Lite's size in DeepSeek-V3's architecture, four layers (one dense, three MoE): latent attention
+    # (16 heads; kv_lora_rank 512 + rope 64 cached; nope 128, v 128; no q LoRA), 64 routed experts of 1408 (top 6,
+    # sigmoid routing) and 2 shared
+    "deepseek-v2-lite-4l": ("deepseek_v3", dict(
+        tokenizer_vocab_size=2048, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_routed_experts=64, num_experts_per_tok=6, n_group=1, topk_group=1, n_shared_experts=2,
+        routed_scaling_factor=1.0, norm_topk_prob=False, max_position_embeddings=4096, initializer_range=0.02,
+        topk_method="noaux_tc", scoring_func="sigmoid")),  # as DeepSeek-V3's config.json states them (vLLM reads them)
 }
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHARD_BYTES = 2 << 30
@@ -209,7 +219,7 @@ def weight_bytes_per_token(checkpoint: Path, dtype: torch.dtype) -> int:
 
     config = json.loads((checkpoint / "config.json").read_text())
     tied = config.get("tie_word_embeddings", False)
-    num_experts = config.get("num_local_experts") or config.get("num_experts")
+    num_experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
     expert_share = config.get("num_experts_per_tok", num_experts) / num_experts if num_experts else 1.0
     total = 0
     for file in sorted(checkpoint.glob("*.safetensors")):
@@ -229,8 +239,8 @@ def weight_bytes_per_token(checkpoint: Path, dtype: torch.dtype) -> int:
 
 def peer_checkpoint(size: str, is_int8: bool = False) -> Path:
     """The benchmark's checkpoint of ``size`` (built once, cached under ``$TANDEM_HOME``): ``small`` / ``medium``
-    as ``bench/serve_compare.benchmark_checkpoint`` builds them, ``1.1b`` / ``3b`` / ``8b``, ``qwen3-moe``, ``gemma3-1b``
-    and ``gpt-oss-20b-4l`` here; ``is_int8``: its W8A8 twin."""
+    as ``bench/serve_compare.benchmark_checkpoint`` builds them, ``1.1b`` / ``3b`` / ``8b`` and ``BUILT_SHAPES``
+    (``qwen3-moe``, ``gemma3-1b``, ``gpt-oss-20b-4l``, ``deepseek-v2-lite-4l``) here; ``is_int8``: its W8A8 twin."""
     home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
     if size in BUILT_SHAPES:
         float_path = home / f"bench-{size}-no-eos"

@@ -29,7 +29,8 @@ LARGE_WORKLOADS = {"1.1b": dict(num_prompts=12, min_prompt_len=16, max_prompt_le
                    "3b": dict(num_prompts=8, min_prompt_len=16, max_prompt_len=128, output_len=16),
                    "8b": dict(num_prompts=8, min_prompt_len=16, max_prompt_len=128, output_len=16),
                    "gemma3-1b": dict(num_prompts=12, min_prompt_len=16, max_prompt_len=256, output_len=32),
-                   "gpt-oss-20b-4l": dict(num_prompts=12, min_prompt_len=16, max_prompt_len=256, output_len=32)}
+                   "gpt-oss-20b-4l": dict(num_prompts=12, min_prompt_len=16, max_prompt_len=256, output_len=32),
+                   "deepseek-v2-lite-4l": dict(num_prompts=12, min_prompt_len=16, max_prompt_len=256, output_len=32)}
 
 
 def offline_workload(args, vocab_size: int, special_ids: set[int]) -> dict:

@@ -21,21 +21,22 @@ from kernels import cpu_bf16_route, cpu_decoder_stack, cpu_int8, cpu_int8_route,
 from kernels.cpu_gemm import PACKED_MAX_ROWS, CpuLinear, describe_bf16_route
 from kernels.cpu_elementwise import (apply_rotary_cpu, clamped_swiglu_cpu, gelu_tanh_and_mul_cpu, offset_rms_norm_cpu,
                                      rms_norm_cpu, silu_and_mul_cpu, store_kv_cpu)
+from kernels.cpu_mla_attention import mla_attention_cpu
 from kernels.cpu_paged_attention import describe_prompt_route, paged_attention_cpu
 
 
 def cpu_kernels(torch_kernels, model_dtype: torch.dtype | None = None, latent_attention: bool = False):
     """``torch_kernels`` with the native CPU kernels in their places; named for a model of ``model_dtype`` (with
-    latent attention, DeepSeek's MLA, whose attention has no native kernel) when given."""
+    latent attention, DeepSeek's MLA, whose prompt chunks never take the AMX flash route) when given."""
     cpu_native.check_switch()
     runs_native = cpu_native.ops is not None and model_dtype in (None, *cpu_native.NATIVE_DTYPES)
     bf16_route = describe_bf16_route() if runs_native else None  # checks TANDEM_CPU_BF16_GEMM for every model
     routes = [bf16_route if model_dtype in (None, torch.bfloat16) else None,
-              ("latent attention torch reference" if latent_attention else describe_prompt_route()),
+              ("latent attention native" if latent_attention else describe_prompt_route()),
               cpu_int8.describe_amx_route()] if runs_native else []
     return replace(
         torch_kernels, name=", ".join([f"cpu: {cpu_native.describe(model_dtype)}", *(r for r in routes if r)]),
-        paged_attention=paged_attention_cpu,
+        paged_attention=paged_attention_cpu, mla_attention=mla_attention_cpu,
         rms_norm=rms_norm_cpu, apply_rotary=apply_rotary_cpu, store_kv=store_kv_cpu, silu_and_mul=silu_and_mul_cpu,
         offset_rms_norm=offset_rms_norm_cpu, gelu_tanh_and_mul=gelu_tanh_and_mul_cpu, clamped_swiglu=clamped_swiglu_cpu,
         prepare_model=prepare_model_cpu, combine_grouped_rows=cpu_moe.combine_grouped_rows_cpu,

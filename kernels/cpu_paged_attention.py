@@ -68,7 +68,7 @@ def describe_prompt_route() -> str:
 
 
 NATIVE_MAX_GROUP = 64  # query heads per KV head the native kernel takes (MAX_ROWS in kernels/native/cpu_ops.c)
-NATIVE_MAX_HEAD_DIM = 512  # MAX_HEAD_DIM there
+NATIVE_MAX_HEAD_DIM = 576  # MAX_HEAD_DIM there
 
 
 def native_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -108,8 +108,8 @@ def paged_attention_cpu(
                                    sliding_window, sinks)
     starts, flash_seqs = _flash_sequences(query, cu_seqlens_q) if sinks is None else ([], [])
     if not flash_seqs:
-        return _native(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
-                       sinks)
+        return paged_attention_native(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+                                      sliding_window, sinks)
     kv_lens = context_lens.tolist()
     out = torch.empty_like(query)
     for i in flash_seqs:
@@ -121,8 +121,8 @@ def paged_attention_cpu(
         q_lens = torch.tensor([starts[i + 1] - starts[i] for i in native_seqs])
         cu_native = torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)])
         seqs = torch.tensor(native_seqs)
-        out[rows] = _native(query[rows], k_cache, v_cache, cu_native, context_lens[seqs], block_tables[seqs], scale,
-                            sliding_window)
+        out[rows] = paged_attention_native(query[rows], k_cache, v_cache, cu_native, context_lens[seqs],
+                                           block_tables[seqs], scale, sliding_window)
     return out
 
 
@@ -141,7 +141,10 @@ def _flash_sequences(query: torch.Tensor, cu_seqlens_q: torch.Tensor) -> tuple[l
     return starts, [i for i, (start, end) in enumerate(zip(starts, starts[1:])) if end - start >= FLASH_MIN_QUERY_ROWS]
 
 
-def _native(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window, sinks=None):
+def paged_attention_native(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window=None,
+                           sinks=None):
+    """``paged_attention_ref``'s contract on the native kernel alone (no route to torch's flash attention), for
+    tensors ``native_applies`` takes."""
     cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
     block_tables = block_tables.to(torch.int32)

@@ -51,6 +51,7 @@ ARCHITECTURES: dict[str, str] = {
     "mixtral": "MixtralConfig",
     "gemma3": "Gemma3TextConfig",
     "gpt_oss": "GptOssConfig",
+    "deepseek_v3": "DeepseekV3Config",
 }
 # The model class where it is not the config's name with "ForCausalLM" for "Config".
 _MODEL_CLASSES: dict[str, str] = {"gemma3": "Gemma3ForCausalLM"}

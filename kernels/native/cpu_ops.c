@@ -59,7 +59,7 @@
 #define AHEAD_KEYS 32
 #endif
 #define MAX_ROWS 64       /* rows (query tokens x group heads) per work item */
-#define MAX_HEAD_DIM 512
+#define MAX_HEAD_DIM 576 /* DeepSeek's latent rows (MLA: 512 + 64, kernels/cpu_mla_attention.py) */
 #define PACKED_MIN_ROWS 8 /* more rows per KV head than this: the column layout (queries transposed once) */
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };

@@ -87,17 +87,22 @@ def test_weight_bytes_per_token_reads_one_embedding_row_and_int8_at_one_byte(che
     assert peer_checkpoints.weight_bytes_per_token(int8, torch.bfloat16) == expected_int8
 
 
-@pytest.mark.parametrize("architecture, experts_key", [("gpt_oss", "num_local_experts"), ("qwen3_moe", "num_experts")])
+@pytest.mark.parametrize("architecture, experts_key", [("gpt_oss", "num_local_experts"), ("qwen3_moe", "num_experts"),
+                                                       ("deepseek_v3", "n_routed_experts")])
 def test_weight_bytes_per_token_reads_a_mixture_of_experts_k_of_its_experts(tmp_path, architecture, experts_key):
-    """A batch-1 token reads its top-k experts, not all of them: gpt-oss's stacked expert tensors and Qwen3-MoE's
-    per-expert ones count k / E of their bytes; the router and everything else count whole."""
+    """A batch-1 token reads its top-k experts, not all of them: gpt-oss's stacked expert tensors and Qwen3-MoE's and
+    DeepSeek's per-expert ones count k / E of their bytes; the router, DeepSeek's shared experts and everything else
+    count whole."""
     from pipeline.builtin_model import build_checkpoint
 
     shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, num_experts_per_tok=2, tie_word_embeddings=False)
     shape[experts_key] = 8
-    if architecture == "qwen3_moe":
+    if architecture in ("qwen3_moe", "deepseek_v3"):
         shape["moe_intermediate_size"] = 32
+    if architecture == "deepseek_v3":
+        shape.update(first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+                     qk_rope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, n_shared_experts=1)
     path = build_checkpoint(tmp_path / architecture, architecture, **shape)
     expert_bytes = other_bytes = 0
     for name, tensor in _tensors(path).items():
@@ -106,7 +111,7 @@ def test_weight_bytes_per_token_reads_a_mixture_of_experts_k_of_its_experts(tmp_
             expert_bytes += 2 * numel
         else:
             other_bytes += 2 * numel
-    assert expert_bytes > other_bytes > 0
+    assert expert_bytes > 0 and other_bytes > 0
     assert peer_checkpoints.weight_bytes_per_token(path, torch.bfloat16) == pytest.approx(
         other_bytes + expert_bytes * 2 / 8, abs=8)
 

@@ -114,10 +114,10 @@ def test_layouts_it_does_not_take_run_the_reference():
     torch.testing.assert_close(out, paged_attention_ref(query, k_cache, v_cache, cu, lens, tables, 0.125))
 
 
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(72, 1, 8), (2, 1, 576)])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(72, 1, 8), (2, 1, 640)])
 def test_shapes_past_the_native_kernels_limits_run_the_reference(num_q_heads, num_kv_heads, head_dim):
-    """A GQA group over 64 or a head dim over 512: the native kernel refuses them (a worker serving such a model
-    failed every request), so the reference runs."""
+    """A GQA group over 64 or a head dim over 576 (DeepSeek's latent rows): the native kernel refuses them (a worker
+    serving such a model failed every request), so the reference runs."""
     torch.manual_seed(4)
     query, k_cache, v_cache, cu, lens, tables = make_batch([1, 5], [9, 5], num_q_heads=num_q_heads,
                                                            num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=4)

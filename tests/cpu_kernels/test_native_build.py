@@ -62,7 +62,7 @@ def test_the_name_says_what_a_model_of_each_dtype_runs():
     bf16 = load_kernels("cpu", "cpu", torch.bfloat16).name
     assert bf16 == load_kernels("cpu", "cpu").name and bf16.startswith(f"cpu: {cpu_native.describe()}")
     latent = load_kernels("cpu", "cpu", torch.bfloat16, latent_attention=True).name
-    assert "latent attention torch reference" in latent and "prompt attention" not in latent
+    assert "latent attention native" in latent and "prompt attention" not in latent
 
 
 def test_a_switch_value_neither_on_nor_off_is_refused(monkeypatch):
