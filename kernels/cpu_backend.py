@@ -21,7 +21,7 @@ from kernels import cpu_bf16_route, cpu_decoder_stack, cpu_int8, cpu_int8_route,
 from kernels.cpu_gemm import PACKED_MAX_ROWS, CpuLinear, describe_bf16_route
 from kernels.cpu_elementwise import (apply_rotary_cpu, clamped_swiglu_cpu, gelu_tanh_and_mul_cpu, offset_rms_norm_cpu,
                                      rms_norm_cpu, silu_and_mul_cpu, store_kv_cpu)
-from kernels.cpu_mla_attention import mla_attention_cpu
+from kernels.cpu_mla_attention import AbsorbedProducts, mla_attention_cpu
 from kernels.cpu_paged_attention import describe_prompt_route, paged_attention_cpu
 
 
@@ -76,6 +76,10 @@ def prepare_model_cpu(model: torch.nn.Module, prepack_weights: bool = True) -> N
                 if cpu_moe.MAX_ROWS_PER_EXPERT is None:
                     _let_go(module, "gate_up_proj")
                     _let_go(module, "down_proj")
+        elif hasattr(module, "absorbed_products") and module.kv_b_proj.weight.device.type == "cpu":
+            # MLA's per-head products with kv_b_proj (read directly, so no GEMM above): on the grouped GEMM in bf16
+            if prepack_weights and module.kv_b_proj.weight.dtype == torch.bfloat16 and cpu_moe.native_available():
+                module.absorbed_products = AbsorbedProducts(*(w.detach() for w in module.absorbed_weights()))
         elif hasattr(module, "expert_gemms") and module.gate_up_proj.device.type == "cpu":
             # a mixture-of-experts layer's stacked experts: all of them packed once for the one-call path
             # (kernels/cpu_moe.py) where it runs, and each expert's pair of GEMMs packed like a linear's for the

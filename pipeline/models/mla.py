@@ -87,6 +87,15 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = Linear(self.kv_lora_rank, [self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)], False,
                                 dtype, device)
         self.o_proj = Linear(self.num_heads * self.v_head_dim, [hidden], has_bias, dtype, device)
+        # the two per-head products with kv_b_proj's rows, natively: the CPU set's in bf16
+        # (kernels/cpu_mla_attention.AbsorbedProducts), else None and torch.bmm
+        self.absorbed_products = None
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's key rows and value rows per head, ``[num_heads, qk_nope_head_dim | v_head_dim, kv_lora_rank]``"""
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_uk, w_uv = w_kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        return w_uk, w_uv
 
     def forward(
         self,
@@ -113,13 +122,16 @@ class LatentAttention(nn.Module):
         q_nope, q_rope = batch.kept_rows(q_nope), batch.kept_rows(q_rope)  # every row but in a final layer's batch
         num_rows = q_nope.shape[0]
 
-        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
-        w_uk, w_uv = w_kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # [num_heads, nope or v, kv_lora_rank]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [num_rows, num_heads, kv_lora_rank]
+        absorbed = self.absorbed_products
+        q_latent = absorbed.queries(q_nope) if absorbed else None  # [num_rows, num_heads, kv_lora_rank]
+        if q_latent is None:
+            q_latent = torch.bmm(q_nope.transpose(0, 1), self.absorbed_weights()[0]).transpose(0, 1)
         query = torch.cat((q_latent, q_rope), dim=-1)  # [num_rows, num_heads, kv_lora_rank + qk_rope_head_dim]
         out_latent = kernels.mla_attention(
             query, latent_cache, batch.cu_seqlens_q, batch.context_lens, batch.block_tables, self.scale,
             self.kv_lora_rank,
         )  # [num_rows, num_heads, kv_lora_rank]
-        out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [num_heads, num_rows, v_head_dim]
-        return self.o_proj(out.transpose(0, 1).reshape(num_rows, self.num_heads * self.v_head_dim))
+        out = absorbed.outputs(out_latent) if absorbed else None  # [num_rows, num_heads, v_head_dim]
+        if out is None:
+            out = torch.bmm(out_latent.transpose(0, 1), self.absorbed_weights()[1].transpose(1, 2)).transpose(0, 1)
+        return self.o_proj(out.reshape(num_rows, self.num_heads * self.v_head_dim))

@@ -61,3 +61,35 @@ def test_native_runs_and_wider_rows_fall_back(monkeypatch):
     wide = _latent_batch([3], [10], 4, 576, 64, torch.float32)  # 640 values a row: past the kernel's 576
     torch.testing.assert_close(mla_attention_cpu(*wide, 0.07, 576), real(*wide, 0.07, 576))
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 40])
+def test_absorbed_products_are_the_per_head_products(panels, num_rows):
+    """Each head's query times its key rows and its weighted latent times its value rows, on the grouped GEMM in bf16:
+    fp32 sums rounded once, so within one bf16 rounding of the float64 products (torch.bmm's bf16 rounds likewise)."""
+    from kernels.cpu_mla_attention import AbsorbedProducts
+
+    torch.manual_seed(2)
+    heads, nope, v, rank = 16, 128, 128, 512
+    w_uk = (torch.randn(heads, nope, rank) * 0.05).to(torch.bfloat16)
+    w_uv = (torch.randn(heads, v, rank) * 0.05).to(torch.bfloat16)
+    products = AbsorbedProducts(w_uk, w_uv)
+    q_nope = torch.randn(num_rows, heads, nope).to(torch.bfloat16)
+    latent = torch.randn(num_rows, heads, rank).to(torch.bfloat16)
+    want_q = torch.einsum("rhn,hnk->rhk", q_nope.double(), w_uk.double())
+    want_out = torch.einsum("rhk,hvk->rhv", latent.double(), w_uv.double())
+    for got, want in ((products.queries(q_nope), want_q), (products.outputs(latent), want_out)):
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=2 ** -8)
+    assert products.queries(q_nope.float()) is None  # another dtype: torch.bmm's job
+
+
+def test_absorbed_products_leave_large_batches_to_onednn_on_amx(panels, monkeypatch):
+    """Where an AMX CPU caps the grouped GEMM's rows (oneDNN's AMX kernels win above), larger batches return None."""
+    from kernels import cpu_moe
+    from kernels.cpu_mla_attention import AbsorbedProducts
+
+    products = AbsorbedProducts(torch.randn(2, 8, 32).to(torch.bfloat16), torch.randn(2, 8, 32).to(torch.bfloat16))
+    monkeypatch.setattr(cpu_moe, "MAX_ROWS_PER_EXPERT", 16)
+    assert products.queries(torch.randn(16, 2, 8).to(torch.bfloat16)) is not None
+    assert products.queries(torch.randn(17, 2, 8).to(torch.bfloat16)) is None

@@ -14,15 +14,7 @@ from pipeline.weights import CheckpointError, load_model
 from tests.conftest import assert_no_leaks, check_cached_continuations, check_greedy_and_logprobs, hf_greedy
 from tests.gemma_checkpoints import GEMMA3_CONFIGS, LOCAL_LAYERS, gemma3_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import make_prompts
-from tests.pipeline.test_models import (
-    KERNELS,
-    PagedSequences,
-    check_batch_over_cached_prefix,
-    hf_logits,
-    loaded_models,
-    random_tokens,
-    run_logits,
-)
+from tests.pipeline.test_models import KERNELS, bf16_logits, check_batch_over_cached_prefix, loaded_models
 from tests.pipeline.test_prompt_logprobs import check_against_transformers
 
 ATOL = 1e-4
@@ -62,17 +54,8 @@ def test_batch_over_cached_prefix_matches_transformers(loaded, name, backend):
 @pytest.mark.parametrize("backend", KERNELS)
 def test_bf16_is_as_close_to_transformers_bf16_as_bf16_is_to_fp32(gemma3_checkpoint, hf_reference, backend):
     """bf16 rounds differently in every implementation; ours must stay within bf16's own noise."""
-    from transformers import AutoModelForCausalLM
-
     path = gemma3_checkpoint("gemma3")
-    model, hf_config = load_model(path, torch.bfloat16, "cpu")
-    KERNELS[backend].prepare_model(model)
-    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    tokens = random_tokens(hf_config.vocab_size, 27, seed=5)
-    paged = PagedSequences(model, num_seqs=1, max_len=len(tokens))
-    paged.kv_cache = paged.kv_cache.to(torch.bfloat16)
-    ours = torch.cat([run_logits(model, paged, [tokens[:19]], backend), run_logits(model, paged, [tokens[19:]], backend)])
-    theirs, exact = hf_logits(hf_bf16, tokens), hf_logits(hf_reference(path)[0], tokens)
+    _, ours, theirs, exact = bf16_logits(path, hf_reference(path)[0], backend)
     assert (ours - theirs).abs().max().item() <= 2 * (theirs - exact).abs().max().item() + 1e-2
 
 

@@ -7,19 +7,10 @@ import pytest
 import torch
 
 from pipeline import LLM
-from pipeline.weights import load_model
 from tests.conftest import assert_no_leaks, check_cached_continuations, check_greedy_and_logprobs
 from tests.gpt_oss_checkpoints import GPT_OSS_CONFIGS, SLIDING_LAYERS, gpt_oss_checkpoint  # noqa: F401 (a fixture)
 from tests.pipeline.test_engine_exactness import make_prompts
-from tests.pipeline.test_models import (
-    KERNELS,
-    PagedSequences,
-    check_batch_over_cached_prefix,
-    hf_logits,
-    loaded_models,
-    random_tokens,
-    run_logits,
-)
+from tests.pipeline.test_models import KERNELS, bf16_logits, check_batch_over_cached_prefix, loaded_models
 
 ATOL = 1e-4
 
@@ -98,16 +89,6 @@ def test_llm_greedy_and_logprobs_match_transformers(name, backend, gpt_oss_check
 def test_bf16_is_as_close_to_transformers_bf16_as_bf16_is_to_fp32(gpt_oss_checkpoint, hf_reference, backend):
     """bf16 rounds differently in every implementation (transformers also keeps gpt-oss's norms in fp32); ours
     must stay within bf16's own noise."""
-    from transformers import AutoModelForCausalLM
-
     path = gpt_oss_checkpoint("gpt_oss")
-    model, hf_config = load_model(path, torch.bfloat16, "cpu")
-    KERNELS[backend].prepare_model(model)
-    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    tokens = random_tokens(hf_config.vocab_size, 27, seed=5)
-    paged = PagedSequences(model, num_seqs=1, max_len=len(tokens))
-    paged.kv_cache = paged.kv_cache.to(torch.bfloat16)
-    ours = torch.cat([run_logits(model, paged, [tokens[:19]], backend),
-                      run_logits(model, paged, [tokens[19:]], backend)])  # a prefill, then one over its cache
-    theirs, exact = hf_logits(hf_bf16, tokens), hf_logits(hf_reference(path)[0], tokens)
+    _, ours, theirs, exact = bf16_logits(path, hf_reference(path)[0], backend)
     assert (ours - theirs).abs().max().item() <= 2 * (theirs - exact).abs().max().item() + 1e-2

@@ -80,6 +80,24 @@ def random_tokens(vocab_size: int, n: int, seed: int) -> list[int]:
     return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def bf16_logits(path, hf_fp32_model, backend: str):
+    """27 random tokens (a prefill of 19, then 8 over its cache) through our bf16 model prepared for ``backend``,
+    transformers' bf16 model and ``hf_fp32_model``: (our model, our logits, transformers' bf16 logits, the fp32
+    logits), ``[27, vocab]`` each. bf16 rounds differently in every implementation: the tests hold ours to
+    transformers' own distance from fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model, hf_config = load_model(path, torch.bfloat16, "cpu")
+    KERNELS[backend].prepare_model(model)
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    tokens = random_tokens(hf_config.vocab_size, 27, seed=5)
+    paged = PagedSequences(model, num_seqs=1, max_len=len(tokens))
+    paged.kv_cache = paged.kv_cache.to(torch.bfloat16)
+    ours = torch.cat([run_logits(model, paged, [tokens[:19]], backend),
+                      run_logits(model, paged, [tokens[19:]], backend)])
+    return model, ours, hf_logits(hf_bf16, tokens), hf_logits(hf_fp32_model, tokens)
+
+
 def check_batch_over_cached_prefix(model, hf_config, hf_model, backend: str, prefix_lens: list[int],
                                    continue_lens: list[int], num_decodes: int = 1, seed: int = 10,
                                    atol: float = 1e-4) -> PagedSequences:
