@@ -10,8 +10,8 @@
   pick the checkpoints: the small and medium random Llamas, the TinyLlama-1.1B and Llama-3.2-3B shapes
   (random bf16 weights built locally, ``bench/peer_checkpoints.py``; smaller workloads, ``LARGE_WORKLOADS``), the
   other families' shapes built by transformers' own classes (``BUILT_SHAPES``: Qwen3-MoE, Gemma 3 1B, four of
-  gpt-oss-20b's layers, DeepSeek-V2-Lite's size in four layers), and dtype ``int8``: the same model as a compressed-tensors W8A8 checkpoint that both engines load
-  (activations in bf16).
+  gpt-oss-20b's layers, DeepSeek-V2-Lite's size in four layers), and dtype ``int8``: the same model as a
+  compressed-tensors W8A8 checkpoint that both engines load (activations in bf16).
 - **The physical limit**: the machine's memory bandwidth (``bench/memory_bandwidth.py``) per thread count, and on
   the bf16 configs of ``--decode-latency`` sizes each engine's batch-1 decode step against weight bytes /
   bandwidth (``bench/peer_decode.py``).

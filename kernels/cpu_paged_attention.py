@@ -141,8 +141,8 @@ def _flash_sequences(query: torch.Tensor, cu_seqlens_q: torch.Tensor) -> tuple[l
     return starts, [i for i, (start, end) in enumerate(zip(starts, starts[1:])) if end - start >= FLASH_MIN_QUERY_ROWS]
 
 
-def paged_attention_native(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window=None,
-                           sinks=None):
+def paged_attention_native(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+                           sliding_window=None, sinks=None):
     """``paged_attention_ref``'s contract on the native kernel alone (no route to torch's flash attention), for
     tensors ``native_applies`` takes."""
     cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
