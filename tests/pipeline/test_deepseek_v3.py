@@ -93,7 +93,8 @@ def test_bf16_is_as_close_to_transformers_bf16_as_bf16_is_to_fp32(deepseek_check
     """bf16 rounds differently in every implementation; ours (on the CPU set: native latent attention and the
     absorbed per-head products on the grouped GEMM) must stay as close to the fp32 logits as transformers' bf16,
     position by position, but for the few positions where an expert near-tie flips in one implementation's bf16 and
-    not the other's (measured: 2 of 27 here, torch and CPU sets alike, 0.6-1.0 off where the rest are 0.02-0.06)."""
+    not the other's (measured: 1 of 27 on the CPU set, 2 on the torch set, 0.6-1.0 off where the rest are
+    0.02-0.06)."""
     from kernels import cpu_moe
 
     path = deepseek_checkpoint(name)
