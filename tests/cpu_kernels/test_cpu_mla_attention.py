@@ -64,10 +64,14 @@ def test_native_runs_and_wider_rows_fall_back(monkeypatch):
 
 
 @pytest.mark.parametrize("num_rows", [1, 7, 40])
-def test_absorbed_products_are_the_per_head_products(panels, num_rows):
+def test_absorbed_products_are_the_per_head_products(panels, num_rows, monkeypatch):
     """Each head's query times its key rows and its weighted latent times its value rows, on the grouped GEMM in bf16:
-    fp32 sums rounded once, so within one bf16 rounding of the float64 products (torch.bmm's bf16 rounds likewise)."""
+    fp32 sums rounded once, so within one bf16 rounding of the float64 products (torch.bmm's bf16 rounds likewise).
+    Without an AMX CPU's row cap (the next test's), as on a CPU without AMX."""
+    from kernels import cpu_moe
     from kernels.cpu_mla_attention import AbsorbedProducts
+
+    monkeypatch.setattr(cpu_moe, "MAX_ROWS_PER_EXPERT", None)
 
     torch.manual_seed(2)
     heads, nope, v, rank = 16, 128, 128, 512
