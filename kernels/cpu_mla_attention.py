@@ -70,5 +70,5 @@ class AbsorbedProducts:
                 cpu_moe.MAX_ROWS_PER_EXPERT is not None and num_rows > cpu_moe.MAX_ROWS_PER_EXPERT):
             return None
         grouped = rows.transpose(0, 1).reshape(self.num_heads * num_rows, rows.shape[-1])  # head-major
-        offsets = torch.arange(0, (self.num_heads + 1) * num_rows, num_rows, dtype=torch.int64)
-        return cpu_moe.grouped_gemm(grouped, offsets, weights).view(self.num_heads, num_rows, -1).transpose(0, 1)
+        out = cpu_moe.grouped_gemm(grouped, cpu_moe.equal_groups(self.num_heads, num_rows), weights)
+        return out.view(self.num_heads, num_rows, -1).transpose(0, 1)

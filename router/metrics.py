@@ -51,9 +51,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 
 ADMISSION_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
-# rejected: a bad request (4xx); unavailable: no worker can serve it (503); overloaded: 429, every worker busy
 EVENT_LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 MIGRATION_PAUSE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0)
+# rejected: a bad request (4xx); unavailable: no worker can serve it (503); overloaded: 429, every worker busy
 OUTCOMES = ("ok", "error", "cancelled", "timeout", "rejected", "unavailable", "overloaded")
 
 

@@ -102,12 +102,11 @@ class Gemma3ForCausalLM(LlamaFamilyForCausalLM):
         layers = list(self.model.layers)
         for layer in layers:
             attention, mlp = layer.self_attn, layer.mlp
-            norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-                     layer.post_feedforward_layernorm, *((attention.q_norm, attention.k_norm)
-                                                         if attention.has_qk_norm else ()))
             is_plain = (type(layer) is Gemma3DecoderLayer and type(attention) is Attention and type(mlp) is MLP
                         and attention.sinks is None and attention.has_qk_norm
-                        and all(type(norm) is OffsetRMSNorm for norm in norms)
+                        and all(type(norm) is OffsetRMSNorm for norm in (
+                            layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                            layer.post_feedforward_layernorm, attention.q_norm, attention.k_norm))
                         and mlp.activation == "gelu_tanh_and_mul" and not is_hooked(layer))
             if not is_plain:
                 return None
