@@ -41,6 +41,7 @@ from router.openai_schema import ChatCompletionRequest, CompletionRequest
 from router.preprocess import prepare_chat, prepare_completion
 from router.registry import WorkerRegistry
 from router.rejections import RejectionCounter
+from router.request_trace import trace_rejection
 from router.responses_api import install_responses_route
 from router.served_model import ServedModel, keep_torch_out, load_served_model
 from router.serving import RouterState, serve
@@ -85,7 +86,7 @@ def create_app(
     )
     metrics = RouterMetrics(registry)
     registry.on_worker_registered = metrics.per_worker.add_worker  # its series from 0: rate() sees its first requests
-    registry.on_worker_forgotten = metrics.per_worker.remove_worker
+    registry.on_worker_forgotten = metrics.forget_worker
     dispatcher = Dispatcher(
         config.zmq_endpoint_base, registry, metrics, model.checkpoint_name, max_attempts=max_attempts,
         max_queued_requests=_or(max_queued_requests, router_config.max_queued_requests),
@@ -119,8 +120,11 @@ def create_app(
                            allow_credentials=router_config.cors_allow_credentials)
     install_error_handlers(app, on_error=lambda: metrics.requests_total.labels("error").inc())
     app.add_middleware(BodyLimitMiddleware, max_mib=router_config.max_request_body_mib)
-    app.add_middleware(RejectionCounter, on_rejected=lambda: metrics.requests_total.labels("rejected").inc(),
-                       paths=GENERATION_PATHS)
+    def on_rejected(status: int, scope: dict, arrived_ns: int) -> None:
+        metrics.requests_total.labels("rejected").inc()
+        trace_rejection(status, scope, arrived_ns)
+
+    app.add_middleware(RejectionCounter, on_rejected=on_rejected, paths=GENERATION_PATHS)
     created = int(time.time())
 
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])

@@ -154,6 +154,16 @@ class RouterMetrics:
         self.registry.register(WorkerCollector(registry))
         self.registry.register(HandshakeCollector())
 
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker the router forgot (dead for good): every series labelled with it goes, as a gone target's
+        do; otherwise each restart of a worker named by host and pid would add series for ever."""
+        self.per_worker.remove_worker(worker_id)
+        for side in ("decode", "prefill"):
+            try:
+                self.routed_total.remove(worker_id, side)
+            except KeyError:  # never routed to on that side
+                pass
+
     def note_route(self, route, num_prompt_tokens: int) -> None:
         """Count one routing decision and how much of the prompt its workers held (0 without KV-aware routing)."""
         for side, worker in (("decode", route.decode), ("prefill", route.prefill)):

@@ -3,6 +3,8 @@ TPOT under its decode worker, prompt tokens routed per worker, and restarts coun
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -58,3 +60,26 @@ def test_restarts_count_new_processes_under_a_worker_id():
         registry.register(RegisterWorker(worker_id="w0", role=WorkerRole.DECODE_ONLY, model_name="m", max_length=128,
                                          page_size=16, num_total_blocks=32, prefill_endpoint=None, pid=pid))
         assert restarts() == expected
+
+
+def test_a_forgotten_worker_leaves_no_series_behind():
+    """Workers started without --worker-id are named by host and pid: a series kept after the router forgot its
+    worker would add up with every restart."""
+    registry = WorkerRegistry(heartbeat_interval_s=0.5, dead_after_s=3.0)
+    metrics = RouterMetrics(registry)
+    decode = SimpleNamespace(worker_id="decode-host-41", num_cached_prompt_tokens=0)
+    prefill = SimpleNamespace(worker_id="prefill-host-40", num_cached_prompt_tokens=16)
+    metrics.note_route(SimpleNamespace(decode=decode, prefill=prefill, is_spilled=False), num_prompt_tokens=32)
+    metrics.per_worker.note_first_token(("prefill-host-40", "decode-host-41"), 0.05)
+
+    def labelled(worker_id: str) -> set[str]:
+        text = metrics.render().decode()
+        return {s.name for f in text_string_to_metric_families(text) for s in f.samples
+                if s.labels.get("worker") == worker_id}
+
+    assert "tandem_routed_requests_total" in labelled("decode-host-41")
+    assert "tandem_routed_requests_total" in labelled("prefill-host-40")
+    for worker_id in ("decode-host-41", "prefill-host-40"):
+        metrics.forget_worker(worker_id)
+        assert labelled(worker_id) == set()
+    metrics.forget_worker("never-seen")  # a worker with no series is no error
