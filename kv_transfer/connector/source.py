@@ -118,10 +118,13 @@ class KVSource:
 
     # ------------------------------------------------------------ asks
     def receive(self) -> list[tuple[bytes, PrefillRequest]]:
-        """The sinks' messages: cancels are handled here (``drop``); asks go to the owner to decide."""
+        """The sinks' messages: cancels are handled here (``drop``); asks go to the owner to decide. A cancel
+        also withdraws its sink's ask read in the same batch (a sink cancels after it asked): handled after the
+        cancel, that ask would start the prompt again."""
         asks = []
         for message, identity, _ in self.socket.receive_ready():
             if isinstance(message, CancelPrefill):
+                asks = [(sink, ask) for sink, ask in asks if (sink, ask.request_id) != (identity, message.request_id)]
                 request_id = self._by_transfer_id.get(message.request_id, message.request_id)
                 self.drop(request_id, "cancelled by the decode worker")
             else:

@@ -166,6 +166,17 @@ def test_a_drop_waits_for_the_sender_when_it_has_seen_the_request(source):
     assert "r" not in source and source.engine.aborted == [("r", True), ("r", False)]
 
 
+def test_a_cancel_withdraws_its_sinks_ask_read_in_the_same_batch(source):
+    """The router started the prompt early; the decode worker asked for it, then cancelled (its client left):
+    both arrive in one batch. The early prompt is dropped and the ask is not handed on to start it again."""
+    source.hold("r", hold_s=2.0, early=StartPrefill(request_id="r", prompt_token_ids=[1], sampling_params=GREEDY))
+    source.socket.incoming += [(prefill_request(), b"d0"), (prefill_request("other"), b"d0"),
+                               (CancelPrefill(request_id="r"), b"d0"), (prefill_request("r"), b"d1")]
+    asks = source.receive()
+    assert [(sink, ask.request_id) for sink, ask in asks] == [(b"d0", "other"), (b"d1", "r")]
+    assert "r" not in source and source.engine.aborted == [("r", False)]
+
+
 def test_a_ttl_past_its_start_drops_and_fail_all_rejects_what_never_shipped(source):
     source.accept(b"d0", prefill_request())
     source.start("r")
