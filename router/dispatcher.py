@@ -313,8 +313,8 @@ class Dispatcher:
         if error is not None:
             level = logging.INFO if outcome == "failed (429)" else logging.WARNING
             logger.log(level, "request %s %s after %d tokens: %s", handle.request_id, outcome,
-                       len(handle.output_token_ids), error)
-        handle.trace.finished(outcome, len(handle.output_token_ids), error)
+                       handle.num_output_tokens, error)
+        handle.trace.finished(outcome, handle.num_output_tokens, error)
         self.migration.abandon_handoff(handle)
         self.admission.discard(handle)  # it may be waiting (new, or a retry) rather than on a worker
         slot_held_s = self.in_flight.unassign(handle)

@@ -68,7 +68,7 @@ class RequestHandle:
     * ``wire_id``, ``decode_worker_id``, ``prefill_worker_id``, ``excluded``: ``InFlightRequests``.
     * ``num_attempts``: ``new_attempt``, once per ``GenerateRequest`` sent (Dispatcher, Migration's handoff).
     * ``num_excused_attempts``: Migration, when an attempt failed on a draining worker.
-    * ``output_token_ids``, ``first_token_at``, ``last_token_at``: TokenDelivery.
+    * ``output_token_ids``, ``num_output_tokens``, ``first_token_at``, ``last_token_at``: TokenDelivery.
     * ``num_migrations``, ``paused_since``, ``kv_source``: Migration.
     * ``finished_choices``: the Dispatcher.
     * ``queue``: TokenDelivery puts the deltas, the Dispatcher the one ``RequestFailed`` that ends it.
@@ -93,6 +93,7 @@ class RequestHandle:
     # worker comes back as a new process (a restart, a rolling upgrade)
     excluded: dict[str, int] = field(default_factory=dict)
     output_token_ids: list[int] = field(default_factory=list)  # n == 1: every token forwarded (a migration resumes after them)
+    num_output_tokens: int = 0  # every choice's tokens forwarded (n > 1 too): what its trace and log report
     first_token_at: float = 0.0  # time.monotonic() of its first token at the router (0: none yet)
     last_token_at: float = 0.0
     num_migrations: int = 0  # times it moved to another worker after its first token

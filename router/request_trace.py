@@ -6,7 +6,9 @@ attempt (the chosen workers, the prompt's cached blocks on each, the policy's co
 ``router.migration`` (a stream's move after its worker died, failed it or drained, until its next token
 arrives: the pause the client sees). Every ``GenerateRequest`` / ``StartPrefill`` carries ``context`` (the
 request span's W3C context), so the prefill and decode workers' spans are its children. A request that
-fails (429, 503, a timeout, an error) ends its span with ERROR status. With tracing off ``request_trace``
+fails (429, 503, a timeout, an error) ends its span with ERROR status; one refused before it became a request
+(a bad body, an API key, a prompt past the context: ``trace_rejection``) gets a ``tandem.request`` span of
+its own, also an ERROR, under the client's ``traceparent`` as well. With tracing off ``request_trace``
 returns ``NO_TRACE``, whose methods do nothing.
 """
 
@@ -113,3 +115,19 @@ def request_trace(request_id: str, num_prompt_tokens: int, max_tokens: int | Non
     if not tracing.is_enabled():
         return NO_TRACE
     return RequestTrace(request_id, num_prompt_tokens, max_tokens, priority, client_context)
+
+
+REQUEST_TRACED = "tandem_request_traced"  # set in an HTTP request's ASGI state once a RequestTrace covers it
+
+
+def trace_rejection(status: int, scope: Mapping[str, Any], arrived_ns: int) -> None:
+    """A generation request refused with ``status`` before a ``RequestTrace`` covered it: its one span, from
+    arrival to the refusal, under the client's ``traceparent`` (nothing when tracing is off)."""
+    if not tracing.is_enabled() or scope.get("state", {}).get(REQUEST_TRACED):
+        return
+    carrier = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope.get("headers", ())
+               if name in (b"traceparent", b"tracestate")}
+    span = tracing.start_span("tandem.request", parent=carrier or None, start_ns=arrived_ns, is_server=True,
+                              attributes={"http.route": scope.get("path", ""), "tandem.outcome": f"rejected ({status})"})
+    tracing.mark_error(span, f"refused with HTTP {status}")
+    span.end()

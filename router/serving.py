@@ -30,6 +30,7 @@ from router.admission import Overloaded
 from router.chat_output import ChatOutputFormat, ChatOutputStream
 from router.dispatcher import Dispatcher
 from router.request_handle import RequestFailed, RequestHandle
+from router.request_trace import REQUEST_TRACED
 from router.errors import APIError, bad_request, overloaded
 from router.metrics import RouterMetrics
 from router.policy import NoRoute, PromptTooLong
@@ -202,6 +203,7 @@ async def _admit_all(state: RouterState, http_request: Request, request_id: str,
             handles.append(state.dispatcher.submit(rid, prepared.prompt_token_ids, prepared.params,
                                                    state.request_timeout_s, priority=prepared.priority,
                                                    trace_parent=http_request.headers, counted=i == 0))
+            http_request.scope.setdefault("state", {})[REQUEST_TRACED] = True  # a refusal now ends its trace
         waiting = [state.dispatcher.wait_admitted(h) for h in handles if not h.is_admitted]
         if waiting:  # every worker is busy: wait in the queue, unless the client leaves
             await unless_disconnected(http_request, asyncio.gather(*waiting))

@@ -111,6 +111,7 @@ class TokenDelivery:
         inter-token gaps, the end of a migration's pause."""
         if handle.num_choices == 1:
             handle.output_token_ids.extend(delta.token_ids)
+        handle.num_output_tokens += len(delta.token_ids)
         if handle.status is RequestStatus.ROUTED:  # its first token
             handle.set_status(RequestStatus.FIRST_TOKEN_FROM_PREFILL if is_from_prefill else RequestStatus.STREAMING)
             self.in_flight.release_prefill(handle)

@@ -20,9 +20,10 @@ SHUTDOWN_FLUSH_S = 2.0  # how long a stopping process waits for its last spans t
 
 
 def traces_url(endpoint: str) -> str:
-    """A collector's base URL (``http://host:4318``) gets OTLP/HTTP's traces path; a full URL is kept."""
+    """A collector's base URL gets OTLP/HTTP's traces path, as ``OTEL_EXPORTER_OTLP_ENDPOINT`` does, a path
+    prefix included (``http://host:4318``, a gateway's ``https://host/otlp``); a URL that ends in it is kept."""
     endpoint = endpoint.rstrip("/")
-    return endpoint + TRACES_PATH if urlsplit(endpoint).path in ("", "/") else endpoint
+    return endpoint if urlsplit(endpoint).path.endswith(TRACES_PATH) else endpoint + TRACES_PATH
 
 
 class OtlpTracing:

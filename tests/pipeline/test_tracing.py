@@ -40,6 +40,8 @@ def test_traces_url_adds_the_otlp_path_to_a_base_url():
     assert traces_url("http://collector:4318") == "http://collector:4318/v1/traces"
     assert traces_url("http://collector:4318/") == "http://collector:4318/v1/traces"
     assert traces_url("https://c.example/otlp/v1/traces") == "https://c.example/otlp/v1/traces"
+    assert traces_url("https://gateway.example/otlp") == "https://gateway.example/otlp/v1/traces"  # a prefix
+    assert traces_url("http://collector:4318/otlp/") == "http://collector:4318/otlp/v1/traces"
 
 
 def test_a_client_traceparent_is_continued_and_injected_for_the_wire():

@@ -7,6 +7,7 @@ import httpx
 from opentelemetry.trace import SpanKind, StatusCode
 
 from pipeline.config import PipelineRole
+from pipeline.protocol.cluster import FinishCode, TokenDelta
 from tests.router.fake_worker import held, tokens_script
 from tests.router.test_admission import in_thread
 from tests.tracing_support import in_memory_tracing
@@ -115,3 +116,49 @@ def test_a_request_that_fails_ends_its_span_as_an_error_named_like_its_http_stat
     outcomes = sorted(s.attributes["tandem.outcome"] for s in spans)
     assert outcomes == ["failed (429)", "failed (503)", "timeout"]
     assert all(s.status.status_code is StatusCode.ERROR and s.status.description for s in spans)
+
+
+def _two_choices(request):
+    """Three tokens for each of two choices (n=2), the choices' deltas interleaved."""
+    return [(0.005 * (step + 1), TokenDelta(request_id=request.request_id, token_ids=[20 + step], index=index,
+                                            finish_reason=FinishCode.LENGTH if step == 2 else None,
+                                            num_prompt_tokens=len(request.prompt_token_ids) if step == 0 else 0))
+            for step in range(3) for index in (0, 1)]
+
+
+def test_a_request_of_several_choices_counts_every_choice_s_tokens(router_factory):
+    """n=2: the request span counts both choices' tokens (the router keeps the token ids of n=1 only)."""
+    with in_memory_tracing("tandem-router", "router") as log:
+        router = router_factory()
+        router.add_worker(script=_two_choices)
+        response = httpx.post(f"{router.url}/v1/completions", timeout=10,
+                              json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "n": 2})
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"]) == 2
+        router.wait_idle()
+        request = next(s for s in log.spans() if s.name == "tandem.request")
+    assert request.attributes["tandem.outcome"] == "finished"
+    assert request.attributes["tandem.num_output_tokens"] == 6
+
+
+def test_a_refused_request_has_one_span_in_the_client_s_trace(router_factory):
+    """Refused before it became a request (an unknown field, 400): a span of its own under the client's trace.
+    Refused after (a prompt past every worker's context, also 400): its request span alone, not a second one."""
+    with in_memory_tracing("tandem-router", "router") as log:
+        router = router_factory()
+        router.add_worker(script=tokens_script([10]), max_length=16)  # the router's model takes 64
+        bad_field = httpx.post(f"{router.url}/v1/completions", headers=HEADERS, timeout=10,
+                               json={"model": "tiny", "prompt": [1, 2], "max_tokens": 3, "bogus_field": 1})
+        assert bad_field.status_code == 400, bad_field.text
+        too_long = httpx.post(f"{router.url}/v1/completions", timeout=10,
+                              json={"model": "tiny", "prompt": list(range(40)), "max_tokens": 3})
+        assert too_long.status_code == 400 and "context length" in too_long.text, too_long.text
+        router.wait_idle()
+        spans = [s for s in log.spans() if s.name == "tandem.request"]
+    assert len(spans) == 2, [s.attributes for s in spans]
+    refused, = (s for s in spans if s.attributes["tandem.outcome"] == "rejected (400)")
+    assert [s.attributes["tandem.outcome"] for s in spans if s is not refused] == ["failed (400)"]
+    assert format(refused.context.trace_id, "032x") == CLIENT_TRACE_ID
+    assert format(refused.parent.span_id, "016x") == CLIENT_SPAN_ID
+    assert refused.kind is SpanKind.SERVER and refused.status.status_code is StatusCode.ERROR
+    assert refused.attributes["http.route"] == "/v1/completions" and refused.end_time >= refused.start_time
