@@ -50,7 +50,11 @@ class Collectives:
             options._timeout = setup_timeout
             self.group = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
-            self.group = dist.ProcessGroupGloo(store, rank, size, setup_timeout)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = setup_timeout
+            # the ranks are this host's processes: their connections on loopback, never on the host's interfaces
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            self.group = dist.ProcessGroupGloo(store, rank, size, options)
         self.rank, self.size = rank, size
         # rank 0: called when a collective fails, before its error is raised (``RankGroup.name_the_dead_rank``: a
         # rank that died broke it, and the error names that rank and its exit code instead of gloo's reset)

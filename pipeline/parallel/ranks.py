@@ -8,6 +8,11 @@ which time out (``timeout_s``) if a rank stops answering. A child leaves when ra
 its pipe closes (rank 0 exited or was killed; the kernel also kills it then: ``_die_with``), or when a
 collective fails; it ignores SIGTERM and SIGINT (rank 0 decides). ``RankGroup.close`` (also run when the group
 is garbage-collected and at interpreter exit) asks every child to stop, then kills it.
+
+The ranks meet through a ``torch.distributed.FileStore`` in a directory only this user can read (a TCPStore
+would listen on every interface, open to anyone who reaches the host), and gloo's connections are on loopback:
+a tensor-parallel worker opens no socket a stranger can reach. On the CPU the store is removed as soon as the
+group is connected (gloo needs it no more); NCCL connects at its first collective and keeps it until the end.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import dataclasses
 import datetime
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -43,7 +50,7 @@ class RankArgs:
 
     rank: int
     size: int
-    store_port: int
+    store_path: str  # the group's FileStore (a private directory of rank 0's)
     model_path: str
     dtype: torch.dtype
     device: str
@@ -78,21 +85,24 @@ class RankGroup:
         self.size = size
         self._is_ready = False  # every child loaded its shard (wait_ready)
         self._kv_shape_sent: tuple[int, ...] | None = None
-        self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S),
-                                   wait_for_workers=False)
+        self._keeps_store = str(device).startswith("cuda")  # NCCL: until the end (see the module's doc)
+        self._store_dir = tempfile.mkdtemp(prefix="tandem-tp-store-")  # mode 0700
+        self.store = dist.FileStore(os.path.join(self._store_dir, "store"), size)
+        self.store.set_timeout(datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.processes: list[multiprocessing.Process] = []
         self.pipes = []
+        self._grace_s = [STOP_GRACE_S]  # close(grace_s) changes it for the finalizer, which holds this list
+        self._finalizer = weakref.finalize(self, _stop_ranks, self.processes, self.pipes, self._grace_s,
+                                           self._store_dir)
         placements = placements or [(None, max(1, cores // size))] * (size - 1)
         for rank, (rank_cores, num_threads) in enumerate(placements, start=1):
-            args = RankArgs(rank, size, self.store.port, model_path, dtype, device, kernel_backend,
+            args = RankArgs(rank, size, self.store.path, model_path, dtype, device, kernel_backend,
                             cpu_weight_prepack, num_threads, timeout_s, rank_cores, os.getpid(), keep_freed_memory,
                             quantization, dict(os.environ))
             process, ours = start_rank(args, f"tandem-tp-rank{rank}")
             self.processes.append(process)
             self.pipes.append(ours)
-        self._grace_s = [STOP_GRACE_S]  # close(grace_s) changes it for the finalizer, which holds this list
-        self._finalizer = weakref.finalize(self, _stop_ranks, self.processes, self.pipes, self._grace_s)
 
     @property
     def pids(self) -> list[int]:
@@ -158,6 +168,8 @@ class RankGroup:
                 self.check_alive()
         if "error" in result:
             raise result["error"]
+        if not self._keeps_store:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
         return result["value"]
 
     def check_alive(self) -> None:
@@ -221,7 +233,8 @@ def _reported_error(pipe) -> str:
     return ""
 
 
-def _stop_ranks(processes: list, pipes: list, grace_s: list[float]) -> None:
+def _stop_ranks(processes: list, pipes: list, grace_s: list[float], store_dir: str) -> None:
+    shutil.rmtree(store_dir, ignore_errors=True)
     for pipe in pipes:
         try:
             pipe.send(("stop", None))
@@ -330,8 +343,8 @@ def _load_rank(args: RankArgs):
     device = rank_device(args.device, args.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", args.store_port, args.size, False,
-                          timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+    store = dist.FileStore(args.store_path, args.size)
+    store.set_timeout(datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
     collectives = Collectives(store, args.rank, args.size, device, args.timeout_s, STARTUP_TIMEOUT_S)
     hf_config = load_hf_config(args.model_path)
     model = load_shard(hf_config, args.model_path, args.dtype, device, collectives, quantization=args.quantization)

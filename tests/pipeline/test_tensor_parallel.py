@@ -61,6 +61,19 @@ def test_llama_greedy_and_logprobs_match_transformers(llama_tp, tiny_checkpoint,
     check_greedy_and_logprobs(llama_tp, hf_model, PROMPTS, 12, atol=1e-4)
 
 
+def test_the_ranks_listen_on_no_interface_but_loopback(llama_tp):
+    """A keyed cluster admits no stranger: the ranks meet through a store file in a private directory (gone once
+    they are connected) and gloo's sockets are on loopback, so nothing a tensor-parallel worker opens is reachable
+    from another host (a TCPStore listens on every interface)."""
+    import psutil
+
+    group = llama_tp.engine.model.driver
+    assert not os.path.exists(os.path.dirname(group.store.path))
+    listening = [(pid, conn.laddr) for pid in [os.getpid(), *group.pids]
+                 for conn in psutil.Process(pid).net_connections(kind="inet") if conn.status == psutil.CONN_LISTEN]
+    assert listening and all(address.ip in ("127.0.0.1", "::1") for _, address in listening), listening
+
+
 def test_prefix_cached_prompt_and_prompt_logprobs_match_transformers(llama_tp, tiny_checkpoint, hf_reference):
     hf_model, _ = hf_reference(tiny_checkpoint("llama"))
     prompt = list(range(3, 40)) + [5, 6, 7]  # shares its first blocks with a prompt run before: cached KV is reused
