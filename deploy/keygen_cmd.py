@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 KEY_FILE_FLAG = "--cluster-key-file"
+API_KEY_ENV = "TANDEM_API_KEY"  # the router's --api-key default (how the launchers hand it the key: not in argv)
 
 
 def register(sub) -> None:

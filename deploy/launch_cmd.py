@@ -21,7 +21,7 @@ import sys
 import threading
 
 from deploy.config_flags import add_config_flags, config_from_args
-from deploy.keygen_cmd import add_http_security_flags, add_security_flags, parse_api_keys
+from deploy.keygen_cmd import API_KEY_ENV, add_http_security_flags, add_security_flags, parse_api_keys
 from deploy.router_preflight import check_router_can_start, port_number
 
 
@@ -41,7 +41,7 @@ def register(sub) -> None:
                         help="colocated workers that prefill and decode themselves (PrefillAndDecode; default 0)")
     parser.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on (default 127.0.0.1)")
     parser.add_argument("--port", type=port_number, default=8000, help="port of the HTTP API (default 8000)")
-    add_http_security_flags(parser, api_key_default=os.environ.get("TANDEM_API_KEY"),
+    add_http_security_flags(parser, api_key_default=os.environ.get(API_KEY_ENV),
                             api_key_default_text="$TANDEM_API_KEY")  # as tandem router (its router would read it)
     parser.add_argument("--log-dir", default=None, metavar="DIR",
                         help="where each process logs (default: a temp dir)")

@@ -43,6 +43,7 @@ from typing import Callable
 import httpx
 
 from deploy.cluster_files import ClusterFiles
+from deploy.keygen_cmd import API_KEY_ENV
 from deploy.local_spawner import ProcessSpawner
 from deploy.process_group import signal_group, terminate_groups
 from deploy.supervisor import RestartPolicy, Supervisor, SupervisorEvent
@@ -156,8 +157,8 @@ class LocalCluster:
             builtin_model_path()
         common = self._files.write_config(self.config)
         router_args = ["router", "--host", self.host, "--port", str(self.port), *self.router_options]
-        if self.api_key:
-            router_args += ["--api-key", self.api_key]
+        # the API key in the router's environment, which its --api-key defaults to: argv is readable by every user
+        router_env = {API_KEY_ENV: self.api_key} if self.api_key else None
         if self.ssl_certfile:
             router_args += ["--ssl-keyfile", str(self.ssl_keyfile), "--ssl-certfile", str(self.ssl_certfile)]
         if self.router_cores:
@@ -165,7 +166,7 @@ class LocalCluster:
         try:
             if self.use_fork_server and self.worker_names:
                 self.spawner.start_fork_server()
-            self._spawn("router", router_args + common)
+            self._spawn("router", router_args + common, router_env)
             roles = {"prefill": "PrefillOnly", "decode": "DecodeOnly", "colocated": "PrefillAndDecode"}
             for name in self.worker_names:
                 role = roles[name.split("-")[0]]
@@ -179,9 +180,9 @@ class LocalCluster:
             raise
         return self
 
-    def _spawn(self, name: str, args: list[str] | None = None) -> int:
-        """Start ``name`` with ``args`` (None: a restart, with the command it was last started with)."""
-        proc = self.spawner.spawn(name, args) if args is not None else self.spawner.respawn(name)
+    def _spawn(self, name: str, args: list[str] | None = None, env: dict[str, str] | None = None) -> int:
+        """Start ``name`` with ``args`` and its own ``env`` (None: a restart, as it was last started)."""
+        proc = self.spawner.spawn(name, args, env) if args is not None else self.spawner.respawn(name)
         self.processes[name] = proc
         self.started_pids.add(proc.pid)
         self._log_event(f"{name} started as pid {proc.pid}")

@@ -26,7 +26,7 @@ class ProcessSpawner:
         self.entry_module = entry_module  # what ``python -m`` runs in each process
         self.env = env  # set in every process's environment, over ours
         self.use_fork_server = use_fork_server
-        self._commands: dict[str, list[str]] = {}  # name -> the arguments it was last started with
+        self._commands: dict[str, tuple[list[str], dict[str, str]]] = {}  # name -> its last arguments, own env
         self._spawner: ThreadPoolExecutor | None = None  # the one thread that forks
 
     def log_path(self, name: str) -> Path:
@@ -36,20 +36,22 @@ class ProcessSpawner:
         """Start the fork server now, so its imports overlap the router's start."""
         shared_fork_server(self.log_dir / "zygote.log")
 
-    def spawn(self, name: str, args: list[str]) -> subprocess.Popen | ForkedProcess:
-        """Start ``name`` (first start: a fresh log; a restart: the same command, appended to its log).
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen | ForkedProcess:
+        """Start ``name`` (first start: a fresh log; a restart: the same command, appended to its log); ``env``:
+        its own variables, over every process's (a secret for this one process, kept out of its command line,
+        which any local user can read).
 
         Workers are forked by the fork server (``deploy.zygote``: torch and transformers imported once
         per launcher, not once per process); the router, which never loads torch, is exec'd afresh."""
         is_restart = name in self._commands
-        self._commands[name] = args
+        self._commands[name] = (args, env or {})
         log_path = self.log_path(name)
         with open(log_path, "ab" if is_restart else "wb") as log:
             if is_restart:
                 stamp = time.strftime("%Y-%m-%d %H:%M:%S")
                 log.write(f"\n===== {stamp} tandem: {name} restarted; the previous run's output is above =====\n"
                           .encode())
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, DIE_WITH_PARENT_ENV: str(os.getpid())}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(env or {}), DIE_WITH_PARENT_ENV: str(os.getpid())}
         argv = ["--log-level", os.environ.get(CHILD_LOG_LEVEL_ENV, "INFO"), *args]
         if name != "router" and self.use_fork_server:
             return shared_fork_server(self.log_dir / "zygote.log").spawn(self.entry_module, argv, env, log_path)
@@ -63,7 +65,7 @@ class ProcessSpawner:
 
     def respawn(self, name: str) -> subprocess.Popen | ForkedProcess:
         """Start ``name`` again with the command it was last started with."""
-        return self.spawn(name, self._commands[name])
+        return self.spawn(name, *self._commands[name])
 
     def close(self) -> None:
         """Let the forking thread go; only once every process it started has ended (the kernel ties

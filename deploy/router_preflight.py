@@ -12,6 +12,7 @@ import ssl
 import zmq
 
 from pipeline.endpoints import router_endpoint
+from pipeline.security import someone_listens_on
 
 
 def port_number(text: str) -> int:
@@ -58,6 +59,10 @@ def _check_http_port(host: str, port: int) -> None:
 
 
 def _check_zmq_bind(endpoint: str) -> None:
+    if endpoint.startswith("ipc://") and someone_listens_on(endpoint[len("ipc://"):]):
+        # checked before the probe's bind, which would replace the file under the live router's feet
+        raise ValueError(f"--zmq-endpoint-base: another process (a running router?) listens on {endpoint}; stop it "
+                         "or pick another base")
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.ROUTER)

@@ -13,7 +13,7 @@ import socket
 import threading
 
 from deploy.config_flags import add_config_flags, config_from_args
-from deploy.keygen_cmd import add_http_security_flags, add_security_flags, parse_api_keys
+from deploy.keygen_cmd import API_KEY_ENV, add_http_security_flags, add_security_flags, parse_api_keys
 from deploy.router_preflight import check_router_can_start, port_number
 from pipeline.config import PipelineRole
 from pipeline.cpu_placement import allowed_cores, apply_cpu_placement, bind_to_cores, describe_placement
@@ -27,7 +27,7 @@ def register(sub) -> None:
     router = sub.add_parser("router", help="run the OpenAI-compatible HTTP router")
     router.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on (default 127.0.0.1)")
     router.add_argument("--port", type=port_number, default=8000, help="port of the HTTP API (default 8000)")
-    add_http_security_flags(router, api_key_default=os.environ.get("TANDEM_API_KEY"),
+    add_http_security_flags(router, api_key_default=os.environ.get(API_KEY_ENV),
                             api_key_default_text="$TANDEM_API_KEY")
     add_config_flags(router, skip=("pipeline_role", "security"))  # a router has no role
     add_security_flags(router)

@@ -185,7 +185,7 @@ class RouterLink:
                 now = time.monotonic()
                 if not self.is_registered:
                     if now - last_register >= REGISTER_RETRY_S:
-                        self._dealer.send(self.registration)
+                        self._send_unless_no_route(self.registration)
                         last_register = now
                     if now - warned_at >= UNANSWERED_WARN_S:
                         self._warn_unanswered(now - unanswered_since)
@@ -193,7 +193,7 @@ class RouterLink:
                 else:
                     unanswered_since = warned_at = now
                     if now - last_heartbeat >= self.heartbeat_interval_s:
-                        self._dealer.send(Heartbeat(worker_id=self.worker_id, load=self._heartbeat_load(now)))
+                        self._send_unless_no_route(Heartbeat(worker_id=self.worker_id, load=self._heartbeat_load(now)))
                         last_heartbeat = now
                 self._watch_for_stall(now)
                 self._sign_of_life.beat(now)
@@ -204,11 +204,21 @@ class RouterLink:
             self._dealer.close(linger=0)
             self._io_end.close(linger=0)
 
+    def _send_unless_no_route(self, message) -> None:
+        """Registrations and heartbeats are sent again on time: one that cannot leave now (no connection to queue
+        it on: a router whose security does not match this worker's refused the handshake, and libzmq keeps
+        no pipe to it) is skipped, not waited for (a blocking send would stop this thread, warnings included)."""
+        try:
+            self._dealer.send(message, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
     def _warn_unanswered(self, seconds: float) -> None:
         """Registering without an answer: a router that is not there yet, or one that refuses this worker's
         connection before any message (another cluster key), which only the router's log would say otherwise."""
-        hint = (" On tcp:// the worker must hold the router's cluster key (--cluster-key-file): a worker with "
-                "another key is refused before any message, and only the router logs it."
+        hint = (" On tcp:// the worker must hold the router's cluster key (--cluster-key-file), or both run "
+                "--insecure-cluster: a worker with another key, or none, is refused before any message, and only "
+                "the router logs it."
                 if self._router_endpoint.startswith("tcp://") else "")
         logger.warning("worker %s: no answer from the router at %s for %.0f s; still trying. Is it running?%s",
                        self.worker_id, self._router_endpoint, seconds, hint)

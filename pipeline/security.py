@@ -72,23 +72,29 @@ class ClusterKey:
 
 # ------------------------------------------------------------------ keys
 def generate_cluster_key(out_dir: str | os.PathLike) -> Path:
-    """Write a fresh cluster keypair into ``out_dir`` (pyzmq's ``create_certificates`` format:
-    ``cluster.key`` with the public key, ``cluster.key_secret`` with both, owner-only); returns the
-    secret file's path, which is what ``--cluster-key-file`` takes."""
+    """Write a fresh cluster keypair into ``out_dir`` (pyzmq's certificate format: ``cluster.key`` with the
+    public key, ``cluster.key_secret`` with both, owner-only from the moment it exists: pyzmq's own
+    ``create_certificates`` writes it world-readable first); returns the secret file's path, which is what
+    ``--cluster-key-file`` takes."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    public_file, secret_file = zmq.auth.create_certificates(str(out), KEY_NAME)
-    os.chmod(secret_file, 0o600)
-    return Path(secret_file)
+    public, secret = zmq.curve_keypair()
+    secret_file = write_private_file(out / f"{KEY_NAME}{SECRET_SUFFIX}", _certificate_text(public, secret))
+    (out / f"{KEY_NAME}.key").write_text(_certificate_text(public, None))
+    return secret_file
 
 
 def cluster_key_text() -> str:
     """A fresh keypair as the text of a ``cluster.key_secret`` file (what ``tandem ray up`` distributes)."""
-    public, secret = zmq.curve_keypair()
-    return ("#   ZeroMQ CURVE **Secret** Certificate (Tandem cluster key)\n"
+    return _certificate_text(*zmq.curve_keypair())
+
+
+def _certificate_text(public: bytes, secret: bytes | None) -> str:
+    """A ZeroMQ CURVE certificate as pyzmq writes and reads it (the secret one holds both halves)."""
+    text = (f"#   ZeroMQ CURVE {'**Secret** ' if secret else 'Public '}Certificate (Tandem cluster key)\n"
             "metadata\ncurve\n"
-            f'    public-key = "{public.decode()}"\n'
-            f'    secret-key = "{secret.decode()}"\n')
+            f'    public-key = "{public.decode()}"\n')
+    return text + (f'    secret-key = "{secret.decode()}"\n' if secret else "")
 
 
 def write_private_file(path: str | os.PathLike, text: str) -> Path:
@@ -115,6 +121,16 @@ def load_cluster_key(path: str | os.PathLike) -> ClusterKey:
     if not secret:
         raise ClusterSecurityError(f"security.cluster_key_file: {str(path)!r} holds only a public key; pass the "
                                    f"'{KEY_NAME}{SECRET_SUFFIX}' file that `tandem keygen` wrote")
+    try:
+        derived = zmq.curve_public(secret)
+    except (zmq.ZMQError, ValueError):
+        derived = None
+    if derived is None or len(public) != len(derived):
+        raise ClusterSecurityError(f"security.cluster_key_file: {str(path)!r} does not hold CURVE keys (40 Z85 "
+                                   "characters each); make one with `tandem keygen --out DIR`")
+    if derived != public:
+        raise ClusterSecurityError(f"security.cluster_key_file: in {str(path)!r} the public key is not the secret "
+                                   "key's (an edited or mixed-up file); make one with `tandem keygen --out DIR`")
     if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         logger.warning("cluster key %s is readable by other users; chmod 600 it", path)
     return ClusterKey(public=public, secret=secret, path=str(path))
@@ -188,6 +204,7 @@ def _bind(sock: zmq.Socket, endpoint: str) -> None:
         sock.curve_publickey = _key.public
         sock.curve_server = True
         sock.zap_domain = ZAP_DOMAIN.encode()
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler answering (a guard gone): refused, not let in
         guard = _guard_for(sock.context)  # its ZAP handler is bound before any peer can connect
         sock.bind(endpoint)
         guard.watch(sock, sock.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -211,7 +228,7 @@ def _bind_owner_only(sock: zmq.Socket, endpoint: str) -> None:
     can connect; the umask is process-wide for that instant, which only makes other files stricter. A path
     another process listens on is refused (libzmq would replace its file and take its peers: two routers on
     one ipc:// base), a stale file from a process that is gone is bound over."""
-    if _someone_listens_on(endpoint[len("ipc://"):]):
+    if someone_listens_on(endpoint[len("ipc://"):]):
         raise zmq.ZMQError(errno.EADDRINUSE, "another process listens on this socket file")
     previous = os.umask(0o077)
     try:
@@ -227,7 +244,7 @@ def _bind_owner_only(sock: zmq.Socket, endpoint: str) -> None:
         remember_bound_file(path)
 
 
-def _someone_listens_on(path: str) -> bool:
+def someone_listens_on(path: str) -> bool:
     """Whether a process accepts connections on the Unix socket file ``path`` (an abstract name, "@...", is
     the kernel's to refuse)."""
     if not path or path.startswith("@"):
@@ -317,7 +334,7 @@ class _ContextGuard(threading.Thread):
                         _count_refused(monitors[sock], _REFUSED_EVENTS[event["event"]])
         except zmq.ContextTerminated:
             pass
-        except Exception:  # noqa: BLE001 - a guard that dies must say so; handshakes then fail closed
+        except Exception:  # noqa: BLE001 - a guard that dies must say so; handshakes then fail closed (ZAP enforced)
             logger.exception("the cluster ZAP handler stopped")
         finally:
             for monitor in monitors:

@@ -16,7 +16,6 @@ runs a full batch, and beyond it get 429 with ``Retry-After`` (see ``router.admi
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import signal
@@ -26,13 +25,14 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from pipeline import tracing
 from pipeline.config import PipelineConfig
 from pipeline.sign_of_life import SignOfLife
+from router.api_keys import ApiKeyCheck
 from router.body_limit import BodyLimitMiddleware
 from router.dispatcher import Dispatcher
 from router.errors import APIError, install_error_handlers
@@ -114,12 +114,15 @@ def create_app(
 
     app = FastAPI(title="Tandem router", lifespan=lifespan)
     app.state.router = state
+    # innermost first: the API keys inside CORS (whose preflight needs none), the body limit and the rejection count
+    app.add_middleware(ApiKeyCheck, api_keys=[api_key] if isinstance(api_key, str) else list(api_key or []))
     origins = [o.strip() for o in router_config.cors_allowed_origins.split(",") if o.strip()]
     if origins:  # browsers' preflight (OPTIONS) answered; the API key check still applies to the request itself
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
                            allow_credentials=router_config.cors_allow_credentials)
     install_error_handlers(app, on_error=lambda: metrics.requests_total.labels("error").inc())
     app.add_middleware(BodyLimitMiddleware, max_mib=router_config.max_request_body_mib)
+
     def on_rejected(status: int, scope: dict, arrived_ns: int) -> None:
         metrics.requests_total.labels("rejected").inc()
         trace_rejection(status, scope, arrived_ns)
@@ -127,27 +130,12 @@ def create_app(
     app.add_middleware(RejectionCounter, on_rejected=on_rejected, paths=GENERATION_PATHS)
     created = int(time.time())
 
-    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
-
-    async def check_api_key(request: Request) -> None:
-        if not api_keys:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        given = token.strip().encode()
-        matches = [hmac.compare_digest(given, key.encode()) for key in api_keys]  # every key compared: no early out
-        if scheme.lower() != "bearer" or not any(matches):
-            raise APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
-                           code="invalid_api_key")
-
-    v1 = [Depends(check_api_key)]
-
-    @app.post("/v1/completions", dependencies=v1)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prepared = await run_tokenizer_work(lambda: prepare_completion(body, model, config.sampling))
         return await serve(state, request, prepared, "completion")
 
-    @app.post("/v1/chat/completions", dependencies=v1)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         prepared = await run_tokenizer_work(lambda: prepare_chat(body, model, config.sampling, config.router))
         return await serve(state, request, prepared, "chat")
@@ -160,8 +148,8 @@ def create_app(
         longest = max(pools, default=None)
         return model.max_length if longest is None or not model.max_length else min(model.max_length, longest)
 
-    install_tokenizer_routes(app, model, v1, servable_length)
-    install_responses_route(app, state, v1, lambda chat: run_tokenizer_work(
+    install_tokenizer_routes(app, model, servable_length)
+    install_responses_route(app, state, lambda chat: run_tokenizer_work(
         lambda: prepare_chat(chat, model, config.sampling, config.router)))
 
     def model_card(served_name: str) -> dict[str, Any]:
@@ -172,11 +160,11 @@ def create_app(
             card["root"] = model.root
         return card
 
-    @app.get("/v1/models", dependencies=v1)
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(name) for name in model.names]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=v1)  # the SDK's models.retrieve; ids may hold "/"
+    @app.get("/v1/models/{model_id:path}")  # the SDK's models.retrieve; ids may hold "/"
     async def retrieve_model(model_id: str) -> dict[str, Any]:
         if not model.serves(model_id):
             raise APIError(404, f"The model `{model_id}` does not exist. This server serves `{model.name}`.",

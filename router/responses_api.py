@@ -30,9 +30,9 @@ from router.served_model import ServedModel
 from router.serving import ClientGone, RouterState, admit, chunks, event_stream, unless_disconnected
 
 
-def install_responses_route(app: FastAPI, state: RouterState, dependencies: list,
+def install_responses_route(app: FastAPI, state: RouterState,
                             prepare: Callable[[ChatCompletionRequest], Awaitable[list[PreparedRequest]]]) -> None:
-    @app.post("/v1/responses", dependencies=dependencies)
+    @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         try:
             chat = ChatCompletionRequest.model_validate(chat_body(body))

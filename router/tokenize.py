@@ -45,8 +45,7 @@ class Detokenize(_Body):
     tokens: list[StrictInt]
 
 
-def install_tokenizer_routes(app: FastAPI, model: ServedModel, dependencies: list,
-                             servable_length: Callable[[], int | None]) -> None:
+def install_tokenizer_routes(app: FastAPI, model: ServedModel, servable_length: Callable[[], int | None]) -> None:
     """``servable_length``: the longest sequence the live workers hold (``max_model_len``, as /v1/models says)."""
     tokenizer = model.tokenizer
 
@@ -55,7 +54,7 @@ def install_tokenizer_routes(app: FastAPI, model: ServedModel, dependencies: lis
             raise APIError(404, f"The model `{name}` does not exist. This server serves `{model.name}`.",
                            param="model", code="model_not_found")
 
-    @app.post("/tokenize", dependencies=dependencies)
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeCompletion | TokenizeChat) -> dict[str, Any]:
         check_model(body.model)
 
@@ -67,7 +66,7 @@ def install_tokenizer_routes(app: FastAPI, model: ServedModel, dependencies: lis
         return {"count": len(ids), "max_model_len": servable_length(), "tokens": ids,
                 "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
 
-    @app.post("/detokenize", dependencies=dependencies)
+    @app.post("/detokenize")
     async def detokenize(body: Detokenize) -> dict[str, str]:
         check_model(body.model)
         bad = next((t for t in body.tokens if not 0 <= t < model.vocab_size), None)
@@ -76,7 +75,7 @@ def install_tokenizer_routes(app: FastAPI, model: ServedModel, dependencies: lis
                               param="tokens")
         return {"prompt": await run_tokenizer_work(lambda: tokenizer.decode(body.tokens))}
 
-    @app.get("/tokenizer_info", dependencies=dependencies)
+    @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
         return {
             "tokenizer_class": type(tokenizer).__name__,

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+from deploy.keygen_cmd import API_KEY_ENV
 from deploy.local_spawner import CHILD_LOG_LEVEL_ENV
 from deploy.ray_cluster import placement_groups
 from deploy.ray_cluster import spec as specs
@@ -100,7 +101,7 @@ def up(options: UpOptions, say: Callable[[str], None] = print) -> str:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     config = {**options.config, "zmq_endpoint_base": options.config.get("zmq_endpoint_base")
               or f"tcp://{router_ip}:{options.zmq_port}"}
-    env = {"TANDEM_API_KEY": options.api_key} if options.api_key else {}
+    env = {API_KEY_ENV: options.api_key} if options.api_key else {}
     if os.environ.get(CHILD_LOG_LEVEL_ENV):  # `tandem --log-level X ray up`: its processes log at X too
         env[CHILD_LOG_LEVEL_ENV] = os.environ[CHILD_LOG_LEVEL_ENV]
     log_dir = os.path.join(options.log_dir, options.deployment)

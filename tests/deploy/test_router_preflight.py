@@ -4,11 +4,14 @@ directory that is not there, a file the user named that cannot be written."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
+import zmq
 
 from deploy.cli import main
+from pipeline.endpoints import router_endpoint
 from tests.cluster.conftest import free_port
 
 
@@ -45,6 +48,24 @@ def test_the_router_says_what_would_stop_it(capsys, busy_port, tmp_path):
     assert main(["router", "--port", "0", "--zmq-endpoint-base", f"ipc://{tmp_path}/t", "--ssl-keyfile", str(pem),
                  "--ssl-certfile", str(pem)]) == 2
     assert f"--ssl-certfile {pem} / --ssl-keyfile {pem}: not a PEM certificate" in one_line_error(capsys)
+
+
+def test_a_router_base_another_router_listens_on_is_refused_and_left_alone(capsys, tmp_path):
+    """The check's own probe bind used to replace the live router's socket file (libzmq unlinks it first): the
+    second router was refused later, but the first could no longer be reached by a restarted worker."""
+    base = f"ipc://{tmp_path}/t"
+    path = router_endpoint(base)[len("ipc://"):]
+    ctx = zmq.Context()
+    live = ctx.socket(zmq.ROUTER)
+    try:
+        live.bind(f"ipc://{path}")
+        inode = os.stat(path).st_ino
+        assert main(["router", "--port", "0", "--zmq-endpoint-base", base]) == 2
+        assert "--zmq-endpoint-base: another process (a running router?) listens on" in one_line_error(capsys)
+        assert os.stat(path).st_ino == inode  # the live router's file, still there
+    finally:
+        live.close(linger=0)
+        ctx.term()
 
 
 def test_tandem_up_says_it_before_starting_a_worker(capsys, busy_port, tiny_checkpoint, tmp_path):

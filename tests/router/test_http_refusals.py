@@ -76,6 +76,12 @@ def test_api_key(router_factory):
         response = httpx.post(url, json=body, headers=headers)
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{router.url}/v1/models").status_code == 401
+    # the key before anything of the body is read, as vLLM answers: a body that is not JSON is no 400 without a key
+    not_json = httpx.post(url, content=b"{bad", headers={"content-type": "application/json"})
+    assert not_json.status_code == 401 and not_json.headers["www-authenticate"] == "Bearer", not_json.text
+    assert httpx.post(f"{router.url}/tokenize", json={"model": "tiny", "prompt": "x"}).status_code == 401
+    assert httpx.post(url, content=b"{bad", headers={"content-type": "application/json",
+                                                    "Authorization": "Bearer sekret"}).status_code == 400
     assert httpx.get(f"{router.url}/health").status_code == 200 and httpx.get(f"{router.url}/metrics").status_code == 200
     good = openai.OpenAI(base_url=f"{router.url}/v1", api_key="sekret", max_retries=0, timeout=10)
     assert good.completions.create(**body).choices[0].finish_reason == "length"

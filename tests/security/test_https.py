@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from pathlib import Path
 
 import httpx
 import openai
@@ -66,3 +67,13 @@ def test_https_with_the_certificate_as_ca_and_any_listed_key(https_cluster):
         openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="new-key", max_retries=0, timeout=10).models.list()
     with pytest.raises(httpx.HTTPError):  # no plain HTTP on the TLS port
         httpx.get(f"http://127.0.0.1:{cluster.port}/health", timeout=5).raise_for_status()
+
+
+def test_the_launcher_hands_the_router_its_api_key_out_of_argv(https_cluster):
+    """A process's command line is readable by every local user (/proc/PID/cmdline): the key (or key file) goes
+    in the router's environment, which only its owner reads."""
+    cluster, _ = https_cluster
+    pid = cluster.processes["router"].pid
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert b"--api-key" not in argv and not any(b"api-keys" in arg for arg in argv), argv
+    assert b"TANDEM_API_KEY=@" in Path(f"/proc/{pid}/environ").read_bytes()

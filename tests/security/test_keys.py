@@ -9,6 +9,7 @@ import time
 import msgspec
 import pytest
 import zmq
+import zmq.auth
 
 from deploy.cli import main
 from deploy.keygen_cmd import parse_api_keys
@@ -36,6 +37,35 @@ def test_keygen_writes_an_owner_only_key(tmp_path, capsys):
         security.load_cluster_key(tmp_path / "cluster.key")
     with pytest.raises(security.ClusterSecurityError, match="tandem keygen"):
         security.load_cluster_key(tmp_path / "missing")
+
+
+def test_the_secret_key_is_never_readable_by_others(tmp_path, monkeypatch):
+    """Created owner-only, not chmod'ed after it was written (pyzmq's create_certificates opens it 0666: a local user
+    could open it in that window and keep reading). Without chmod, a write-then-chmod key stays world-readable."""
+    monkeypatch.setattr(os, "chmod", lambda *args, **kwargs: None)
+    previous = os.umask(0o022)
+    try:
+        secret = security.generate_cluster_key(tmp_path)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert security.load_cluster_key(secret).public == zmq.auth.load_certificate(str(tmp_path / "cluster.key"))[0]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda public, secret: (public, "tooShort"), "does not hold CURVE keys"),
+    (lambda public, secret: (zmq.curve_keypair()[0].decode(), secret), "the public key is not the secret key's"),
+])
+def test_a_malformed_key_file_is_refused_by_name(tmp_path, edit, message):
+    """It used to start, then fail to bind with an error that blamed the port (a short key), or run with a public
+    key no peer could match (a mixed-up file)."""
+    public, secret = (key.decode() for key in zmq.curve_keypair())
+    public, secret = edit(public, secret)
+    path = tmp_path / "cluster.key_secret"
+    path.write_text(f'metadata\ncurve\n    public-key = "{public}"\n    secret-key = "{secret}"\n')
+    path.chmod(0o600)
+    with pytest.raises(security.ClusterSecurityError, match=f"{path}.*{message}"):
+        security.load_cluster_key(path)
 
 
 def test_api_keys_comma_separated_or_from_a_file(tmp_path):
@@ -80,6 +110,37 @@ def test_curve_admits_the_cluster_key_only_and_counts_the_rest(cluster_key, tmp_
     member.close()
     server.close()
     ctx.term()  # the ZAP thread lets go of the context at once
+
+
+def test_a_stranger_is_refused_even_once_the_zap_handler_is_gone(cluster_key, monkeypatch, caplog):
+    """Fail closed: with no ZAP handler answering (the guard thread died), libzmq would let any CURVE client in,
+    one that knows only the cluster's public key (cluster.key, world-readable) included, unless ZAP is enforced."""
+    def broken(self, message):
+        raise RuntimeError("the ZAP handler broke")
+
+    monkeypatch.setattr(security.Authenticator, "handle_zap_message", broken)
+    ctx = zmq.Context()
+    server = TypedSocket(ctx, zmq.ROUTER, decode_worker_to_router, "test server")
+    endpoint = server.bind("tcp://127.0.0.1:*")
+    guard = security._guards[ctx.underlying]
+    elsewhere = zmq.Context()  # the strangers' own process, as it were
+    strangers = []
+    for _ in range(2):  # the first one's handshake kills the guard; the second finds no ZAP handler at all
+        stranger = elsewhere.socket(zmq.DEALER)
+        stranger.linger = 0
+        stranger.curve_publickey, stranger.curve_secretkey = zmq.curve_keypair()
+        stranger.curve_serverkey = cluster_key.public
+        stranger.connect(endpoint)
+        stranger.send(msgspec.msgpack.encode(_heartbeat()))
+        strangers.append(stranger)
+        guard.join(5)
+        assert not guard.is_alive()
+    assert not server.socket.poll(2000)  # nothing got in
+    for sock in strangers:
+        sock.close()
+    elsewhere.term()
+    server.close()
+    ctx.term()
 
 
 def test_ipc_sockets_are_owner_only(tmp_path):
