@@ -127,7 +127,8 @@ def trace_rejection(status: int, scope: Mapping[str, Any], arrived_ns: int) -> N
         return
     carrier = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope.get("headers", ())
                if name in (b"traceparent", b"tracestate")}
-    span = tracing.start_span("tandem.request", parent=carrier or None, start_ns=arrived_ns, is_server=True,
-                              attributes={"http.route": scope.get("path", ""), "tandem.outcome": f"rejected ({status})"})
+    attributes = {"http.route": scope.get("path", ""), "tandem.outcome": f"rejected ({status})"}
+    span = tracing.start_span("tandem.request", parent=carrier or None, attributes=attributes, start_ns=arrived_ns,
+                              is_server=True)
     tracing.mark_error(span, f"refused with HTTP {status}")
     span.end()
