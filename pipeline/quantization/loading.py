@@ -59,6 +59,9 @@ class QuantizationPlan:
     spec: QuantizationSpec | None
     kept: dict[str, torch.dtype] = field(default_factory=dict)  # checkpoint prefix -> its weights' dtype, loaded as is
     int8_experts: bool = False  # stacked MoE experts become Int8StackedExperts once loaded
+    # with int8_experts: a W8A8 checkpoint's expert weight name -> its per-row fp32 scales [out], so that the
+    # experts run on the checkpoint's own int8 values and scales (their float weights quantized back with them)
+    expert_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors as the (swapped) model takes them."""
@@ -114,8 +117,11 @@ class QuantizationPlan:
                 scale_leaf = next((s for s in SCALE_LEAVES if s in group), None)
                 if "weight" in group and scale_leaf is not None:
                     pending.pop(prefix)
-                    yield f"{prefix}.weight", dequantize_weight(f"{prefix}.weight", group["weight"],
-                                                                f"{prefix}.{scale_leaf}", group[scale_leaf], self.spec)
+                    weight, scale = group["weight"], group[scale_leaf]
+                    yield f"{prefix}.weight", dequantize_weight(f"{prefix}.weight", weight, f"{prefix}.{scale_leaf}",
+                                                                scale, self.spec)
+                    if self.int8_experts and weight.dtype == torch.int8 and ".experts." in prefix:
+                        self.expert_scales[f"{prefix}.weight"] = scale.float().reshape(-1).expand(weight.shape[0])
                 continue
             yield name, tensor
         if mxfp4 is not None:
@@ -167,7 +173,28 @@ class QuantizationPlan:
             if isinstance(module, (Int8Linear, Fp8Linear)):
                 module.finish_loading()
             elif self.int8_experts and isinstance(module, StackedExperts):
-                _replace(model, name, Int8StackedExperts(module.gate_up_proj, module.down_proj))
+                gate_up_scale, down_scale = self._stacked_expert_scales(model, name, module)
+                _replace(model, name, Int8StackedExperts(module.gate_up_proj, module.down_proj,
+                                                         gate_up_scale, down_scale))
+
+    def _stacked_expert_scales(self, model: torch.nn.Module, name: str, module: StackedExperts):
+        """The checkpoint's scales of the experts ``name`` stacks, laid out as its ``gate_up_proj`` / ``down_proj``
+        rows (``[experts, rows]`` each); (None, None) where the checkpoint gave none for some (float experts)."""
+        slot_for = getattr(model, "_slot_for", None)
+        stacked = {"gate_up_proj": torch.full(module.gate_up_proj.shape[:2], float("nan")),
+                   "down_proj": torch.full(module.down_proj.shape[:2], float("nan"))}
+        for checkpoint_name, scale in list(self.expert_scales.items()):
+            slot = slot_for(checkpoint_name) if slot_for is not None else None
+            owner, _, param = slot.param_name.rpartition(".") if slot is not None else ("", "", "")
+            if owner != name or param not in stacked or slot.expert is None:
+                continue
+            rows = scale.shape[0]
+            start = 0 if slot.part is None else slot.part * rows
+            stacked[param][slot.expert, start:start + rows] = scale
+            del self.expert_scales[checkpoint_name]
+        if any(torch.isnan(scales).any() for scales in stacked.values()):
+            return None, None
+        return stacked["gate_up_proj"], stacked["down_proj"]
 
 
 def plan_quantization(model: torch.nn.Module, path: str | os.PathLike, requested: str | None) -> QuantizationPlan | None:

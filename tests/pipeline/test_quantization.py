@@ -161,6 +161,39 @@ def test_int8_moe_runs_its_experts_in_int8(family, scheme, moe_checkpoint, quant
     assert max_error < MOE_INT8_BOUNDS[family] and agreement >= 0.9, (max_error, agreement)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_experts_run_on_the_checkpoint_s_own_values_and_scales(dtype, moe_checkpoint, quantized_checkpoint,
+                                                                     tmp_path):
+    """The experts load dequantized, then quantize back under the checkpoint's scales: the same int8 values, even
+    where a row's extreme is not stored as +-127 (GPTQ's or a minmax observer's scales; here every expert's values
+    halved), which quantizing them afresh per row would change, and even through bf16 (within 0.25 of them)."""
+    from safetensors.torch import load_file, save_file
+
+    quantized, _ = quantized_checkpoint("w8a8_int8_channel", moe_checkpoint("qwen3_moe"))
+    halved = tmp_path / "halved"
+    shutil.copytree(quantized, halved)
+    stored = {}
+    for file in halved.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name, tensor in tensors.items():
+            if ".experts." in name and tensor.dtype == torch.int8:
+                tensors[name] = torch.div(tensor, 2, rounding_mode="trunc").to(torch.int8)
+        save_file(tensors, file, metadata={"format": "pt"})
+        stored |= tensors
+    llm = LLM(str(halved), model_config={"dtype": dtype}, **ENGINE)
+    experts = llm.engine.model.model.layers[0].mlp.experts
+    assert isinstance(experts, Int8StackedExperts)
+    inter = experts.down_t.shape[1]
+    for expert in range(experts.num_experts):
+        prefix = f"model.layers.0.mlp.experts.{expert}"
+        for proj, weight_t, scale, rows in (
+                ("gate_proj", experts.gate_up_t, experts.gate_up_scale, slice(0, inter)),
+                ("up_proj", experts.gate_up_t, experts.gate_up_scale, slice(inter, 2 * inter)),
+                ("down_proj", experts.down_t, experts.down_scale, slice(None))):
+            assert torch.equal(weight_t[expert][:, rows], stored[f"{prefix}.{proj}.weight"].T), (expert, proj)
+            assert torch.equal(scale[expert, 0, rows], stored[f"{prefix}.{proj}.weight_scale"].float().reshape(-1))
+
+
 def test_int8_experts_are_their_integer_arithmetic():
     """Each expert's two GEMMs are (q(x) q(W)^T) s_x s_w exactly (float64 here), SwiGLU between them, rows
     weighted and summed per token: Int8StackedExperts against that, written out token by token."""
