@@ -211,7 +211,8 @@ class RankGroup:
         for rank, pipe in enumerate(self.pipes, start=1):
             try:
                 pipe.send(message)
-            except OSError as exc:  # BrokenPipeError: the child is gone
+            except OSError as exc:  # BrokenPipeError: the child is gone, its pipe closed a moment before it is
+                self.name_the_dead_rank()  # seen to have exited: named with its exit code once it is
                 raise TensorParallelError(f"tensor-parallel rank {rank} does not answer: {exc}") from exc
 
     def close(self, grace_s: float = STOP_GRACE_S) -> None:

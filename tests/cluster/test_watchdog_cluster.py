@@ -37,11 +37,16 @@ def test_a_frozen_worker_and_a_frozen_router_are_killed_and_restarted(tiny_check
         frozen_pid = cluster.pids["colocated-0"]
         os.kill(frozen_pid, signal.SIGSTOP)
         new_pid = wait_for_new_pid(cluster, "colocated-0", frozen_pid, timeout_s=20)
+        # the supervisor's step restarts the process before its thread hands that step's events on
+        deadline = time.monotonic() + 10
+        while not any(e.kind == "exited" for e in events):
+            assert time.monotonic() < deadline, events
+            time.sleep(0.05)
         [frozen] = [e for e in events if e.kind == "frozen"]
         assert frozen.message.startswith("colocated-0 gave no sign of life for ")
         assert "(it is stopped: SIGSTOP or a debugger)" in frozen.message and frozen.message.endswith("killing it")
         assert any(e.kind == "exited" and e.message.startswith("colocated-0 was killed: it gave no sign of life")
-                   for e in events)
+                   for e in events), events
         assert not os.path.exists(f"/proc/{frozen_pid}") or open(f"/proc/{frozen_pid}/stat").read().split()[2] == "Z"
         wait_for_incarnation(cluster.url, "colocated-0", new_pid, timeout_s=60)
         complete(cluster.url)
