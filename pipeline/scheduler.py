@@ -105,6 +105,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.waiting_remote: deque[Sequence] = deque()
         self.reserved: dict[str, Sequence] = {}
+        self.paused: dict[str, Sequence] = {}  # live migration: decoding stopped while their KV is handed off
         self.warmups = PrefixWarmups(kv_manager, warmup_chunk_tokens, max_usage=kvcache_ce_watermark)
 
     # -------------------------------------------------------------- requests
@@ -133,6 +134,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.RESERVED:
             del self.reserved[seq.request_id]
+        elif seq.status is SequenceStatus.PAUSED:
+            del self.paused[seq.request_id]
         elif seq.status is SequenceStatus.WAITING:
             (self.waiting_remote if seq in self.waiting_remote else self.waiting).remove(seq)
         if not keep_blocks:
@@ -149,7 +152,7 @@ class Scheduler:
     def reserve_remote(self) -> list[Sequence]:
         """Admit queued remote-prefill sequences that fit; returns the newly reserved ones."""
         admitted: list[Sequence] = []
-        while self.waiting_remote and self._num_rows() + len(self.reserved) < self.max_batch_size:
+        while self.waiting_remote and self._num_committed_rows() < self.max_batch_size:
             seq = self.waiting_remote[0]
             # Room for the prompt and the first token, whose KV this worker computes in its first step
             # (a migrated stream holds its last token already: its KV is computed here next).
@@ -195,8 +198,10 @@ class Scheduler:
         """Stop scheduling a running ``seq``; it keeps its blocks (their KV is being handed off)."""
         self.running.remove(seq)
         seq.status = SequenceStatus.PAUSED
+        self.paused[seq.request_id] = seq
 
     def unpause(self, seq: Sequence) -> None:
+        del self.paused[seq.request_id]
         seq.status = SequenceStatus.RUNNING
         self.order.push(self.running, seq)
 
@@ -208,7 +213,7 @@ class Scheduler:
         at the front of the queue (and is admitted like any request, reusing the prefix cache)."""
         child.priority, child.arrival = parent.priority, parent.arrival
         num_shared = None
-        if self._num_rows() < self.max_batch_size or self.warmups.drop_active():
+        if self._num_committed_rows() < self.max_batch_size or self.warmups.drop_active():
             num_shared = self.kv.fork(parent.request_id, child.request_id, child.num_tokens)
         if num_shared is None:
             child.status = SequenceStatus.WAITING
@@ -230,6 +235,12 @@ class Scheduler:
     def _num_rows(self) -> int:
         """Rows of the persistent batch in use: the running requests and the running warm-up."""
         return len(self.running) + (self.warmups.active is not None)
+
+    def _num_committed_rows(self) -> int:
+        """Rows in use and rows promised: a reserved request runs as soon as its KV lands, and a paused one
+        again if its handoff is declined, neither of them admitted again. A request is admitted only under
+        ``max_batch_size`` of these, so the batch never outgrows its rows (the persistent batch has no more)."""
+        return self._num_rows() + len(self.reserved) + len(self.paused)
 
     @property
     def num_queued_prefill_tokens(self) -> int:
@@ -284,7 +295,7 @@ class Scheduler:
             chunk.num_tokens += extra
             budget -= extra
         if not out.chunks and not self.waiting and not out.preempted:  # an idle step: warm-ups may run
-            chunk = self.warmups.next_chunk(has_row=self._num_rows() < self.max_batch_size)
+            chunk = self.warmups.next_chunk(has_row=self._num_committed_rows() < self.max_batch_size)
             if chunk is not None:
                 out.chunks.append(ScheduledChunk(*chunk))
         return out
@@ -319,7 +330,8 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, cap: int) -> int:
-        while self.waiting and budget > 0 and (self._num_rows() < self.max_batch_size or self.warmups.drop_active()):
+        while self.waiting and budget > 0 and (self._num_committed_rows() < self.max_batch_size
+                                                or self.warmups.drop_active()):
             seq = self.waiting[0]
             # a request asking for prompt logprobs computes every prompt position: no prefix reuse
             known = seq.token_ids if seq.prompt_logprobs is None else []

@@ -75,6 +75,37 @@ def test_max_batch_size_caps_running_requests():
     assert kv.num_free_blocks == 64
 
 
+def test_reserved_and_paused_requests_keep_their_rows():
+    """A DecodeOnly worker mixes local prompts with remote ones: a request reserved for its prefill worker's KV
+    runs when the KV lands, and one paused for a drain's handoff runs again if the handoff is declined. Neither
+    may find its row taken: the persistent batch has max_batch_size rows and a worker that overfilled it died
+    ("the sequence buffer is full"), failing every request it held (an audit's rolling restart)."""
+    kv = KVCacheManager(64, 4)
+    scheduler = Scheduler(kv, max_batch_size=2, max_batch_input_tokens=100)
+    scheduler.add_remote(make_seq("remote", 6, 4))
+    (remote,) = scheduler.reserve_remote()
+    for i in range(2):
+        scheduler.add(make_seq(f"local{i}", 3, 4))
+    plan = scheduler.schedule()
+    assert [c.seq.request_id for c in plan.chunks] == ["local0"]  # one row left beside the reserved one
+    scheduler.update(plan, [1])
+    scheduler.activate_remote(remote, first_token_id=5)  # its KV landed
+    assert len(scheduler.running) == 2
+    scheduler.finish(remote, "length")
+
+    running = scheduler.running[0]
+    scheduler.pause(running)  # a drain hands its KV off
+    plan = scheduler.schedule()
+    assert [c.seq.request_id for c in plan.chunks] == ["local1"]
+    scheduler.update(plan, [1])
+    scheduler.add(make_seq("local2", 3, 4))
+    plan = scheduler.schedule()
+    scheduler.update(plan, [1] * sum(c.is_sampling for c in plan.chunks))
+    assert len(scheduler.running) == 1  # local2 waits: the paused one's row
+    scheduler.unpause(running)  # nobody took it
+    assert len(scheduler.running) == 2 and [s.request_id for s in scheduler.waiting] == ["local2"]
+
+
 def test_preemption_by_recompute_when_blocks_run_out():
     kv = KVCacheManager(6, 2)  # 12 token slots for 3 sequences that each grow to 8 tokens
     scheduler = Scheduler(kv, max_batch_size=8, max_batch_input_tokens=64)
