@@ -173,7 +173,7 @@ class RouterConfig(ConfigSection):
     wait_for_worker_s: float = Field(
         30.0, ge=0.0, description="a request whose worker died while no other can serve it (the one decode worker "
         "of a 1P1D cluster) waits this long for one to register (tandem up restarts a crashed worker) and then "
-        "goes on there, its stream paused meanwhile; 0 = it fails at once")
+        "goes on there, its stream paused meanwhile; so do requests queued or arriving then; 0 = they fail at once")
     max_migrations: int = Field(
         3, ge=0, description="a stream whose worker dies after its first token moves to another worker, which "
         "recomputes its prompt and the tokens sent so far and goes on (docs/load.md); at most this often, then it "

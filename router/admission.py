@@ -63,12 +63,16 @@ class _Waiter(Generic[T]):
 
 
 class AdmissionQueue(Generic[T]):
-    def __init__(self, try_admit: Callable[[T], bool], max_queued_requests: int, queue_timeout_s: float) -> None:
+    def __init__(self, try_admit: Callable[[T], bool], max_queued_requests: int, queue_timeout_s: float,
+                 may_wait_for_a_route: Callable[[Exception], bool] | None = None) -> None:
+        """``may_wait_for_a_route(error)``: whether a waiter that ``try_admit`` now refuses with ``error`` (nobody
+        can serve it: the only worker that could died) waits for a worker to come back instead of failing."""
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests: must be >= 0 (got {max_queued_requests})")
         if queue_timeout_s <= 0:
             raise ValueError(f"queue_timeout_s: must be > 0 (got {queue_timeout_s})")
         self.try_admit = try_admit
+        self.may_wait_for_a_route = may_wait_for_a_route
         self.max_queued_requests = max_queued_requests
         self.queue_timeout_s = queue_timeout_s
         self._waiters: dict[int, _Waiter[T]] = {}  # id(item) -> waiter
@@ -185,6 +189,8 @@ class AdmissionQueue(Generic[T]):
             try:
                 is_admitted = self.try_admit(waiter.item)
             except Exception as exc:
+                if not waiter.waits_for_a_route and self.may_wait_for_a_route is not None:
+                    waiter.waits_for_a_route = self.may_wait_for_a_route(exc)
                 if waiter.waits_for_a_route:  # nobody can serve it until a worker comes back: the rest go on
                     waiter.no_route = exc
                     passed += 1

@@ -49,7 +49,7 @@ from router.kv_index import PromptHashes
 from router.metrics import RouterMetrics
 from router.in_flight import InFlightRequests
 from router.migration import Migration
-from router.policy import NoRoute, Saturated, WorkerView, choose_route
+from router.policy import NoRoute, PromptTooLong, Saturated, WorkerView, choose_route
 from router.prefill_warmups import PrefillWarmups
 from router.registry import WorkerInfo, WorkerRegistry, registration_refusal
 from router.request_handle import RequestFailed, RequestHandle, RequestStatus
@@ -103,7 +103,7 @@ class Dispatcher:
         self.early_prefill = early_prefill
         self.wait_for_worker_s = wait_for_worker_s
         self.admission: AdmissionQueue[RequestHandle] = AdmissionQueue(
-            self._try_dispatch, max_queued_requests, queue_timeout_s)
+            self._try_dispatch, max_queued_requests, queue_timeout_s, may_wait_for_a_route=self._worker_may_return)
         metrics.admission_queue_depth.set_function(lambda: len(self.admission))
         metrics.per_priority.bind_queue_depth(self.admission.depth_by_priority)
         self.in_flight = InFlightRequests(registry, on_slot_freed=self.admission.wake)
@@ -160,10 +160,9 @@ class Dispatcher:
         handle = RequestHandle(request_id, prompt_token_ids, params, deadline=time.monotonic() + timeout_s,
                                priority=priority)
         handle.trace = request_trace(request_id, len(prompt_token_ids), params.max_tokens, priority, trace_parent)
-        # the only decode worker drains in a rolling restart: a new request waits for its replacement, as a retry
-        # would, instead of a 503 for the seconds until it registers
-        replacement_due = self.wait_for_worker_s > 0 and self.registry.expects_a_decode_worker_back(
-            self.model_name, self.wait_for_worker_s)
+        # the only decode worker drains in a rolling restart, or died and is being restarted: a new request waits
+        # for it, as a retry would, instead of a 503 for the seconds until it registers
+        replacement_due = self._worker_may_return(None)
         enqueue = functools.partial(self.admission.enqueue, handle, priority=priority, counted=counted)
         try:
             try:
@@ -181,6 +180,13 @@ class Dispatcher:
             self._finish(handle, "failed (503)", str(exc))
             raise
         return handle
+
+    def _worker_may_return(self, error: Exception | None) -> bool:
+        """Whether a request nobody can serve now (``error``: why, when known) waits for a decode-capable worker
+        on its way back (``registry.expects_a_decode_worker_back``) rather than failing: not one too long for
+        any worker's context, which no restart changes."""
+        return (self.wait_for_worker_s > 0 and not isinstance(error, PromptTooLong)
+                and self.registry.expects_a_decode_worker_back(self.model_name, self.wait_for_worker_s))
 
     async def wait_admitted(self, handle: RequestHandle) -> None:
         """Wait until ``handle`` was sent to a worker (returns at once if it was).
