@@ -94,10 +94,15 @@ def quantization_spec(config: dict) -> QuantizationSpec | None:
     if not isinstance(quant, dict):
         raise CheckpointError("config.json: quantization_config must be an object")
     method = str(quant.get("quant_method", "")).lower()
-    if method == "compressed-tensors":
-        return _compressed_tensors_spec(quant)
-    if method == "fp8":
-        return _fp8_spec(quant)
+    try:
+        if method == "compressed-tensors":
+            return _compressed_tensors_spec(quant)
+        if method == "fp8":
+            return _fp8_spec(quant)
+    except CheckpointError:
+        raise
+    except (AttributeError, TypeError, ValueError) as exc:  # a field of another shape than the format's
+        raise CheckpointError(f"config.json: quantization_config ({method}) is malformed: {exc}") from None
     if method == "mxfp4":
         return _mxfp4_spec(config)
     refused = method or "(no quant_method)"
@@ -117,6 +122,9 @@ def check_load_time_quantization(requested: str | None) -> None:
 def _compressed_tensors_spec(quant: dict) -> QuantizationSpec:
     fmt = quant.get("format") or "dense"
     groups = quant.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise CheckpointError(f"compressed-tensors config_groups must map group names to schemes (got a "
+                              f"{type(groups).__name__})")
     formats = {fmt} | {group.get("format") for group in groups.values() if isinstance(group, dict) and group.get("format")}
     unsupported = sorted(str(f) for f in formats if f not in COMPRESSED_TENSORS_FORMATS)
     if unsupported:
@@ -143,6 +151,9 @@ def _scheme_spec(scheme: dict, fmt: str) -> QuantizationSpec:
     weights, inputs = scheme.get("weights"), scheme.get("input_activations")
     if not weights:
         raise CheckpointError("compressed-tensors config group without weights (activation-only) is not supported")
+    for name, args in (("weights", weights), ("input_activations", inputs)):
+        if args is not None and not isinstance(args, dict):
+            raise CheckpointError(f"compressed-tensors config group {name} must be an object (got {args!r})")
     if scheme.get("output_activations"):
         raise CheckpointError("compressed-tensors output_activations quantization is not supported")
     if fmt == PACK_QUANTIZED:
@@ -159,10 +170,7 @@ def _scheme_spec(scheme: dict, fmt: str) -> QuantizationSpec:
         raise CheckpointError("compressed-tensors dynamic weight quantization is not supported")
     block_size = None
     if strategy == "block":
-        block = weights.get("block_structure") or []
-        if len(block) != 2:
-            raise CheckpointError(f"compressed-tensors block weights need a 2-element block_structure (got {block})")
-        block_size = (int(block[0]), int(block[1]))
+        block_size = _block_shape(weights.get("block_structure"), "compressed-tensors block weights' block_structure")
     activations = "none"
     if inputs:
         if _eight_bit_type(inputs, "input_activations") != weight_type:
@@ -224,6 +232,14 @@ def _eight_bit_type(args: dict, what: str) -> str:
     return "int8" if kind == "int" else "fp8"
 
 
+def _block_shape(value, what: str) -> tuple[int, int]:
+    """A scale block's ``[rows, cols]``: two positive integers (a zero divided the scale check, a float was cut)."""
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise CheckpointError(f"{what} must be two positive integers [rows, cols] (got {value!r})")
+    return value[0], value[1]
+
+
 def _mxfp4_spec(config: dict) -> QuantizationSpec:
     """gpt-oss's MXFP4 experts, dequantized at load; no other architecture ships MXFP4 in this layout."""
     if config.get("model_type") != "gpt_oss":
@@ -242,8 +258,6 @@ def _fp8_spec(quant: dict) -> QuantizationSpec:
     if fmt not in ("e4m3", "e5m2"):
         raise CheckpointError(f"fp8 fmt {fmt!r} is not supported (e4m3 or e5m2)")
     block = quant.get("weight_block_size")
-    if block is not None and len(block) != 2:
-        raise CheckpointError(f"fp8 weight_block_size must have 2 elements (got {block})")
-    block_size = None if block is None else (int(block[0]), int(block[1]))
+    block_size = None if block is None else _block_shape(block, "fp8 weight_block_size")
     return QuantizationSpec("fp8", "fp8", "tensor" if block_size is None else "block", activation_scheme, block_size,
                             fmt)

@@ -164,6 +164,9 @@ class QuantizationPlan:
             scale = group["input_scale"].float()
             if scale.numel() != 1:
                 raise CheckpointError(f"{prefix}.input_scale has shape {tuple(scale.shape)}: expected one value")
+            if not (torch.isfinite(scale).all() and (scale > 0).all()):  # 0 quantized every activation to 0
+                raise CheckpointError(f"{prefix}.input_scale is {scale.item()}: a static activation scale must be "
+                                      "positive and finite")
             yield f"{prefix}.input_scale", scale.reshape(1, 1).expand(rows, 1)
 
     def finish(self, model: torch.nn.Module) -> None:

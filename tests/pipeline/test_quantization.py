@@ -298,6 +298,21 @@ def test_a_missing_scale_is_named(scheme, tiny_checkpoint, quantized_checkpoint,
         LLM(str(path), **ENGINE)
 
 
+def test_a_static_activation_scale_of_zero_is_refused_by_name(tiny_checkpoint, quantized_checkpoint, tmp_path):
+    """It loaded and quantized every activation of the layer to 0: unrelated output, no error (an audit)."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "zero"
+    shutil.copytree(quantized_checkpoint("w8a8_int8_tensor_static", tiny_checkpoint("llama"))[0], path)
+    tensors = load_file(path / "model.safetensors")
+    victim = next(name for name in tensors if name.endswith("o_proj.input_scale"))
+    tensors[victim] = torch.zeros_like(tensors[victim])
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"o_proj\.input_scale is 0\.0: a static activation scale must be "
+                                              r"positive and finite"):
+        LLM(str(path), **ENGINE)
+
+
 def refused_checkpoint(tiny_checkpoint, tmp_path: Path, name: str) -> Path:
     path = tmp_path / name
     shutil.copytree(tiny_checkpoint("llama"), path)
@@ -344,6 +359,28 @@ def test_quantization_config_parsing():
         change(config)
         with pytest.raises(CheckpointError, match=message):
             quantization_spec({"quantization_config": config})
+
+
+@pytest.mark.parametrize("quant_config, message", [
+    ({"quant_method": "fp8", "weight_block_size": [0, 32]}, r"weight_block_size must be two positive integers"),
+    ({"quant_method": "fp8", "weight_block_size": 128}, r"weight_block_size must be two positive integers"),
+    ({"quant_method": "fp8", "weight_block_size": ["a", "b"]}, r"weight_block_size must be two positive integers"),
+    ({"quant_method": "fp8", "weight_block_size": [16.5, 32]}, r"weight_block_size must be two positive integers"),
+    ({"quant_method": "fp8", "weight_block_size": [-16, 32]}, r"weight_block_size must be two positive integers"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"targets": ["Linear"],
+      "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [0, 32]}}}},
+     r"block_structure must be two positive integers"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": [{"weights": {}}]},
+     r"config_groups must map group names to schemes \(got a list\)"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {"weights": "int8"}}},
+     r"config group weights must be an object"),
+    ({"quant_method": "fp8", "fmt": ["e4m3"]}, r"malformed|fp8 fmt"),
+])
+def test_a_malformed_quantization_config_is_a_checkpoint_error(quant_config, message):
+    """Each used to be a traceback from the launcher's check (ZeroDivisionError, TypeError, AttributeError), or was
+    accepted cut to an integer ([16.5, 32])."""
+    with pytest.raises(CheckpointError, match=message):
+        quantization_spec({"quantization_config": quant_config})
 
 
 @pytest.mark.parametrize("scheme", ["w8a8_int8_channel", None])  # None: --quantization int8 at load
