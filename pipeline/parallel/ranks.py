@@ -11,8 +11,8 @@ is garbage-collected and at interpreter exit) asks every child to stop, then kil
 
 The ranks meet through a ``torch.distributed.FileStore`` in a directory only this user can read (a TCPStore
 would listen on every interface, open to anyone who reaches the host), and gloo's connections are on loopback:
-a tensor-parallel worker opens no socket a stranger can reach. On the CPU the store is removed as soon as the
-group is connected (gloo needs it no more); NCCL connects at its first collective and keeps it until the end.
+a tensor-parallel worker opens no socket a stranger can reach. On the CPU the store is removed once every rank
+is ready (connected: gloo needs it no more); NCCL connects at its first collective and keeps it until the end.
 """
 
 from __future__ import annotations
@@ -113,6 +113,8 @@ class RankGroup:
         for rank, pipe in enumerate(self.pipes, start=1):
             self._expect_reply(rank, pipe, "ready", "failed to start")
         self._is_ready = True
+        if not self._keeps_store:  # every rank is connected (rank 0 may finish before the others read the store)
+            shutil.rmtree(self._store_dir, ignore_errors=True)
 
     def share_kv_caches(self, kv_shape: torch.Size, dtype: torch.dtype) -> list[torch.Tensor]:
         """Ranks 1..N-1's KV caches (each ``kv_shape``), mapped into this process: each rank allocates its cache in
@@ -168,8 +170,6 @@ class RankGroup:
                 self.check_alive()
         if "error" in result:
             raise result["error"]
-        if not self._keeps_store:
-            shutil.rmtree(self._store_dir, ignore_errors=True)
         return result["value"]
 
     def check_alive(self) -> None:
