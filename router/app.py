@@ -132,12 +132,15 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prepared = await run_tokenizer_work(lambda: prepare_completion(body, model, config.sampling))
+        context_length = servable_length()
+        prepared = await run_tokenizer_work(lambda: prepare_completion(body, model, config.sampling, context_length))
         return await serve(state, request, prepared, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prepared = await run_tokenizer_work(lambda: prepare_chat(body, model, config.sampling, config.router))
+        context_length = servable_length()
+        prepared = await run_tokenizer_work(lambda: prepare_chat(body, model, config.sampling, config.router,
+                                                                 context_length))
         return await serve(state, request, prepared, "chat")
 
     def servable_length() -> int | None:
@@ -149,8 +152,12 @@ def create_app(
         return model.max_length if longest is None or not model.max_length else min(model.max_length, longest)
 
     install_tokenizer_routes(app, model, servable_length)
-    install_responses_route(app, state, lambda chat: run_tokenizer_work(
-        lambda: prepare_chat(chat, model, config.sampling, config.router)))
+    async def prepare_responses_chat(chat: ChatCompletionRequest):
+        context_length = servable_length()  # read on the event loop, as the registry is
+        return await run_tokenizer_work(lambda: prepare_chat(chat, model, config.sampling, config.router,
+                                                             context_length))
+
+    install_responses_route(app, state, prepare_responses_chat)
 
     def model_card(served_name: str) -> dict[str, Any]:
         card = {"id": served_name, "object": "model", "created": created, "owned_by": "tandem"}

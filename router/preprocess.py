@@ -41,7 +41,10 @@ class PreparedRequest:
     priority: int = 0  # vLLM's: lower is served first (router/admission.py, workers under "priority")
 
 
-def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: SamplingConfig) -> list[PreparedRequest]:
+def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: SamplingConfig,
+                       context_length: int | None = None) -> list[PreparedRequest]:
+    """``context_length``: the longest sequence the live workers hold (``max_model_len``, as /v1/models says;
+    None: the model's), which bounds the prompt and ``max_tokens`` and gives the default ``max_tokens``."""
     _check_model(body.model, model)
     _check_prompt_logprobs(body)
     if body.max_tokens == 0 and not body.echo:
@@ -60,7 +63,7 @@ def prepare_completion(body: CompletionRequest, model: ServedModel, defaults: Sa
         # max_tokens 0 with echo: the worker runs the prompt and samples one token, which is not shown
         max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
         params = _sampling_params(body, model, defaults, len(prompt_ids), max_tokens, body.logprobs, "prompt",
-                                  structured_output_from(body))
+                                  structured_output_from(body), context_length=context_length)
         echo_logprobs = body.logprobs if body.echo else None
         asked = [n for n in (echo_logprobs, body.prompt_logprobs) if n is not None]
         if asked:
@@ -89,8 +92,9 @@ def _check_prompt_logprobs(body: _SamplingFields) -> None:
 
 
 def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: SamplingConfig,
-                 settings: RouterConfig | None = None) -> list[PreparedRequest]:
-    """``settings``: the router's tool-call and reasoning parsers (default: inferred tool format, no reasoning)."""
+                 settings: RouterConfig | None = None, context_length: int | None = None) -> list[PreparedRequest]:
+    """``settings``: the router's tool-call and reasoning parsers (default: inferred tool format, no reasoning);
+    ``context_length``: as ``prepare_completion``'s."""
     settings = settings or RouterConfig()
     _check_model(body.model, model)
     _check_prompt_logprobs(body)
@@ -123,7 +127,8 @@ def prepare_chat(body: ChatCompletionRequest, model: ServedModel, defaults: Samp
     max_tokens = body.resolved_max_tokens()
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = _sampling_params(body, model, defaults, len(prompt_ids), max_tokens, logprobs, "messages", constraint,
-                              renames={"logprobs": "top_logprobs", "max_tokens": max_tokens_param})
+                              renames={"logprobs": "top_logprobs", "max_tokens": max_tokens_param},
+                              context_length=context_length)
     params.prompt_logprobs = body.prompt_logprobs
     if any(getattr(parser, "needs_special_tokens", False) for parser in (tools.parser, reasoning)):
         params.skip_special_tokens = False  # its markers are special tokens: the parser must see them
@@ -171,9 +176,11 @@ def _sampling_params(
     prompt_param: str,
     structured: StructuredOutput | None,
     renames: dict[str, str] | None = None,
+    context_length: int | None = None,
 ) -> SamplingParams:
     """``renames``: a ``SamplingParams`` field -> the request field the client set it with (chat: ``top_logprobs``
-    sets ``logprobs``), so that a 400 names what the client sent."""
+    sets ``logprobs``), so that a 400 names what the client sent. ``context_length``: the servable context (None:
+    the model's)."""
     if body.stream_options is not None and not body.stream:  # as OpenAI and vLLM: options of a stream there is not
         raise bad_request("stream_options: only allowed when stream is true", param="stream_options")
     logit_bias: dict[int, float] = {}
@@ -190,11 +197,12 @@ def _sampling_params(
     stop_token_ids = list(body.stop_token_ids or [])
     if any(t >= model.vocab_size for t in stop_token_ids):
         raise bad_request("stop_token_ids: ids must be inside the vocabulary", param="stop_token_ids")
-    room = model.max_length - num_prompt_tokens if model.max_length else None
+    context = model.max_length if context_length is None else context_length
+    room = context - num_prompt_tokens if context else None
     if room is not None and room <= 0:
         raise bad_request(
-            f"This model's maximum context length is {model.max_length} tokens, but the {prompt_param} has "
-            f"{num_prompt_tokens} tokens; reduce the {prompt_param} to at most {model.max_length - 1} tokens.",
+            f"This model's maximum context length is {context} tokens, but the {prompt_param} has "
+            f"{num_prompt_tokens} tokens; reduce the {prompt_param} to at most {context - 1} tokens.",
             param=prompt_param, code="context_length_exceeded",
         )
     if structured is not None:
@@ -236,7 +244,7 @@ def _sampling_params(
     if explicit and room is not None and max_tokens > room:
         max_tokens_param = (renames or {}).get("max_tokens", "max_tokens")  # as the client named it
         raise bad_request(
-            f"This model's maximum context length is {model.max_length} tokens. However, you requested "
+            f"This model's maximum context length is {context} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {prompt_param}, {max_tokens} "
             f"for the completion). Please reduce the length of the {prompt_param} or {max_tokens_param}.",
             param=max_tokens_param, code="context_length_exceeded",

@@ -76,6 +76,7 @@ def _from_response_format(value: Any) -> StructuredOutput | None:
     if not isinstance(value, dict) or "type" not in value:
         raise bad_request("response_format: must be an object with a 'type'", param="response_format")
     kind = value["type"]
+    _no_other_keys(value, ("type", "json_schema") if kind == "json_schema" else ("type",), "response_format")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -85,9 +86,19 @@ def _from_response_format(value: Any) -> StructuredOutput | None:
         if not isinstance(spec, dict) or "schema" not in spec:
             raise bad_request("response_format.json_schema: must be an object with a 'schema'",
                               param="response_format.json_schema")
+        # OpenAI's fields; "strict" is honoured either way (the schema is always enforced)
+        _no_other_keys(spec, ("name", "description", "schema", "strict"), "response_format.json_schema")
         return StructuredOutput(kind="json", value=json.dumps(spec["schema"]))
     raise bad_request(f"response_format.type: must be 'text', 'json_object' or 'json_schema' (got {kind!r})",
                       param="response_format.type")
+
+
+def _no_other_keys(value: dict, allowed: tuple[str, ...], param: str) -> None:
+    """A key the format does not have is a 400 naming it (accepted and dropped, a client's intent was lost)."""
+    unknown = sorted(str(key) for key in value if key not in allowed)
+    if unknown:
+        raise bad_request(f"{param}.{unknown[0]}: unknown field (allowed: {', '.join(allowed)})",
+                          param=f"{param}.{unknown[0]}")
 
 
 def _from_extension(key: str, value: Any, backend: Any, param: str) -> StructuredOutput:

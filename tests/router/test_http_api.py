@@ -39,9 +39,18 @@ def test_ready_health_and_models(router):
 def test_max_model_len_is_what_the_workers_kv_pools_hold_when_that_is_less(router):
     """A worker whose KV pool holds 48 tokens of the model's 64: /v1/models says 48, as the 400 for a longer
     prompt does (an audit saw 2048 advertised by workers of 1024)."""
-    router.add_worker(max_length=48)
+    worker = router.add_worker(max_length=48)
     assert router.wait_ready(True)
     assert httpx.get(f"{router.url}/v1/models").json()["data"][0]["max_model_len"] == 48
+    # and max_tokens is held to it, as the prompt is: accepted, it was cut short at the pool's end without a word
+    for path, body in (("/v1/completions", {"prompt": [5] * 40, "max_tokens": 10}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 47}),
+                       ("/v1/responses", {"input": "Hi", "max_output_tokens": 47})):
+        response = httpx.post(f"{router.url}{path}", json={"model": "tiny", **body})
+        assert response.status_code == 400 and "maximum context length is 48" in response.text, (path, response.text)
+    # unset, max_tokens is the rest of that context
+    assert httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": [5] * 40}).status_code == 200
+    assert worker.requests[-1].sampling_params.max_tokens == 8
 
 
 def test_no_worker_is_503_with_an_openai_body(router):
@@ -296,7 +305,7 @@ def test_a_prompt_no_workers_kv_pool_holds_is_a_400_not_a_503(router, client):
     rejected = router.metric('tandem_requests_total{outcome="rejected"}')
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt=list(range(5, 25)), max_tokens=2)
-    assert info.value.code == "context_length_exceeded" and "hold at most 16" in info.value.message
+    assert info.value.code == "context_length_exceeded" and "maximum context length is 16" in info.value.message
     assert router.metric('tandem_requests_total{outcome="rejected"}') == rejected + 1 and worker.requests == []
     assert client.completions.create(model="tiny", prompt=list(range(5, 10)), max_tokens=2).choices  # it fits
 

@@ -143,21 +143,21 @@ def test_a_request_of_several_choices_counts_every_choice_s_tokens(router_factor
 
 def test_a_refused_request_has_one_span_in_the_client_s_trace(router_factory):
     """Refused before it became a request (an unknown field, 400): a span of its own under the client's trace.
-    Refused after (a prompt past every worker's context, also 400): its request span alone, not a second one."""
+    Refused after it was submitted (its RequestTrace then ends it): no second span."""
+    from router.request_trace import REQUEST_TRACED, trace_rejection
+
     with in_memory_tracing("tandem-router", "router") as log:
         router = router_factory()
-        router.add_worker(script=tokens_script([10]), max_length=16)  # the router's model takes 64
+        router.add_worker(script=tokens_script([10]))
         bad_field = httpx.post(f"{router.url}/v1/completions", headers=HEADERS, timeout=10,
                                json={"model": "tiny", "prompt": [1, 2], "max_tokens": 3, "bogus_field": 1})
         assert bad_field.status_code == 400, bad_field.text
-        too_long = httpx.post(f"{router.url}/v1/completions", timeout=10,
-                              json={"model": "tiny", "prompt": list(range(40)), "max_tokens": 3})
-        assert too_long.status_code == 400 and "context length" in too_long.text, too_long.text
         router.wait_idle()
+        headers = [(b"traceparent", HEADERS["traceparent"].encode())]
+        trace_rejection(400, {"path": "/v1/completions", "headers": headers, "state": {REQUEST_TRACED: True}}, 0)
         spans = [s for s in log.spans() if s.name == "tandem.request"]
-    assert len(spans) == 2, [s.attributes for s in spans]
-    refused, = (s for s in spans if s.attributes["tandem.outcome"] == "rejected (400)")
-    assert [s.attributes["tandem.outcome"] for s in spans if s is not refused] == ["failed (400)"]
+    refused, = spans
+    assert refused.attributes["tandem.outcome"] == "rejected (400)"
     assert format(refused.context.trace_id, "032x") == CLIENT_TRACE_ID
     assert format(refused.parent.span_id, "016x") == CLIENT_SPAN_ID
     assert refused.kind is SpanKind.SERVER and refused.status.status_code is StatusCode.ERROR
