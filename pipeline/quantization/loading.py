@@ -31,7 +31,7 @@ import torch
 from pipeline.checkpoint_errors import CheckpointError
 from pipeline.checkpoint_files import read_config_json, weight_files
 from pipeline.models.layers import Linear
-from pipeline.models.moe import StackedExperts
+from pipeline.models.moe import StackedExperts, expert_slot
 from pipeline.quantization.checks import (PACKED_LEAF, PACKED_REFUSED_LEAVES, SCALE_LEAVES, SHAPE_LEAF,
                                           check_scale_shape, check_stored_weights, read_tensor_headers)
 from pipeline.quantization.config import QuantizationSpec, check_load_time_quantization, quantization_spec
@@ -183,11 +183,11 @@ class QuantizationPlan:
     def _stacked_expert_scales(self, model: torch.nn.Module, name: str, module: StackedExperts):
         """The checkpoint's scales of the experts ``name`` stacks, laid out as its ``gate_up_proj`` / ``down_proj``
         rows (``[experts, rows]`` each); (None, None) where the checkpoint gave none for some (float experts)."""
-        slot_for = getattr(model, "_slot_for", None)
+        spec = getattr(model, "moe_spec", None)  # a mixture-of-experts model's (its checkpoint names)
         stacked = {"gate_up_proj": torch.full(module.gate_up_proj.shape[:2], float("nan")),
                    "down_proj": torch.full(module.down_proj.shape[:2], float("nan"))}
         for checkpoint_name, scale in list(self.expert_scales.items()):
-            slot = slot_for(checkpoint_name) if slot_for is not None else None
+            slot = expert_slot(checkpoint_name, spec) if spec is not None else None
             owner, _, param = slot.param_name.rpartition(".") if slot is not None else ("", "", "")
             if owner != name or param not in stacked or slot.expert is None:
                 continue
