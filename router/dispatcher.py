@@ -160,13 +160,10 @@ class Dispatcher:
         handle = RequestHandle(request_id, prompt_token_ids, params, deadline=time.monotonic() + timeout_s,
                                priority=priority)
         handle.trace = request_trace(request_id, len(prompt_token_ids), params.max_tokens, priority, trace_parent)
-        # the only decode worker drains in a rolling restart, or died and is being restarted: a new request waits
-        # for it, as a retry would, instead of a 503 for the seconds until it registers
-        replacement_due = self._worker_may_return(None)
         enqueue = functools.partial(self.admission.enqueue, handle, priority=priority, counted=counted)
         try:
-            try:
-                handle.admission = enqueue(timeout_s=timeout_s, waits_for_a_route=replacement_due)
+            try:  # the only decode worker drains or was restarted: it waits for it, as a retry would, not a 503
+                handle.admission = enqueue(timeout_s=timeout_s, waits_for_a_route=self._worker_may_return(None))
             except NoRoute:  # as this router (restarted) has its workers register again, it waits those seconds
                 registration_due_s = self.registry.registration_due_s() if self.wait_for_worker_s > 0 else 0.0
                 if registration_due_s <= 0:
@@ -182,9 +179,8 @@ class Dispatcher:
         return handle
 
     def _worker_may_return(self, error: Exception | None) -> bool:
-        """Whether a request nobody can serve now (``error``: why, when known) waits for a decode-capable worker
-        on its way back (``registry.expects_a_decode_worker_back``) rather than failing: not one too long for
-        any worker's context, which no restart changes."""
+        """Whether a request nobody can serve now (``error``: why) waits for a decode-capable worker on its way
+        back (``registry.expects_a_decode_worker_back``): not one too long for any worker, which no restart changes."""
         return (self.wait_for_worker_s > 0 and not isinstance(error, PromptTooLong)
                 and self.registry.expects_a_decode_worker_back(self.model_name, self.wait_for_worker_s))
 
