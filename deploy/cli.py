@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except USER_ERRORS as exc:
-        print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
+        command = " ".join(filter(None, (args.command, getattr(args, "ray_command", None))))  # "ray up"
+        print(f"tandem {command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -84,6 +84,8 @@ def resolve_worker_counts(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-restarts: must be >= 0 (got {args.max_restarts})")
     if not args.watchdog_timeout >= 0:  # NaN too
         raise ValueError(f"--watchdog-timeout: must be >= 0 (got {args.watchdog_timeout:g})")
+    if not args.ready_timeout > 0:  # it started everything, then failed "not ready after -5s"
+        raise ValueError(f"--ready-timeout: must be > 0 (got {args.ready_timeout:g})")
     for flag in ("prefill", "decode", "colocated"):
         if (getattr(args, flag) or 0) < 0:
             raise ValueError(f"--{flag}: a number of workers is >= 0 (got {getattr(args, flag)})")

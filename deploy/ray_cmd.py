@@ -191,6 +191,10 @@ def run_status(args: argparse.Namespace, deployment, operations) -> int:
     rows = operations.status(args.name)
     if args.json:
         print(json.dumps(rows, indent=2), flush=True)
+    elif not rows and args.name:  # as `tandem ray down --name` says it
+        print(f"tandem ray status: error: no Tandem deployment {args.name!r} is running on this Ray cluster",
+              file=sys.stderr, flush=True)
+        return 1
     elif not rows:
         print("no Tandem deployment is running on this Ray cluster", flush=True)
     else:

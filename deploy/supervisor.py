@@ -189,9 +189,9 @@ class Supervisor:
             pid = self._respawn(name)
         except Exception as exc:  # noqa: BLE001 - a failed start is one more crash, not a dead supervisor
             return self._on_crash(name, state, f"failed to start ({exc})", now)
-        state.num_restarts += 1
         pid_text = f" as pid {pid}" if pid is not None else ""
-        if planned:
+        if planned:  # a rolling restart's replacement is no restart (as `tandem ray status` counts)
             return SupervisorEvent("replaced", name,
                                    f"{name} drained; its replacement started{pid_text} (rolling restart)")
+        state.num_restarts += 1
         return SupervisorEvent("restarted", name, f"{name} restarted{pid_text} (restart {state.num_restarts})")

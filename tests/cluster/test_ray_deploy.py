@@ -120,6 +120,8 @@ def test_status_shows_each_process_on_its_node_and_cores(head, deployment):
         assert "deploy.cli --log-level DEBUG " in Path(row["log"]).read_text(), name
     table = head.run(TANDEM, "ray", "status", timeout_s=60).stdout
     assert "decode-1" in table and f"{deployment['url']}/v1" in table
+    unknown = head.run(TANDEM, "ray", "status", "--name", "nope", timeout_s=60)  # named, as `ray down` names it
+    assert unknown.returncode == 1 and "no Tandem deployment 'nope' is running" in unknown.stderr, unknown
 
 
 def test_up_refuses_a_second_deployment_of_the_same_name(head, deployment):

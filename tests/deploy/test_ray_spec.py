@@ -88,10 +88,13 @@ def test_core_plan_per_node_matches_tandem_up_on_each_node():
     (["ray", "up", "--name", "a:b"], "--name"),
     (["ray", "up", "--max-restarts", "-1"], "--max-restarts"),
     (["ray", "up", "--colocated", "1", "--tensor-parallel-size", "0"], "tensor_parallel_size"),
+    (["ray", "up", "--ready-timeout", "-1"], "--ready-timeout: must be > 0 (got -1)"),
+    (["ray", "up", "--prefill", "-1"], "--prefill"),
 ])
 def test_bad_ray_up_flags_fail_before_ray_is_touched(argv, message, capsys):
     assert main(argv) == 2
-    assert message in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert message in error and error.startswith("tandem ray up: error: "), error
 
 
 def test_no_cluster_at_the_address_is_a_quick_clear_error(capsys):

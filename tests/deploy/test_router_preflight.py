@@ -80,6 +80,7 @@ def test_tandem_up_says_it_before_starting_a_worker(capsys, busy_port, tiny_chec
     (["--colocated", "-2"], "--colocated: a number of workers is >= 0 (got -2)"),
     (["--prefill", "-1"], "--prefill: a number of workers is >= 0 (got -1)"),
     (["--port", "0"], "--port: tandem up needs a fixed port"),
+    (["--ready-timeout", "-5"], "--ready-timeout: must be > 0 (got -5)"),
 ])
 def test_tandem_up_refuses_a_negative_worker_count_or_port_0_before_starting_anything(capsys, tmp_path, flags,
                                                                                       message):

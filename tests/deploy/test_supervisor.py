@@ -178,6 +178,18 @@ def test_a_planned_exit_is_replaced_at_once_and_counts_no_crash():
     assert event.kind == "given_up"
 
 
+def test_a_rolling_restart_s_replacement_is_no_restart_in_the_count():
+    """As `tandem ray status` counts (docs/deploy-ray.md): a crash after a rolling restart is restart 1, not 2."""
+    supervisor, procs, clock = make(max_restarts=3)
+    supervisor.expect_exit("decode-0")
+    procs.exit_codes["decode-0"] = 0
+    assert [event.kind for event in supervisor.step()] == ["replaced"]
+    procs.exit_codes["decode-0"] = -9
+    events = supervisor.step()
+    assert [event.kind for event in events] == ["exited", "restarted"], events
+    assert events[1].message.endswith("(restart 1)")
+
+
 def test_a_frozen_process_is_killed_and_its_exit_restarted_as_a_crash():
     clock, procs = Clock(), FakeProcesses(("router", "decode-0"))
     frozen: dict[str, str] = {}
