@@ -66,7 +66,7 @@ LONGEST_FILES = {
     "tests/bench/test_serve_bench_live.py": 45, "tests/cluster/test_speculative.py": 44,
     "tests/cluster/test_structured_output.py": 43, "tests/cluster/test_load.py": 43,
     "tests/cluster/test_live_migration.py": 36, "tests/cluster/test_tools.py": 30,
-    "tests/router/test_http_faults.py": 27, "tests/deploy/test_cli_processes.py": 26,
+    "tests/router/test_http_faults.py": 14, "tests/deploy/test_cli_processes.py": 26,
     "tests/cluster/test_restarts.py": 25, "tests/pipeline/test_tensor_parallel.py": 24,
     "tests/cluster/test_tensor_parallel_cluster.py": 21, "tests/cluster/test_serving.py": 21,
     "tests/cpu_kernels/test_native_fallback.py": 20, "tests/deploy/test_gpu_check.py": 19,
@@ -74,6 +74,7 @@ LONGEST_FILES = {
     "tests/cluster/test_faults.py": 16, "tests/security/test_multi_host_netns.py": 16,
     "tests/deploy/test_generate_cmd.py": 15, "tests/cluster/test_moe_cluster.py": 15,
     "tests/cluster/test_liveness.py": 15, "tests/cluster/test_kv_routing.py": 14,
+    "tests/router/test_only_worker_comes_back.py": 14,
 }
 
 

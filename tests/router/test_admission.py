@@ -279,7 +279,7 @@ def test_a_retry_after_a_worker_died_waits_at_the_front_of_the_queue(router_fact
 
 
 def test_queued_requests_get_503_when_their_only_worker_dies(router_factory):
-    """With no wait for a restart (``wait_for_worker_s`` 0; the wait itself: tests/router/test_http_faults.py)."""
+    """With no wait for a restart (``wait_for_worker_s`` 0; the wait itself: tests/router/test_only_worker_comes_back.py)."""
     router = router_factory(config={"router": {"max_local_prefill_length": 0, "wait_for_worker_s": 0}})
     worker = router.add_worker(script=held, max_batch_size=1)
     first = in_thread(post, router, body())
