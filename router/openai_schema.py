@@ -37,6 +37,20 @@ class StreamOptions(RequestBody):
     continuous_usage_stats: StrictBool = False  # vLLM: with include_usage, every chunk carries the usage so far
 
 
+class JsonSchemaFormat(RequestBody):
+    """``response_format.json_schema``: OpenAI's fields ("strict" is honoured either way: the schema is enforced)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(RequestBody):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(RequestBody):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extras."""
 
@@ -66,7 +80,7 @@ class _SamplingFields(RequestBody):
     prompt_logprobs: StrictInt | None = None  # per prompt position: the prompt's token and the top N
     priority: Int64 = 0  # lower is served first: the router's admission queue, workers under "priority"
     # structured output (router/structured_output.py): OpenAI's, then vLLM's
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None

@@ -20,6 +20,7 @@ from typing import Any
 
 from pipeline.protocol import StructuredOutput
 from router.errors import bad_request
+from router.openai_schema import ResponseFormat
 from router.served_model import ServedModel
 
 _BACKENDS: dict[int, Any] = {}  # id(ServedModel) -> its grammar BackendSet (the tokenizer is wrapped once)
@@ -72,33 +73,16 @@ def is_a_response_format(body: Any) -> bool:
     return response_format is not None and _from_response_format(response_format) is not None
 
 
-def _from_response_format(value: Any) -> StructuredOutput | None:
-    if not isinstance(value, dict) or "type" not in value:
-        raise bad_request("response_format: must be an object with a 'type'", param="response_format")
-    kind = value["type"]
-    _no_other_keys(value, ("type", "json_schema") if kind == "json_schema" else ("type",), "response_format")
-    if kind == "text":
-        return None
-    if kind == "json_object":
+def _from_response_format(value: ResponseFormat) -> StructuredOutput | None:
+    """(Its fields validated by ``openai_schema.ResponseFormat``: an unknown one is a 400 naming it.)"""
+    if value.type == "json_object":
         return StructuredOutput(kind="json_object")
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or "schema" not in spec:
+    if value.type == "json_schema":
+        if value.json_schema is None:
             raise bad_request("response_format.json_schema: must be an object with a 'schema'",
                               param="response_format.json_schema")
-        # OpenAI's fields; "strict" is honoured either way (the schema is always enforced)
-        _no_other_keys(spec, ("name", "description", "schema", "strict"), "response_format.json_schema")
-        return StructuredOutput(kind="json", value=json.dumps(spec["schema"]))
-    raise bad_request(f"response_format.type: must be 'text', 'json_object' or 'json_schema' (got {kind!r})",
-                      param="response_format.type")
-
-
-def _no_other_keys(value: dict, allowed: tuple[str, ...], param: str) -> None:
-    """A key the format does not have is a 400 naming it (accepted and dropped, a client's intent was lost)."""
-    unknown = sorted(str(key) for key in value if key not in allowed)
-    if unknown:
-        raise bad_request(f"{param}.{unknown[0]}: unknown field (allowed: {', '.join(allowed)})",
-                          param=f"{param}.{unknown[0]}")
+        return StructuredOutput(kind="json", value=json.dumps(value.json_schema.schema_))
+    return None  # text
 
 
 def _from_extension(key: str, value: Any, backend: Any, param: str) -> StructuredOutput:

@@ -120,3 +120,28 @@ def test_a_400_names_the_field_the_client_sent(router, path, body, param):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"].startswith(f"{param}:"), error
+
+
+def test_a_response_format_key_the_format_lacks_is_a_400_naming_it(router):
+    """They were accepted and dropped (an audit): a client's intent lost without a word, where every other nested
+    object's unknown keys are a 400."""
+    router.add_worker()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for response_format, param in [
+        ({"type": "json_object", "bogus": 1}, "response_format.bogus"),
+        ({"type": "text", "bogus": 1}, "response_format.bogus"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "bogus": 1}},
+         "response_format.json_schema.bogus"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}, "schema": {"type": "string"}},
+         "response_format.schema"),
+    ]:
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                           ("/v1/completions", {"prompt": "Hi"})):
+            response = httpx.post(f"{router.url}{path}", json={"model": "tiny", "max_tokens": 2, **body,
+                                                               "response_format": response_format})
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    accepted = {"type": "json_schema", "json_schema": {"name": "x", "description": "d", "schema": schema,
+                                                         "strict": True}}
+    response = httpx.post(f"{router.url}/v1/chat/completions", json={
+        "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}], "response_format": accepted})
+    assert response.status_code == 200, response.text

@@ -221,23 +221,3 @@ def test_the_checkpoints_generation_config_fills_unset_fields(served_model):
     assert params().max_tokens == 20  # DEFAULTS sets max_tokens: the operator's choice beats the checkpoint's
     ignored = params(SamplingConfig(generation_config="ignore"))
     assert (ignored.temperature, ignored.top_k, ignored.max_tokens) == (1.0, -1, 60)  # the rest of the context
-
-
-def test_a_response_format_key_the_format_lacks_is_a_400_naming_it(served_model):
-    """They were accepted and dropped (an audit): a client's intent lost without a word, where every other nested
-    object's unknown keys are a 400."""
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    for response_format, param in [
-        ({"type": "json_object", "bogus": 1}, "response_format.bogus"),
-        ({"type": "text", "bogus": 1}, "response_format.bogus"),
-        ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "bogus": 1}},
-         "response_format.json_schema.bogus"),
-        ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}, "schema": {"type": "string"}},
-         "response_format.schema"),
-    ]:
-        for prepare in (chat, completion):
-            error = api_error(prepare, served_model, response_format=response_format)
-            assert error.status_code == 400 and error.param == param, (response_format, error.message)
-    accepted = {"type": "json_schema", "json_schema": {"name": "x", "description": "d", "schema": schema,
-                                                         "strict": True}}
-    assert chat(served_model, response_format=accepted).params.structured_output is not None
