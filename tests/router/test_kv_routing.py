@@ -112,7 +112,10 @@ def test_a_long_generation_weighs_as_the_kv_it_may_grow_to(router_factory, max_t
     """Two requests whose prompt only worker a caches (page 4: 2 of its 3 blocks): short ones both go to a
     (a cached block outweighs a short request's load); long ones spread, because the router counts a
     request at its prompt plus max_tokens, the KV it may grow to, not at its prompt alone."""
-    router = router_factory(config={"router": {"max_local_prefill_length": 0, "kv_overlap_weight": 4.0}})
+    # the router's own request timeout as long as the waits below: a request held up for seconds by a busy machine
+    # (queued for admission) must still land rather than time out in the router after the default 10 s
+    router = router_factory(config={"router": {"max_local_prefill_length": 0, "kv_overlap_weight": 4.0}},
+                            request_timeout_s=90)
     prompt = list(range(40, 49))  # 9 tokens
     cached = PromptHashes(prompt).hashes(4)
     a = router.add_worker("a-cached", script=held, role=PipelineRole.DecodeOnly, page_size=4, max_length=1024)
